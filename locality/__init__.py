@@ -1,0 +1,31 @@
+"""Ground-truth coverage and temporal locality of candidate streams.
+
+`locality` is pure and token-only: functions take token-id arrays, `Trace`s or polars frames and return
+polars frames. No model, tokenizer or GPU inside; loading lives in the thin CLI `locality.record`.
+
+Glossary (one word for one thing, across modules, notebooks and Parquet columns)
+---------------------------------------------------------------------------------
+target            the model whose greedy/sampled output must be reproduced exactly.
+step              one draft-verify cycle: the target runs one forward over the draft tree; the prefill counts
+                  as step 0 (it yields the first token), so autoregressive decoding has tau = 1.00.
+root              the last committed token, not yet in the KV cache; node 0 of every draft tree.
+draft tree        the nodes proposed in one step: `tokens [n]`, `parents [n]` (-1 for the root), `scores [n]`.
+draft token       a non-root node of the draft tree (g = number of draft tokens = the draft size).
+accepted token    a draft token on the longest path that matches the target (greedy) or survives rejection
+                  sampling.
+bonus token       the token the target itself emits after the last accepted token (every step has one).
+recovered token   a bonus token sampled from the residual distribution after a rejection (sampling mode).
+tau               mean tokens committed per step, bonus included (the Spec-Bench "accept length").
+candidate stream  S: MicroSpec's sequence of token ids - prompt tokens, then the top-k_pre of every prefill
+                  row, then per step the draft-tree tokens and the top-k_ver of the verify rows.
+window            the last w_max entries of S; the active vocabulary I_t = Unique(Suffix(S, w_max)).
+active vocab      I_t; `mean_active_vocab` is its mean size over steps.
+coverage          the fraction of generated tokens y_t with y_t in the vocabulary the drafter had at step t.
+reuse distance    for y_t: the number of stream entries since its latest occurrence in S (inf if never);
+                  y_t is covered by a window of w_max iff its reuse distance <= w_max.
+stack distance    LRU stack distance: the number of distinct tokens seen since y_t's latest occurrence, + 1.
+"""
+
+from locality.trace import META_COLUMNS, Trace, TraceError, read_traces, traces_to_frame, write_traces
+
+__all__ = ["META_COLUMNS", "Trace", "TraceError", "read_traces", "traces_to_frame", "write_traces"]

@@ -1,0 +1,167 @@
+"""`Trace`: what a target model did on one prompt, and its Parquet format.
+
+A trace file is a Parquet table with one row per trace:
+
+| column         | type                 | meaning                                                          |
+|----------------|----------------------|------------------------------------------------------------------|
+| `prompt`       | list[int32]          | prompt ids, length L                                             |
+| `prefill_topk` | list[list[int32]]    | [L-1, K]: row i = top-K at prompt position i (predicts prompt[i+1]) |
+| `generated`    | list[int32]          | the target's greedy continuation, length T                        |
+| `step_topk`    | list[list[int32]]    | [T, K]: row t = top-K of the distribution that produced generated[t] |
+| `draft_tokens` | list[list[int32]]    | per step, the token ids of that step's draft tree (null if none)  |
+| meta columns   | str / int            | `model, tokenizer, prompt_set, category, language, prompt_id, turn` |
+| `meta_json`    | str                  | any further meta keys, JSON-encoded                               |
+
+`pl.scan_parquet(path)` reads it like any other table; `read_traces` turns rows back into `Trace`s.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import polars as pl
+
+META_COLUMNS = ("model", "tokenizer", "prompt_set", "category", "language", "prompt_id", "turn")
+_META_TYPES = {"turn": pl.Int32}
+TRACE_SCHEMA = {
+    "prompt": pl.List(pl.Int32),
+    "prefill_topk": pl.List(pl.List(pl.Int32)),
+    "generated": pl.List(pl.Int32),
+    "step_topk": pl.List(pl.List(pl.Int32)),
+    "draft_tokens": pl.List(pl.List(pl.Int32)),
+    **{c: _META_TYPES.get(c, pl.String) for c in META_COLUMNS},
+    "meta_json": pl.String,
+}
+
+
+class TraceError(ValueError):
+    """A trace (or trace file) is malformed; the message says which field and how to fix it."""
+
+
+def _ids_1d(x: Any, name: str) -> np.ndarray:
+    a = np.asarray(x.tolist() if hasattr(x, "tolist") else x, dtype=np.int64)
+    if a.ndim != 1:
+        raise TraceError(f"Trace.{name} must be a 1-D sequence of token ids, got shape {a.shape}")
+    return a
+
+
+def _ids_2d(x: Any, name: str, rows: int) -> np.ndarray:
+    a = np.asarray(x.tolist() if hasattr(x, "tolist") else x, dtype=np.int64)
+    if a.size == 0:
+        a = a.reshape(0, a.shape[1] if a.ndim == 2 else 0)
+    if a.ndim != 2:
+        raise TraceError(f"Trace.{name} must be a 2-D [rows, K] array of token ids with equal-length rows, "
+                         f"got shape {a.shape}")
+    if a.shape[0] != rows:
+        raise TraceError(f"Trace.{name} has {a.shape[0]} rows but must have {rows}")
+    return a
+
+
+@dataclass
+class Trace:
+    """What a target model did on one prompt. Arrays are int64 numpy; see the module docstring for shapes."""
+
+    prompt: np.ndarray                      # [L]
+    prefill_topk: np.ndarray                # [L-1, K]
+    generated: np.ndarray                   # [T]
+    step_topk: np.ndarray                   # [T, K]
+    draft_tokens: list[np.ndarray] | None = None   # T' lists of draft-tree token ids (T' = number of steps)
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.prompt = _ids_1d(self.prompt, "prompt")
+        if len(self.prompt) == 0:
+            raise TraceError("Trace.prompt is empty: a trace needs at least one prompt token")
+        self.generated = _ids_1d(self.generated, "generated")
+        self.prefill_topk = _ids_2d(self.prefill_topk, "prefill_topk", len(self.prompt) - 1)
+        self.step_topk = _ids_2d(self.step_topk, "step_topk", len(self.generated))
+        if self.draft_tokens is not None:
+            self.draft_tokens = [_ids_1d(d, "draft_tokens[i]") for d in self.draft_tokens]
+        for name in ("prompt", "generated", "prefill_topk", "step_topk"):
+            a = getattr(self, name)
+            if a.size and a.min() < 0:
+                raise TraceError(f"Trace.{name} holds a negative token id ({a.min()})")
+        self.meta = dict(self.meta or {})
+
+    @property
+    def k(self) -> int:
+        """K of the recorded top-K rows (the smaller of prefill and step K when both exist)."""
+        ks = [a.shape[1] for a in (self.prefill_topk, self.step_topk) if a.shape[0] > 0]
+        return min(ks) if ks else 0
+
+    def check_k(self, k: int, what: str = "K") -> None:
+        if k > self.k:
+            raise TraceError(f"{what}={k} is larger than the K={self.k} this trace was recorded with; "
+                             f"re-record with `python -m locality.record --topk {k}` or ask for {what} <= {self.k}")
+
+    def to_row(self) -> dict:
+        meta = dict(self.meta)
+        row = {
+            "prompt": self.prompt.tolist(),
+            "prefill_topk": self.prefill_topk.tolist(),
+            "generated": self.generated.tolist(),
+            "step_topk": self.step_topk.tolist(),
+            "draft_tokens": None if self.draft_tokens is None else [d.tolist() for d in self.draft_tokens],
+        }
+        for c in META_COLUMNS:
+            v = meta.pop(c, None)
+            row[c] = None if v is None else (int(v) if c == "turn" else str(v))
+        row["meta_json"] = json.dumps(meta, sort_keys=True, default=str)
+        return row
+
+    @classmethod
+    def from_row(cls, row: dict) -> "Trace":
+        missing = [c for c in ("prompt", "prefill_topk", "generated", "step_topk") if c not in row]
+        if missing:
+            raise TraceError(f"trace row lacks column(s) {missing}; a trace file needs "
+                             f"prompt, prefill_topk, generated, step_topk (see locality.trace)")
+        meta = {c: row[c] for c in META_COLUMNS if row.get(c) is not None}
+        if row.get("meta_json"):
+            try:
+                meta.update(json.loads(row["meta_json"]))
+            except json.JSONDecodeError as e:
+                raise TraceError(f"meta_json is not valid JSON: {e}") from e
+        return cls(prompt=row["prompt"], prefill_topk=row["prefill_topk"], generated=row["generated"],
+                   step_topk=row["step_topk"], draft_tokens=row.get("draft_tokens"), meta=meta)
+
+
+def traces_to_frame(traces: Iterable[Trace]) -> pl.DataFrame:
+    return pl.DataFrame([t.to_row() for t in traces], schema=TRACE_SCHEMA)
+
+
+def write_traces(traces: Iterable[Trace], path: str | Path) -> Path:
+    """Write traces to one Parquet file (parent folders are created). Returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    traces_to_frame(traces).write_parquet(path)
+    return path
+
+
+def read_traces(path: str | Path | Sequence[str | Path]) -> list[Trace]:
+    """Read traces from a Parquet file, a folder of them (recursively), or a list of files."""
+    if isinstance(path, (list, tuple)):
+        return [t for p in path for t in read_traces(p)]
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.rglob("*.parquet"))
+        if not files:
+            raise TraceError(f"no *.parquet trace files under {path}; record some with `python -m locality.record`")
+        return [t for f in files for t in read_traces(f)]
+    if not path.exists():
+        raise TraceError(f"trace file {path} does not exist; record traces with `python -m locality.record`")
+    try:
+        df = pl.read_parquet(path)
+    except Exception as e:  # polars raises several error types for a non-Parquet file
+        raise TraceError(f"{path} is not a readable Parquet trace file ({type(e).__name__}: {e}); "
+                         f"delete it and re-record with `python -m locality.record`") from e
+    out = []
+    for i, row in enumerate(df.iter_rows(named=True)):
+        try:
+            out.append(Trace.from_row(row))
+        except TraceError as e:
+            raise TraceError(f"{path}, row {i}: {e}") from e
+    return out

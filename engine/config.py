@@ -44,12 +44,15 @@ class SpecConfig:
     broaden_first_level: bool = True  # first level also from the cached top-k at the token before the root
     store_persistence: Literal["deployment", "per_prompt"] = "deployment"
     recycling_tree: str = "tr-default"  # Token Recycling's static tree template
+    threshold_scope: Literal["expand", "expand+select"] = "expand"   # r only stops expansion, or also
+                                      # drops nodes under r from the draft (specs/unispec.md 4.3.4 [C])
 
     # --- drafters with an LM head (microspec.md section 4.1; EAGLE-2 defaults) ---------------------------
     drafter_layers: str = "skip:12,14,16,18"   # layerskip: which target layers the drafter drops/keeps
     eagle_depth: int = 5
     eagle_topk: int = 10
     eagle_total_tokens: int = 60
+    eagle_head: str | None = None     # eagle: EAGLE-1/2 draft head - hub id, local dir, or "random" (tests)
 
     # --- draft vocabulary policy (microspec.md section 3.2, 4.1, A.3; fr-spec.md) ---------------------------
     vocab: str = "full"
@@ -60,6 +63,8 @@ class SpecConfig:
     ver_rows: Literal["accepted_path", "last", "all_tree"] = "accepted_path"   # specs/microspec.md A1
     window_mode: Literal["eq4_exact", "fifo_unique"] = "eq4_exact"            # A4
     draft_tree_tokens: Literal["final", "all_expanded"] = "final"              # A2
+    prefill_order: Literal["first", "last"] = "first"   # A3: order of the Eq. 2 prefill union (first or
+                                                       # last occurrence); "first" = locality.stream's default
     frspec_k: int = 32768
     frequency_file: str | None = None
 
@@ -96,6 +101,8 @@ class SpecConfig:
                      "eagle_total_tokens", "pld_num_draft", "frspec_k", "record_topk"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.threshold_scope not in ("expand", "expand+select"):
+            raise ConfigError(f"threshold_scope must be 'expand' or 'expand+select', got {self.threshold_scope!r}")
         if not (0 <= self.threshold_r < 1):
             raise ConfigError(f"threshold_r must be in [0, 1), got {self.threshold_r}")
         if not (1 <= self.pld_min_ngram <= self.pld_max_ngram):

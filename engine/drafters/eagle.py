@@ -1,0 +1,239 @@
+"""`eagle`: an EAGLE-1/2 draft head (one decoder layer over fc([token embedding; target feature])).
+
+The head predicts the target's next feature from pairs (f_i, x_{i+1}): f_i is the target's last hidden
+state at position i (after its final norm: the input of its LM head, `StepResult.hidden`,
+`prefill_hidden`) and x_{i+1} the token that followed. The pair for position i runs at position id i:
+
+    x = fc([embed(x_{i+1}); f_i])        fc: Linear(2d -> d), bias unless config.json says "bias": false
+    h = decoder_layer(x)                 a Llama decoder layer without input_layernorm (index 0)
+    logits = W_head h                    the target's LM head (no norm in between), via a vocab policy
+
+In the draft tree a node's feature is the head's own output at its parent. After each step the head's
+tree rows are dropped and the accepted path is re-run with the target's features (they differ from
+the drafted ones), as EAGLE does.
+
+Checkpoints (`cfg.eagle_head`): a hub id or a local directory in the official EAGLE-1/2 layout - a
+Llama-style `config.json` (num_hidden_layers 1; optional `bias`, `qkv_bias`) and `pytorch_model.bin` or
+`*.safetensors` (possibly sharded) with keys `fc.weight`, `fc.bias`, `layers.0.self_attn.{q,k,v,o}_proj.*`,
+`layers.0.mlp.{gate,up,down}_proj.weight`, `layers.0.post_attention_layernorm.weight` and, in most
+releases, `embed_tokens.weight` (used when present; else the target's input embedding). `"random"` builds
+a randomly initialised head shaped after the target (tests). EAGLE-3 heads (three-layer features,
+their own small vocabulary) are a different layout and are rejected.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.drafters import register_drafter
+from engine.drafters.lmhead import DraftKVCache, DrafterError, Expansion, LMHeadDrafter, attention_bias
+from engine.drafters.layerskip import text_config
+from engine.tree import StepResult
+
+_CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+                "rope_theta", "rope_scaling", "max_position_embeddings", "vocab_size", "hidden_act", "head_dim")
+
+
+class EagleHead(nn.Module):
+    """The EAGLE-1/2 draft network. State-dict keys match the official checkpoints."""
+
+    def __init__(self, config, *, bias: bool = True, qkv_bias: bool = False, with_embedding: bool = False):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        d = config.hidden_size
+        self.config = config
+        self.fc = nn.Linear(2 * d, d, bias=bias)
+        layer = LlamaDecoderLayer(config, layer_idx=0)
+        layer.input_layernorm = nn.Identity()                     # EAGLE's layer 0 has no input norm
+        if qkv_bias:                                              # Qwen2-based heads: q/k/v with bias, o without
+            attn = layer.self_attn
+            for name in ("q_proj", "k_proj", "v_proj"):
+                old = getattr(attn, name)
+                setattr(attn, name, nn.Linear(old.in_features, old.out_features, bias=True))
+        self.layers = nn.ModuleList([layer])
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, d) if with_embedding else None
+
+    @property
+    def hidden_size(self) -> int:
+        return self.fc.out_features
+
+
+def _llama_config(values: dict):
+    from transformers import LlamaConfig
+
+    kept = {k: values[k] for k in _CONFIG_KEYS if values.get(k) is not None}
+    missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size") if k not in kept]
+    if missing:
+        raise DrafterError(f"the EAGLE config.json lacks {missing}; it must be a Llama-style config of the draft head")
+    cfg = LlamaConfig(num_hidden_layers=1, **kept)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def random_eagle_head(target, seed: int = 0) -> EagleHead:
+    """A randomly initialised head shaped after the target (hidden size, heads, vocab, RoPE base)."""
+    t = text_config(target)
+    d = t.hidden_size
+    heads = t.num_attention_heads if d % t.num_attention_heads == 0 else 1
+    kv = t.num_key_value_heads if heads % t.num_key_value_heads == 0 else heads
+    rope = getattr(t, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    if isinstance(rope, dict) and "full_attention" in rope:       # Gemma 3: per-layer-type RoPE
+        theta = rope["full_attention"].get("rope_theta")
+    cfg = _llama_config(dict(hidden_size=d, intermediate_size=t.intermediate_size, num_attention_heads=heads,
+                             num_key_value_heads=kv, rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
+                             rope_theta=theta or 10000.0, max_position_embeddings=t.max_position_embeddings,
+                             vocab_size=t.vocab_size))
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        head = EagleHead(cfg, bias=True)
+        for name, p in head.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+            elif "norm" not in name:
+                nn.init.zeros_(p)
+    return head
+
+
+def _resolve_dir(source: str) -> Path:
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(source, allow_patterns=["config.json", "*.bin", "*.safetensors", "*.json"]))
+    except Exception as e:   # offline, unknown repo, auth: all end here
+        raise DrafterError(f"eagle_head={source!r} is neither a local directory nor a downloadable hub repo "
+                           f"({type(e).__name__}: {e}); download the EAGLE checkpoint where a hub is reachable "
+                           f"and pass its local directory") from None
+
+
+def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+    if not files:
+        raise DrafterError(f"{path} holds no *.safetensors or pytorch_model*.bin; an EAGLE-1/2 checkpoint "
+                           f"directory has config.json plus pytorch_model.bin or model.safetensors")
+    state = {}
+    for f in files:
+        if f.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            state.update(load_file(str(f)))
+        else:
+            state.update(torch.load(f, map_location="cpu", weights_only=True))
+    return state
+
+
+def load_eagle_head(source: str) -> EagleHead:
+    """An EAGLE-1/2 head from a local directory or hub id (see the module docstring)."""
+    path = _resolve_dir(source)
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise DrafterError(f"{path} has no config.json; an EAGLE-1/2 checkpoint directory needs one")
+    values = json.loads(cfg_file.read_text())
+    if values.get("num_hidden_layers", 1) != 1:
+        raise DrafterError(f"{source}: config.json has num_hidden_layers={values['num_hidden_layers']}; "
+                           f"this loader reads one-layer EAGLE-1/2 heads")
+    state = _read_state_dict(path)
+    if any(k.startswith("midlayer.") or k == "d2t" for k in state):
+        raise DrafterError(f"{source} is an EAGLE-3 checkpoint (midlayer/d2t keys); eagle here reads EAGLE-1/2 heads")
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    head = EagleHead(_llama_config(values), bias="fc.bias" in state, qkv_bias=bool(values.get("qkv_bias", False))
+                     or "layers.0.self_attn.q_proj.bias" in state, with_embedding="embed_tokens.weight" in state)
+    result = head.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise DrafterError(f"{source} does not match the EAGLE-1/2 layout: missing {result.missing_keys}, "
+                           f"unexpected {result.unexpected_keys}")
+    return head
+
+
+@register_drafter("eagle")
+class EagleDrafter(LMHeadDrafter):
+    name = "eagle"
+
+    def __init__(self, target, cfg, head: EagleHead | None = None):
+        super().__init__(target, cfg)
+        if head is None:
+            if cfg.eagle_head is None:
+                raise DrafterError("method 'eagle' needs a draft head: pass eagle_head=<hub id or local EAGLE-1/2 "
+                                   "checkpoint directory>, or eagle_head='random' for an untrained head (tests)")
+            head = random_eagle_head(target, cfg.seed) if cfg.eagle_head == "random" else load_eagle_head(cfg.eagle_head)
+        t = text_config(target)
+        out_emb = target.get_output_embeddings().weight                # [V, d]
+        if head.hidden_size != t.hidden_size or head.fc.in_features != 2 * t.hidden_size:
+            raise DrafterError(f"the EAGLE head has hidden size {head.hidden_size} but the target's is {t.hidden_size}; "
+                               f"use the EAGLE checkpoint trained for this target")
+        if head.config.vocab_size != out_emb.shape[0]:
+            raise DrafterError(f"the EAGLE head's vocabulary ({head.config.vocab_size}) differs from the target's "
+                               f"({out_emb.shape[0]}); use the EAGLE checkpoint trained for this target")
+        self.eagle = head.to(device=self.device, dtype=out_emb.dtype).eval()
+        self.embed = self.eagle.embed_tokens if self.eagle.embed_tokens is not None else target.get_input_embeddings()
+        self.head_weight = out_emb
+        self.softcap = getattr(t, "final_logit_softcapping", None)
+        self._make_policy()
+        self.cache = DraftKVCache([0])
+        self.n_ctx = 0                         # pairs (f_i, x_{i+1}) in the cache: positions 0..n_ctx-1
+        self.pending: torch.Tensor | None = None   # target features at positions n_ctx.. not yet paired
+
+    def _run(self, tokens, feats, positions, visible):
+        """Pairs (feats [q, d], tokens [q]) at positions [q]; visible [q, length + q] -> h [q, d]."""
+        q = tokens.numel()
+        self.cache.reserve(q, tokens.device)
+        x = self.eagle.fc(torch.cat([self.embed(tokens).to(feats.dtype), feats], dim=-1))[None]   # [1, q, d]
+        pos = positions[None]
+        kv_pos = torch.cat([self.cache.positions[: self.cache.length].to(positions.device), positions])
+        pe = self.eagle.rotary_emb(x, pos)
+        mask = attention_bias(positions, kv_pos, visible, x.dtype, None)
+        out = self.eagle.layers[0](x, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
+                                   position_embeddings=pe, use_cache=True)
+        out = out[0] if isinstance(out, tuple) else out
+        self.cache.advance(q, positions)
+        return out[0]                                                  # [q, d]
+
+    def _feed(self, tokens, feats):
+        q, p0 = tokens.numel(), self.cache.length
+        positions = torch.arange(p0, p0 + q, device=tokens.device)
+        visible = torch.ones(q, p0 + q, dtype=torch.bool, device=tokens.device)
+        visible[:, p0:] = torch.tril(visible[:, p0:])
+        h = self._run(tokens, feats, positions, visible)
+        self.n_ctx = self.cache.length
+        return h
+
+    def _backbone_begin(self, prompt_ids, prefill_hidden):
+        if prefill_hidden is None or prefill_hidden.shape[0] != prompt_ids.numel():
+            raise DrafterError("eagle needs the target's hidden states at every prompt position (prefill_hidden "
+                               "[L, d]); run it through engine.harness.generate, which passes them")
+        self.cache = DraftKVCache([0], capacity=max(256, 2 * prompt_ids.numel()))
+        self.n_ctx = 0
+        feats = prefill_hidden.to(self.head_weight.dtype)
+        if prompt_ids.numel() > 1:
+            self._feed(prompt_ids[1:], feats[:-1])
+        self.pending = feats[-1:]
+
+    def _catch_up(self, ids):
+        self.cache.crop(self.n_ctx)
+        tokens = ids[self.n_ctx + 1:]
+        if self.pending is None or tokens.numel() != self.pending.shape[0]:
+            raise DrafterError(f"eagle holds target features for {0 if self.pending is None else self.pending.shape[0]} "
+                               f"positions but {tokens.numel()} new committed tokens arrived; propose() must follow "
+                               f"begin() or observe()")
+        h = self._feed(tokens, self.pending)
+        self.pending = None
+        return h[-1:]
+
+    def _forward_tree(self, tokens, parent_h, tree_mask, depth):
+        r = tokens.numel()
+        positions = torch.full((r,), self.n_ctx - 1 + depth, dtype=torch.long, device=tokens.device)
+        visible = torch.cat([torch.ones(r, self.n_ctx, dtype=torch.bool, device=tokens.device), tree_mask], dim=1)
+        return self._run(tokens, parent_h, positions, visible)
+
+    def _after_step(self, step: StepResult, expansion: Expansion | None) -> None:
+        self.cache.crop(self.n_ctx)
+        if step.hidden is None:
+            raise DrafterError("eagle needs the target's hidden state at every tree node (StepResult.hidden)")
+        self.pending = step.hidden[step.accepted.to(step.hidden.device)].to(self.head_weight.dtype)   # [a, d]

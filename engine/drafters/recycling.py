@@ -1,0 +1,187 @@
+"""Token Recycling (Luo et al., 2025): a static tree template filled by BFS from the successor store.
+
+The store is the same `[V, k]` successor store as UniSpec's (`engine.store`): every verified node's row
+is overwritten with the top-k of its verifier distribution (non-accepted nodes first, accepted path
+last), and the prefill fills it too; hot start = one store per deployment (specs/unispec.md 3.1, 11).
+
+The template ("tr-default") is the imbalanced tree of the Token Recycling paper's Figure 5: 80 draft
+nodes, depth 6, children always taken from the first slots of the parent's row (k = 8 is enough; the
+store may be wider). It is written below as the number of children of every node, level by level, in
+BFS order. Each step fills it top-down: a node's token is `S_tok[token(parent), slot]`.
+
+Choices where the paper is silent [C]:
+- a node whose store slot is empty (confidence 0: the row was never written) is dropped with its
+  subtree, instead of drafting token 0 as a zero-initialised matrix would: it changes no output, only
+  the cost of verifying a useless node;
+- `draft_size = g < 80` keeps the g template nodes with the smallest sum of slot indices along their
+  path (then shallower, then BFS order): the chains through top-ranked slots first. That order is
+  closed under ancestors. `draft_size = None` keeps the whole template (the paper's baseline; the
+  "+device-aware" variant of UniSpec Table 17 is `draft_size = calibrate(..., method="recycling")`).
+- `scores` = product of the stored probabilities along the path (for plots; unused for drafting).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.drafters.unispec import accepted_last_order
+from engine.store import SuccessorStore, deployment_store, topk_probs
+from engine.drafters import register_drafter
+from engine.tree import Drafter, DraftTree, StepResult
+
+# Children per node, level by level (root first), BFS order. Token Recycling Figure 5: 80 nodes, depth 6.
+TEMPLATES: dict[str, list[list[int]]] = {
+    "tr-default": [
+        [8],
+        [8, 4, 3, 2, 1, 1, 1, 1],
+        [8, 3, 2, 1, 1, 1, 1, 1, 2, 1, 0, 0, 1, 0, 0, 1, 0, 1, 1, 0, 0],
+        [5, 2, 1, 1, 1, 0, 0, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 0, 0, 1, 1, 0, 0],
+        [3, 1, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0, 1, 0, 0],
+        [2, 0, 0, 1, 0, 0, 0, 0],
+    ],
+}
+
+
+class RecyclingError(ValueError):
+    """Bad template name, draft size or store width; the message says what is valid."""
+
+
+class Template:
+    """A static tree template: for each of its n draft nodes (BFS order) the parent (0 = root, else
+    1 + index of a draft node) and the store slot the token comes from."""
+
+    def __init__(self, children_per_level: list[list[int]]):
+        parents, slots, depths = [], [], []
+        level_nodes = [0]                              # node ids of the current level (root = 0)
+        next_id = 1
+        for d, counts in enumerate(children_per_level, start=1):
+            if len(counts) != len(level_nodes):
+                raise RecyclingError(f"template level {d} lists {len(counts)} child counts for "
+                                     f"{len(level_nodes)} parent nodes")
+            new_level = []
+            for node, c in zip(level_nodes, counts):
+                for slot in range(c):
+                    parents.append(node)
+                    slots.append(slot)
+                    depths.append(d)
+                    new_level.append(next_id)
+                    next_id += 1
+            level_nodes = new_level
+        self.parents = torch.tensor(parents, dtype=torch.long)     # [n] in 0..n-1 (0 = root)
+        self.slots = torch.tensor(slots, dtype=torch.long)         # [n]
+        self.depths = torch.tensor(depths, dtype=torch.long)       # [n] 1..D
+        self.size = len(parents)
+        self.max_slot = int(self.slots.max()) + 1 if self.size else 0
+
+    def truncated(self, g: int) -> "Template":
+        """The g nodes with the smallest (slot-rank sum along the path, depth, BFS index)."""
+        if g >= self.size:
+            return self
+        rank_sum = torch.zeros(self.size + 1, dtype=torch.long)
+        for i in range(self.size):                      # template build time only (<= 80 nodes)
+            rank_sum[i + 1] = rank_sum[self.parents[i]] + self.slots[i]
+        key = [(int(rank_sum[i + 1]), int(self.depths[i]), i) for i in range(self.size)]
+        keep = sorted(sorted(key)[:g], key=lambda x: x[2])           # back to BFS order
+        keep_idx = torch.tensor([x[2] for x in keep], dtype=torch.long)
+        new_id = torch.full((self.size + 1,), -1, dtype=torch.long)
+        new_id[0] = 0
+        new_id[keep_idx + 1] = torch.arange(1, g + 1)
+        out = Template.__new__(Template)
+        out.parents = new_id[self.parents[keep_idx]]
+        if bool((out.parents < 0).any()):
+            raise RecyclingError("template truncation broke ancestor closure (a bug)")
+        out.slots = self.slots[keep_idx]
+        out.depths = self.depths[keep_idx]
+        out.size = g
+        out.max_slot = int(out.slots.max()) + 1
+        return out
+
+
+def fill_template(root: int | torch.Tensor, template: Template, store_tok: torch.Tensor,
+                  store_con: torch.Tensor) -> DraftTree:
+    """Token Recycling's static-tree BFS (its Alg. 1), vectorised per level. Pure.
+
+    Nodes whose slot is empty (confidence 0), and their subtrees, are dropped."""
+    device = store_tok.device
+    n = template.size + 1
+    tokens = torch.zeros(n, dtype=torch.long, device=device)           # [n]
+    scores = torch.ones(n, dtype=torch.float32, device=device)          # [n]
+    alive = torch.ones(n, dtype=torch.bool, device=device)              # [n]
+    tokens[0] = torch.as_tensor(root, dtype=torch.long, device=device)
+    parents = torch.cat([torch.tensor([-1]), template.parents]).to(device)
+    slots = torch.cat([torch.tensor([0]), template.slots]).to(device)
+    depths = torch.cat([torch.tensor([0]), template.depths]).to(device)
+    for d in range(1, int(depths.max()) + 1 if n > 1 else 1):          # depth loop only
+        lvl = torch.nonzero(depths == d).reshape(-1)                     # [m]
+        par = parents[lvl]
+        tokens[lvl] = store_tok[tokens[par], slots[lvl]]
+        p = store_con[tokens[par], slots[lvl]]
+        scores[lvl] = scores[par] * p
+        alive[lvl] = alive[par] & (p > 0)
+    new_id = torch.cumsum(alive.long(), 0) - 1                          # [n] position among the alive
+    keep = torch.nonzero(alive).reshape(-1)
+    kept_par = parents[keep]
+    new_par = torch.where(kept_par < 0, kept_par, new_id[kept_par.clamp(min=0)])
+    return DraftTree(tokens[keep].cpu(), new_par.cpu(), scores[keep].cpu())
+
+
+@register_drafter("recycling")
+class RecyclingDrafter(Drafter):
+    """The `recycling` method: Token Recycling's static template over the successor store."""
+
+    name = "recycling"
+    store_method = "recycling"
+
+    def __init__(self, target, cfg, *, store: SuccessorStore | None = None, draft_size: int | None = None):
+        super().__init__(target, cfg)
+        if cfg.recycling_tree not in TEMPLATES:
+            raise RecyclingError(f"unknown recycling_tree {cfg.recycling_tree!r}; choose one of {sorted(TEMPLATES)}")
+        full = Template(TEMPLATES[cfg.recycling_tree])
+        g = draft_size if draft_size is not None else cfg.draft_size
+        if g is not None and g > full.size:
+            raise RecyclingError(f"draft_size={g} exceeds the {full.size} nodes of template "
+                                 f"{cfg.recycling_tree!r}; pass draft_size <= {full.size} or None (whole template)")
+        if full.max_slot > cfg.store_k:
+            raise RecyclingError(f"template {cfg.recycling_tree!r} uses {full.max_slot} store slots per node "
+                                 f"but store_k={cfg.store_k}; set store_k >= {full.max_slot}")
+        self.template = full if g is None else full.truncated(g)
+        self._store = store
+        self._t = {"tree": 0.0, "store_update": 0.0}
+
+    @property
+    def store(self) -> SuccessorStore:
+        if self._store is None:
+            raise RecyclingError("the store is made in begin() from the prefill logits' width; call begin first")
+        return self._store
+
+    def begin(self, prompt_ids, prefill_logits, prefill_hidden):
+        t0 = time.perf_counter()
+        self._t = {"tree": 0.0, "store_update": 0.0}
+        vocab = prefill_logits.shape[-1]
+        if self._store is None or self._store.vocab_size != vocab:
+            self._store = deployment_store(self.target, self.store_method, vocab, self.cfg.store_k,
+                                           prefill_logits.device)
+        if self.cfg.store_persistence == "per_prompt":
+            self.store.reset()
+        rows = prefill_logits.shape[0]
+        ids, probs = topk_probs(prefill_logits, self.store.k, self.cfg.temperature)
+        self.store.update_topk(prompt_ids.reshape(-1)[-rows:], ids, probs)
+        self._t["store_update"] += time.perf_counter() - t0
+
+    def propose(self, ids):
+        t0 = time.perf_counter()
+        tree = fill_template(ids[-1], self.template, self.store.tok, self.store.con)
+        self._t["tree"] += time.perf_counter() - t0
+        return tree
+
+    def observe(self, step: StepResult):
+        t0 = time.perf_counter()
+        ids, probs = topk_probs(step.logits, self.store.k, self.cfg.temperature)
+        order = accepted_last_order(step.tree.size, step.accepted).to(ids.device)
+        self.store.update_topk(step.tree.tokens.to(ids.device)[order], ids[order], probs[order])
+        self._t["store_update"] += time.perf_counter() - t0
+
+    def timings(self):
+        return dict(self._t)

@@ -1,0 +1,329 @@
+"""One lossless draft-verify loop for every method: `generate(model, prompt_ids, cfg) -> GenerateResult`.
+
+Words as in the glossary (`locality.__doc__`). Per prompt:
+
+    prefill   the target runs the whole prompt once (logits at all L positions); the last row gives the
+              first token - step 0, so autoregressive decoding has tau = 1.00. The KV cache holds the prompt.
+    step      the drafter proposes a draft tree rooted at the last committed token (the root, not yet in
+              the cache); the target forwards root + draft nodes in one pass with a tree attention mask
+              and positions P + depth (`forward_tree`); `engine.verify` picks the accepted path and the
+              bonus token; `engine.kv.compact` keeps exactly the root + accepted nodes in the cache.
+    stop      at an eos token (kept) or after max_new_tokens (the last step's tokens are cut to fit).
+
+`ar` runs through the same loop (its drafter proposes root-only trees). `hf-prompt-lookup` is the outside
+anchor: transformers' own `generate(prompt_lookup_num_tokens=...)`, timed here, its steps counted by a
+forward hook.
+
+One device->host sync per step is intended: the accept length (and the committed tokens) decide the
+cache compaction, the stop test and what the drafter sees next. Phase timings add a synchronize per
+phase on CUDA (`_clock`), the price of attributing time to draft and verify.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine import kv
+from engine.config import SpecConfig
+from engine.drafters import HF_METHODS, make_drafter
+from engine.models import eos_token_ids
+from engine.tree import DraftTree, Drafter, StepResult
+from engine.verify import sample_token, tree_layout, verify_greedy, verify_sampling, warp_probs
+
+
+class ContextError(ValueError):
+    """Prompt + new tokens + draft tree do not fit the model's context; the message says by how much."""
+
+
+class HarnessError(RuntimeError):
+    """A drafter broke the harness contract (wrong root, malformed tree); the message says which."""
+
+
+@dataclass
+class StepRecord:
+    """One verify step, kept when `cfg.record`."""
+
+    tree_tokens: list[int]          # [n] draft tree, root first
+    tree_parents: list[int]         # [n]
+    tree_scores: list[float]        # [n]
+    accepted: list[int]             # [a] node indices of the accepted path, root first
+    new_tokens: list[int]           # [a] committed tokens (accepted draft tokens + bonus), before truncation
+    topk: np.ndarray                # [a, K] target top-K at the accepted nodes' rows; last row = bonus position
+
+
+@dataclass
+class GenerateResult:
+    method: str
+    prompt_ids: torch.Tensor        # [L] int64, host
+    output_ids: torch.Tensor        # [T] int64, host: new tokens only
+    steps: int                      # target forwards that produced tokens; the prefill is step 0
+    wall_s: float
+    prefill_s: float
+    draft_s: float                  # drafter begin + propose + observe
+    verify_s: float                 # tree forward + acceptance + cache compaction
+    draft_tokens: int = 0           # draft tokens proposed over all steps (root excluded)
+    stop_reason: str = "max_new_tokens"     # "eos" or "max_new_tokens"
+    drafter_timings: dict = field(default_factory=dict)
+    records: list[StepRecord] | None = None
+    prefill_topk: np.ndarray | None = None  # [L, K] target top-K at every prompt position (when recorded)
+
+    @property
+    def new_tokens(self) -> int:
+        return int(self.output_ids.numel())
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per step, bonus included (ar = 1.00)."""
+        return self.new_tokens / max(self.steps, 1)
+
+    @property
+    def g(self) -> float:
+        """Mean draft tokens per verify step (the prefill proposes none)."""
+        return self.draft_tokens / max(self.steps - 1, 1)
+
+    def to_trace(self, meta: dict | None = None):
+        """A `locality.Trace` of this run (needs `cfg.record=True`)."""
+        from locality.trace import Trace
+
+        if self.records is None or self.prefill_topk is None:
+            raise HarnessError("to_trace needs per-step records: run generate(..., record=True)")
+        t = self.new_tokens
+        step_topk = np.concatenate([self.prefill_topk[-1:]] + [r.topk for r in self.records])[:t]
+        drafts = [np.zeros(0, dtype=np.int64)] + [np.asarray(r.tree_tokens[1:], dtype=np.int64)
+                                                  for r in self.records]
+        meta = {"method": self.method, **(meta or {})}
+        return Trace(prompt=self.prompt_ids.numpy(), prefill_topk=self.prefill_topk[:-1],
+                     generated=self.output_ids.numpy(), step_topk=step_topk,
+                     draft_tokens=drafts[:self.steps], meta=meta)
+
+
+# --- the target's forward over a tree -------------------------------------------------------------------
+
+def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The target's logits [.., V] fp32 from final hidden states (LM head + Gemma's soft-capping)."""
+    logits = model.get_output_embeddings()(hidden).float()
+    cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def _decoder(model):
+    return model.model if hasattr(model, "model") else model.get_decoder()
+
+
+def prefill(model, prompt: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run prompt [L] into an empty cache; returns hidden [L, d] and logits [L, V] fp32."""
+    out = _decoder(model)(input_ids=prompt[None], past_key_values=cache, use_cache=True)
+    hidden = out.last_hidden_state[0]                            # [L, d]
+    kv.compact(cache, 0, prompt.numel(), None)                   # trims sliding-window layers to W-1
+    return hidden, lm_logits(model, hidden)
+
+
+def forward_tree(model, cache, committed: int, tokens: torch.Tensor, parents: torch.Tensor,
+                 depths: torch.Tensor | None = None, anc: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of a draft tree over a cache holding `committed` tokens.
+
+    tokens [n], parents [n] on the model's device. Appends n entries to the cache (call `kv.compact`
+    next). Returns hidden [n, d] and logits [n, V] fp32; row i = distribution after the path root -> i.
+    """
+    if depths is None or anc is None:
+        depths, anc = tree_layout(parents)
+    mask = kv.tree_attention_masks(model, cache, committed, depths, anc)
+    position_ids = (committed + depths)[None]                    # [1, n] siblings share a position
+    out = _decoder(model)(input_ids=tokens[None], attention_mask=mask, position_ids=position_ids,
+                          past_key_values=cache, use_cache=True)
+    hidden = out.last_hidden_state[0]                            # [n, d]
+    return hidden, lm_logits(model, hidden)
+
+
+# --- generate -------------------------------------------------------------------------------------------
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)                           # phase timing needs the queue drained
+    return time.perf_counter()
+
+
+def resolve_config(cfg: SpecConfig | None, method: str | None, overrides: dict) -> SpecConfig:
+    if cfg is None:
+        return SpecConfig.preset(method or "ar", **overrides)
+    if method is not None:
+        overrides = {"method": method, **overrides}
+    return cfg.replace(**overrides) if overrides else cfg.validate()
+
+
+def max_context(model, info=None) -> int:
+    if info is not None:
+        return int(info.max_context)
+    return int(model.config.get_text_config(decoder=True).max_position_embeddings)
+
+
+def generate(model, prompt_ids, cfg: SpecConfig | None = None, *, method: str | None = None,
+             tokenizer=None, info=None, drafter: Drafter | None = None, eos_ids=None,
+             **overrides) -> GenerateResult:
+    """Decode `cfg.max_new_tokens` tokens after prompt_ids [L] with `cfg.method`, losslessly.
+
+    cfg: a SpecConfig (default: `SpecConfig.preset(method or "ar")`); overrides: SpecConfig fields.
+    drafter: a ready Drafter instead of `make_drafter(model, cfg)`. eos_ids: token ids that stop decoding
+    (default: `engine.models.eos_token_ids` - generation config and tokenizer; [] = never stop early).
+    """
+    cfg = resolve_config(cfg, method, overrides)
+    eos = eos_token_ids(model, tokenizer) if eos_ids is None else [int(e) for e in eos_ids]
+    device = next(model.parameters()).device
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).to(device)    # [L]
+    L, T = prompt.numel(), cfg.max_new_tokens
+    if L == 0:
+        raise ContextError("the prompt is empty; give at least one token (e.g. the BOS token)")
+    ctx = max_context(model, info)
+    if L + T > ctx:
+        raise ContextError(f"prompt ({L}) + max_new_tokens ({T}) = {L + T} exceeds the model's context of "
+                           f"{ctx} tokens; shorten the prompt or lower max_new_tokens")
+    if cfg.method in HF_METHODS:
+        if drafter is not None:
+            raise HarnessError(f"{cfg.method} runs transformers' generate; it takes no drafter")
+        return _generate_hf_prompt_lookup(model, prompt, cfg, eos)
+    drafter = drafter if drafter is not None else make_drafter(model, cfg)
+    with torch.inference_mode():
+        return _decode(model, prompt, cfg, drafter, eos, ctx, device)
+
+
+def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
+    L, T, K = prompt.numel(), cfg.max_new_tokens, cfg.record_topk
+    eos_set = set(eos)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(cfg.seed)
+    ids = torch.empty(L + T + 1, dtype=torch.long, device=device)    # committed ids + root
+    ids[:L] = prompt
+    records: list[StepRecord] | None = [] if cfg.record else None
+
+    t_start = _clock(device)
+    cache = kv.new_cache(model)
+    hidden, logits = prefill(model, prompt, cache)               # [L, d], [L, V]
+    committed = L
+    if cfg.greedy:
+        first = logits[-1].argmax()
+    else:
+        first = sample_token(warp_probs(logits[-1], cfg.temperature, cfg.top_p), gen)
+    ids[L] = first
+    out = [int(first)]                                           # host sync: the first token (stop test)
+    prefill_topk = logits.topk(min(K, logits.shape[-1]), dim=-1).indices.cpu().numpy() if cfg.record else None
+    t_prefill = _clock(device)
+    prefill_s = t_prefill - t_start
+
+    drafter.begin(prompt, logits, hidden)
+    del hidden, logits
+    draft_s = _clock(device) - t_prefill
+    verify_s, steps, num_draft = 0.0, 1, 0
+    stop = "eos" if out[0] in eos_set else None
+    while stop is None and len(out) < T:
+        t0 = _clock(device)
+        tree = drafter.propose(ids[:L + len(out)])
+        _check_tree(tree, out[-1], drafter)
+        n = tree.size
+        if committed + n > ctx:
+            raise ContextError(f"draft tree of {n} nodes after {committed} cached tokens exceeds the model's "
+                               f"context of {ctx}; lower the draft size (draft_size / pld_num_draft) or "
+                               f"max_new_tokens")
+        tokens = tree.tokens.to(device, non_blocking=True)     # [n]
+        parents = tree.parents.to(device, non_blocking=True)   # [n]
+        t1 = _clock(device)
+        depths, anc = tree_layout(parents)
+        hidden, logits = forward_tree(model, cache, committed, tokens, parents, depths, anc)
+        if cfg.greedy:
+            accepted, new_tokens = verify_greedy(tokens, parents, logits, anc, depths)
+        else:
+            accepted, new_tokens = verify_sampling(
+                tokens, parents, logits, temperature=cfg.temperature, top_p=cfg.top_p, generator=gen,
+                draft_probs=None if tree.draft_probs is None else tree.draft_probs.to(device),
+                scores=tree.scores)
+        acc = accepted.tolist()                                  # the one sync per step: accept length
+        new = new_tokens.tolist()                                # and the committed tokens
+        committed = kv.compact(cache, committed, n, acc)
+        t2 = _clock(device)
+        verify_s += t2 - t1
+        steps += 1
+        num_draft += n - 1
+        if records is not None:
+            topk = logits[accepted].topk(min(K, logits.shape[-1]), dim=-1).indices.cpu().numpy()
+            records.append(StepRecord(tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist(),
+                                      acc, new, topk))
+        keep = new[:T - len(out)]
+        hit = next((j for j, t in enumerate(keep) if t in eos_set), None)
+        if hit is not None:
+            keep, stop = keep[:hit + 1], "eos"
+        ids[L + len(out): L + len(out) + len(keep)] = new_tokens[:len(keep)]
+        out.extend(keep)
+        drafter.observe(StepResult(tree=tree, logits=logits, hidden=hidden, accepted=accepted,
+                                   new_tokens=new_tokens))
+        draft_s += (t1 - t0) + (_clock(device) - t2)
+    wall_s = _clock(device) - t_start
+    return GenerateResult(method=cfg.method, prompt_ids=prompt.cpu(), output_ids=torch.tensor(out[:T]),
+                          steps=steps, wall_s=wall_s, prefill_s=prefill_s, draft_s=draft_s, verify_s=verify_s,
+                          draft_tokens=num_draft, stop_reason=stop or "max_new_tokens",
+                          drafter_timings=dict(drafter.timings()), records=records, prefill_topk=prefill_topk)
+
+
+def _check_tree(tree: DraftTree, root: int, drafter: Drafter) -> None:
+    if not isinstance(tree, DraftTree):
+        raise HarnessError(f"{type(drafter).__name__}.propose returned {type(tree).__name__}, not a DraftTree")
+    if tree.tokens.device.type == "cpu" and int(tree.tokens[0]) != root:     # no sync: host tensor
+        raise HarnessError(f"{type(drafter).__name__}.propose returned a tree rooted at token "
+                           f"{int(tree.tokens[0])}, but the root must be the last committed token {root}")
+
+
+# --- transformers' prompt lookup, the outside anchor -----------------------------------------------------
+
+def _generate_hf_prompt_lookup(model, prompt, cfg, eos) -> GenerateResult:
+    """transformers' `generate(prompt_lookup_num_tokens=...)`, greedy; steps = target forwards (hook).
+
+    transformers has no separate prefill: its first forward runs the prompt plus the first draft, so
+    prefill_s is that forward's time; verify_s sums the others; draft_s is the remainder of wall_s.
+    """
+    if not cfg.greedy:
+        raise HarnessError("hf-prompt-lookup is greedy only (transformers' prompt lookup is a greedy "
+                           "baseline here); use temperature=0")
+    device = prompt.device
+    times: list[float] = []
+    starts: list[float] = []
+    lengths: list[int] = []                                      # tokens fed to each forward
+
+    def pre_hook(module, args, kwargs):
+        x = kwargs.get("input_ids", args[0] if args else None)
+        lengths.append(0 if x is None else int(x.shape[-1]))
+        starts.append(_clock(device))
+
+    def post_hook(module, args, kwargs, output):
+        times.append(_clock(device) - starts[-1])
+
+    gc = copy.deepcopy(model.generation_config)
+    gc.eos_token_id = list(eos) if eos else None
+    gc.pad_token_id = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if eos else 0)
+    gc.do_sample, gc.temperature, gc.top_p, gc.top_k = False, None, None, None
+    h1 = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    h2 = model.register_forward_hook(post_hook, with_kwargs=True)
+    try:
+        t0 = _clock(device)
+        with torch.inference_mode():
+            seq = model.generate(input_ids=prompt[None], attention_mask=torch.ones_like(prompt)[None],
+                                 generation_config=gc, prompt_lookup_num_tokens=cfg.pld_num_draft,
+                                 max_new_tokens=cfg.max_new_tokens, min_new_tokens=0)
+        wall_s = _clock(device) - t0
+    finally:
+        h1.remove()
+        h2.remove()
+    out = seq[0, prompt.numel():].cpu()
+    hit = (out[:, None] == torch.tensor(eos or [-1])[None]).any(1).nonzero()
+    stop = "eos" if hit.numel() and int(hit[0]) == out.numel() - 1 else "max_new_tokens"
+    # draft tokens: what each forward fed beyond its root (the first forward: beyond the prompt)
+    num_draft = sum(lengths[1:]) - len(lengths[1:]) + (lengths[0] - prompt.numel() if lengths else 0)
+    return GenerateResult(method=cfg.method, prompt_ids=prompt.cpu(), output_ids=out, steps=len(times),
+                          wall_s=wall_s, prefill_s=times[0] if times else 0.0,
+                          draft_s=wall_s - sum(times), verify_s=sum(times[1:]), draft_tokens=num_draft,
+                          stop_reason=stop)

@@ -1,0 +1,107 @@
+"""Hardware, decided in one place: device, default dtype, and how the kernels run.
+
+Every module of `kernels` imports this one before it defines a `@triton.jit` kernel, because Triton
+decides between compiled and interpreted kernels at decoration time (`triton.jit` reads
+`TRITON_INTERPRET` then). On a machine without CUDA we set `TRITON_INTERPRET=1` here, so the Triton
+kernels can still run - on CPU tensors, about 100x slower than torch.
+
+Which implementation an op uses (the Triton kernel or its plain-torch reference):
+
+1. `use_triton(True|False)` / the context manager `using_triton(...)` (tests), else
+2. the environment variable `SPECVOCAB_KERNELS=triton|torch`, else
+3. the default: Triton when CUDA is available, the torch reference on CPU (the interpreter is far too
+   slow for production paths; the torch reference is vectorised and is what CPU runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import torch
+
+HAS_CUDA: bool = torch.cuda.is_available()
+if not HAS_CUDA:
+    # Must happen before any kernels module runs `@triton.jit` (see the module docstring).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEVICE: torch.device = torch.device("cuda" if HAS_CUDA else "cpu")
+# fp16 on CUDA as in the FR-Spec scripts (specs/microspec.md section 2.2); fp32 on CPU, where half
+# precision GEMMs are slow and gain nothing.
+DEFAULT_DTYPE: torch.dtype = torch.float16 if HAS_CUDA else torch.float32
+
+ENV_VAR = "SPECVOCAB_KERNELS"
+_BACKENDS = ("triton", "torch")
+_override: bool | None = None
+
+
+class KernelBackendError(RuntimeError):
+    """The requested kernel backend cannot run here; the message says why and what to do."""
+
+
+def triton_interpreted() -> bool:
+    """True when `@triton.jit` kernels run under the Triton interpreter (CPU tensors, slow)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(flag: bool | None) -> bool | None:
+    """Force the Triton kernels on (True) or off (False); None returns to the default. Returns the
+    previous override."""
+    global _override
+    if flag is not None and not isinstance(flag, bool):
+        raise TypeError(f"use_triton takes True, False or None, got {flag!r}")
+    previous, _override = _override, flag
+    return previous
+
+
+@contextlib.contextmanager
+def using_triton(flag: bool | None = True) -> Iterator[None]:
+    """`with using_triton(True): ...` runs the Triton kernels (interpreted on CPU); `False` the torch
+    reference. Restores the previous choice on exit."""
+    previous = use_triton(flag)
+    try:
+        yield
+    finally:
+        use_triton(previous)
+
+
+def triton_enabled() -> bool:
+    """Whether ops dispatch to their Triton kernel (see the module docstring for the order)."""
+    if _override is not None:
+        return _override
+    env = os.environ.get(ENV_VAR, "").strip().lower()
+    if env:
+        if env not in _BACKENDS:
+            raise KernelBackendError(f"{ENV_VAR}={env!r} is not a kernel backend; set it to one of "
+                                     f"{list(_BACKENDS)} or unset it (default: triton on CUDA, torch on CPU)")
+        return env == "triton"
+    return HAS_CUDA
+
+
+def check_triton_can_run(*tensors: torch.Tensor) -> None:
+    """Raise a clear error when the Triton path was chosen for tensors it cannot run on."""
+    for t in tensors:
+        if t.is_cuda:
+            if triton_interpreted():
+                raise KernelBackendError("CUDA tensor passed to a Triton kernel while TRITON_INTERPRET=1; "
+                                         "unset TRITON_INTERPRET to run compiled kernels on the GPU")
+            continue
+        if t.device.type == "cpu" and not triton_interpreted():
+            raise KernelBackendError(
+                "Triton kernel called on a CPU tensor without the interpreter; import `kernels.hardware` "
+                "before anything defines Triton kernels on a CPU-only machine, set TRITON_INTERPRET=1, or use "
+                "the torch reference (use_triton(False) / SPECVOCAB_KERNELS=torch)")
+        if t.device.type not in ("cpu", "cuda"):
+            raise KernelBackendError(f"Triton kernels need CPU (interpreted) or CUDA tensors, got {t.device}")
+
+
+def describe() -> str:
+    """One line for benchmark headers and logs."""
+    if HAS_CUDA:
+        where = f"cuda ({torch.cuda.get_device_name()})"
+    else:
+        where = f"cpu ({torch.get_num_threads()} threads)"
+    mode = "interpreted" if triton_interpreted() else "compiled"
+    backend = "triton" if triton_enabled() else "torch reference"
+    return f"device={where} dtype={str(DEFAULT_DTYPE).removeprefix('torch.')} kernels={backend} triton={mode}"

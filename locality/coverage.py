@@ -1,0 +1,122 @@
+"""Ground-truth coverage of MicroSpec's windowed candidate stream, for every window size in one pass.
+
+coverage(W) = (1/steps) Sum_t 1[generated[t] in I_t], I_t = Unique(Suffix(S, W)) with S the candidate
+stream before step t appends (event order in `locality.stream`); mean_active_vocab(W) = (1/steps) Sum_t
+|I_t|. Both are micro-averages over all steps of all traces given (specs/microspec.md §3.1-3.2 [INTERP]).
+`coverage_by` does the same per group of meta columns (category, language, ...), `coverage_report` prints
+the per-category table of the README's main job.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+import numpy as np
+import polars as pl
+
+from locality.stream import (LocalityError, StreamIndex, candidate_stream, check_traces, check_windows,
+                             generated_stream)
+from locality.trace import Trace
+
+DEFAULT_W = (1024, 2048, 3072, 4096, 8192)
+REPORT_W = (1024, 2048, 3072, 8192)
+
+
+def build_index(traces: Sequence[Trace], stream: Literal["candidate", "generated"] = "candidate",
+                k_pre: int = 3, k_ver: int = 3, sources: str = "ctx+ext",
+                prefill_order: Literal["first", "last"] = "first") -> StreamIndex:
+    """The one-pass index of the candidate stream (or of the plain prompt ⊕ generated stream)."""
+    if stream == "candidate":
+        return StreamIndex(candidate_stream(traces, k_pre, k_ver, sources, prefill_order))
+    if stream == "generated":
+        return StreamIndex(generated_stream(traces))
+    raise LocalityError(f"stream={stream!r}; choose 'candidate' (MicroSpec's S) or 'generated' (prompt ⊕ generated)")
+
+
+def window_frame(index: StreamIndex, w_max) -> pl.DataFrame:
+    """One row per w_max: w_max, coverage, mean_active_vocab, steps, mean_stream_len (micro-averages)."""
+    ws = check_windows(w_max)
+    steps = index.steps
+    den = max(steps, 1)
+    cov = index.coverage_counts(ws) / den if steps else np.full(len(ws), np.nan)
+    act = index.active_vocab_sums(ws) / den if steps else np.full(len(ws), np.nan)
+    return pl.DataFrame({
+        "w_max": ws,
+        "coverage": cov,
+        "mean_active_vocab": act,
+        "steps": np.full(len(ws), steps, dtype=np.int64),
+        "mean_stream_len": np.full(len(ws), index.stream.query_pos.mean() if steps else np.nan),
+    })
+
+
+def coverage(traces: Sequence[Trace], w_max=DEFAULT_W, k_pre: int = 3, k_ver: int = 3,
+             sources: str = "ctx+ext", prefill_order: Literal["first", "last"] = "first",
+             stream: Literal["candidate", "generated"] = "candidate") -> pl.DataFrame:
+    """Coverage and mean active vocab of the window for every w_max, from one pass over all traces.
+
+    Columns: `w_max, coverage, mean_active_vocab, steps, mean_stream_len` (mean |S| at query time, the raw
+    stream length of specs/microspec.md A4). `sources`: "ctx+ext" | "ctx" | "ext" (MicroSpec Table 3, see
+    `locality.stream`); `stream="generated"` measures the plain prompt ⊕ generated stream instead.
+    """
+    check_windows(w_max)
+    return window_frame(build_index(traces, stream, k_pre, k_ver, sources, prefill_order), w_max)
+
+
+def group_traces(traces: Sequence[Trace], by: Sequence[str]) -> list[tuple[dict, list[int]]]:
+    """[(group values, trace indices)] for the meta columns `by`, sorted by value (None last)."""
+    traces = check_traces(traces)
+    by = [by] if isinstance(by, str) else list(by)
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(traces):
+        groups.setdefault(tuple(t.meta.get(c) for c in by), []).append(i)
+    order = sorted(groups, key=lambda key: tuple((v is None, str(v)) for v in key))
+    return [(dict(zip(by, key)), groups[key]) for key in order]
+
+
+def _with_groups(frame: pl.DataFrame, values: dict) -> pl.DataFrame:
+    return frame.select([pl.lit(v, dtype=pl.String if v is None or isinstance(v, str) else None).alias(c)
+                         for c, v in values.items()] + frame.columns)
+
+
+def coverage_by(traces: Sequence[Trace], by: Sequence[str] = ("category",), w_max=DEFAULT_W, k_pre: int = 3,
+                k_ver: int = 3, sources: str = "ctx+ext", prefill_order: Literal["first", "last"] = "first",
+                stream: Literal["candidate", "generated"] = "candidate") -> pl.DataFrame:
+    """`coverage` per group of meta columns (tidy: the group columns, then one row per w_max)."""
+    check_windows(w_max)
+    frames = []
+    for values, idx in group_traces(traces, by):
+        sub = [traces[i] for i in idx]
+        frames.append(_with_groups(coverage(sub, w_max, k_pre, k_ver, sources, prefill_order, stream), values))
+    return pl.concat(frames, how="vertical_relaxed")
+
+
+def coverage_report(traces: Sequence[Trace], w_max=REPORT_W, by: str = "category", k_pre: int = 3, k_ver: int = 3,
+                    sources: str = "ctx+ext", prefill_order: Literal["first", "last"] = "first",
+                    show: bool = True) -> pl.DataFrame:
+    """Per-`by` table (rows) of coverage and mean active vocab per w_max (columns), plus an "(all)" row.
+
+    Returns the wide frame (`by, steps, coverage@W..., mean_active_vocab@W...`) and prints it.
+    """
+    ws = check_windows(w_max)
+    traces = check_traces(traces)
+    long = pl.concat([
+        coverage_by(traces, [by], ws, k_pre, k_ver, sources, prefill_order).with_columns(
+            pl.col(by).cast(pl.String)),
+        coverage(traces, ws, k_pre, k_ver, sources, prefill_order).select(pl.lit("(all)").alias(by), pl.all()),
+    ], how="vertical_relaxed")
+    rows = []
+    for key, g in long.group_by(by, maintain_order=True):
+        row = {by: key[0], "steps": int(g["steps"][0])}
+        row.update({f"coverage@{w}": c for w, c in zip(g["w_max"], g["coverage"])})
+        row.update({f"mean_active_vocab@{w}": a for w, a in zip(g["w_max"], g["mean_active_vocab"])})
+        rows.append(row)
+    wide = pl.DataFrame(rows)
+    if show:
+        n_tr = len(traces)
+        print(f"MicroSpec window coverage ({sources}, k_pre={k_pre}, k_ver={k_ver}) over {n_tr} trace(s), "
+              f"micro-averaged over steps; cov@W = coverage, |I|@W = mean active vocab")
+        with pl.Config(tbl_cols=-1, tbl_rows=-1, tbl_width_chars=250, tbl_hide_dataframe_shape=True,
+                       tbl_hide_column_data_types=True, float_precision=3):
+            print(wide.rename({c: c.replace("coverage@", "cov@").replace("mean_active_vocab@", "|I|@")
+                               for c in wide.columns}))
+    return wide

@@ -1,0 +1,404 @@
+"""The candidate stream of MicroSpec (specs/microspec.md §2.3, Eq. 2-4) built from traces, and the one-pass
+index that answers every window size at once.
+
+Event order of the candidate stream of one trace (`sources="ctx+ext"`, the paper's method)
+-------------------------------------------------------------------------------------------
+A trace holds `prompt [L]`, `prefill_topk [L-1, K]` (row i: prompt position i), `generated [T]` and
+`step_topk [T, K]`, where `step_topk[t]` is the distribution that produced `generated[t]`; so `step_topk[0]`
+comes from the last prompt position L-1 (it is a prompt position for Eq. 2 too).
+
+    S_init = prompt[0], ..., prompt[L-1]                                    (repeats kept)
+           ⊕ Dedup(prefill_topk[0, :k_pre], ..., prefill_topk[L-2, :k_pre],
+                   step_topk[0, :k_pre])                                    (Eq. 2: all L prompt positions)
+    for t = 0 .. T-1:
+        query  t : n_t = |S|;  I_t = Unique(S[max(0, n_t - w_max) : n_t]);  generated[t] covered iff in I_t
+        append   : Dedup(draft_tokens[t])          (only if the trace has draft tokens; keep-first order)
+        append   : step_topk[t, :k_ver]            (C_ver; top-K ids are distinct, appended as they are)
+
+So query 0 sees S_init, which already holds the top-k_pre of row 0 (its top-1 is generated[0], so step 0 is
+covered whenever that entry is inside the window); row 0's top-k_ver is appended right after query 0, i.e.
+the offline replay of specs/microspec.md §3.1 ("append TopK(z_t, K_ver) after every token"). One trace step
+here is one generated token. `Dedup` keeps the first occurrence in row-then-rank order
+(`prefill_order="first"`, the default asked for by this project); `prefill_order="last"` orders the prefill
+union by the position of each token's last occurrence (specs/microspec.md A3's reading), which keeps the
+candidates of late prompt positions nearest the window's end.
+
+Draft tokens: either one list per generated token (`draft_tokens[t]` is appended after query t), or one
+list per step together with `meta["step_sizes"]` (tokens committed by each step, the prefill's step 0
+included): the tree of a step that commits tokens t..t+a is appended after query t+a, i.e. after the step,
+and before the next step's first query (the last step's tree after the last query: it changes nothing).
+
+Sources (MicroSpec Table 3 ablation, §4.5; specs/microspec.md A6)
+-----------------------------------------------------------------
+- `"ctx+ext"`: everything above.
+- `"ctx"` ("Ctx. Only": "restricted to tokens present in the input prompt and high-probability candidates
+  from the prefill phase (S_init). No new candidates are added during decoding steps"): S = S_init; nothing
+  is appended, every query sees the last w_max entries of S_init.
+- `"ext"` ("Ext. Only": "solely of tokens from the draft tree and top candidates from the target model's
+  latest verification ..., ignoring the prompt context"): S_init = step_topk[0, :k_pre] only (A6: the last
+  prompt position's candidates, without which nothing could be drafted), then the per-step appends above
+  inside the same w_max window. (A6's `latest_only` alternative, no window at all, is not modelled.)
+
+Flat layout and the one-pass index
+----------------------------------
+`Stream` concatenates many traces' streams (`tokens [N]`, `bounds [R+1]`) with their queries
+(`query_pos [Q]` = n_t local to the trace, `query_token [Q]`, `query_trace [Q]`, `query_step [Q]`).
+`StreamIndex` sorts one int64 key per stream entry and per query (trace, token, position; entries at
+2j+1, queries at 2n so an entry j precedes a query n iff j < n) once, O((N+Q) log(N+Q)), and reads off
+
+- the reuse distance of each query, d = n - (latest occurrence of its token before n), NEVER if none;
+  covered by a window of W iff d <= W, so coverage for every W is a searchsorted over the sorted d;
+- the previous occurrence `prev[j]` of every entry, from which the active vocab size of every query and W is
+  summed without a per-step loop: |Unique(S[a:n])| = (n - a) - #{j < n : prev[j] >= a}, a = max(0, n - W),
+  and Sum_queries #{j < n : prev[j] >= n - W} = Sum_j #{queries n : j < n <= min(prev[j] + W, end)}
+  = Sum_j max(0, Cq[min(prev[j] + W, end)] - Cq[j]) with Cq the cumulative count of query positions:
+  O(N_repeat) gathers per window size (N_repeat = entries whose token occurred before in the trace);
+- LRU stack distances with a wavelet matrix over prev (see `StreamIndex.stack_distance`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import numpy as np
+
+from locality.trace import Trace, TraceError
+
+SOURCES = ("ctx+ext", "ctx", "ext")
+NEVER = np.int64(1) << np.int64(62)      # reuse/stack distance of a token that never occurred before
+
+
+class LocalityError(ValueError):
+    """Bad arguments to a locality metric; the message names the argument and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Stream:
+    """Many traces' streams, concatenated, with one query per step (generated token)."""
+
+    tokens: np.ndarray        # [N] int64 stream entries of all traces, trace after trace
+    bounds: np.ndarray        # [R+1] int64: trace r owns tokens[bounds[r]:bounds[r+1]]
+    query_pos: np.ndarray     # [Q] int64 n_t: stream length (local to its trace) when step t is queried
+    query_token: np.ndarray   # [Q] int64 generated[t]
+    query_trace: np.ndarray   # [Q] int64 r
+    query_step: np.ndarray    # [Q] int64 t
+
+    @property
+    def num_traces(self) -> int:
+        return len(self.bounds) - 1
+
+    def trace_stream(self, r: int) -> np.ndarray:
+        """[n_r] the stream entries of trace r."""
+        return self.tokens[self.bounds[r]:self.bounds[r + 1]]
+
+    @property
+    def events(self) -> int:
+        """Stream entries + queries: what a per-step simulation would touch once each."""
+        return len(self.tokens) + len(self.query_pos)
+
+
+# ---------------------------------------------------------------------------------------------------
+# building streams
+# ---------------------------------------------------------------------------------------------------
+
+def check_k(k: int, name: str) -> int:
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+        raise LocalityError(f"{name} must be an int >= 0, got {k!r}")
+    return int(k)
+
+
+def check_windows(w_max) -> np.ndarray:
+    """[nW] int64 window sizes, each >= 1."""
+    ws = np.atleast_1d(np.asarray(w_max))
+    if ws.size == 0:
+        raise LocalityError("w_max is empty; pass one or more window sizes, e.g. w_max=[1024, 3072]")
+    if not np.issubdtype(ws.dtype, np.integer) or (ws < 1).any():
+        raise LocalityError(f"w_max must be integers >= 1 (stream entries), got {ws.tolist()}")
+    return ws.astype(np.int64)
+
+
+def check_traces(traces: Sequence[Trace]) -> list[Trace]:
+    traces = list(traces)
+    if not traces:
+        raise LocalityError("the trace list is empty; read some with locality.read_traces(path) "
+                            "or record them with `python -m locality.record`")
+    for i, t in enumerate(traces):
+        if not isinstance(t, Trace):
+            raise LocalityError(f"traces[{i}] is a {type(t).__name__}, not a locality.Trace")
+    return traces
+
+
+def _check_trace_k(t: Trace, k: int, what: str) -> None:
+    if t.prefill_topk.shape[0] or t.step_topk.shape[0]:      # a trace with no rows has nothing to take
+        t.check_k(k, what)
+
+
+def _dedup(flat: np.ndarray, order: str) -> np.ndarray:
+    """Distinct ids of `flat` [n] in first-occurrence order, or ordered by their last occurrence."""
+    if order == "last":
+        return _dedup(flat[::-1], "first")[::-1]
+    _, first = np.unique(flat, return_index=True)
+    return flat[np.sort(first)]
+
+
+def _dedup_ragged(tokens: np.ndarray, row: np.ndarray) -> np.ndarray:
+    """Keep-first dedup of `tokens [n]` inside each row (`row [n]` ascending); returns a [n] keep mask."""
+    if tokens.size == 0:
+        return np.zeros(0, dtype=bool)
+    key = row * (int(tokens.max()) + 1) + tokens
+    _, first = np.unique(key, return_index=True)
+    keep = np.zeros(tokens.size, dtype=bool)
+    keep[first] = True
+    return keep
+
+
+def _trace_stream(t: Trace, k_pre: int, k_ver: int, sources: str, prefill_order: str):
+    """(entries [n], query_pos [T]) of one trace; see the module docstring for the event order."""
+    T = len(t.generated)
+    last_row = t.step_topk[:1, :k_pre]                                   # [<=1, k_pre] prompt position L-1
+    if sources == "ext":
+        init = last_row.reshape(-1)
+    else:
+        cands = np.concatenate([t.prefill_topk[:, :k_pre].reshape(-1), last_row.reshape(-1)])
+        init = np.concatenate([t.prompt, _dedup(cands, prefill_order)])
+    if sources == "ctx" or T == 0:
+        return init, np.full(T, len(init), dtype=np.int64)
+    ver = t.step_topk[:, :k_ver]                                         # [T, k_ver]
+    if t.draft_tokens is None:
+        per_step = np.full(T, k_ver, dtype=np.int64)
+        appended = ver.reshape(-1)
+    else:
+        lens = np.array([len(d) for d in t.draft_tokens], dtype=np.int64)
+        draft = np.concatenate(t.draft_tokens) if lens.sum() else np.zeros(0, dtype=np.int64)
+        step_of = np.repeat(_draft_positions(t), lens)                   # [n_draft] generated position
+        keep = _dedup_ragged(draft, step_of)
+        draft, step_of = draft[keep], step_of[keep]
+        n_draft = np.bincount(step_of, minlength=T)                      # [T] distinct draft tokens per step
+        per_step = n_draft + k_ver
+        # interleave: step t's draft tokens then its k_ver row, in one vectorised scatter
+        offs = np.concatenate([[0], np.cumsum(per_step)[:-1]])           # [T] block start of each step
+        appended = np.empty(int(per_step.sum()), dtype=np.int64)
+        draft_start = np.concatenate([[0], np.cumsum(n_draft)[:-1]])
+        appended[offs[step_of] + np.arange(len(draft)) - draft_start[step_of]] = draft
+        ver_pos = (offs + n_draft)[:, None] + np.arange(k_ver)[None, :]  # [T, k_ver]
+        appended[ver_pos.reshape(-1)] = ver.reshape(-1)
+    query_pos = len(init) + np.concatenate([[0], np.cumsum(per_step)[:-1]])
+    return np.concatenate([init, appended]), query_pos.astype(np.int64)
+
+
+def _draft_positions(t: Trace) -> np.ndarray:
+    """[len(draft_tokens)] the generated position after whose query each draft list is appended."""
+    T, n = len(t.generated), len(t.draft_tokens)
+    if n == T:
+        return np.arange(T)
+    sizes = t.meta.get("step_sizes")
+    if sizes is not None and len(sizes) == n and (np.asarray(sizes) >= 0).all() and sum(sizes) >= T:
+        return np.minimum(np.cumsum(np.asarray(sizes, dtype=np.int64)), T) - 1
+    raise TraceError(f"trace has {n} draft_tokens lists but {T} generated tokens and no meta['step_sizes'] "
+                     f"(tokens committed per step, {n} ints summing to >= {T}); record step_sizes with the "
+                     "draft trees, or store one list per generated token (see locality.stream)")
+
+
+def candidate_stream(traces: Sequence[Trace], k_pre: int = 3, k_ver: int = 3, sources: str = "ctx+ext",
+                     prefill_order: Literal["first", "last"] = "first") -> Stream:
+    """MicroSpec's candidate stream S of every trace, concatenated, with one query per generated token."""
+    traces = check_traces(traces)
+    k_pre, k_ver = check_k(k_pre, "k_pre"), check_k(k_ver, "k_ver")
+    if sources not in SOURCES:
+        raise LocalityError(f"sources={sources!r}; choose one of {SOURCES} (MicroSpec Table 3)")
+    if prefill_order not in ("first", "last"):
+        raise LocalityError(f"prefill_order={prefill_order!r}; choose 'first' or 'last'")
+    parts, qpos = [], []
+    for t in traces:
+        _check_trace_k(t, k_pre, "k_pre")
+        if sources != "ctx":
+            _check_trace_k(t, k_ver, "k_ver")
+        s, q = _trace_stream(t, k_pre, k_ver, sources, prefill_order)
+        parts.append(s)
+        qpos.append(q)
+    return _assemble(parts, qpos, [t.generated for t in traces])
+
+
+def generated_stream(traces: Sequence[Trace]) -> Stream:
+    """The plain text stream: S = prompt ⊕ generated; step t queries generated[t] against prompt ⊕
+    generated[:t] (prompt-lookup / in-context hit rate, specs/microspec.md §3.3)."""
+    traces = check_traces(traces)
+    parts = [np.concatenate([t.prompt, t.generated]) for t in traces]
+    qpos = [len(t.prompt) + np.arange(len(t.generated), dtype=np.int64) for t in traces]
+    return _assemble(parts, qpos, [t.generated for t in traces])
+
+
+def _assemble(parts, qpos, gens) -> Stream:
+    lens = np.array([len(p) for p in parts], dtype=np.int64)
+    tlen = np.array([len(g) for g in gens], dtype=np.int64)
+    cat = lambda xs: np.concatenate(xs).astype(np.int64) if len(xs) else np.zeros(0, np.int64)  # noqa: E731
+    return Stream(
+        tokens=cat(parts),
+        bounds=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+        query_pos=cat(qpos),
+        query_token=cat(gens),
+        query_trace=np.repeat(np.arange(len(parts), dtype=np.int64), tlen),
+        query_step=(np.arange(int(tlen.sum()), dtype=np.int64)
+                    - np.repeat(np.concatenate([[0], np.cumsum(tlen)[:-1]]), tlen)),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# the one-pass index
+# ---------------------------------------------------------------------------------------------------
+
+class StreamIndex:
+    """Reuse distances, previous occurrences and per-window sums of one `Stream`, from one sort.
+
+    Build: one `np.sort` of N int64 keys (trace | token | 2*position+1, bit-packed) and one `searchsorted`
+    of the Q query keys (trace | token | 2*n): O(N log N + Q log N), plus O(N + Q) passes. Then
+    `coverage_counts(ws)` costs O(nW log Q) and `active_vocab_sums(ws)` O(nW * N_repeat).
+    """
+
+    def __init__(self, stream: Stream):
+        self.stream = s = stream
+        R, N, Q = s.num_traces, len(s.tokens), len(s.query_pos)
+        lens = np.diff(s.bounds)                                          # [R]
+        tokens, qtok = s.tokens, s.query_token
+        U = int(max(tokens.max(initial=-1), qtok.max(initial=-1))) + 1
+        mb = (2 * int(max(lens.max(initial=0), s.query_pos.max(initial=0))) + 1).bit_length()
+        rb = max(R - 1, 0).bit_length()
+        if rb + max(U - 1, 0).bit_length() + mb > 62:     # relabel token ids densely so the key fits int64
+            _, inv = np.unique(np.concatenate([tokens, qtok]), return_inverse=True)
+            tokens, qtok, U = inv[:N], inv[N:], int(inv.max(initial=-1)) + 1
+            if rb + max(U - 1, 0).bit_length() + mb > 62:
+                raise LocalityError(f"{R} traces x {U} distinct tokens x streams of {int(lens.max())} entries "
+                                    "do not fit one int64 sort key; split the trace list")
+        tb = max(U - 1, 0).bit_length() + mb                              # shift of the trace field
+        entry_trace = np.repeat(np.arange(R, dtype=np.int64), lens)        # [N]
+        local2 = 2 * (np.arange(N, dtype=np.int64) - s.bounds[entry_trace]) + 1
+        keys = np.sort((entry_trace << tb) | (tokens << mb) | local2)      # [N] sorted by (trace, token, pos)
+        group = keys >> mb                                                # (trace, token)
+        loc = (keys & ((1 << mb) - 1)) >> 1                               # [N] position inside the trace
+        # an entry repeats iff the previous sorted key has the same (trace, token): that key is its prev
+        rep = np.flatnonzero(group[1:] == group[:-1]) + 1                 # [N_rep] indices into keys
+        self._rep_trace = keys[rep] >> tb                                 # [N_rep]
+        self._rep_loc = loc[rep]                                          # [N_rep] j (local)
+        self._rep_prev_loc = loc[rep - 1]                                 # [N_rep] prev[j] (local)
+        self.num_repeats = len(rep)
+
+        # queries: the latest entry with key < query key, if it has the same (trace, token)
+        qkey = (s.query_trace << tb) | (qtok << mb) | (2 * s.query_pos)   # [Q]
+        order = np.argsort(qkey)                 # searchsorted is ~8x faster on sorted needles
+        qs = qkey[order]
+        at = np.searchsorted(keys, qs) - 1
+        ok = at >= 0
+        ok[ok] = group[at[ok]] == (qs[ok] >> mb)
+        last = np.empty(Q, dtype=np.int64)
+        last[order] = np.where(ok, loc[np.maximum(at, 0)], -1)
+        ok = last >= 0
+        self.query_last = last                                            # [Q] local latest occurrence or -1
+        self.reuse_distance = np.where(ok, s.query_pos - self.query_last, NEVER)   # [Q]
+        self._sorted_d = np.sort(self.reuse_distance)
+
+        # shifted slots: trace r occupies len_r + 1 slots, so a query at n = len_r never meets trace r+1
+        small = N + R + 1 < 2 ** 31
+        it = np.int32 if small else np.int64
+        shift = s.bounds[:-1] + np.arange(R)                              # [R]
+        cq = np.cumsum(np.bincount(shift[s.query_trace] + s.query_pos, minlength=N + R + 1)).astype(it)
+        rshift = shift[self._rep_trace]
+        self._cq = cq                                                     # [N+R+1] #queries at slots <= x
+        self._rep_prev_slot = (rshift + self._rep_prev_loc).astype(it)    # [N_rep]
+        self._rep_end_slot = (rshift + lens[self._rep_trace]).astype(it)  # [N_rep]
+        self._rep_base = cq[rshift + self._rep_loc]                       # [N_rep] Cq at the entry itself
+        self._rep_gap = (self._rep_loc - self._rep_prev_loc).astype(it)   # [N_rep] j - prev[j] >= 1
+        self._prev = None
+
+    @property
+    def steps(self) -> int:
+        return len(self.stream.query_pos)
+
+    @property
+    def prev(self) -> np.ndarray:
+        """[N] global index of the previous occurrence of each entry's token in its trace, or -1."""
+        if self._prev is None:
+            b = self.stream.bounds[self._rep_trace]
+            prev = np.full(len(self.stream.tokens), -1, dtype=np.int64)
+            prev[b + self._rep_loc] = b + self._rep_prev_loc
+            self._prev = prev
+        return self._prev
+
+    def coverage_counts(self, ws) -> np.ndarray:
+        """[nW] number of queries whose token is in the window of each w_max (reuse distance <= W)."""
+        return np.searchsorted(self._sorted_d, check_windows(ws), side="right")
+
+    def active_vocab_sums(self, ws) -> np.ndarray:
+        """[nW] Sum over queries of |I_t| = |Unique(S[max(0, n-W):n])| for each window size W."""
+        ws = check_windows(ws)
+        qpos = self.stream.query_pos
+        out = np.empty(len(ws), dtype=np.int64)
+        keep = self._rep_gap < int(ws.max())   # a repeat further back than every window never counts
+        rp, re, rb = self._rep_prev_slot[keep], self._rep_end_slot[keep], self._rep_base[keep]
+        cq = self._cq
+        x = np.empty_like(rp)
+        c = np.empty_like(rb)
+        for i, w in enumerate(ws.tolist()):    # nW vectorised passes over the repeats; no per-step loop
+            np.add(rp, w, out=x)
+            np.minimum(x, re, out=x)           # last slot whose query still has prev[j] inside its window
+            np.take(cq, x, out=c)
+            c -= rb                            # queries n with j < n <= min(prev[j] + W, end)
+            np.maximum(c, 0, out=c)
+            out[i] = int(np.minimum(qpos, w).sum()) - int(c.sum(dtype=np.int64))
+        return out
+
+    def distinct_before(self) -> np.ndarray:
+        """[Q] number of distinct tokens in the whole stream prefix S[0:n] of each query's trace."""
+        s = self.stream
+        first = np.concatenate([[0], np.cumsum(self.prev < 0)])          # [N+1]
+        start = s.bounds[s.query_trace]
+        return first[start + s.query_pos] - first[start]
+
+    def stack_distance(self) -> np.ndarray:
+        """[Q] LRU stack distance of each query: 1 + #distinct tokens in S[p+1:n] (p = latest occurrence
+        of the query's token before n), NEVER if the token never occurred.
+
+        #distinct in S[p+1:n] = #{j in [p+1, n) : prev[j] <= p} (first occurrences inside the range), a
+        range-rank query answered for all queries at once by a wavelet matrix over prev+1: O((N+Q) log N)
+        vectorised passes (one stable partition and one cumsum of N per bit, one gather of Q per bit).
+        """
+        s = self.stream
+        found = self.query_last >= 0
+        start = s.bounds[s.query_trace[found]]
+        p = start + self.query_last[found]                                # [Qf] global latest occurrence
+        lo, hi = p + 1, start + s.query_pos[found]
+        count = range_count_less(self.prev + 1, lo, hi, p + 2)
+        out = np.full(len(s.query_pos), NEVER, dtype=np.int64)
+        out[found] = count + 1
+        return out
+
+
+def range_count_less(values: np.ndarray, lo: np.ndarray, hi: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """[Q] #{i in [lo_q, hi_q) : values[i] < c_q} for non-negative int `values [N]`, by a wavelet matrix.
+
+    One level per bit of max(values, c): the level stores the prefix count of zero bits and stably moves
+    zero-bit values to the front; a query walks down the levels narrowing [lo, hi) to the values that
+    agree with c on the higher bits, adding the zero-bit block whenever c has a one. O((N + Q) log max).
+    """
+    values = np.asarray(values, dtype=np.int64)
+    lo, hi, c = (np.asarray(a, dtype=np.int64).copy() for a in (lo, hi, c))
+    res = np.zeros(len(lo), dtype=np.int64)
+    if len(lo) == 0:
+        return res
+    nbits = int(max(values.max(initial=0), c.max(initial=0))).bit_length()
+    cur = values
+    ar = np.arange(len(values), dtype=np.int64)
+    for b in range(nbits - 1, -1, -1):
+        bit = (cur >> b) & 1                                              # [N]
+        zeros = np.concatenate([[0], np.cumsum(1 - bit)])                 # [N+1] rank of zero bits
+        nz = zeros[-1]
+        z_lo, z_hi = zeros[lo], zeros[hi]
+        one = ((c >> b) & 1).astype(bool)
+        res += np.where(one, z_hi - z_lo, 0)
+        lo = np.where(one, nz + lo - z_lo, z_lo)
+        hi = np.where(one, nz + hi - z_hi, z_hi)
+        dest = np.where(bit == 0, zeros[:-1], nz + ar - zeros[:-1])       # stable partition by this bit
+        nxt = np.empty_like(cur)
+        nxt[dest] = cur
+        cur = nxt
+    return res

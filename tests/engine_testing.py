@@ -1,0 +1,126 @@
+"""Test-only helpers for the engine tests: random draft trees, test drafters and a naive reference decoder."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.tree import DraftTree, Drafter
+
+ARCHS = ("random-llama", "random-gemma3", "random-qwen3")
+
+
+def random_parents(n: int, rng: np.random.Generator, chain_bias: float = 0.5) -> list[int]:
+    """Topologically ordered parents of an n-node tree; with prob chain_bias a node hangs off its predecessor."""
+    parents = [-1]
+    for i in range(1, n):
+        parents.append(i - 1 if rng.random() < chain_bias else int(rng.integers(0, i)))
+    return parents
+
+
+def random_tree(root: int, n: int, vocab: int, rng: np.random.Generator) -> DraftTree:
+    tokens = [int(root)] + rng.integers(0, vocab, n - 1).tolist()
+    return DraftTree(torch.tensor(tokens), torch.tensor(random_parents(n, rng)))
+
+
+def naive_greedy(model, prompt_ids, max_new_tokens: int, eos_ids=()) -> list[int]:
+    """Autoregressive greedy decoding with a full forward per token and no cache: the plain reference."""
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(1, -1)
+    out = []
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            nxt = int(model(ids).logits[0, -1].argmax())
+            out.append(nxt)
+            if nxt in set(eos_ids):
+                break
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return out
+
+
+class OracleTreeDrafter(Drafter):
+    """Random trees in which one branch follows the known greedy continuation for a random number of
+    tokens; other nodes are random tokens, or correct tokens hung in wrong places."""
+
+    name = "test-oracle-tree"
+
+    def __init__(self, target, cfg, full_ids: list[int], vocab: int, seed: int = 0, max_nodes: int = 12):
+        super().__init__(target, cfg)
+        self.full_ids, self.vocab, self.max_nodes = list(full_ids), vocab, max_nodes
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, ids):
+        rng, cur = self.rng, ids.numel()
+        truth = self.full_ids[cur:cur + self.max_nodes]          # the greedy continuation after the root
+        n = int(rng.integers(1, self.max_nodes + 1))
+        tokens, parents = [int(ids[-1])], [-1]
+        good = int(rng.integers(0, min(len(truth), n - 1) + 1))  # length of the correct branch
+        node = 0
+        for j in range(good):
+            # random siblings before the correct child, so the correct one is not always first
+            if rng.random() < 0.4 and len(tokens) < n - (good - j):
+                tokens.append(int(rng.integers(0, self.vocab)))
+                parents.append(node)
+            tokens.append(truth[j])
+            parents.append(node)
+            node = len(tokens) - 1
+        while len(tokens) < n:
+            misplaced = truth and rng.random() < 0.3             # a correct token at a wrong place
+            tokens.append(truth[int(rng.integers(0, len(truth)))] if misplaced else int(rng.integers(0, self.vocab)))
+            parents.append(int(rng.integers(0, len(tokens) - 1)))
+        return DraftTree(torch.tensor(tokens), torch.tensor(parents))
+
+
+class SelfDrafter(Drafter):
+    """Self-speculation: drafts the target's own greedy continuation (cache-free full forwards), as a chain
+    or as one branch of a tree with a decoy sibling in front; every draft token must be accepted."""
+
+    name = "test-self"
+
+    def __init__(self, target, cfg, num_draft: int = 4, decoy: bool = False):
+        super().__init__(target, cfg)
+        self.num_draft, self.decoy = num_draft, decoy
+
+    def propose(self, ids):
+        seq = ids[None].clone()
+        draft = []
+        for _ in range(self.num_draft):
+            nxt = self.target(seq).logits[0, -1].argmax()
+            draft.append(int(nxt))
+            seq = torch.cat([seq, nxt.view(1, 1)], dim=1)
+        if not self.decoy:
+            return DraftTree.chain(int(ids[-1]), draft)
+        decoy = (draft[0] + 1) % self.target.config.vocab_size
+        tokens = [int(ids[-1]), decoy] + draft
+        parents = [-1, 0, 0] + list(range(2, 1 + len(draft)))
+        return DraftTree(torch.tensor(tokens), torch.tensor(parents))
+
+
+class SampledChainDrafter(Drafter):
+    """Chains / small trees whose children are i.i.d. draws from a random q (draft_probs set)."""
+
+    name = "test-sampled"
+
+    def __init__(self, target, cfg, vocab: int, seed: int = 0, depth: int = 3, width: int = 2,
+                 sharpness: float = 2.0):
+        super().__init__(target, cfg)
+        self.vocab, self.depth, self.width, self.sharpness = vocab, depth, width, sharpness
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def propose(self, ids):
+        tokens, parents, q_rows = [int(ids[-1])], [-1], []
+        frontier = [0]
+        for _ in range(self.depth):
+            nxt = []
+            for node in frontier:
+                q = torch.softmax(self.sharpness * torch.randn(self.vocab, generator=self.gen), -1)
+                while len(q_rows) <= node:
+                    q_rows.append(torch.zeros(self.vocab))
+                q_rows[node] = q
+                for _ in range(self.width):
+                    tokens.append(int(torch.multinomial(q, 1, generator=self.gen)))
+                    parents.append(node)
+                    nxt.append(len(tokens) - 1)
+            frontier = nxt[:1]                                   # keep the tree small: expand the first child
+        while len(q_rows) < len(tokens):
+            q_rows.append(torch.zeros(self.vocab))               # leaves: no children sampled
+        return DraftTree(torch.tensor(tokens), torch.tensor(parents), draft_probs=torch.stack(q_rows))

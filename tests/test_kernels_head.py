@@ -1,0 +1,99 @@
+"""packed_head / indexed_head: Triton kernel vs plain-torch reference, relative-RMS error, -inf masks."""
+
+import pytest
+import torch
+
+from kernels.head import (HeadError, indexed_head, indexed_head_ref, indexed_head_triton, packed_head,
+                          packed_head_ref, packed_head_triton)
+from kernels.hardware import using_triton
+from kernels.testing import nan_filled, rel_rms
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]          # bf16: multiplied in fp32 when interpreted
+# (r, W, d): GEMV and small GEMM rows (r > 16 spans two row blocks), odd W, d not a multiple of 16/128
+SHAPES = [(1, 63, 781), (3, 1823, 97), (1, 1823, 781), (17, 100, 33), (2, 1, 1), (5, 64, 128)]
+TOL = 1e-5   # both sides multiply the same rounded inputs in fp32; only the summation order differs
+
+
+def _packed_case(r, W, d, dtype, seed, empty_fraction=0.3):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(r, d, generator=g).to(dtype)
+    packed = torch.randn(W, d, generator=g).to(dtype)
+    tok_of_slot = torch.randint(0, 10 * W, (W,), generator=g, dtype=torch.int32)
+    empty = torch.rand(W, generator=g) < empty_fraction
+    tok_of_slot[empty] = -1
+    packed[empty] = float("nan")               # an empty slot's row is garbage; the mask must still win
+    return h, packed, tok_of_slot
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("r,W,d", SHAPES)
+def test_packed_head_matches_reference(r, W, d, dtype):
+    h, packed, tok_of_slot = _packed_case(r, W, d, dtype, seed=r * W + d)
+    out = packed_head_triton(h, packed, tok_of_slot)
+    ref = packed_head_ref(h, packed, tok_of_slot)
+    assert out.dtype == torch.float32 and out.shape == (r, W)
+    assert torch.equal(torch.isneginf(ref), (tok_of_slot < 0).expand(r, W))
+    assert rel_rms(out, ref) < TOL
+
+
+@pytest.mark.parametrize("empty_fraction", [0.0, 1.0], ids=["all-valid", "all-empty"])
+def test_packed_head_full_and_empty_window(empty_fraction):
+    h, packed, tok_of_slot = _packed_case(2, 63, 70, torch.float32, seed=1, empty_fraction=empty_fraction)
+    out = packed_head_triton(h, packed, tok_of_slot)
+    assert rel_rms(out, packed_head_ref(h, packed, tok_of_slot)) < TOL
+    assert torch.isneginf(out).all() == (empty_fraction == 1.0)
+    assert torch.isfinite(out).all() == (empty_fraction == 0.0)
+
+
+def test_packed_head_without_mask_and_with_leading_dims():
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(2, 3, 50, generator=g)
+    packed = torch.randn(37, 50, generator=g)
+    out = packed_head_triton(h, packed)
+    assert out.shape == (2, 3, 37)
+    assert rel_rms(out, torch.einsum("abd,wd->abw", h.double(), packed.double()).float()) < TOL
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("r,V,m,d", [(1, 1823, 63, 781), (3, 500, 257, 97), (17, 40, 40, 33), (1, 10, 0, 16)])
+def test_indexed_head_matches_reference(r, V, m, d, dtype):
+    g = torch.Generator().manual_seed(V + m)
+    h = torch.randn(r, d, generator=g).to(dtype)
+    weight = torch.randn(V, d, generator=g).to(dtype)
+    idx = torch.randint(-1, V, (m,), generator=g)                      # -1 = masked column
+    out = indexed_head_triton(h, weight, idx)
+    ref = indexed_head_ref(h, weight, idx)
+    assert out.shape == (r, m)
+    assert torch.equal(torch.isneginf(ref), (idx < 0).expand(r, m))
+    assert rel_rms(out, ref) < TOL
+
+
+@pytest.mark.parametrize("backend", [True, False], ids=["triton", "torch"])
+def test_indexed_equals_packed_on_a_consistent_buffer(backend):
+    """The ablation and the packed head compute the same logits; only the memory access differs."""
+    g = torch.Generator().manual_seed(11)
+    V, W, d = 700, 61, 90
+    weight = torch.randn(V, d, generator=g).half()
+    tok_of_slot = torch.randperm(V, generator=g)[:W].to(torch.int32)
+    tok_of_slot[::4] = -1
+    packed = nan_filled(W, d, dtype=torch.float16)
+    packed[tok_of_slot >= 0] = weight[tok_of_slot[tok_of_slot >= 0].long()]
+    h = torch.randn(4, d, generator=g).half()
+    with using_triton(backend):
+        a = packed_head(h, packed, tok_of_slot)
+        b = indexed_head(h, weight, tok_of_slot)
+    assert rel_rms(a, b) < TOL
+    full = h.double() @ weight.double().T                               # [4, V]: the full LM head
+    live = tok_of_slot >= 0
+    assert rel_rms(a[:, live], full[:, tok_of_slot[live].long()].float()) < 1e-3   # fp16 inputs vs fp64
+
+
+def test_bad_arguments_name_the_problem():
+    with pytest.raises(HeadError, match="share a dtype"):
+        packed_head_ref(torch.zeros(1, 8), torch.zeros(4, 8, dtype=torch.float16))
+    with pytest.raises(HeadError, match=r"tok_of_slot must be \[W\]=4"):
+        packed_head_triton(torch.zeros(1, 8), torch.zeros(4, 8), torch.zeros(5, dtype=torch.int32))
+    with pytest.raises(HeadError, match="d=8"):
+        packed_head_ref(torch.zeros(1, 7), torch.zeros(4, 8))
+    with pytest.raises(HeadError, match="integer"):
+        indexed_head_ref(torch.zeros(1, 8), torch.zeros(4, 8), torch.zeros(2))

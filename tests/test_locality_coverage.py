@@ -1,0 +1,245 @@
+"""Candidate stream construction and one-pass window coverage vs the per-step reference (exact equality)."""
+
+import numpy as np
+import polars as pl
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests import locality_reference as ref
+from locality import (LocalityError, Trace, TraceError, candidate_stream, coverage, coverage_by, coverage_report,
+                      generated_stream)
+from locality.bench import one_pass, simulate_per_step, synthetic_traces, word_traces
+from locality.stream import StreamIndex
+
+PARAGRAPHS = [
+    "The cache keeps the most recent tokens. When a token is used again soon, the cache still holds it, and "
+    "the draft model can propose it without the full vocabulary. The cache forgets a token only when many "
+    "other tokens have been used since. A small cache is fast; a large cache misses less. The right size "
+    "depends on how far back the text looks: code repeats names, stories repeat characters, and a "
+    "translation repeats little of its source. " * 2,
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\nprint(add(1, 2), sub(3, 4))\n"
+    "for i in range(10):\n    print(add(i, i), sub(i, 1))\n" * 3,
+]
+
+
+def random_trace(rng, V=12, K=4, draft=None, L=None, T=None, meta=None):
+    """Small vocabulary to force repeats; top-K rows without repeats inside a row."""
+    K = min(K, V)
+    L = int(rng.integers(1, 12)) if L is None else L
+    T = int(rng.integers(0, 15)) if T is None else T
+    rows = lambda n: np.array([rng.permutation(V)[:K] for _ in range(n)], dtype=np.int64).reshape(n, K)  # noqa
+    draft = bool(rng.integers(0, 2)) if draft is None else draft
+    return Trace(prompt=rng.integers(0, V, L), prefill_topk=rows(L - 1), generated=rng.integers(0, V, T),
+                 step_topk=rows(T), meta=meta or {},
+                 draft_tokens=[rng.integers(0, V, rng.integers(0, 6)) for _ in range(T)] if draft else None)
+
+
+def random_traces(seed, n=None, **kw):
+    rng = np.random.default_rng(seed)
+    return [random_trace(rng, meta={"category": ["qa", "code", "math"][i % 3], "language": ["en", "de"][i % 2]},
+                         **kw) for i in range(int(rng.integers(1, 7)) if n is None else n)]
+
+
+WS = [1, 2, 3, 5, 8, 13, 21, 40, 100, 10_000]
+
+
+# --- event order, by hand -----------------------------------------------------------------------------
+
+def hand_trace(draft=None):
+    return Trace(prompt=[5, 6, 7], prefill_topk=[[6, 1], [7, 6]], generated=[8, 10],
+                 step_topk=[[8, 1], [10, 8]], draft_tokens=draft)
+
+
+def test_event_order_by_hand():
+    s = candidate_stream([hand_trace()], k_pre=2, k_ver=1)
+    # S_init = prompt ⊕ Dedup(rows 0, 1 and step_topk[0]) = [5,6,7] ⊕ [6,1,7,8]; query 0; + [8]; query 1; + [10]
+    assert s.tokens.tolist() == [5, 6, 7, 6, 1, 7, 8, 8, 10]
+    assert s.query_pos.tolist() == [7, 8] and s.query_token.tolist() == [8, 10]
+    last = candidate_stream([hand_trace()], k_pre=2, k_ver=1, prefill_order="last")
+    assert last.tokens[3:7].tolist() == [7, 6, 8, 1]           # ordered by last occurrence, then rank
+    drafted = candidate_stream([hand_trace(draft=[[3, 3, 4], []])], k_pre=2, k_ver=1)
+    assert drafted.tokens.tolist() == [5, 6, 7, 6, 1, 7, 8, 3, 4, 8, 10]
+    assert drafted.query_pos.tolist() == [7, 10]
+    per_step = hand_trace(draft=[[], [3, 3, 4]])          # step 0 = prefill (1 token), step 1 commits 1
+    per_step.meta["step_sizes"] = [1, 1]
+    assert candidate_stream([per_step], k_pre=2, k_ver=1).tokens.tolist() == [5, 6, 7, 6, 1, 7, 8, 8, 3, 4, 10]
+    ctx = candidate_stream([hand_trace()], k_pre=2, k_ver=1, sources="ctx")
+    assert ctx.tokens.tolist() == [5, 6, 7, 6, 1, 7, 8] and ctx.query_pos.tolist() == [7, 7]
+    ext = candidate_stream([hand_trace()], k_pre=2, k_ver=1, sources="ext")
+    assert ext.tokens.tolist() == [8, 1, 8, 10] and ext.query_pos.tolist() == [2, 3]
+    gen = generated_stream([hand_trace()])
+    assert gen.tokens.tolist() == [5, 6, 7, 8, 10] and gen.query_pos.tolist() == [3, 4]
+
+
+def test_hand_coverage_values():
+    # w=1: query 0 sees {8} -> covered; query 1 sees {8} -> 10 missed. w=2: {7,8} then {8} (S ends 8, 8).
+    f = coverage([hand_trace()], w_max=[1, 2, 100], k_pre=2, k_ver=1)
+    assert f["coverage"].to_list() == [0.5, 0.5, 0.5]
+    assert f["mean_active_vocab"].to_list() == [1.0, 1.5, 5.0]   # |{5,6,7,1,8}| = 5 at both steps
+    assert f["steps"].to_list() == [2, 2, 2]
+
+
+# --- fast path == reference, exactly -------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("sources", ["ctx+ext", "ctx", "ext"])
+def test_coverage_matches_reference(seed, sources):
+    trs = random_traces(seed)
+    rng = np.random.default_rng(1000 + seed)
+    k_pre, k_ver = int(rng.integers(0, 5)), int(rng.integers(0, 5))   # includes K exactly (4) and 0
+    order = ["first", "last"][seed % 2]
+    f = coverage(trs, WS, k_pre, k_ver, sources, order)
+    for row in f.iter_rows(named=True):
+        covered, active, steps = ref.coverage(trs, row["w_max"], k_pre=k_pre, k_ver=k_ver, sources=sources,
+                                              prefill_order=order)
+        assert row["steps"] == steps
+        if steps:
+            assert row["coverage"] * steps == pytest.approx(covered, abs=1e-9)
+            assert row["mean_active_vocab"] * steps == pytest.approx(active, abs=1e-9)
+    idx = StreamIndex(candidate_stream(trs, k_pre, k_ver, sources, order))
+    exp = [ref.coverage(trs, w, k_pre=k_pre, k_ver=k_ver, sources=sources, prefill_order=order) for w in WS]
+    assert idx.coverage_counts(WS).tolist() == [c for c, _, _ in exp]      # integer sums, exactly
+    assert idx.active_vocab_sums(WS).tolist() == [a for _, a, _ in exp]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_generated_stream_matches_reference(seed):
+    trs = random_traces(seed, V=20)
+    idx = StreamIndex(generated_stream(trs))
+    for w in WS:
+        c, a, n = ref.coverage(trs, w, events=ref.generated_events)
+        assert idx.coverage_counts([w])[0] == c and idx.active_vocab_sums([w])[0] == a and idx.steps == n
+
+
+def test_edge_cases():
+    rng = np.random.default_rng(7)
+    trs = [random_trace(rng, T=0), random_trace(rng, L=1, T=5), random_trace(rng, L=1, T=0),
+           random_trace(rng, draft=True, T=9), random_trace(rng, draft=False, T=9),
+           random_trace(rng, L=30, T=1)]
+    for w in [1, 10 ** 9]:                      # w_max = 1 and far beyond any stream
+        f = coverage(trs, [w], k_pre=4, k_ver=4)
+        c, a, n = ref.coverage(trs, w, k_pre=4, k_ver=4)
+        assert f["steps"][0] == n == 24
+        assert f["coverage"][0] * n == pytest.approx(c) and f["mean_active_vocab"][0] * n == pytest.approx(a)
+    only_empty = coverage([random_trace(rng, T=0)], [4])
+    assert only_empty["steps"][0] == 0 and only_empty["coverage"].is_nan()[0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_draft_lists_per_step_with_step_sizes(seed):
+    """Speculative traces: one draft list per step + meta['step_sizes'] (the harness's layout)."""
+    rng = np.random.default_rng(seed)
+    trs = []
+    for _ in range(4):
+        t = random_trace(rng, draft=False)
+        T = len(t.generated)
+        sizes = []
+        while sum(sizes) < T:
+            sizes.append(int(rng.integers(1, 4)))
+        t.draft_tokens = [rng.integers(0, 12, rng.integers(0, 6)) for _ in sizes]
+        t.meta["step_sizes"] = sizes
+        trs.append(t)
+    for w in [1, 4, 17, 500]:
+        f = coverage(trs, [w], k_pre=2, k_ver=3)
+        c, a, n = ref.coverage(trs, w, k_pre=2, k_ver=3)
+        if n:
+            assert (f["coverage"][0] * n, f["mean_active_vocab"][0] * n) == pytest.approx((c, a))
+
+
+def test_real_looking_trace():
+    trs = word_traces(PARAGRAPHS, k=5, prompt_words=20, categories=["prose", "code"])
+    assert len(trs) == 2 and all(len(t.generated) > 50 for t in trs)
+    ws = [1, 16, 64, 256, 4096]
+    f = coverage_by(trs, ["category"], ws, k_pre=3, k_ver=2)
+    for cat, tr in zip(["prose", "code"], trs):
+        g = f.filter(pl.col("category") == cat)
+        for w, cov, act in zip(g["w_max"], g["coverage"], g["mean_active_vocab"]):
+            c, a, n = ref.coverage([tr], w, k_pre=3, k_ver=2)
+            assert cov * n == pytest.approx(c) and act * n == pytest.approx(a)
+    # real text repeats itself: a big enough window covers most steps, more than a one-entry window
+    g = coverage(trs, [1, 4096])["coverage"].to_list()
+    assert g[1] > 0.8 and g[1] > g[0]
+
+
+def test_bench_simulation_agrees_with_one_pass():
+    trs = synthetic_traces(3, prompt_len=40, gen_len=60, vocab_size=500, k=4, draft_size=5, seed=3)
+    ws = [1, 7, 50, 300]
+    _, cov, act = one_pass(trs, ws)
+    assert [c for c, _ in simulate_per_step(trs, ws)] == cov.tolist()
+    assert [a for _, a in simulate_per_step(trs, ws)] == act.tolist()
+
+
+# --- groups and the report ------------------------------------------------------------------------------
+
+def test_coverage_by_groups_equal_subsets():
+    trs = random_traces(3, n=9)
+    f = coverage_by(trs, ["category", "language"], [2, 50])
+    assert set(f.columns) >= {"category", "language", "w_max", "coverage", "mean_active_vocab", "steps"}
+    for (cat, lang), g in f.group_by(["category", "language"]):
+        sub = [t for t in trs if t.meta["category"] == cat and t.meta["language"] == lang]
+        assert g.sort("w_max").drop("category", "language").equals(coverage(sub, [2, 50]))
+
+
+def test_coverage_report_prints_and_returns(capsys):
+    trs = random_traces(4, n=6)
+    wide = coverage_report(trs, w_max=(3, 30))
+    out = capsys.readouterr().out
+    assert wide["category"].to_list() == ["code", "math", "qa", "(all)"]
+    assert {"coverage@3", "coverage@30", "mean_active_vocab@3", "mean_active_vocab@30"} <= set(wide.columns)
+    assert all(name in out for name in ["code", "math", "qa", "(all)", "cov@30", "|I|@3"])
+    total = coverage(trs, [3, 30])
+    assert wide.filter(pl.col("category") == "(all)")["coverage@30"][0] == total["coverage"][1]
+
+
+# --- bad input -------------------------------------------------------------------------------------------
+
+def test_errors_name_the_problem():
+    trs = random_traces(0, n=2, T=3)
+    with pytest.raises(LocalityError, match="w_max"):
+        coverage(trs, [0, 5])
+    with pytest.raises(LocalityError, match="w_max"):
+        coverage(trs, [-3])
+    with pytest.raises(LocalityError, match="empty"):
+        coverage([], [5])
+    with pytest.raises(TraceError, match="k_pre=5 is larger than the K=4"):
+        coverage(trs, [5], k_pre=5)
+    with pytest.raises(TraceError, match="k_ver=9"):
+        coverage(trs, [5], k_ver=9)
+    with pytest.raises(LocalityError, match="sources"):
+        coverage(trs, [5], sources="prompt")
+    with pytest.raises(LocalityError, match="k_pre must be an int >= 0"):
+        coverage(trs, [5], k_pre=-1)
+    bad = Trace(prompt=[1, 2], prefill_topk=[[1, 2]], generated=[3, 4], step_topk=[[3, 1], [4, 1]],
+                draft_tokens=[[1]])
+    with pytest.raises(TraceError, match="2 generated tokens and no meta\\['step_sizes'\\]"):
+        coverage([bad], [5], k_pre=2, k_ver=2)
+
+
+# --- property test and the command lines ------------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2 ** 32 - 1), w=st.integers(1, 60), k_pre=st.integers(0, 4), k_ver=st.integers(0, 4),
+       sources=st.sampled_from(["ctx+ext", "ctx", "ext"]), order=st.sampled_from(["first", "last"]))
+def test_property_one_pass_equals_reference(seed, w, k_pre, k_ver, sources, order):
+    trs = random_traces(seed, V=int(np.random.default_rng(seed).integers(1, 9)))
+    idx = StreamIndex(candidate_stream(trs, k_pre, k_ver, sources, order))
+    c, a, n = ref.coverage(trs, w, k_pre=k_pre, k_ver=k_ver, sources=sources, prefill_order=order)
+    assert (idx.coverage_counts([w])[0], idx.active_vocab_sums([w])[0], idx.steps) == (c, a, n)
+
+
+def test_cli_and_bench_run(tmp_path, capsys):
+    from locality import bench, write_traces
+    from locality.__main__ import main
+
+    trs = random_traces(11, n=5, T=6)
+    write_traces(trs, tmp_path / "tr" / "t.parquet")
+    f = main(["coverage", str(tmp_path / "tr"), "--w-max", "3", "30", "--out", str(tmp_path / "c.parquet")])
+    assert pl.read_parquet(tmp_path / "c.parquet").equals(f)
+    assert f.equals(coverage_by(trs, ["category"], [3, 30]))
+    main(["lru", str(tmp_path / "tr"), "--capacity", "2", "8", "--by", "language"])
+    main(["successor", str(tmp_path / "tr"), "--persist"])
+    bench.main(n_traces=3, gen_len=40, prompt_len=20, prefix_traces=2, repeats=1)
+    out = capsys.readouterr().out
+    assert "(all)" in out and "fifo_w_max" in out and "store_hit_rate" in out
+    assert out.count("results identical to the one-pass") == 2 and "speed ratio" in out

@@ -1,0 +1,331 @@
+"""UniSpec / Token Recycling drafting, checked against plain-Python references written like the spec.
+
+- the successor store update vs a loop that writes rows one by one (later rows win);
+- node confidences (both variants) on a hand-built store;
+- the vectorised tree construction vs a node-by-node reference of specs/unispec.md 4.3 on random stores;
+- ancestor closure and size of the top-g selection;
+- Token Recycling's template (80 nodes, depth 6) and its truncation.
+"""
+
+import heapq
+import math
+import random
+
+import pytest
+import torch
+
+from engine.drafters.recycling import TEMPLATES, Template, fill_template
+from engine.drafters.unispec import accepted_last_order, build_unispec_tree
+from engine.store import SuccessorStore, deployment_store, topk_probs
+
+
+# ---- store ---------------------------------------------------------------------------------------
+
+def reference_store_update(tok, con, tokens, logits, k):
+    """Row by row, in order: later writes overwrite earlier ones."""
+    tok, con = tok.clone(), con.clone()
+    for v, z in zip(tokens.tolist(), logits):
+        p = torch.softmax(z.double(), dim=-1)
+        vals, idx = torch.sort(p, descending=True)
+        tok[v] = idx[:k]
+        con[v] = vals[:k].float()
+    return tok, con
+
+
+@pytest.mark.parametrize("n,vocab,k", [(1, 7, 3), (37, 50, 10), (200, 263, 8)])
+def test_store_update_matches_loop(n, vocab, k):
+    g = torch.Generator().manual_seed(n)
+    store = SuccessorStore(vocab, k)
+    ref_tok, ref_con = store.tok.clone(), store.con.clone()
+    for _ in range(3):                                     # several updates accumulate
+        tokens = torch.randint(0, max(2, vocab // 4), (n,), generator=g)   # many duplicates
+        logits = torch.randn(n, vocab, generator=g) * 3
+        store.update(tokens, logits)
+        ref_tok, ref_con = reference_store_update(ref_tok, ref_con, tokens, logits, k)
+    assert torch.equal(store.tok, ref_tok)
+    torch.testing.assert_close(store.con, ref_con, rtol=1e-5, atol=1e-7)
+    assert store.num_filled() == int((ref_con[:, 0] > 0).sum()) < vocab   # unwritten rows stay empty
+
+
+def test_topk_probs_temperature_and_chunks():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(1030, 91, generator=g) * 4
+    for temp in (0.0, 0.7, 1.5):
+        ids, probs = topk_probs(logits, 5, temp, chunk=100)
+        p = torch.softmax(logits / (temp if temp > 0 else 1.0), dim=-1)
+        ref_vals, ref_ids = p.topk(5, dim=-1)
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(probs, ref_vals)
+
+
+def test_accepted_path_written_last():
+    """The same token at an accepted and a rejected node: the accepted node's row must win."""
+    vocab, k = 20, 4
+    tree_tokens = torch.tensor([5, 9, 9, 3, 9])           # node 1 rejected, node 2 accepted, node 4 rejected
+    accepted = torch.tensor([0, 2, 3])
+    logits = torch.randn(5, vocab)
+    logits[2, 17] = 50.0                                   # the accepted 9's top-1 is 17
+    logits[4, 11] = 60.0                                   # the rejected 9's top-1 is 11
+    order = accepted_last_order(5, accepted)
+    assert order.tolist() == [1, 4, 0, 2, 3]
+    store = SuccessorStore(vocab, k)
+    store.update(tree_tokens[order], logits[order])
+    assert store.tok[9, 0].item() == 17
+
+
+def test_deployment_store_is_shared_per_target():
+    m1, m2 = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    a = deployment_store(m1, "unispec", 30, 4)
+    assert deployment_store(m1, "unispec", 30, 4) is a
+    assert deployment_store(m2, "unispec", 30, 4) is not a
+    assert deployment_store(m1, "recycling", 30, 4) is not a
+
+
+# ---- plain reference of specs/unispec.md 4.3 -------------------------------------------------------
+
+def reference_tree(root, S_tok, S_con, C_tok, C_con, k, d, r, g, confidence, scope):
+    """Node-by-node reference. Returns a set of root->node token paths with their scores."""
+    nodes = []                                            # dicts: tok, parent (-1 root), depth, score, ins
+
+    def add(tok, parent, depth, score):
+        nodes.append(dict(tok=tok, parent=parent, depth=depth, score=score, ins=len(nodes)))
+        return len(nodes) - 1
+
+    cand = [(S_tok[root][j], S_con[root][j]) for j in range(len(S_tok[root]))]
+    if C_tok is not None:
+        cand += [(C_tok[j], C_con[j]) for j in range(len(C_tok))]
+    best = {}
+    order = sorted(range(len(cand)), key=lambda i: (-cand[i][1], i))
+    level = []
+    for i in order:
+        t, c = cand[i]
+        if c == 0 or t in best:
+            continue
+        best[t] = c
+        level.append(add(t, -1, 1, c))
+
+    def frontier_of(level):
+        top = sorted(level, key=lambda u: (-nodes[u]["score"], nodes[u]["ins"]))[:k]
+        return [u for u in top if nodes[u]["score"] >= r]
+
+    frontier = frontier_of(level)
+    for depth in range(2, d + 1):
+        if not frontier:
+            break
+        level = []
+        for u in frontier:
+            t = nodes[u]["tok"]
+            for j in range(len(S_tok[t])):
+                p = S_con[t][j]
+                if p == 0:
+                    continue
+                s = nodes[u]["score"] * p if confidence == "path" else p
+                level.append(add(S_tok[t][j], u, depth, s))
+        frontier = frontier_of(level)
+
+    elig = [u for u in range(len(nodes)) if nodes[u]["score"] > 0
+            and (scope == "expand" or nodes[u]["score"] >= r)]
+    # best-first growth: a max-heap over the eligible children of taken nodes, keyed by the bottleneck
+    # confidence (min score along the path), then depth, then insertion order
+    eff = {}
+    for u in range(len(nodes)):                            # parents are inserted before children
+        p = nodes[u]["parent"]
+        eff[u] = nodes[u]["score"] if p == -1 else min(nodes[u]["score"], eff[p])
+    key = lambda u: (-eff[u], nodes[u]["depth"], nodes[u]["ins"])
+    children = {}
+    for u in elig:
+        children.setdefault(nodes[u]["parent"], []).append(u)
+    heap = [key(u) + (u,) for u in children.get(-1, [])]
+    heapq.heapify(heap)
+    taken = []
+    while heap and len(taken) < g:
+        u = heapq.heappop(heap)[-1]
+        taken.append(u)
+        for c in children.get(u, []):
+            heapq.heappush(heap, key(c) + (c,))
+
+    def path(u):
+        out = []
+        while u != -1:
+            out.append(nodes[u]["tok"])
+            u = nodes[u]["parent"]
+        return tuple(out[::-1])
+
+    return {path(u): nodes[u]["score"] for u in taken}
+
+
+def tree_paths(tree):
+    toks, par = tree.tokens.tolist(), tree.parents.tolist()
+    out = {}
+    for i in range(1, tree.size):
+        path, u = [], i
+        while u != 0:
+            path.append(toks[u])
+            u = par[u]
+        out[tuple(path[::-1])] = float(tree.scores[i])
+    return out
+
+
+def random_store(vocab, k, seed, fill=0.7, peaked=True):
+    """A store like a real one: distinct successors per row, descending probabilities, some rows empty."""
+    g = torch.Generator().manual_seed(seed)
+    tok = torch.zeros(vocab, k, dtype=torch.long)
+    con = torch.zeros(vocab, k)
+    for v in range(vocab):
+        if torch.rand(1, generator=g).item() > fill:
+            continue
+        tok[v] = torch.randperm(vocab, generator=g)[:k]
+        # quantised probabilities make exact ties between nodes likely (tests the tie-breaks)
+        logits = torch.randn(vocab, generator=g) * (3.0 if peaked else 1.0)
+        p = torch.softmax(logits, 0).sort(descending=True).values[:k]
+        con[v] = torch.round(p * 64) / 64
+    con = torch.sort(con, dim=1, descending=True).values
+    return tok, con
+
+
+@pytest.mark.parametrize("confidence", ["path", "node"])
+@pytest.mark.parametrize("scope", ["expand", "expand+select"])
+def test_tree_matches_reference_on_random_stores(confidence, scope):
+    rng = random.Random(0)
+    for trial in range(40):
+        vocab, k = rng.choice([(12, 3), (40, 5), (64, 10)])
+        d, g = rng.randint(1, 6), rng.choice([1, 3, 8, 25, 60])
+        r = rng.choice([0.0, 0.02, 0.05, 0.2])
+        S_tok, S_con = random_store(vocab, k, seed=trial, fill=rng.choice([0.5, 0.9, 1.0]))
+        use_cache = trial % 3 != 0
+        C_tok, C_con = random_store(vocab, k, seed=1000 + trial, fill=1.0)
+        C_tok, C_con = (C_tok[0], C_con[0]) if use_cache else (None, None)
+        root = rng.randrange(vocab)
+        tree = build_unispec_tree(root, S_tok, S_con, C_tok, C_con, k=k, depth=d, r=r, g=g,
+                                  confidence=confidence, threshold_scope=scope)
+        ref = reference_tree(root, S_tok.tolist(), S_con.tolist(),
+                             None if C_tok is None else C_tok.tolist(),
+                             None if C_con is None else C_con.tolist(), k, d, r, g, confidence, scope)
+        got = tree_paths(tree)
+        assert tree.tokens[0].item() == root
+        assert set(got) == set(ref), f"trial {trial}"
+        for p in got:
+            assert math.isclose(got[p], ref[p], rel_tol=1e-6)
+        assert tree.num_draft <= g
+
+
+def test_selection_is_ancestor_closed_and_topological():
+    for seed in range(30):
+        S_tok, S_con = random_store(50, 6, seed=seed, fill=1.0, peaked=False)
+        for confidence in ("path", "node"):
+            tree = build_unispec_tree(seed % 50, S_tok, S_con, S_con[0].long(), S_con[1], k=6, depth=7,
+                                      r=0.01, g=20, confidence=confidence)
+            par = tree.parents
+            assert bool((par[1:] < torch.arange(1, tree.size)).all()) and bool((par[1:] >= 0).all())
+            depth = tree.depths()
+            assert bool((depth[1:] >= depth[:-1]).all())      # BFS: level by level
+            # siblings are distinct tokens (the tree walk's unique-child assumption)
+            for kids in tree.children():
+                toks = tree.tokens[kids].tolist()
+                assert len(toks) == len(set(toks))
+
+
+def test_node_mode_closure_pulls_in_low_scoring_parents():
+    """In "node" mode a child can outscore its parent; the selection must still include the parent."""
+    V, k = 10, 2
+    S_tok = torch.zeros(V, k, dtype=torch.long)
+    S_con = torch.zeros(V, k)
+    S_tok[0] = torch.tensor([1, 2]); S_con[0] = torch.tensor([0.30, 0.25])   # root 0 -> 1 (0.3), 2 (0.25)
+    S_tok[1] = torch.tensor([3, 4]); S_con[1] = torch.tensor([0.90, 0.05])   # 1 -> 3 (0.9)
+    S_tok[2] = torch.tensor([5, 6]); S_con[2] = torch.tensor([0.80, 0.10])   # 2 -> 5 (0.8)
+    tree = build_unispec_tree(0, S_tok, S_con, None, None, k=2, depth=2, r=0.05, g=2, confidence="node")
+    # best-first: take 1 (.30), which makes 3 (.90) available, then 3
+    assert tree_paths(tree) == {(1,): pytest.approx(0.30), (1, 3): pytest.approx(0.90)}
+    tree = build_unispec_tree(0, S_tok, S_con, None, None, k=2, depth=2, r=0.05, g=3, confidence="node")
+    assert set(tree_paths(tree)) == {(1,), (1, 3), (2,)}
+    tree = build_unispec_tree(0, S_tok, S_con, None, None, k=2, depth=2, r=0.05, g=4, confidence="node")
+    assert set(tree_paths(tree)) == {(1,), (1, 3), (2,), (2, 5)}
+    assert tree.tokens.tolist() == [0, 1, 2, 3, 5] and tree.parents.tolist() == [-1, 0, 0, 1, 2]
+
+
+def test_confidence_scores_hand_computed():
+    """root 7; S[7] = (2: .6, 4: .3); C = (7: .5, 4: .4, 8: .1); S[2] = (9: .5); S[4] = (2: .8); S[9] = (1: .9)."""
+    V = 12
+    S_tok = torch.zeros(V, 2, dtype=torch.long)
+    S_con = torch.zeros(V, 2)
+    S_tok[7] = torch.tensor([2, 4]); S_con[7] = torch.tensor([0.6, 0.3])
+    S_tok[2] = torch.tensor([9, 0]); S_con[2] = torch.tensor([0.5, 0.0])
+    S_tok[4] = torch.tensor([2, 0]); S_con[4] = torch.tensor([0.8, 0.0])
+    S_tok[9] = torch.tensor([1, 0]); S_con[9] = torch.tensor([0.9, 0.0])
+    C_tok, C_con = torch.tensor([7, 4, 8]), torch.tensor([0.5, 0.4, 0.1])
+    # level 1 after dedup (4 keeps max(.3, .4)): 2 .6, 7 .5, 4 .4, 8 .1; frontier (k=2): 2, 7
+    expected = {
+        "path": {(2,): 0.6, (7,): 0.5, (4,): 0.4, (8,): 0.1,
+                 (2, 9): 0.3, (7, 2): 0.3, (7, 4): 0.15,       # frontier {(2,9) .3, (7,2) .3}
+                 (2, 9, 1): 0.27, (7, 2, 9): 0.15,              # S[1] is empty; S[9] -> 1
+                 (7, 2, 9, 1): 0.135},
+        "node": {(2,): 0.6, (7,): 0.5, (4,): 0.4, (8,): 0.1,
+                 (2, 9): 0.5, (7, 2): 0.6, (7, 4): 0.3,         # frontier {(7,2) .6, (2,9) .5}
+                 (7, 2, 9): 0.5, (2, 9, 1): 0.9,                # frontier {(2,9,1) .9, (7,2,9) .5}
+                 (7, 2, 9, 1): 0.9},
+    }
+    for confidence, want in expected.items():
+        got = tree_paths(build_unispec_tree(7, S_tok, S_con, C_tok, C_con, k=2, depth=4, r=0.05, g=50,
+                                            confidence=confidence))
+        assert set(got) == set(want), confidence
+        for p, s in want.items():
+            assert got[p] == pytest.approx(s), (confidence, p)
+    # g = 3 keeps the three best in each mode
+    assert set(tree_paths(build_unispec_tree(7, S_tok, S_con, C_tok, C_con, k=2, depth=4, r=0.05, g=3))) \
+        == {(2,), (7,), (4,)}
+
+
+def test_threshold_stops_expansion():
+    S_tok, S_con = random_store(30, 5, seed=3, fill=1.0)
+    big = build_unispec_tree(0, S_tok, S_con, None, None, k=5, depth=6, r=0.0, g=500)
+    small = build_unispec_tree(0, S_tok, S_con, None, None, k=5, depth=6, r=0.99, g=500)
+    assert small.depths().max().item() <= 1 < big.depths().max().item()
+
+
+def test_empty_store_gives_root_only_tree():
+    S_tok = torch.zeros(10, 4, dtype=torch.long)
+    S_con = torch.zeros(10, 4)
+    tree = build_unispec_tree(3, S_tok, S_con, None, None, k=4, depth=5, r=0.05, g=10)
+    assert tree.size == 1 and tree.tokens.tolist() == [3]
+
+
+# ---- Token Recycling template -----------------------------------------------------------------------
+
+def test_recycling_template_shape():
+    t = Template(TEMPLATES["tr-default"])
+    assert t.size == 80 and int(t.depths.max()) == 6 and t.max_slot == 8
+    for g in (1, 5, 17, 53, 79, 80):
+        tt = t.truncated(g)
+        assert tt.size == g
+        assert bool((tt.parents < torch.arange(1, g + 1)).all())       # closed, topological
+    chain = t.truncated(6)
+    assert chain.slots.tolist() == [0] * 6 and chain.depths.tolist() == [1, 2, 3, 4, 5, 6]
+
+
+def test_recycling_fill_matches_loop():
+    S_tok, S_con = random_store(40, 8, seed=5, fill=0.8)
+    t = Template(TEMPLATES["tr-default"])
+    for root in range(40):
+        tree = fill_template(root, t, S_tok, S_con)
+        # reference: walk the template node by node, drop nodes under an empty slot
+        toks, alive, score = [root], [True], [1.0]
+        for i in range(t.size):
+            p = int(t.parents[i])
+            tok = int(S_tok[toks[p], t.slots[i]])
+            c = float(S_con[toks[p], t.slots[i]])
+            toks.append(tok)
+            alive.append(alive[p] and c > 0)
+            score.append(score[p] * c)
+        ref_paths = {}
+        for i in range(1, t.size + 1):
+            if not alive[i]:
+                continue
+            path, u = [], i
+            while u != 0:
+                path.append(toks[u])
+                u = int(t.parents[u - 1])
+            ref_paths[tuple(path[::-1])] = score[i]
+        got = tree_paths(tree)
+        assert set(got) == set(ref_paths)
+        for p in got:
+            assert got[p] == pytest.approx(ref_paths[p])

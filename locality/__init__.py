@@ -30,8 +30,9 @@ from locality.trace import META_COLUMNS, Trace, TraceError, read_traces, traces_
 from locality.stream import LocalityError, Stream, StreamIndex, candidate_stream, generated_stream
 from locality.coverage import coverage, coverage_by, coverage_report
 from locality.temporal import distance_histograms, miss_ratio_curves, step_distances
+# `shortlist(ranking, k)` stays at locality.shortlist.shortlist: exporting it here would hide the module
 from locality.shortlist import (ShortlistError, count_tokens, load_ranking, ranking_from_traces, save_ranking,
-                                shortlist, shortlist_coverage, shortlist_coverage_by)
+                                shortlist_coverage, shortlist_coverage_by)
 from locality.successor import successor_coverage, successor_ranks
 
 __all__ = ["META_COLUMNS", "Trace", "TraceError", "read_traces", "traces_to_frame", "write_traces",
@@ -41,7 +42,7 @@ __all__ = ["META_COLUMNS", "Trace", "TraceError", "read_traces", "traces_to_fram
            # temporal locality (locality.temporal)
            "step_distances", "distance_histograms", "miss_ratio_curves",
            # static shortlists (locality.shortlist)
-           "ShortlistError", "count_tokens", "ranking_from_traces", "save_ranking", "load_ranking", "shortlist",
+           "ShortlistError", "count_tokens", "ranking_from_traces", "save_ranking", "load_ranking",
            "shortlist_coverage", "shortlist_coverage_by",
            # UniSpec successor store (locality.successor)
            "successor_ranks", "successor_coverage"]

@@ -73,7 +73,7 @@ def group_traces(traces: Sequence[Trace], by: Sequence[str]) -> list[tuple[dict,
     return [(dict(zip(by, key)), groups[key]) for key in order]
 
 
-def _with_groups(frame: pl.DataFrame, values: dict) -> pl.DataFrame:
+def with_groups(frame: pl.DataFrame, values: dict) -> pl.DataFrame:
     return frame.select([pl.lit(v, dtype=pl.String if v is None or isinstance(v, str) else None).alias(c)
                          for c, v in values.items()] + frame.columns)
 
@@ -86,7 +86,7 @@ def coverage_by(traces: Sequence[Trace], by: Sequence[str] = ("category",), w_ma
     frames = []
     for values, idx in group_traces(traces, by):
         sub = [traces[i] for i in idx]
-        frames.append(_with_groups(coverage(sub, w_max, k_pre, k_ver, sources, prefill_order, stream), values))
+        frames.append(with_groups(coverage(sub, w_max, k_pre, k_ver, sources, prefill_order, stream), values))
     return pl.concat(frames, how="vertical_relaxed")
 
 

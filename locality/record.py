@@ -15,7 +15,6 @@ turn 2's prompt holds turn 1 and the model's own turn-1 answer (the MT-Bench pro
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 from typing import Sequence
@@ -129,17 +128,11 @@ def main(*, model: str, prompts: str, out: str, per_category: int | None = None,
 
 
 def _report(traces, out: Path) -> None:
-    try:
-        from locality.coverage import coverage_report
-    except ImportError:
-        print("--report: locality.coverage.coverage_report is not available yet; the traces are written, run "
-              "the report on them later (locality.coverage.coverage_report(read_traces(path)))", file=sys.stderr)
-        return
-    result = coverage_report(traces)
-    print(result)
-    if hasattr(result, "write_parquet"):
-        result.write_parquet(out / "coverage.parquet")
-        print(f"coverage report -> {out / 'coverage.parquet'}")
+    from locality.coverage import coverage_report
+
+    result = coverage_report(traces)          # prints the per-category table
+    result.write_parquet(out / "coverage.parquet")
+    print(f"coverage report -> {out / 'coverage.parquet'}")
 
 
 def _parse(argv=None) -> dict:

@@ -11,10 +11,16 @@ the coverage-vs-K curve of many K is one sort of the ranks of the generated toke
 
 Files: `save_ranking(ranking, path, tokenizer)` writes Parquet plus a JSON sidecar (`<path>.json`: tokenizer,
 vocab_size, total_tokens, source); `load_ranking(path, tokenizer=..., vocab_size=...)` refuses a mismatch.
+The ids in rank order (what a drafter packs) are `shortlist(ranking, k)`, or `ranking["token_id"]`.
+
+`python -m locality.shortlist --traces T.parquet | --token-ids A.npy ... --vocab-size V --tokenizer NAME
+--out rank.parquet` counts recorded traces (VocabTrim-style, `--what`) or pre-tokenised id arrays (FR-Spec
+corpus counts; tokenising the corpus is the caller's job) and prints the coverage-vs-K of the traces.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Iterable, Literal, Sequence
@@ -22,9 +28,9 @@ from typing import Iterable, Literal, Sequence
 import numpy as np
 import polars as pl
 
-from locality.coverage import _with_groups, group_traces
+from locality.coverage import with_groups, group_traces
 from locality.stream import check_traces
-from locality.trace import Trace
+from locality.trace import Trace, read_traces
 
 
 class ShortlistError(ValueError):
@@ -72,7 +78,7 @@ def save_ranking(ranking: pl.DataFrame, path: str | Path, tokenizer: str, source
     _check_frame(ranking, "ranking")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    ranking.select("token_id", "count", "rank").write_parquet(path)
+    ranking.select("token_id", "count", "rank").sort("rank").write_parquet(path)
     meta = {"tokenizer": tokenizer, "vocab_size": ranking.height, "total_tokens": int(ranking["count"].sum()),
             "source": source}
     _sidecar(path).write_text(json.dumps(meta, indent=2, sort_keys=True))
@@ -155,5 +161,34 @@ def shortlist_coverage_by(ranking: pl.DataFrame, traces: Sequence[Trace], by: Se
     frames = []
     for values, members in group_traces(traces, by):
         f = shortlist_coverage(ranking, np.concatenate([traces[i].generated for i in members]), k)
-        frames.append(_with_groups(f, values))
+        frames.append(with_groups(f, values))
     return pl.concat(frames, how="vertical_relaxed")
+
+
+def main(argv=None) -> Path:
+    ap = argparse.ArgumentParser(prog="python -m locality.shortlist", description="build a frequency ranking")
+    ap.add_argument("--traces", help="trace Parquet file or folder to count (see --what)")
+    ap.add_argument("--what", default="generated", choices=["generated", "prompt", "prompt+generated"])
+    ap.add_argument("--token-ids", nargs="+", default=[], help=".npy files of token ids (a tokenised corpus)")
+    ap.add_argument("--vocab-size", type=int, required=True, help="the tokenizer's full vocabulary size")
+    ap.add_argument("--tokenizer", required=True, help="tokenizer name, stored in the sidecar and checked on load")
+    ap.add_argument("--out", required=True, help="ranking Parquet path (a .json sidecar is written beside it)")
+    ap.add_argument("--k", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
+    a = ap.parse_args(argv)
+    if not a.traces and not a.token_ids:
+        ap.error("give --traces and/or --token-ids")
+    traces = read_traces(a.traces) if a.traces else []
+    pick = {"generated": ("generated",), "prompt": ("prompt",), "prompt+generated": ("prompt", "generated")}
+    arrays = [getattr(t, f) for t in traces for f in pick[a.what]] + [np.load(p) for p in a.token_ids]
+    ranking = count_tokens(arrays, a.vocab_size)
+    source = "; ".join(filter(None, [f"{a.what} tokens of {a.traces}" if a.traces else "",
+                                     f"token ids {a.token_ids}" if a.token_ids else ""]))
+    path = save_ranking(ranking, a.out, a.tokenizer, source)
+    print(f"ranking of {a.vocab_size} ids from {int(ranking['count'].sum())} tokens ({source}) -> {path}")
+    if traces:
+        print(shortlist_coverage(ranking, traces, a.k))
+    return path
+
+
+if __name__ == "__main__":
+    main()

@@ -43,8 +43,9 @@ Flat layout and the one-pass index
 ----------------------------------
 `Stream` concatenates many traces' streams (`tokens [N]`, `bounds [R+1]`) with their queries
 (`query_pos [Q]` = n_t local to the trace, `query_token [Q]`, `query_trace [Q]`, `query_step [Q]`).
-`StreamIndex` sorts one int64 key per stream entry and per query (trace, token, position; entries at
-2j+1, queries at 2n so an entry j precedes a query n iff j < n) once, O((N+Q) log(N+Q)), and reads off
+`StreamIndex` sorts one bit-packed int64 key per stream entry (trace | token | 2j+1) once and
+binary-searches the sorted query keys (trace | token | 2n; an entry j sorts before a query n iff j < n):
+O(N log N + Q log N), then O(N + Q) passes. From that it reads off
 
 - the reuse distance of each query, d = n - (latest occurrence of its token before n), NEVER if none;
   covered by a window of W iff d <= W, so coverage for every W is a searchsorted over the sorted d;
@@ -67,6 +68,7 @@ from locality.trace import Trace, TraceError
 
 SOURCES = ("ctx+ext", "ctx", "ext")
 NEVER = np.int64(1) << np.int64(62)      # reuse/stack distance of a token that never occurred before
+_CHUNK = 1 << 16                         # repeats per cache-resident chunk in StreamIndex.active_vocab_sums
 
 
 class LocalityError(ValueError):
@@ -171,7 +173,7 @@ def _trace_stream(t: Trace, k_pre: int, k_ver: int, sources: str, prefill_order:
     else:
         lens = np.array([len(d) for d in t.draft_tokens], dtype=np.int64)
         draft = np.concatenate(t.draft_tokens) if lens.sum() else np.zeros(0, dtype=np.int64)
-        step_of = np.repeat(_draft_positions(t), lens)                   # [n_draft] generated position
+        step_of = np.repeat(draft_positions(t), lens)                   # [n_draft] generated position
         keep = _dedup_ragged(draft, step_of)
         draft, step_of = draft[keep], step_of[keep]
         n_draft = np.bincount(step_of, minlength=T)                      # [T] distinct draft tokens per step
@@ -187,7 +189,7 @@ def _trace_stream(t: Trace, k_pre: int, k_ver: int, sources: str, prefill_order:
     return np.concatenate([init, appended]), query_pos.astype(np.int64)
 
 
-def _draft_positions(t: Trace) -> np.ndarray:
+def draft_positions(t: Trace) -> np.ndarray:
     """[len(draft_tokens)] the generated position after whose query each draft list is appended."""
     T, n = len(t.generated), len(t.draft_tokens)
     if n == T:
@@ -283,19 +285,19 @@ class StreamIndex:
         self._rep_prev_loc = loc[rep - 1]                                 # [N_rep] prev[j] (local)
         self.num_repeats = len(rep)
 
-        # queries: the latest entry with key < query key, if it has the same (trace, token)
+        # queries: the latest entry with key < query key, if it has the same (trace, token). Sorted needles
+        # make searchsorted ~8x faster; coverage needs only the multiset of reuse distances, so the
+        # per-query order (`query_last`, `reuse_distance`) is restored lazily.
         qkey = (s.query_trace << tb) | (qtok << mb) | (2 * s.query_pos)   # [Q]
-        order = np.argsort(qkey)                 # searchsorted is ~8x faster on sorted needles
-        qs = qkey[order]
+        qs = np.sort(qkey)
         at = np.searchsorted(keys, qs) - 1
         ok = at >= 0
         ok[ok] = group[at[ok]] == (qs[ok] >> mb)
-        last = np.empty(Q, dtype=np.int64)
-        last[order] = np.where(ok, loc[np.maximum(at, 0)], -1)
-        ok = last >= 0
-        self.query_last = last                                            # [Q] local latest occurrence or -1
-        self.reuse_distance = np.where(ok, s.query_pos - self.query_last, NEVER)   # [Q]
-        self._sorted_d = np.sort(self.reuse_distance)
+        d = np.full(Q, NEVER, dtype=np.int64)
+        d[ok] = ((qs[ok] & ((1 << mb) - 1)) >> 1) - loc[at[ok]]          # n - latest occurrence
+        self._sorted_d = np.sort(d)
+        self._query = (qkey, qs, ok, at, loc)      # for `query_last`, built on first use
+        self._query_last = None
 
         # shifted slots: trace r occupies len_r + 1 slots, so a query at n = len_r never meets trace r+1
         small = N + R + 1 < 2 ** 31
@@ -313,6 +315,24 @@ class StreamIndex:
     @property
     def steps(self) -> int:
         return len(self.stream.query_pos)
+
+    @property
+    def query_last(self) -> np.ndarray:
+        """[Q] local position of the latest occurrence of each query's token before it, or -1."""
+        if self._query_last is None:
+            qkey, qs, ok, at, loc = self._query
+            found = np.full(len(qkey), -1, dtype=np.int64)
+            found[ok] = loc[at[ok]]
+            last = np.empty(len(qkey), dtype=np.int64)
+            last[np.argsort(qkey, kind="stable")] = found   # equal keys have equal answers
+            self._query_last, self._query = last, None
+        return self._query_last
+
+    @property
+    def reuse_distance(self) -> np.ndarray:
+        """[Q] reuse distance of each query (n - latest occurrence), NEVER if the token is new."""
+        last = self.query_last
+        return np.where(last >= 0, self.stream.query_pos - last, NEVER)
 
     @property
     def prev(self) -> np.ndarray:
@@ -336,15 +356,22 @@ class StreamIndex:
         keep = self._rep_gap < int(ws.max())   # a repeat further back than every window never counts
         rp, re, rb = self._rep_prev_slot[keep], self._rep_end_slot[keep], self._rep_base[keep]
         cq = self._cq
-        x = np.empty_like(rp)
-        c = np.empty_like(rb)
-        for i, w in enumerate(ws.tolist()):    # nW vectorised passes over the repeats; no per-step loop
-            np.add(rp, w, out=x)
-            np.minimum(x, re, out=x)           # last slot whose query still has prev[j] inside its window
-            np.take(cq, x, out=c)
-            c -= rb                            # queries n with j < n <= min(prev[j] + W, end)
-            np.maximum(c, 0, out=c)
-            out[i] = int(np.minimum(qpos, w).sum()) - int(c.sum(dtype=np.int64))
+        repeats = np.zeros(len(ws), dtype=np.int64)
+        x = np.empty(min(len(rp), _CHUNK), dtype=rp.dtype)
+        c = np.empty(min(len(rp), _CHUNK), dtype=rb.dtype)
+        wl = ws.tolist()
+        for a in range(0, len(rp), _CHUNK):    # chunks that stay in cache across the nW passes
+            p_, e_, b_ = rp[a:a + _CHUNK], re[a:a + _CHUNK], rb[a:a + _CHUNK]
+            xx, cc = x[:len(p_)], c[:len(p_)]
+            for i, w in enumerate(wl):         # vectorised over the repeats; no per-step loop
+                np.add(p_, w, out=xx)
+                np.minimum(xx, e_, out=xx)     # last slot whose query still has prev[j] inside its window
+                np.take(cq, xx, out=cc)
+                cc -= b_                       # queries n with j < n <= min(prev[j] + W, end)
+                np.maximum(cc, 0, out=cc)
+                repeats[i] += int(cc.sum(dtype=np.int64))
+        for i, w in enumerate(wl):
+            out[i] = int(np.minimum(qpos, w).sum()) - repeats[i]
         return out
 
     def distinct_before(self) -> np.ndarray:

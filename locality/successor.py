@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 import polars as pl
 
-from locality.coverage import _with_groups, group_traces
+from locality.coverage import with_groups, group_traces
 from locality.stream import LocalityError, Stream, StreamIndex, check_traces
 from locality.trace import Trace
 
@@ -114,7 +114,7 @@ def successor_coverage(traces: Sequence[Trace], k: int | None = None, persist: b
         sel = np.isin(trace_of, members)
         steps = int(sel.sum())
         hist = np.bincount(rank[sel], minlength=kk + 1)                    # rank kk = not in the row
-        frames.append(_with_groups(pl.DataFrame({
+        frames.append(with_groups(pl.DataFrame({
             "k": np.arange(1, kk + 1, dtype=np.int64),
             "coverage": np.cumsum(hist)[:kk] / max(steps, 1),
             "store_hit_rate": np.full(kk, hit[sel].mean() if steps else np.nan),

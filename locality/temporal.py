@@ -25,7 +25,7 @@ from typing import Literal, Sequence
 import numpy as np
 import polars as pl
 
-from locality.coverage import _with_groups, build_index, group_traces
+from locality.coverage import with_groups, build_index, group_traces
 from locality.stream import NEVER, LocalityError, check_windows
 from locality.trace import Trace
 
@@ -118,7 +118,7 @@ def miss_ratio_curves(traces: Sequence[Trace], capacities=DEFAULT_CAPACITIES, by
         lru_mean = np.array([np.minimum(distinct, c).mean() for c in caps])
         lru_hit = np.searchsorted(stack, caps, side="right") / steps
         w = _fifo_match(idx, lru_mean)
-        frames.append(_with_groups(pl.DataFrame({
+        frames.append(with_groups(pl.DataFrame({
             "capacity": caps, "steps": np.full(len(caps), steps),
             "lru_mean_active_vocab": lru_mean, "lru_miss_ratio": 1 - lru_hit,
             "fifo_w_max": w, "fifo_mean_active_vocab": idx.active_vocab_sums(w) / steps,

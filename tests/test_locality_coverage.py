@@ -122,6 +122,9 @@ def test_edge_cases():
         c, a, n = ref.coverage(trs, w, k_pre=4, k_ver=4)
         assert f["steps"][0] == n == 24
         assert f["coverage"][0] * n == pytest.approx(c) and f["mean_active_vocab"][0] * n == pytest.approx(a)
+    no_draft = [random_trace(rng, draft=False, T=4) for _ in range(3)]
+    empty = coverage(no_draft, [1, 5], k_pre=0, k_ver=0, sources="ext")     # an empty candidate stream
+    assert empty["coverage"].to_list() == [0.0, 0.0] and empty["mean_active_vocab"].to_list() == [0.0, 0.0]
     only_empty = coverage([random_trace(rng, T=0)], [4])
     assert only_empty["steps"][0] == 0 and only_empty["coverage"].is_nan()[0]
 
@@ -145,6 +148,18 @@ def test_draft_lists_per_step_with_step_sizes(seed):
         c, a, n = ref.coverage(trs, w, k_pre=2, k_ver=3)
         if n:
             assert (f["coverage"][0] * n, f["mean_active_vocab"][0] * n) == pytest.approx((c, a))
+
+
+def test_huge_token_ids_are_relabelled():
+    trs = random_traces(4, n=40)
+    big = 2 ** 55                     # 55 bits of token id + trace + position bits overflow one int64 key
+    shifted = [Trace(prompt=t.prompt + big, prefill_topk=t.prefill_topk + big, generated=t.generated + big,
+                     step_topk=t.step_topk + big, meta=t.meta,
+                     draft_tokens=None if t.draft_tokens is None else [d + big for d in t.draft_tokens])
+               for t in trs]
+    assert coverage(shifted, WS).equals(coverage(trs, WS))
+    a, b = StreamIndex(candidate_stream(shifted)), StreamIndex(candidate_stream(trs))
+    assert (a.stack_distance() == b.stack_distance()).all()
 
 
 def test_real_looking_trace():
@@ -218,11 +233,13 @@ def test_errors_name_the_problem():
 
 # --- property test and the command lines ------------------------------------------------------------------
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None, database=None, derandomize=True)
 @given(seed=st.integers(0, 2 ** 32 - 1), w=st.integers(1, 60), k_pre=st.integers(0, 4), k_ver=st.integers(0, 4),
        sources=st.sampled_from(["ctx+ext", "ctx", "ext"]), order=st.sampled_from(["first", "last"]))
 def test_property_one_pass_equals_reference(seed, w, k_pre, k_ver, sources, order):
-    trs = random_traces(seed, V=int(np.random.default_rng(seed).integers(1, 9)))
+    V = int(np.random.default_rng(seed).integers(1, 9))
+    trs = random_traces(seed, V=V)
+    k_pre, k_ver = min(k_pre, V), min(k_ver, V)                  # random_trace records K = min(4, V)
     idx = StreamIndex(candidate_stream(trs, k_pre, k_ver, sources, order))
     c, a, n = ref.coverage(trs, w, k_pre=k_pre, k_ver=k_ver, sources=sources, prefill_order=order)
     assert (idx.coverage_counts([w])[0], idx.active_vocab_sums([w])[0], idx.steps) == (c, a, n)

@@ -3,11 +3,12 @@
 import json
 
 import numpy as np
-import polars as pl
 import pytest
 
-from locality import (ShortlistError, count_tokens, load_ranking, ranking_from_traces, save_ranking, shortlist,
+from locality import (ShortlistError, count_tokens, load_ranking, ranking_from_traces, save_ranking,
                       shortlist_coverage, shortlist_coverage_by)
+from locality.shortlist import main as shortlist_main
+from locality.shortlist import shortlist
 from tests import locality_reference as ref
 from tests.test_locality_coverage import random_traces
 
@@ -72,3 +73,19 @@ def test_vocabtrim_ranking_covers_its_own_generations_best():
     for cat, g in by.group_by("category"):
         sub = [t for t in trs if t.meta["category"] == cat[0]]
         assert g.drop("category").equals(shortlist_coverage(own, sub, [5, 10]))
+
+
+def test_cli_builds_a_ranking_from_traces_and_id_arrays(tmp_path, capsys):
+    from locality import write_traces
+
+    trs = random_traces(6, n=4, T=8)
+    write_traces(trs, tmp_path / "t.parquet")
+    out = shortlist_main(["--traces", str(tmp_path / "t.parquet"), "--vocab-size", "12", "--tokenizer", "toy",
+                          "--out", str(tmp_path / "gen.parquet"), "--k", "3", "6"])
+    assert load_ranking(out, tokenizer="toy", vocab_size=12).equals(ranking_from_traces(trs, 12, "generated"))
+    ids = np.random.default_rng(0).integers(0, 12, 100)
+    np.save(tmp_path / "corpus.npy", ids)
+    out2 = shortlist_main(["--token-ids", str(tmp_path / "corpus.npy"), "--vocab-size", "12", "--tokenizer", "toy",
+                           "--out", str(tmp_path / "corpus.parquet")])
+    assert load_ranking(out2)["count"].sum() == 100
+    assert "coverage" in capsys.readouterr().out

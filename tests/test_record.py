@@ -1,6 +1,5 @@
 """locality.record: greedy decoding with top-K kept, traces per turn, Parquet round trip, CLI."""
 
-import sys
 
 import numpy as np
 import polars as pl
@@ -109,7 +108,6 @@ def test_cli_writes_traces_and_prints_a_summary(tmp_path, capsys, monkeypatch):
     kwargs = record._parse(["--model", "random-gemma3", "--prompts", "multilingual", "--per-category", "1",
                             "--categories", "qa,multi_turn", "--languages", "en,zh", "--max-new-tokens", "5",
                             "--topk", "3", "--out", str(out), "--no-progress", "--report"])
-    monkeypatch.setitem(sys.modules, "locality.coverage", None)   # the report module is not there: guarded
     path = record.main(**kwargs)
     assert path == out / "traces.parquet"
     traces = read_traces(path)
@@ -120,7 +118,11 @@ def test_cli_writes_traces_and_prints_a_summary(tmp_path, capsys, monkeypatch):
     captured = capsys.readouterr()
     lines = [line for line in captured.out.splitlines() if line.startswith("recorded")]
     assert len(lines) == 1 and "6 traces" in lines[0] and str(path) in lines[0]
-    assert "coverage_report is not available" in captured.err
+    # --report prints the per-category coverage table (an "(all)" row included) and writes it as Parquet
+    assert "MicroSpec window coverage" in captured.out and "(all)" in captured.out
+    report = pl.read_parquet(out / "coverage.parquet")
+    assert set(report["category"]) == {"qa", "multi_turn", "(all)"}
+    assert report.filter(pl.col("category") == "(all)")["steps"].item() == sum(len(t.generated) for t in traces)
 
 
 @pytest.mark.slow

@@ -46,6 +46,8 @@ class SpecConfig:
     recycling_tree: str = "tr-default"  # Token Recycling's static tree template
     threshold_scope: Literal["expand", "expand+select"] = "expand"   # r only stops expansion, or also
                                       # drops nodes under r from the draft (specs/unispec.md 4.3.4 [C])
+    cache_exclude_root: bool = False  # drop the root itself from the first-level cache C (its greedy top-1;
+                                      # specs/unispec.md 4.3.1 `C_exclude_top1` [C])
 
     # --- drafters with an LM head (microspec.md section 4.1; EAGLE-2 defaults) ---------------------------
     drafter_layers: str = "skip:12,14,16,18"   # layerskip: which target layers the drafter drops/keeps

@@ -2,8 +2,10 @@
 
 Words as in the glossary (`locality.__doc__`). Per prompt:
 
-    prefill   the target runs the whole prompt once (logits at all L positions); the last row gives the
-              first token - step 0, so autoregressive decoding has tau = 1.00. The KV cache holds the prompt.
+    prefill   the target runs the whole prompt once; the last row gives the first token - step 0, so
+              autoregressive decoding has tau = 1.00. The KV cache holds the prompt. Drafters get the
+              logits at all L positions in `begin`, unless they set `uses_prefill_logits = False` (then
+              only the last row [1, V]: ar and pld, whose timings should not pay for a [L, V] LM head).
     step      the drafter proposes a draft tree rooted at the last committed token (the root, not yet in
               the cache); the target forwards root + draft nodes in one pass with a tree attention mask
               and positions P + depth (`forward_tree`); `engine.verify` picks the accepted path and the
@@ -117,12 +119,20 @@ def _decoder(model):
     return model.model if hasattr(model, "model") else model.get_decoder()
 
 
-def prefill(model, prompt: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run prompt [L] into an empty cache; returns hidden [L, d] and logits [L, V] fp32."""
+def prefill(model, prompt: torch.Tensor, cache, all_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run prompt [L] into an empty cache; returns hidden [L, d] and logits fp32: [L, V], or only the last
+    row [1, V] when not `all_logits` (the LM head over a long prompt is costly: Gemma's 262k rows)."""
     out = _decoder(model)(input_ids=prompt[None], past_key_values=cache, use_cache=True)
     hidden = out.last_hidden_state[0]                            # [L, d]
     kv.compact(cache, 0, prompt.numel(), None)                   # trims sliding-window layers to W-1
-    return hidden, lm_logits(model, hidden)
+    return hidden, lm_logits(model, hidden if all_logits else hidden[-1:])
+
+
+def prefill_topk(model, hidden: torch.Tensor, k: int, chunk: int = 256) -> np.ndarray:
+    """[L, k] the target's top-k token ids at every prompt position, LM head in chunks of rows."""
+    k = min(k, model.get_output_embeddings().weight.shape[0])
+    rows = [lm_logits(model, hidden[i:i + chunk]).topk(k, dim=-1).indices for i in range(0, hidden.shape[0], chunk)]
+    return torch.cat(rows).cpu().numpy()
 
 
 def forward_tree(model, cache, committed: int, tokens: torch.Tensor, parents: torch.Tensor,
@@ -134,7 +144,7 @@ def forward_tree(model, cache, committed: int, tokens: torch.Tensor, parents: to
     next). Returns hidden [n, d] and logits [n, V] fp32; row i = distribution after the path root -> i.
     """
     if depths is None or anc is None:
-        depths, anc = tree_layout(parents)
+        depths, anc = (t.to(parents.device) for t in tree_layout(parents.cpu()))
     mask = kv.tree_attention_masks(model, cache, committed, depths, anc)
     position_ids = (committed + depths)[None]                    # [1, n] siblings share a position
     out = _decoder(model)(input_ids=tokens[None], attention_mask=mask, position_ids=position_ids,
@@ -205,7 +215,8 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
 
     t_start = _clock(device)
     cache = kv.new_cache(model)
-    hidden, logits = prefill(model, prompt, cache)               # [L, d], [L, V]
+    # the drafter sees logits at every prompt position unless it says it does not use them
+    hidden, logits = prefill(model, prompt, cache, all_logits=getattr(drafter, "uses_prefill_logits", True))
     committed = L
     if cfg.greedy:
         first = logits[-1].argmax()
@@ -213,7 +224,7 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
         first = sample_token(warp_probs(logits[-1], cfg.temperature, cfg.top_p), gen)
     ids[L] = first
     out = [int(first)]                                           # host sync: the first token (stop test)
-    prefill_topk = logits.topk(min(K, logits.shape[-1]), dim=-1).indices.cpu().numpy() if cfg.record else None
+    top_rows = prefill_topk(model, hidden, K) if cfg.record else None      # [L, K]
     t_prefill = _clock(device)
     prefill_s = t_prefill - t_start
 
@@ -231,10 +242,11 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
             raise ContextError(f"draft tree of {n} nodes after {committed} cached tokens exceeds the model's "
                                f"context of {ctx}; lower the draft size (draft_size / pld_num_draft) or "
                                f"max_new_tokens")
+        t1 = _clock(device)
         tokens = tree.tokens.to(device, non_blocking=True)     # [n]
         parents = tree.parents.to(device, non_blocking=True)   # [n]
-        t1 = _clock(device)
-        depths, anc = tree_layout(parents)
+        depths, anc = tree_layout(tree.parents)                # on the host, where the tree was built
+        depths, anc = depths.to(device, non_blocking=True), anc.to(device, non_blocking=True)
         hidden, logits = forward_tree(model, cache, committed, tokens, parents, depths, anc)
         if cfg.greedy:
             accepted, new_tokens = verify_greedy(tokens, parents, logits, anc, depths)
@@ -243,8 +255,8 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
                 tokens, parents, logits, temperature=cfg.temperature, top_p=cfg.top_p, generator=gen,
                 draft_probs=None if tree.draft_probs is None else tree.draft_probs.to(device),
                 scores=tree.scores)
-        acc = accepted.tolist()                                  # the one sync per step: accept length
-        new = new_tokens.tolist()                                # and the committed tokens
+        acc, new = torch.stack([accepted, new_tokens]).tolist()  # the one sync per step: accept length
+                                                                 # and committed tokens (stop test, drafter)
         committed = kv.compact(cache, committed, n, acc)
         t2 = _clock(device)
         verify_s += t2 - t1
@@ -267,7 +279,7 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
     return GenerateResult(method=cfg.method, prompt_ids=prompt.cpu(), output_ids=torch.tensor(out[:T]),
                           steps=steps, wall_s=wall_s, prefill_s=prefill_s, draft_s=draft_s, verify_s=verify_s,
                           draft_tokens=num_draft, stop_reason=stop or "max_new_tokens",
-                          drafter_timings=dict(drafter.timings()), records=records, prefill_topk=prefill_topk)
+                          drafter_timings=dict(drafter.timings()), records=records, prefill_topk=top_rows)
 
 
 def _check_tree(tree: DraftTree, root: int, drafter: Drafter) -> None:
@@ -306,14 +318,15 @@ def _generate_hf_prompt_lookup(model, prompt, cfg, eos) -> GenerateResult:
     gc.eos_token_id = list(eos) if eos else None
     gc.pad_token_id = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if eos else 0)
     gc.do_sample, gc.temperature, gc.top_p, gc.top_k = False, None, None, None
+    gc.prompt_lookup_num_tokens, gc.max_new_tokens, gc.min_new_tokens = cfg.pld_num_draft, cfg.max_new_tokens, 0
+    gc.max_length = None
     h1 = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
     h2 = model.register_forward_hook(post_hook, with_kwargs=True)
     try:
         t0 = _clock(device)
         with torch.inference_mode():
             seq = model.generate(input_ids=prompt[None], attention_mask=torch.ones_like(prompt)[None],
-                                 generation_config=gc, prompt_lookup_num_tokens=cfg.pld_num_draft,
-                                 max_new_tokens=cfg.max_new_tokens, min_new_tokens=0)
+                                 generation_config=gc)
         wall_s = _clock(device) - t0
     finally:
         h1.remove()

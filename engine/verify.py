@@ -28,8 +28,6 @@ that node's children), which is the price of an exact sequential acceptance rule
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 
@@ -43,21 +41,22 @@ def tree_layout(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Depths and ancestor mask of a tree in topological order, without a per-node Python loop.
 
     parents [n] int64 (parents[0] = -1). Returns depths [n] int64 and anc [n, n] bool with
-    anc[i, j] = j is i or an ancestor of i. Pointer doubling: log2(depth) boolean matrix products.
+    anc[i, j] = j is i or an ancestor of i. Walks all nodes up one level at a time: depth-many vector
+    steps. Meant for host tensors (draft trees live on the host); move the results to the device.
     """
     n = parents.numel()
-    dev = parents.device
-    idx = torch.arange(n, device=dev)
-    reach = torch.zeros(n, n, dtype=torch.bool, device=dev)
-    reach[idx, idx] = True
-    has_parent = parents >= 0
-    reach[idx[has_parent], parents[has_parent]] = True           # i -> parent(i)
-    # reach^(2^k) covers paths of length <= 2^k; ceil(log2(n)) squarings cover every depth.
-    for _ in range(max(1, math.ceil(math.log2(max(n, 2))))):
-        f = reach.to(torch.float32)
-        reach = (f @ f) > 0
-    depths = reach.sum(1) - 1                                    # [n] ancestors other than itself
-    return depths, reach
+    rows = torch.arange(n, device=parents.device)
+    anc = torch.zeros(n, n, dtype=torch.bool, device=parents.device)
+    depths = torch.zeros(n, dtype=torch.long, device=parents.device)
+    cur = rows                                                   # [n] current ancestor of every node, -1 = done
+    while True:
+        live = cur >= 0
+        anc[rows[live], cur[live]] = True
+        cur = torch.where(live, parents[cur.clamp(min=0)], -1)
+        step = cur >= 0
+        if not bool(step.any()):                                 # on the host: free; depth-many iterations
+            return depths, anc
+        depths += step
 
 
 # --- target distribution ------------------------------------------------------------------------------
@@ -98,7 +97,7 @@ def verify_greedy(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Ten
     """
     _check(tokens, parents, logits)
     if anc is None or depths is None:
-        depths, anc = tree_layout(parents)
+        depths, anc = (t.to(parents.device) for t in tree_layout(parents.cpu()))
     target = logits.argmax(-1)                                   # [n] argmax at every node
     match = tokens == target[parents.clamp(min=0)]               # [n] node i's token == argmax at its parent
     match[0] = True                                              # the root is committed already

@@ -195,20 +195,16 @@ class FullVocab(VocabPolicy):
     name = "full"
 
 
-def load_frequency_ranking(path: str | Path) -> np.ndarray:
-    """Token ids ordered by descending frequency from a file written by `locality.shortlist`
-    (also accepts .npy, .pt, or text with one id per line)."""
+def load_frequency_ranking(path: str | Path, vocab_size: int | None = None) -> np.ndarray:
+    """Token ids, most frequent first, from a ranking written by `locality.shortlist.save_ranking` (Parquet +
+    JSON sidecar; checked against `vocab_size`), or from .npy / .pt / .txt (one id per line) files."""
     path = Path(path)
     if not path.exists():
         raise VocabError(f"frequency file {path} does not exist; build one with `python -m locality.shortlist` "
                          f"and pass frequency_file=<path>")
-    try:
-        from locality import shortlist
-    except ImportError:
-        shortlist = None
-    loader = getattr(shortlist, "load_ranking", None) if shortlist is not None else None
-    if loader is not None and path.suffix not in (".npy", ".pt", ".txt"):
-        ranking = loader(path)
+    if path.suffix == ".parquet":
+        from locality.shortlist import load_ranking
+        ranking = load_ranking(path, vocab_size=vocab_size).sort("rank")["token_id"].to_numpy()
     elif path.suffix == ".npy":
         ranking = np.load(path)
     elif path.suffix == ".pt":
@@ -216,8 +212,8 @@ def load_frequency_ranking(path: str | Path) -> np.ndarray:
     elif path.suffix == ".txt":
         ranking = np.loadtxt(path, dtype=np.int64, ndmin=1)
     else:
-        raise VocabError(f"cannot read frequency file {path}: use a file written by locality.shortlist, "
-                         f".npy, .pt or .txt (one token id per line, most frequent first)")
+        raise VocabError(f"cannot read frequency file {path}: use a ranking written by locality.shortlist "
+                         f"(.parquet), or .npy, .pt or .txt (token ids, most frequent first)")
     ranking = np.asarray(ranking.tolist() if hasattr(ranking, "tolist") else ranking, dtype=np.int64).reshape(-1)
     if ranking.size == 0:
         raise VocabError(f"frequency file {path} holds no token ids; rebuild it from a non-empty corpus")
@@ -235,7 +231,7 @@ class FrSpecVocab(VocabPolicy):
             if cfg.frequency_file is None:
                 raise VocabError("vocab='frspec' needs a frequency ranking: build one with "
                                  "`python -m locality.shortlist` and pass frequency_file=<path>")
-            ranking = load_frequency_ranking(cfg.frequency_file)
+            ranking = load_frequency_ranking(cfg.frequency_file, self.vocab_size)
         ranking = torch.as_tensor(np.asarray(ranking), dtype=torch.long).reshape(-1)
         if ranking.numel() and (int(ranking.max()) >= self.vocab_size or int(ranking.min()) < 0):
             raise VocabError(f"the frequency ranking holds token id {int(ranking.max())} outside this model's "

@@ -7,7 +7,9 @@ the indexed head reading |I| rows of the full head through an index on every cal
 ablation), and the gather that fills the packed buffer (a full re-gather of |I| rows; MicroSpec's
 incremental gather copies only the rows that entered, usually a few). Bytes moved per call are written
 down first and printed next to the achieved GB/s and % of the bandwidth of a device-to-device copy
-measured in the same run. Times are medians over repeats.
+measured in the same run. Times are medians over repeats. A packed buffer of a few MB stays in the
+CPU's last-level cache between calls, so its GB/s can exceed the DRAM copy "peak" (as it would during
+decoding, where the same buffer serves every draft depth).
 
 On CPU it times the torch reference path in fp32 (the Triton interpreter is not a timing target); on
 CUDA the Triton kernels in fp16 and bf16, with cuBLAS/torch timings alongside. Weights over the memory

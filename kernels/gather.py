@@ -30,18 +30,18 @@ class GatherError(ValueError):
 @triton.jit
 def _gather_rows_kernel(weight_ptr, packed_ptr, slots_ptr, tokens_ptr, count_ptr, d,
                         stride_w, stride_p, HAS_COUNT: tl.constexpr, BLOCK_D: tl.constexpr):
-    # grid = (m, cdiv(d, BLOCK_D)): one program copies BLOCK_D columns of one row.
+    # grid = (m, cdiv(d, BLOCK_D)): one program copies BLOCK_D columns of one row (or nothing, for a
+    # padded pair or one past the count).
     i = tl.program_id(0)
-    if HAS_COUNT:
-        if i >= tl.load(count_ptr):            # padded tail of the gather list
-            return
     slot = tl.load(slots_ptr + i).to(tl.int64)
     token = tl.load(tokens_ptr + i).to(tl.int64)
-    if (slot >= 0) & (token >= 0):
-        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        keep = cols < d
-        row = tl.load(weight_ptr + token * stride_w + cols, mask=keep)
-        tl.store(packed_ptr + slot * stride_p + cols, row.to(packed_ptr.dtype.element_ty), mask=keep)
+    live = (slot >= 0) & (token >= 0)
+    if HAS_COUNT:
+        live = live & (i < tl.load(count_ptr))
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    keep = (cols < d) & live
+    row = tl.load(weight_ptr + token * stride_w + cols, mask=keep)
+    tl.store(packed_ptr + slot * stride_p + cols, row.to(packed_ptr.dtype.element_ty), mask=keep)
 
 
 def _check(weight: torch.Tensor, packed: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor,

@@ -117,10 +117,18 @@ def _launch(h2: torch.Tensor, w: torch.Tensor, idx: torch.Tensor | None, n_cols:
 
 # --- packed head ----------------------------------------------------------------------------------------
 
+def _as_slot_tokens(tok_of_slot: torch.Tensor | None) -> torch.Tensor | None:
+    """A bool valid-mask [W] (True = live) becomes 0 / -1, so one code path masks both forms."""
+    if tok_of_slot is not None and tok_of_slot.dtype == torch.bool:
+        return tok_of_slot.to(torch.int8) - 1
+    return tok_of_slot
+
+
 def packed_head_triton(h: torch.Tensor, packed: torch.Tensor,
                        tok_of_slot: torch.Tensor | None = None) -> torch.Tensor:
-    """Launcher. h [..., d], packed [W, d], tok_of_slot [W] (negative = empty slot, -inf) or None
-    -> logits [..., W] fp32."""
+    """Launcher. h [..., d], packed [W, d], tok_of_slot [W] (negative = empty slot, -inf; or a bool
+    valid-mask) or None -> logits [..., W] fp32."""
+    tok_of_slot = _as_slot_tokens(tok_of_slot)
     _check(h, packed, tok_of_slot, "packed")
     W, d = packed.shape
     if tok_of_slot is not None and tok_of_slot.numel() != W:
@@ -132,6 +140,7 @@ def packed_head_triton(h: torch.Tensor, packed: torch.Tensor,
 def packed_head_ref(h: torch.Tensor, packed: torch.Tensor,
                     tok_of_slot: torch.Tensor | None = None) -> torch.Tensor:
     """Reference: (h @ packed.T) in fp32, empty slots -inf."""
+    tok_of_slot = _as_slot_tokens(tok_of_slot)
     _check(h, packed, tok_of_slot, "packed")
     W, d = packed.shape
     if tok_of_slot is not None and tok_of_slot.numel() != W:
@@ -143,7 +152,8 @@ def packed_head_ref(h: torch.Tensor, packed: torch.Tensor,
 
 
 def packed_head(h: torch.Tensor, packed: torch.Tensor, tok_of_slot: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [..., W] fp32 = h [..., d] @ packed [W, d].T, slots with tok_of_slot < 0 set to -inf."""
+    """logits [..., W] fp32 = h [..., d] @ packed [W, d].T, slots with tok_of_slot < 0 (or a False
+    valid-mask entry) set to -inf."""
     if triton_enabled():
         return packed_head_triton(h, packed, tok_of_slot)
     return packed_head_ref(h, packed, tok_of_slot)

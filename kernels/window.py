@@ -172,7 +172,8 @@ def unique_new_triton(ids: torch.Tensor, vocab_size: int, exclude: torch.Tensor 
     if scratch is None:
         scratch = torch.full((vocab_size,), _INT32_MAX, dtype=torch.int32, device=ids.device)
     elif scratch.numel() != vocab_size or scratch.dtype != torch.int32:
-        raise WindowError(f"scratch must be [vocab_size]={vocab_size} int32, got {tuple(scratch.shape)} {scratch.dtype}")
+        raise WindowError(f"scratch must be [vocab_size]={vocab_size} int32 (INT32_MAX-filled), got "
+                          f"{tuple(scratch.shape)} {scratch.dtype}")
     check_triton_can_run(ids, scratch)
     out = torch.full((m,), -1, dtype=torch.int64, device=ids.device)
     count = torch.zeros((), dtype=torch.int64, device=ids.device)

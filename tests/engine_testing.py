@@ -10,6 +10,20 @@ from engine.tree import DraftTree, Drafter
 ARCHS = ("random-llama", "random-gemma3", "random-qwen3")
 
 
+def untie_head(model, seed: int = 0, scale: float = 4.0):
+    """Give a tiny random model its own random LM head. With the tied head of `load_random_model` greedy
+    text repeats one token forever (each token's embedding scores itself highest), which hides bugs that
+    depend on context; an untied head gives varied text with cycles. `scale` sets the logit spread
+    (4: clear argmax margins, top-1 probability ~0.4-0.6 on 512 tokens)."""
+    d, v = model.config.hidden_size, model.config.vocab_size
+    head = torch.nn.Linear(d, v, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(v, d, generator=torch.Generator().manual_seed(seed)) * scale / d ** 0.5)
+    model.lm_head = head
+    model.config.tie_word_embeddings = False
+    return model
+
+
 def random_parents(n: int, rng: np.random.Generator, chain_bias: float = 0.5) -> list[int]:
     """Topologically ordered parents of an n-node tree; with prob chain_bias a node hangs off its predecessor."""
     parents = [-1]

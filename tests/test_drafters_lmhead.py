@@ -160,7 +160,8 @@ def tiny(request, tmp_path_factory):
     model, _, info = load_model(request.param, vocab_size=V, hidden_size=48, num_layers=4, seed=5)
     ranking = tmp_path_factory.mktemp("freq") / "ranking.npy"
     np.save(ranking, np.random.default_rng(0).permutation(V))
-    return model, info, ranking
+    ar = {}                                   # prompt seed -> the autoregressive output, computed once
+    return model, info, ranking, ar
 
 
 def _prompt(seed, n=40):
@@ -169,25 +170,32 @@ def _prompt(seed, n=40):
     return torch.tensor(np.concatenate([base, rng.integers(0, V, n - 2 * base.size), base]))
 
 
+def _ar(tiny, seed, T=20):
+    model, _, _, ar = tiny
+    if (seed, T) not in ar:
+        ar[seed, T] = generate(model, _prompt(seed), method="ar", max_new_tokens=T, eos_ids=[]).output_ids.tolist()
+    return ar[seed, T]
+
+
 VOCAB_VARIANTS = [
     dict(vocab="full"),
     dict(vocab="frspec", frspec_k=96),
     dict(vocab="microspec", w_max=64),
-    dict(vocab="microspec", w_max=24, window_mode="fifo_unique", ver_rows="all_tree", draft_tree_tokens="all_expanded"),
+    dict(vocab="microspec", w_max=24, window_mode="fifo_unique", ver_rows="all_tree", draft_tree_tokens="all_expanded",
+         prefill_order="last"),
+    dict(vocab="microspec", w_max=48, sources="ext", ver_rows="last"),
     dict(vocab="oracle", w_max=32),
 ]
 
 
 @pytest.mark.parametrize("method", ["layerskip", "eagle"])
 def test_lossless_greedy_every_policy(tiny, method):
-    model, info, ranking = tiny
+    model, info, ranking, _ = tiny
     extra = dict(drafter_layers="skip:1") if method == "layerskip" else dict(eagle_head="random")
     for i, variant in enumerate(VOCAB_VARIANTS):
-        prompt = _prompt(i)
-        ar = generate(model, prompt, method="ar", max_new_tokens=24, eos_ids=[])
-        out = generate(model, prompt, method=method, max_new_tokens=24, eos_ids=[], frequency_file=str(ranking),
-                       eagle_depth=4, eagle_total_tokens=24, **extra, **variant)
-        assert out.output_ids.tolist() == ar.output_ids.tolist(), variant
+        out = generate(model, _prompt(i), method=method, max_new_tokens=20, eos_ids=[], frequency_file=str(ranking),
+                       eagle_depth=4, eagle_total_tokens=20, **extra, **variant)
+        assert out.output_ids.tolist() == _ar(tiny, i), variant
         t = out.drafter_timings
         assert t["backbone"] > 0 and t["lm_head"] > 0 and t["tree"] > 0
         if variant["vocab"] == "microspec":
@@ -197,21 +205,22 @@ def test_lossless_greedy_every_policy(tiny, method):
 
 
 def test_layerskip_drafts_tokens_the_target_accepts(tiny):
-    model, info, _ = tiny
-    prompt = _prompt(7)
-    out = generate(model, prompt, method="layerskip", drafter_layers="skip:2", max_new_tokens=24, eos_ids=[])
+    model, info, _, _ = tiny
+    out = generate(model, _prompt(0), method="layerskip", drafter_layers="skip:2", max_new_tokens=20, eos_ids=[])
+    assert out.output_ids.tolist() == _ar(tiny, 0)
     assert out.tau > 1.5
     assert isinstance(make_drafter(model, SpecConfig.preset("layerskip", drafter_layers="first:2")), LayerSkipDrafter)
     assert isinstance(make_drafter(model, SpecConfig.preset("eagle", eagle_head="random")), EagleDrafter)
 
 
 def test_oracle_proposes_what_full_proposes(tiny):
-    model, info, _ = tiny
+    model, info, _, _ = tiny
     prompt = _prompt(8)
-    full = generate(model, prompt, method="layerskip", vocab="full", max_new_tokens=24, eos_ids=[], record=True,
-                    drafter_layers="skip:1")
-    drafter = make_drafter(model, SpecConfig.preset("layerskip", vocab="oracle", w_max=16, drafter_layers="skip:1"))
-    oracle = generate(model, prompt, method="layerskip", max_new_tokens=24, eos_ids=[], record=True,
+    full = generate(model, prompt, method="layerskip", vocab="full", max_new_tokens=16, eos_ids=[], record=True,
+                    drafter_layers="skip:1", eagle_depth=4, eagle_total_tokens=20)
+    drafter = make_drafter(model, SpecConfig.preset("layerskip", vocab="oracle", w_max=16, drafter_layers="skip:1",
+                                                    eagle_depth=4, eagle_total_tokens=20))
+    oracle = generate(model, prompt, method="layerskip", max_new_tokens=16, eos_ids=[], record=True,
                       drafter=drafter)
     assert [r.tree_tokens for r in oracle.records] == [r.tree_tokens for r in full.records]
     assert oracle.steps == full.steps
@@ -377,3 +386,27 @@ def test_eagle_errors_name_the_fix(tmp_path):
     with pytest.raises(DrafterError, match=r"vocabulary \(385\) differs from the target's \(384\)"):
         EagleDrafter(model, SpecConfig.preset("eagle", eagle_head="random"), head=random_eagle_head(bigger))
     assert isinstance(random_eagle_head(model), EagleHead)
+
+
+def test_sampling_mode_keeps_the_target_distribution():
+    """Temperature 1: the drafter's deterministic top-k children (one-hot q) under engine.verify's sampling
+    acceptance; the second generated token (the first one a draft tree decides) follows the target's
+    marginal P(t2) = sum_t1 P(t1) P(t2 | t1): total variation within sampling noise (~0.08 for 400 draws;
+    accepting drafts regardless of the target would put most mass on the drafted token, TV > 0.5)."""
+    vocab = 16
+    model, _, _ = load_model("random-llama", vocab_size=vocab, hidden_size=32, num_layers=2, seed=8)
+    with torch.no_grad():                    # a flat target, so that t2 really is random
+        model.get_input_embeddings().weight.mul_(0.3)
+    prompt = torch.tensor([3, 1, 4, 9])
+    with torch.inference_mode():
+        p1 = torch.softmax(model(prompt[None]).logits[0, -1].double(), -1)                     # [V]
+        seqs = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], 1)
+        p2 = (p1[:, None] * torch.softmax(model(seqs).logits[:, -1].double(), -1)).sum(0)     # [V]
+    cfg = SpecConfig.preset("layerskip", drafter_layers="skip:1", temperature=1.0, max_new_tokens=2,
+                            eagle_depth=2, eagle_topk=4, eagle_total_tokens=8)
+    n = 400
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    for seed in range(n):
+        counts[generate(model, prompt, cfg.replace(seed=seed), eos_ids=[]).output_ids[1]] += 1
+    tv = 0.5 * float((counts / n - p2).abs().sum())
+    assert tv < 0.15, tv

@@ -12,7 +12,7 @@ from engine import kv
 from engine.harness import forward_tree, prefill
 from engine.models import load_model
 from engine.verify import tree_layout
-from tests.engine_testing import ARCHS, random_tree
+from tests.engine_testing import ARCHS, random_tree, untie_head
 
 VOCAB = 512
 
@@ -20,7 +20,7 @@ VOCAB = 512
 @pytest.fixture(scope="module", params=ARCHS)
 def model(request):
     m, _, _ = load_model(request.param, vocab_size=VOCAB, num_layers=6, seed=3)
-    return m
+    return untie_head(m)
 
 
 def _plain_logits(model, ids: list[int]) -> torch.Tensor:

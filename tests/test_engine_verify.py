@@ -126,7 +126,7 @@ def test_one_step_deterministic_tree_matches_target(temperature, top_p):
     tokens = torch.tensor([0, order[2], kid_a, order[-1], int(p[2].argmax())])
     parents = torch.tensor([-1, 0, 0, 0, 2])
     gen = torch.Generator().manual_seed(123)
-    n = 12000
+    n = 3000
     first = np.zeros(V, dtype=np.int64)
     second_after_a = np.zeros(V, dtype=np.int64)
     for _ in range(n):
@@ -139,7 +139,7 @@ def test_one_step_deterministic_tree_matches_target(temperature, top_p):
     assert _chi2_pvalue(first, p[0].numpy()) > 1e-3
     assert _chi2_pvalue(second_after_a, p[2].numpy()) > 1e-3     # row 2 = after root -> kid_a
     # the test has power: the same counts do not fit a distribution that is off by a little
-    skew = p[0].numpy() * np.linspace(0.85, 1.15, V)
+    skew = p[0].numpy() * np.linspace(0.8, 1.2, V)
     assert _chi2_pvalue(first, skew / skew.sum()) < 1e-3
 
 
@@ -150,7 +150,7 @@ def test_one_step_sampled_children_match_target(width):
     p = warp_probs(logits, 1.0)
     q = torch.softmax(torch.randn(V, generator=torch.Generator().manual_seed(9)) * 2, -1)
     gen, draw = torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)
-    n = 12000
+    n = 3000
     first = np.zeros(V, dtype=np.int64)
     drafted = np.zeros(V, dtype=np.int64)
     for _ in range(n):
@@ -181,7 +181,7 @@ def _bigram_chain_probs(table: torch.Tensor, start: int, length: int) -> np.ndar
 def test_multi_step_sequences_match_target(mode):
     """A bigram target over 4 tokens; random draft trees each step; the first 3 committed tokens must be
     distributed as the target's chain, whatever the trees accept."""
-    v, length, n_runs = 4, 3, 6000
+    v, length, n_runs = 4, 3, 2500
     logits_table = torch.randn(v, v, generator=torch.Generator().manual_seed(11)) * 1.2
     p_table = warp_probs(logits_table, 0.9, top_p=0.95)        # [v, v] next-token distribution per token
     rng = np.random.default_rng(0)
@@ -215,7 +215,7 @@ def test_multi_step_sequences_match_target(mode):
 
 def test_tree_layout_on_a_chain_and_a_star():
     depths, anc = tree_layout(torch.arange(-1, 9))
-    assert depths.tolist() == list(range(10)) and bool(anc.tril().all()) and not bool(anc.triu(1).any())
+    assert depths.tolist() == list(range(10)) and anc.equal(torch.ones(10, 10, dtype=torch.bool).tril())
     depths, anc = tree_layout(torch.tensor([-1] + [0] * 7))
     assert depths.tolist() == [0] + [1] * 7
     assert DraftTree(torch.zeros(8), torch.tensor([-1] + [0] * 7)).ancestor_mask().equal(anc)

@@ -1,7 +1,5 @@
 """kernels.hardware: one place decides device, dtype, compiled vs interpreted Triton, and the backend."""
 
-import os
-
 import pytest
 import torch
 
@@ -67,7 +65,6 @@ def test_cpu_tensor_without_interpreter_names_the_fix(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(KernelBackendError, match="TRITON_INTERPRET=1"):
         hardware.check_triton_can_run(torch.zeros(1))
-    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))
 
 
 def test_describe_names_device_and_backend():

@@ -5,7 +5,7 @@ import torch
 
 from kernels.head import (HeadError, indexed_head, indexed_head_ref, indexed_head_triton, packed_head,
                           packed_head_ref, packed_head_triton)
-from kernels.hardware import using_triton
+from kernels.hardware import DEVICE, using_triton
 from kernels.testing import nan_filled, rel_rms
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]          # bf16: multiplied in fp32 when interpreted
@@ -22,7 +22,7 @@ def _packed_case(r, W, d, dtype, seed, empty_fraction=0.3):
     empty = torch.rand(W, generator=g) < empty_fraction
     tok_of_slot[empty] = -1
     packed[empty] = float("nan")               # an empty slot's row is garbage; the mask must still win
-    return h, packed, tok_of_slot
+    return h.to(DEVICE), packed.to(DEVICE), tok_of_slot.to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -47,8 +47,8 @@ def test_packed_head_full_and_empty_window(empty_fraction):
 
 def test_packed_head_without_mask_and_with_leading_dims():
     g = torch.Generator().manual_seed(7)
-    h = torch.randn(2, 3, 50, generator=g)
-    packed = torch.randn(37, 50, generator=g)
+    h = torch.randn(2, 3, 50, generator=g).to(DEVICE)
+    packed = torch.randn(37, 50, generator=g).to(DEVICE)
     out = packed_head_triton(h, packed)
     assert out.shape == (2, 3, 37)
     assert rel_rms(out, torch.einsum("abd,wd->abw", h.double(), packed.double()).float()) < TOL
@@ -58,9 +58,9 @@ def test_packed_head_without_mask_and_with_leading_dims():
 @pytest.mark.parametrize("r,V,m,d", [(1, 1823, 63, 781), (3, 500, 257, 97), (17, 40, 40, 33), (1, 10, 0, 16)])
 def test_indexed_head_matches_reference(r, V, m, d, dtype):
     g = torch.Generator().manual_seed(V + m)
-    h = torch.randn(r, d, generator=g).to(dtype)
-    weight = torch.randn(V, d, generator=g).to(dtype)
-    idx = torch.randint(-1, V, (m,), generator=g)                      # -1 = masked column
+    h = torch.randn(r, d, generator=g).to(DEVICE, dtype)
+    weight = torch.randn(V, d, generator=g).to(DEVICE, dtype)
+    idx = torch.randint(-1, V, (m,), generator=g).to(DEVICE)           # -1 = masked column
     out = indexed_head_triton(h, weight, idx)
     ref = indexed_head_ref(h, weight, idx)
     assert out.shape == (r, m)
@@ -76,9 +76,10 @@ def test_indexed_equals_packed_on_a_consistent_buffer(backend):
     weight = torch.randn(V, d, generator=g).half()
     tok_of_slot = torch.randperm(V, generator=g)[:W].to(torch.int32)
     tok_of_slot[::4] = -1
-    packed = nan_filled(W, d, dtype=torch.float16)
+    weight, tok_of_slot = weight.to(DEVICE), tok_of_slot.to(DEVICE)
+    packed = nan_filled(W, d, dtype=torch.float16, device=DEVICE)
     packed[tok_of_slot >= 0] = weight[tok_of_slot[tok_of_slot >= 0].long()]
-    h = torch.randn(4, d, generator=g).half()
+    h = torch.randn(4, d, generator=g).to(DEVICE, torch.float16)
     with using_triton(backend):
         a = packed_head(h, packed, tok_of_slot)
         b = indexed_head(h, weight, tok_of_slot)
@@ -92,8 +93,27 @@ def test_bad_arguments_name_the_problem():
     with pytest.raises(HeadError, match="share a dtype"):
         packed_head_ref(torch.zeros(1, 8), torch.zeros(4, 8, dtype=torch.float16))
     with pytest.raises(HeadError, match=r"tok_of_slot must be \[W\]=4"):
-        packed_head_triton(torch.zeros(1, 8), torch.zeros(4, 8), torch.zeros(5, dtype=torch.int32))
+        packed_head_triton(torch.zeros(1, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE),
+                           torch.zeros(5, dtype=torch.int32, device=DEVICE))
     with pytest.raises(HeadError, match="d=8"):
         packed_head_ref(torch.zeros(1, 7), torch.zeros(4, 8))
     with pytest.raises(HeadError, match="integer"):
         indexed_head_ref(torch.zeros(1, 8), torch.zeros(4, 8), torch.zeros(2))
+
+
+def test_indexed_reference_in_chunks_matches_kernel(monkeypatch):
+    import kernels.head as hd
+    from kernels.tensor_ops import row_chunks
+    monkeypatch.setattr(hd, "row_chunks", lambda n, row_bytes: row_chunks(n, row_bytes, 5 * row_bytes))
+    g = torch.Generator().manual_seed(2)
+    h, weight = torch.randn(3, 45, generator=g).to(DEVICE), torch.randn(400, 45, generator=g).to(DEVICE)
+    idx = torch.randint(-1, 400, (123,), generator=g).to(DEVICE)
+    assert rel_rms(indexed_head_ref(h, weight, idx), indexed_head_triton(h, weight, idx)) < TOL
+
+
+@pytest.mark.parametrize("backend", [True, False], ids=["triton", "torch"])
+def test_packed_head_takes_a_bool_valid_mask(backend):
+    h, packed, tok_of_slot = _packed_case(2, 45, 30, torch.float16, seed=12)
+    with using_triton(backend):
+        by_mask = packed_head(h, packed, tok_of_slot >= 0)
+    assert rel_rms(by_mask, packed_head_ref(h, packed, tok_of_slot)) < TOL

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from kernels.hardware import using_triton
+from kernels.hardware import DEVICE, using_triton
 from kernels.streams import PackedLMHead
 from kernels.testing import rel_rms
 
@@ -41,8 +41,8 @@ def test_packed_head_tracks_the_window(dtype, mode, backend):
     rng = random.Random(17)
     V, d, W = 400, 97, 63
     g = torch.Generator().manual_seed(0)
-    weight = torch.randn(V, d, generator=g)
-    h = torch.randn(3, d, generator=g)
+    weight = torch.randn(V, d, generator=g).to(DEVICE)
+    h = torch.randn(3, d, generator=g).to(DEVICE)
     with using_triton(backend):
         head = PackedLMHead(weight, W, dtype=dtype, mode=mode)
         head.packed.fill_(float("nan"))            # a row the gather should have written fails loudly
@@ -56,11 +56,11 @@ def test_packed_head_tracks_the_window(dtype, mode, backend):
 
 
 def test_empty_window_gives_all_minus_inf_and_maps_to_minus_one():
-    head = PackedLMHead(torch.randn(50, 16), 8)
+    head = PackedLMHead(torch.randn(50, 16, device=DEVICE), 8)
     head.reset([])
-    logits = head.logits(torch.randn(2, 16))
+    logits = head.logits(torch.randn(2, 16, device=DEVICE))
     assert torch.isneginf(logits).all()
-    assert (head.slot_to_token(torch.tensor([[0, 7]])) == -1).all()
+    assert (head.slot_to_token(torch.tensor([[0, 7]], device=DEVICE)) == -1).all()
 
 
 @needs_cuda

@@ -10,10 +10,15 @@ import pytest
 import torch
 
 from kernels import window as wn
-from kernels.hardware import using_triton
+from kernels.hardware import DEVICE, using_triton
 
 BACKENDS = pytest.mark.parametrize("backend", [True, False], ids=["triton", "torch"])
 MODES = pytest.mark.parametrize("mode", wn.MODES)
+
+
+def ids(values):
+    """Token ids on the device the kernels run on (CPU + interpreter here, CUDA when there is one)."""
+    return torch.as_tensor(list(values), dtype=torch.long, device=DEVICE)
 
 
 class HostVocab:
@@ -100,11 +105,11 @@ def random_entries(rng, V, m, pad_rate=0.1, hot=None):
 @pytest.mark.parametrize("V,W", [(5, 1), (7, 3), (60, 16), (300, 63), (40, 40)])
 def test_random_streams_match_host_reference(V, W, mode, backend):
     rng = random.Random(V * 1000 + W)
-    state = wn.new_window_state(V, W, "cpu", mode)
+    state = wn.new_window_state(V, W, DEVICE, mode)
     host = HostVocab(V, W, mode)
     with using_triton(backend):
         prompt = random_entries(rng, V, rng.randrange(0, 3 * W + 2))
-        gathered = wn.window_init(state, torch.tensor(prompt, dtype=torch.long))
+        gathered = wn.window_init(state, ids(prompt))
         # spec 2.5 note: init pushes only the last W_max entries of S_init; stream_len keeps the true |S|
         stream = [v for v in prompt if v >= 0]                          # S, literally (eq4_exact)
         if mode == "fifo_unique":
@@ -115,7 +120,7 @@ def test_random_streams_match_host_reference(V, W, mode, backend):
         for _ in range(25):
             m = rng.choice([0, 1, W, rng.randrange(0, W + 1)])
             entries = random_entries(rng, V, m, hot=max(2, V // 4))
-            gathered = wn.window_step(state, torch.tensor(entries, dtype=torch.long))
+            gathered = wn.window_step(state, ids(entries))
             entered = host.step(entries)
             assert_agrees(state, host, gathered, entered)
             if mode == "eq4_exact":                                     # Eq. 4 read off the definition
@@ -127,7 +132,7 @@ def test_random_streams_match_host_reference(V, W, mode, backend):
 def test_triton_kernel_and_torch_path_are_bit_identical(mode):
     rng = random.Random(5)
     V, W = 120, 31
-    states = {b: wn.new_window_state(V, W, "cpu", mode) for b in (True, False)}
+    states = {b: wn.new_window_state(V, W, DEVICE, mode) for b in (True, False)}
     for step in range(40):
         entries = torch.tensor(random_entries(rng, V, rng.randrange(0, W + 1), hot=30), dtype=torch.long)
         out = {}
@@ -145,10 +150,10 @@ def test_triton_kernel_and_torch_path_are_bit_identical(mode):
 @BACKENDS
 def test_full_window_turns_over_completely(backend):
     V, W = 64, 8
-    state = wn.new_window_state(V, W, "cpu")
+    state = wn.new_window_state(V, W, DEVICE)
     with using_triton(backend):
         for step in range(6):
-            entries = torch.arange(step * W, (step + 1) * W) % V        # W fresh tokens per step
+            entries = ids(range(step * W, (step + 1) * W)) % V        # W fresh tokens per step
             gathered = wn.window_step(state, entries)
             assert int(gathered.count) == W and int(state.free_top) == 0 and int(state.active_size()) == W
             assert torch.equal(gathered.tokens, entries)
@@ -163,20 +168,20 @@ def test_eq4_refreshes_and_fifo_unique_does_not(backend):
                 "fifo_unique": {2, 3, 4}}    # 1 is active, not pushed; 4 evicts 1
     with using_triton(backend):
         for mode, active in expected.items():
-            state = wn.new_window_state(10, 3, "cpu", mode)
-            wn.window_init(state, torch.tensor([1, 2, 3]))
-            gathered = wn.window_step(state, torch.tensor([1, 4]))
+            state = wn.new_window_state(10, 3, DEVICE, mode)
+            wn.window_init(state, ids([1, 2, 3]))
+            gathered = wn.window_step(state, ids([1, 4]))
             assert set(torch.nonzero(state.active).flatten().tolist()) == active
             assert gathered.tokens[: int(gathered.count)].tolist() == [4]
 
 
 @BACKENDS
 def test_empty_and_all_padding_steps_change_nothing(backend):
-    state = wn.new_window_state(30, 5, "cpu")
+    state = wn.new_window_state(30, 5, DEVICE)
     with using_triton(backend):
-        wn.window_init(state, torch.tensor([3, 4, 3, 9]))
+        wn.window_init(state, ids([3, 4, 3, 9]))
         before = {k: v.clone() for k, v in vars(state).items() if isinstance(v, torch.Tensor)}
-        for entries in (torch.empty(0, dtype=torch.long), torch.full((5,), -1)):
+        for entries in (ids([]), ids([-1] * 5)):
             gathered = wn.window_step(state, entries)
             assert int(gathered.count) == 0
             for k, v in before.items():
@@ -184,24 +189,24 @@ def test_empty_and_all_padding_steps_change_nothing(backend):
 
 
 def test_window_init_keeps_only_the_suffix_and_counts_the_stream():
-    state = wn.new_window_state(100, 4, "cpu")
-    prompt = torch.tensor([5, 6, -1, 7, 8, 9, 10, -1])                # 6 valid entries, W = 4
+    state = wn.new_window_state(100, 4, DEVICE)
+    prompt = ids([5, 6, -1, 7, 8, 9, 10, -1])                          # 6 valid entries, W = 4
     gathered = wn.window_init(state, prompt)
     assert set(torch.nonzero(state.active).flatten().tolist()) == {7, 8, 9, 10}
     assert int(state.stream_len) == 6 and int(state.ring_head) == 4
     assert gathered.tokens[: int(gathered.count)].tolist() == [7, 8, 9, 10]
-    wn.window_init(state, torch.tensor([1]))                           # a new generate(): reset (spec A5)
+    wn.window_init(state, ids([1]))                                     # a new generate(): reset (spec A5)
     assert torch.nonzero(state.active).flatten().tolist() == [1] and int(state.stream_len) == 1
 
 
 def test_bad_arguments_name_the_problem():
-    state = wn.new_window_state(10, 4, "cpu")
+    state = wn.new_window_state(10, 4, DEVICE)
     with pytest.raises(wn.WindowError, match="at most w_max=4"):
-        wn.window_step(state, torch.arange(5))
+        wn.window_step(state, ids(range(5)))
     with pytest.raises(wn.WindowError, match="integer"):
-        wn.window_step(state, torch.zeros(2))
+        wn.window_step(state, torch.zeros(2, device=DEVICE))
     with pytest.raises(wn.WindowError, match="A4"):
-        wn.new_window_state(10, 4, "cpu", mode="lru")
+        wn.new_window_state(10, 4, DEVICE, mode="lru")
 
 
 @BACKENDS
@@ -209,18 +214,18 @@ def test_bad_arguments_name_the_problem():
 def test_unique_new_keeps_first_occurrences_in_order(m, backend):
     rng = random.Random(m)
     V = 50
-    ids = [rng.randrange(-1, V) for _ in range(m)]
-    exclude = torch.zeros(V, dtype=torch.bool)
+    candidates = [rng.randrange(-1, V) for _ in range(m)]
+    exclude = torch.zeros(V, dtype=torch.bool, device=DEVICE)
     exclude[::7] = True
     for ex in (None, exclude):
         with using_triton(backend):
-            uniq, count = wn.unique_new(torch.tensor(ids, dtype=torch.long), V, ex)
-        expected = [v for v in dict.fromkeys(ids) if v >= 0 and (ex is None or not ex[v])]
+            uniq, count = wn.unique_new(ids(candidates), V, ex)
+        expected = [v for v in dict.fromkeys(candidates) if v >= 0 and (ex is None or not ex[v])]
         assert uniq.shape == (m,) and int(count) == len(expected)
         assert uniq[: len(expected)].tolist() == expected and (uniq[len(expected):] == -1).all()
 
 
 def test_unique_new_triton_leaves_its_scratch_idle():
-    scratch = torch.full((20,), 2**31 - 1, dtype=torch.int32)
-    uniq, count = wn.unique_new_triton(torch.tensor([3, 3, 19, 0, 19]), 20, scratch=scratch)
+    scratch = torch.full((20,), 2**31 - 1, dtype=torch.int32, device=DEVICE)
+    uniq, count = wn.unique_new_triton(ids([3, 3, 19, 0, 19]), 20, scratch=scratch)
     assert uniq[: int(count)].tolist() == [3, 19, 0] and (scratch == 2**31 - 1).all()

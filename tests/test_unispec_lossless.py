@@ -100,9 +100,10 @@ def test_scores_reach_the_harness_records(random_model):
 def test_lossless_on_smollm2(smollm2):
     model, tok, info = smollm2
     prompts = load_prompts("spec_bench", categories=["summarization", "coding"], per_category=1)
-    for p in prompts:
+    for i, p in enumerate(prompts):
         ids = torch.tensor(encode_prompt(tok, info, p.turns[:1], [], max_new_tokens=24))
         ar = generate(model, ids, method="ar", max_new_tokens=24, eos_ids=[])
-        for method, g in (("unispec", 10), ("recycling", None)):
+        # the whole 80-node template on the first prompt (slow on a CPU), a truncated one on the second
+        for method, g in (("unispec", 10), ("recycling", None if i == 0 else 16)):
             out = generate(model, ids, method=method, max_new_tokens=24, eos_ids=[], draft_size=g)
             assert out.output_ids.tolist() == ar.output_ids.tolist(), (p.question_id, method)

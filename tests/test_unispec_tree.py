@@ -270,6 +270,10 @@ def test_confidence_scores_hand_computed():
         assert set(got) == set(want), confidence
         for p, s in want.items():
             assert got[p] == pytest.approx(s), (confidence, p)
+    # without the root's own entry in C (7 is the root): level 1 = 2 .6, 4 .4, 8 .1; frontier {2, 4}
+    got = tree_paths(build_unispec_tree(7, S_tok, S_con, C_tok, C_con, k=2, depth=4, r=0.05, g=3,
+                                        cache_exclude_root=True))
+    assert got == {(2,): pytest.approx(0.6), (4,): pytest.approx(0.4), (4, 2): pytest.approx(0.32)}
     # g = 3 keeps the three best in each mode
     assert set(tree_paths(build_unispec_tree(7, S_tok, S_con, C_tok, C_con, k=2, depth=4, r=0.05, g=3))) \
         == {(2,), (7,), (4,)}

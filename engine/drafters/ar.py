@@ -12,5 +12,7 @@ from engine.tree import DraftTree, Drafter
 class ARDrafter(Drafter):
     """No draft tokens: the target verifies the root alone and emits one bonus token per step (tau = 1)."""
 
+    uses_prefill_logits = False                                  # begin() gets only the last row
+
     def propose(self, ids: torch.Tensor) -> DraftTree:
         return DraftTree(ids[-1:].cpu(), torch.tensor([-1]))     # host copy of one id (trees live on the host)

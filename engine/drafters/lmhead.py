@@ -16,9 +16,10 @@ FR-Spec's EAGLE-2 with `--eagle-num-iter 5 --eagle-tree-size 60`, per-node top-k
 So there are `depth` LM-head calls and `depth - 1` tree forwards of the backbone per step.
 
 The LM head goes through a vocabulary policy (`engine.vocab`): `policy.logits(h [r, d])` returns
-`(logits [r, m], slot_to_token [m] or None)`; the top-k is taken over the m slots and mapped back, so
-draft token ids are always full-vocabulary ids. Slots outside the active vocab are -inf and never
-proposed (a candidate with score -inf is dropped; specs/microspec.md A7).
+`(logits [r, m], slot_to_token [m] or None)` and `policy.head_topk(h, k)` takes the log-softmax over the
+m slots and the top-k, mapped back to full-vocabulary ids, so draft token ids are always full-vocabulary
+ids. Slots outside the active vocab are -inf and never proposed (a candidate with score -inf is dropped;
+specs/microspec.md A7).
 
 Sampling mode: the children of a node are the deterministic top-k of the draft distribution, so the
 tree carries no `draft_probs` (one-hot q). `engine.verify.verify_sampling` then examines siblings in
@@ -28,9 +29,12 @@ not be: EAGLE-2's pruning keeps children by their value, so the survivors are no
 and recursive rejection sampling would be biased.
 
 Phases timed per drafter (`timings()`, seconds since `begin`): `backbone` (catch-up of committed
-tokens + tree forwards), `lm_head` (policy head + log-softmax + top-k), `tree` (selection and tree
-build), `gather` (the policy's window update and row gather), `draft_prefill` (the drafter's pass over
-the prompt in `begin`, not part of any step).
+tokens + tree forwards + cache compaction), `lm_head` (policy head + log-softmax + top-k), `tree`
+(selection and tree build), `gather` (the policy's stream update, window step and row gather; on CUDA
+the gather itself runs on a copy stream and only the wait lands in `lm_head`), `draft_prefill` (the
+drafter's pass over the prompt in `begin`, not part of any step), `oracle_uncharged` (oracle policy only:
+its full head, already subtracted from `lm_head`). `stats()`: steps drafted, mean/max active vocab,
+coverage of the committed tokens by the vocab the drafter had.
 """
 
 from __future__ import annotations

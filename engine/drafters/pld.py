@@ -45,6 +45,8 @@ def prompt_lookup(ids: torch.Tensor, min_ngram: int, max_ngram: int, num_draft: 
 
 @register_drafter("pld")
 class PromptLookupDrafter(Drafter):
+    uses_prefill_logits = False                                  # begin() gets only the last row
+
     def propose(self, ids: torch.Tensor) -> DraftTree:
         cfg = self.cfg
         draft = prompt_lookup(ids, cfg.pld_min_ngram, cfg.pld_max_ngram, cfg.pld_num_draft)

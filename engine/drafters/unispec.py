@@ -62,13 +62,15 @@ def _frontier(scores: torch.Tensor, k: int, r: float) -> torch.Tensor:
 def build_unispec_tree(root: int | torch.Tensor, store_tok: torch.Tensor, store_con: torch.Tensor,
                        cache_tok: torch.Tensor | None, cache_con: torch.Tensor | None, *,
                        k: int, depth: int, r: float, g: int, confidence: str = "path",
-                       threshold_scope: str = "expand") -> DraftTree:
+                       threshold_scope: str = "expand", cache_exclude_root: bool = False) -> DraftTree:
     """One UniSpec draft tree (spec section 4.3). Pure.
 
     root: the root token id. store_tok / store_con: [V, k_s] successor store (k_s >= 1; every stored
     slot of a frontier node becomes a child). cache_tok / cache_con: [k_c] first-level cache, or None
     (no broadening). k: frontier width per level. depth: d, the deepest level. r: expansion threshold.
-    g: the most draft tokens (root excluded) to select. Returns a DraftTree with <= 1 + g nodes,
+    g: the most draft tokens (root excluded) to select. cache_exclude_root: drop the root's own token
+    from C (under greedy decoding it is C's top-1: a "repeat the root" guess whose confidence is the
+    root's own probability, spec 4.3.1 `C_exclude_top1`). Returns a DraftTree with <= 1 + g nodes,
     `scores` = node confidences (root 1.0).
     """
     if confidence not in ("path", "node"):
@@ -81,6 +83,8 @@ def build_unispec_tree(root: int | torch.Tensor, store_tok: torch.Tensor, store_
     root = torch.as_tensor(root, dtype=torch.long, device=device).reshape(())
 
     # ---- level 1 (broadened) ------------------------------------------------------------------
+    if cache_tok is not None and cache_exclude_root:
+        cache_con = torch.where(cache_tok.to(device) == root, torch.zeros_like(cache_con), cache_con)
     tok1, con1 = first_level(store_tok[root], store_con[root], cache_tok, cache_con)   # [m1]
     level_tok = [tok1]
     level_score = [con1]
@@ -229,7 +233,8 @@ class UniSpecDrafter(Drafter):
         cache = (self.cache_tok, self.cache_con) if cfg.broaden_first_level else (None, None)
         tree = build_unispec_tree(ids[-1], self.store.tok, self.store.con, *cache, k=cfg.store_k,
                                   depth=cfg.tree_depth, r=cfg.threshold_r, g=self._resolve_g(),
-                                  confidence=cfg.confidence, threshold_scope=cfg.threshold_scope)
+                                  confidence=cfg.confidence, threshold_scope=cfg.threshold_scope,
+                                  cache_exclude_root=cfg.cache_exclude_root)
         self._t["tree"] += time.perf_counter() - t0
         return tree
 

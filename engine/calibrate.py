@@ -19,7 +19,9 @@ Choices where the paper is silent [C]:
 - s(g) is the full decoding step (drafting + tree forward + acceptance + store update) per step, because
   that is what Eq. 1 divides by; the paper's forward-only s (Eq. 2 assumes drafting is free, which a CPU
   does not grant) is `timing="forward"`. Both are recorded.
-- tau(g) counts decoding steps only (the prefill's first token is left out).
+- tau(g) counts decoding steps only (the prefill's first token is left out); s(g) is the median over
+  prompts (and repeats) of each prompt's seconds per step, so one prompt hit by a noisy neighbour on a
+  shared machine does not move the fit.
 - The store persists through calibration (Alg. 1 builds it first), but rerunning the same prompts at
   every g would let the store memorise their continuations. So the store is warmed once on separate
   warm-up prompts, snapshotted, and restored before every grid point: each g starts from the same state.
@@ -333,22 +335,65 @@ def _store_of(model, cfg: SpecConfig, vocab: int):
 
 
 def run_prompts(model, prompts: Sequence[torch.Tensor], cfg: SpecConfig, *, eos_ids=None) -> dict:
-    """Generate every prompt with cfg; totals for tau and the step times."""
+    """Generate every prompt with cfg; tau over all decoding steps, step times per prompt."""
     from engine.harness import generate
 
     new = steps = 0
-    verify_s = step_s = 0.0
+    step_s, verify_s = [], []                       # [prompts] seconds per decoding step
     for p in prompts:
         r = generate(model, p, cfg, eos_ids=eos_ids)
-        new += r.new_tokens - 1                   # decoding steps only: the prefill's token is left out
-        steps += r.steps - 1
-        verify_s += r.verify_s
-        step_s += r.wall_s - r.prefill_s
+        n_steps = r.steps - 1                       # decoding steps only: the prefill's token is left out
+        if n_steps == 0:
+            continue
+        new += r.new_tokens - 1
+        steps += n_steps
+        verify_s.append(r.verify_s / n_steps)
+        step_s.append((r.wall_s - r.prefill_s) / n_steps)
     if steps == 0:
         raise CalibrationError("no decoding steps ran (every prompt stopped at its first token); use longer "
                                "max_new_tokens or other prompts, or pass eos_ids=[]")
-    return dict(tau=new / steps, s_forward=verify_s / steps, s_step=step_s / steps,
-                tokens_per_s=new / step_s, steps=steps, new_tokens=new)
+    return dict(tau=new / steps, s_forward=verify_s, s_step=step_s, steps=steps, new_tokens=new)
+
+
+def _summarise(runs: list[dict]) -> dict:
+    """Pool runs of one g: tau = committed tokens / steps; s = the median per-prompt seconds per step
+    (a shared machine's spikes hit single prompts; the median ignores them)."""
+    new = sum(r["new_tokens"] for r in runs)
+    steps = sum(r["steps"] for r in runs)
+    s_step = float(np.median([x for r in runs for x in r["s_step"]]))
+    s_fwd = float(np.median([x for r in runs for x in r["s_forward"]]))
+    return dict(tau=new / steps, s_step=s_step, s_forward=s_fwd, tokens_per_s=new / steps / s_step,
+                steps=steps, new_tokens=new, runs=len(runs))
+
+
+def round_robin(model, prompts: Sequence[torch.Tensor], cfgs: Mapping, *, store=None, repeats: int = 1,
+                eos_ids=None, progress: bool = True, desc: str = "calibrate") -> dict:
+    """Run every config of `cfgs` ({label: SpecConfig}) on every prompt, interleaved: for each prompt
+    all configs back to back (ascending labels, then descending for the next prompt), so a noisy
+    neighbour slows all configs alike. With a store, each config keeps its own copy, starting from
+    the store's current state and evolving over the prompts as in a deployment; the store is left
+    as it was. Returns {label: [run_prompts dicts, one per (repeat, prompt)]}."""
+    from tqdm.auto import tqdm
+
+    labels = list(cfgs)
+    start = None if store is None else (store.tok.clone(), store.con.clone())
+    states = {lab: start for lab in labels}
+    runs: dict = {lab: [] for lab in labels}
+    plan = []
+    for rep in range(repeats):
+        for i in range(len(prompts)):
+            plan += [(lab, i) for lab in (labels if (rep * len(prompts) + i) % 2 == 0 else labels[::-1])]
+    for lab, i in tqdm(plan, desc=desc, disable=not progress):
+        if store is not None:
+            store.tok.copy_(states[lab][0])
+            store.con.copy_(states[lab][1])
+        runs[lab].append(run_prompts(model, [prompts[i]], cfgs[lab], eos_ids=eos_ids))
+        if store is not None:
+            states[lab] = (store.tok.clone(), store.con.clone())
+    if store is not None:
+        store.tok.copy_(start[0])
+        store.con.copy_(start[1])
+    return runs
 
 
 def measure_grid(model, prompts: Sequence[torch.Tensor], method: str, grid: Sequence[int], *,
@@ -356,10 +401,9 @@ def measure_grid(model, prompts: Sequence[torch.Tensor], method: str, grid: Sequ
                  eos_ids=None, progress: bool = True) -> list[dict]:
     """tau(g) and s(g) for every g in grid (one row per g), measured through `engine.harness.generate`.
 
-    Each grid point starts from the same store (warmed on `warmup_prompts`, then snapshotted); with
-    repeats > 1 the grid is run ascending, then descending, ... and the rows averaged (drift cancels)."""
-    from tqdm.auto import tqdm
-
+    The store is warmed on `warmup_prompts` (untimed; also warms allocator and kernels); every g then
+    starts from that state (`round_robin`). Per g: tau over all decoding steps, s = median over prompts
+    and repeats of the seconds per decoding step."""
     if len(grid) == 0:
         raise CalibrationError("empty calibration grid; give at least one draft size")
     if any(int(g) <= 0 for g in grid):
@@ -370,23 +414,11 @@ def measure_grid(model, prompts: Sequence[torch.Tensor], method: str, grid: Sequ
     vocab = model.get_output_embeddings().weight.shape[0]
     store = _store_of(model, base, vocab)
     mid = int(sorted(grid)[len(grid) // 2])
-    # warm-up, not timed: the store (hot start), the allocator and kernels
     run_prompts(model, list(warmup_prompts) or list(prompts[:1]), with_draft_size(base, mid), eos_ids=eos_ids)
-    snapshot = None if store is None else (store.tok.clone(), store.con.clone())
-    rows: dict[int, list[dict]] = {int(g): [] for g in grid}
-    order = []
-    for rep in range(repeats):
-        order += sorted(rows) if rep % 2 == 0 else sorted(rows, reverse=True)
-    for g in tqdm(order, desc=f"calibrate {method}", disable=not progress):
-        if snapshot is not None:
-            store.tok.copy_(snapshot[0])
-            store.con.copy_(snapshot[1])
-        rows[g].append(run_prompts(model, prompts, with_draft_size(base, g), eos_ids=eos_ids))
-    out = []
-    for g, runs in rows.items():
-        avg = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
-        out.append({"g": g, **avg})
-    return out
+    cfgs = {int(g): with_draft_size(base, g) for g in sorted(set(int(g) for g in grid))}
+    runs = round_robin(model, prompts, cfgs, store=store, repeats=repeats, eos_ids=eos_ids, progress=progress,
+                       desc=f"calibrate {method}")
+    return [{"g": g, **_summarise(r)} for g, r in runs.items()]
 
 
 def calibrate(model, prompts: Sequence[torch.Tensor], method: str = "unispec", *, grid: Sequence[int] | None = None,
@@ -446,15 +478,14 @@ def main(model: str = "smollm2-135m-instruct", method: str = "unispec", grid: Se
          repeats: int = 1, compare: bool = True, save: bool = True, threads: int | None = None,
          **overrides) -> dict:
     """Calibrate g* for a model on this machine and print tau(g), s(g), the fits and EAGLE's anchor."""
-    from engine.harness import default_eos_ids
-    from engine.models import load_model
+    from engine.models import eos_token_ids, load_model
 
     if threads:
         torch.set_num_threads(threads)
     target, tok, info = load_model(model)
     cal, warm = calibration_prompts(tok, info, prompts, warmup, max_new_tokens)
     cfg = SpecConfig.preset(method, max_new_tokens=max_new_tokens, **overrides)
-    eos = default_eos_ids(target, tok)
+    eos = eos_token_ids(target, tok)
     rec = calibrate(target, cal, method, grid=grid, mode=mode, timing=timing, cfg=cfg,
                     warmup_prompts=warm, repeats=repeats, eos_ids=eos, save=save)
     print(f"\n{rec['key']}")
@@ -469,18 +500,17 @@ def main(model: str = "smollm2-135m-instruct", method: str = "unispec", grid: Se
           f"g* (grid) = {rec['g_star_grid']}; EAGLE total_token=-1 -> {eagle_n} nodes = {eagle_n - 1} drafts")
     if compare:
         store = _store_of(target, cfg, info.vocab_size)
-        snap = None if store is None else (store.tok.clone(), store.con.clone())
         sizes = {"de": rec["g_star"], "grid": rec["g_star_grid"], "eagle": eagle_n - 1}
         if method == "recycling":
             sizes["eagle"] = min(sizes["eagle"], 80)
-        rec["compare"] = {}
-        for label, g in sizes.items():
-            if snap is not None:
-                store.tok.copy_(snap[0])
-                store.con.copy_(snap[1])
-            r = run_prompts(target, cal, with_draft_size(cfg, g), eos_ids=eos)
-            rec["compare"][label] = {"g": g, **r}
-            print(f"  {label:>5}: g = {g:>3}  tau {r['tau']:.2f}  {r['tokens_per_s']:.1f} tok/s")
+        cfgs = {label: with_draft_size(cfg, g) for label, g in sizes.items()}
+        cfgs["ar"] = cfg.replace(method="ar", draft_size=None)
+        runs = round_robin(target, cal, cfgs, store=store, repeats=repeats, eos_ids=eos, desc="compare")
+        rec["compare"] = {label: {"g": sizes.get(label, 0), **_summarise(r)} for label, r in runs.items()}
+        ar_speed = rec["compare"]["ar"]["tokens_per_s"]
+        for label, r in rec["compare"].items():
+            print(f"  {label:>5}: g = {r['g']:>3}  tau {r['tau']:.2f}  {r['tokens_per_s']:.1f} tok/s  "
+                  f"({r['tokens_per_s'] / ar_speed:.2f}x ar)")
         if save:
             save_calibration(rec["key"], rec)
     return rec

@@ -276,7 +276,8 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
                                    new_tokens=new_tokens))
         draft_s += (t1 - t0) + (_clock(device) - t2)
     wall_s = _clock(device) - t_start
-    return GenerateResult(method=cfg.method, prompt_ids=prompt.cpu(), output_ids=torch.tensor(out[:T]),
+    method = cfg.method if drafter.name in ("base", cfg.method) else drafter.name   # a hand-made drafter
+    return GenerateResult(method=method, prompt_ids=prompt.cpu(), output_ids=torch.tensor(out[:T]),
                           steps=steps, wall_s=wall_s, prefill_s=prefill_s, draft_s=draft_s, verify_s=verify_s,
                           draft_tokens=num_draft, stop_reason=stop or "max_new_tokens",
                           drafter_timings=dict(drafter.timings()), records=records, prefill_topk=top_rows)

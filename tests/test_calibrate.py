@@ -153,24 +153,34 @@ def test_measure_and_calibrate_through_harness(cache_dir, tiny):
 
 
 def test_every_grid_point_starts_from_the_same_store(tiny, monkeypatch):
+    """Round robin: each g keeps its own copy of the store, starting from the warmed-up state and
+    evolving over the prompts; the deployment store is left in the warmed-up state."""
     model, _ = tiny
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 300, (10,), generator=gen) for _ in range(2)]
     cfg = SpecConfig.preset("unispec", max_new_tokens=10)
     store = cal._store_of(model, cfg, 300)
-    seen = []
+    calls = []
     real = cal.run_prompts
 
     def spy(model_, prompts_, cfg_, **kw):
-        seen.append((cfg_.draft_size, store.tok.clone(), store.con.clone()))
-        return real(model_, prompts_, cfg_, **kw)
+        before = (store.tok.clone(), store.con.clone())
+        out = real(model_, prompts_, cfg_, **kw)
+        calls.append((cfg_.draft_size, before, (store.tok.clone(), store.con.clone())))
+        return out
 
     monkeypatch.setattr(cal, "run_prompts", spy)
-    cal.measure_grid(model, prompts, "unispec", [1, 3, 6], cfg=cfg, repeats=2, eos_ids=[], progress=False)
-    assert [g for g, _, _ in seen] == [3, 1, 3, 6, 6, 3, 1]          # warm-up at the middle g, then up, down
-    for _, tok, con in seen[2:]:
-        assert torch.equal(tok, seen[1][1]) and torch.equal(con, seen[1][2])
-    assert not torch.equal(store.con, seen[1][2])                     # the runs did write the store
+    cal.measure_grid(model, prompts, "unispec", [1, 3, 6], cfg=cfg, eos_ids=[], progress=False)
+    assert [g for g, _, _ in calls] == [3, 1, 3, 6, 6, 3, 1]          # warm-up at the middle g, then interleaved
+    warmed = calls[0][2]
+    same = lambda a, b: torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    for g, before, _ in calls[1:4]:                                   # first prompt: every g from the warm state
+        assert same(before, warmed), g
+    first_after = {g: after for g, _, after in calls[1:4]}
+    for g, before, _ in calls[4:]:                                    # second prompt: g's own evolved store
+        assert same(before, first_after[g]), g
+    assert not same(first_after[1], warmed)                           # the runs did write the store
+    assert same((store.tok, store.con), warmed)
 
 
 def test_errors_of_measurement(tiny):

@@ -391,7 +391,7 @@ def test_eagle_errors_name_the_fix(tmp_path):
 def test_sampling_mode_keeps_the_target_distribution():
     """Temperature 1: the drafter's deterministic top-k children (one-hot q) under engine.verify's sampling
     acceptance; the second generated token (the first one a draft tree decides) follows the target's
-    marginal P(t2) = sum_t1 P(t1) P(t2 | t1): total variation within sampling noise (~0.08 for 400 draws;
+    marginal P(t2) = sum_t1 P(t1) P(t2 | t1): total variation within sampling noise (~0.09 for 300 draws;
     accepting drafts regardless of the target would put most mass on the drafted token, TV > 0.5)."""
     vocab = 16
     model, _, _ = load_model("random-llama", vocab_size=vocab, hidden_size=32, num_layers=2, seed=8)
@@ -404,9 +404,9 @@ def test_sampling_mode_keeps_the_target_distribution():
         p2 = (p1[:, None] * torch.softmax(model(seqs).logits[:, -1].double(), -1)).sum(0)     # [V]
     cfg = SpecConfig.preset("layerskip", drafter_layers="skip:1", temperature=1.0, max_new_tokens=2,
                             eagle_depth=2, eagle_topk=4, eagle_total_tokens=8)
-    n = 400
+    n = 300
     counts = torch.zeros(vocab, dtype=torch.float64)
     for seed in range(n):
         counts[generate(model, prompt, cfg.replace(seed=seed), eos_ids=[]).output_ids[1]] += 1
     tv = 0.5 * float((counts / n - p2).abs().sum())
-    assert tv < 0.15, tv
+    assert tv < 0.18, tv

@@ -11,6 +11,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from engine import kv
 from engine.harness import forward_tree, prefill
 from engine.models import load_model
+from engine.tree import DraftTree
 from engine.verify import tree_layout
 from tests.engine_testing import ARCHS, random_tree, untie_head
 
@@ -131,3 +132,35 @@ def test_unsupported_layer_types_are_refused():
     m.config.layer_types = ["full_attention", "chunked_attention"]
     with pytest.raises(kv.CacheError, match="chunked_attention"):
         kv.new_cache(m)
+
+
+@pytest.mark.parametrize("prompt_len", [6, 30])
+def test_a_chain_deeper_than_the_sliding_window(model, prompt_len):
+    """20 nodes in a chain: on Gemma the deepest nodes must not see the root (window 16)."""
+    rng = np.random.default_rng(99)
+    prompt = rng.integers(0, VOCAB, prompt_len).tolist()
+    chain = rng.integers(0, VOCAB, 19).tolist()
+    with torch.inference_mode():
+        cache = kv.new_cache(model)
+        prefill(model, torch.tensor(prompt[:-1]), cache)
+        tree = DraftTree.chain(prompt[-1], chain)
+        _, logits = forward_tree(model, cache, prompt_len - 1, tree.tokens, tree.parents)
+        # a chain verified as a tree equals the same tokens run as plain causal input
+        ref = model(torch.tensor([prompt + chain])).logits[0, prompt_len - 1:].float()
+    assert _rel_err(logits, ref) < 1e-4
+
+
+def test_eager_attention_takes_the_same_masks():
+    for name in ARCHS:
+        m, _, _ = load_model(name, vocab_size=VOCAB, num_layers=6, seed=4)
+        m.set_attn_implementation("eager")
+        rng = np.random.default_rng(5)
+        prompt = rng.integers(0, VOCAB, 25).tolist()
+        with torch.inference_mode():
+            cache = kv.new_cache(m)
+            prefill(m, torch.tensor(prompt[:-1]), cache)
+            tree = random_tree(prompt[-1], 10, VOCAB, rng)
+            _, logits = forward_tree(m, cache, 24, tree.tokens, tree.parents)
+        for i in range(tree.size):
+            ref = _plain_logits(m, prompt[:-1] + tree.tokens[tree.path_to(i)].tolist())
+            assert _rel_err(logits[i], ref) < 1e-4, f"{name} node {i}"

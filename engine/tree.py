@@ -34,7 +34,7 @@ class DraftTree:
                             f"{self.parents.numel()} parents")
         if self.parents[0].item() != -1:
             raise TreeError("node 0 must be the root (parent -1)")
-        if n > 1 and not bool((self.parents[1:] < torch.arange(1, n)).all() and (self.parents[1:] >= 0).all()):
+        if n > 1 and not bool((self.parents[1:] < torch.arange(1, n, device=self.parents.device)).all() and (self.parents[1:] >= 0).all()):
             raise TreeError("parents must be in topological order: 0 <= parents[i] < i for i >= 1")
         if self.scores is None:
             self.scores = torch.ones(n)

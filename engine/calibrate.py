@@ -4,9 +4,11 @@
                                                s:   seconds per decoding step at draft size g
     g* = argmax_{g in [g_min, g_max]} f_tau(g) / f_s(g)
 
-f_tau is a cubic polynomial, f_s a quadratic B-spline on 8 uniform knots (what the paper's
+f_tau is a cubic polynomial, f_s a quadratic B-spline on 8 knots (what the paper's
 `SplineTransformer(degree=2, n_knots=8)` + `LinearRegression` computes, written with scipy: the knots
-extend `degree` intervals past the data, the coefficients are the least-squares/min-norm solution),
+extend `degree` intervals past the data, the coefficients are the least-squares/min-norm solution;
+knots at quantiles of the grid, which equals the paper's uniform knots on an even grid, see
+`BSplineFit`),
 and the maximum is found by `scipy.optimize.differential_evolution(seed=42, maxiter=1000, atol=1e-6,
 tol=1e-6)` inside the grid's bounds (never extrapolated), then rounded. `mode="grid"` is the paper's
 comparison (App. G.2): the best measured grid point.
@@ -96,23 +98,37 @@ def fit_tau(g, tau, degree: int = 3) -> np.polynomial.Polynomial:
 
 
 class BSplineFit:
-    """f_s: quadratic B-spline regression on uniform knots (sklearn SplineTransformer semantics)."""
+    """f_s: quadratic B-spline regression (sklearn `SplineTransformer` + `LinearRegression` semantics).
 
-    def __init__(self, g, s, degree: int = 2, n_knots: int = 8):
+    knots="quantile" (default) puts the n_knots base knots at quantiles of the distinct draft sizes,
+    "uniform" spaces them evenly over [min g, max g] (sklearn's default, the paper's). On an evenly
+    spaced grid - the paper's - the two are the same; on the CPU grid {1,2,3,4,6,8,12,16,24,32}
+    uniform knots leave knot intervals nearly empty and the least-squares spline swings between
+    measurements (measured: negative predicted step times between g = 16 and 32), so quantile is the
+    default [C]. Base knots are extended by `degree` knots on each side at the boundary spacing."""
+
+    def __init__(self, g, s, degree: int = 2, n_knots: int = 8, knots: str = "quantile"):
         from scipy.interpolate import BSpline
 
         g, s = _check_curve(g, s, "step time")
-        distinct = np.unique(g).size
+        distinct = np.unique(g)
         self.degree = degree
-        if distinct < 2:
+        if distinct.size < 2:
             self.constant = float(s.mean())
             return
         self.constant = None
-        n_knots = max(2, min(n_knots, distinct - degree + 1 if distinct > degree else 2))
-        lo, hi = float(g.min()), float(g.max())
-        step = (hi - lo) / (n_knots - 1)
-        self.knots = np.linspace(lo - degree * step, hi + degree * step, n_knots + 2 * degree)   # extended
-        basis = BSpline.design_matrix(g, self.knots, degree, extrapolate=True).toarray()      # [m, n_knots + degree - 1]
+        # basis functions (n_knots + degree - 1) < distinct sizes: no interpolating fit through noise
+        n_knots = max(2, min(n_knots, distinct.size - degree))
+        if knots == "quantile":
+            base = np.quantile(distinct, np.linspace(0, 1, n_knots))
+        elif knots == "uniform":
+            base = np.linspace(distinct[0], distinct[-1], n_knots)
+        else:
+            raise CalibrationError(f"knots must be 'quantile' or 'uniform', got {knots!r}")
+        lo_step, hi_step = base[1] - base[0], base[-1] - base[-2]
+        self.knots = np.concatenate([base[0] - lo_step * np.arange(degree, 0, -1), base,
+                                     base[-1] + hi_step * np.arange(1, degree + 1)])
+        basis = BSpline.design_matrix(g, self.knots, degree, extrapolate=True).toarray()  # [m, n_knots+degree-1]
         design = np.hstack([basis, np.ones((g.size, 1))])                     # + intercept, as the paper's
         self.coef, *_ = np.linalg.lstsq(design, s, rcond=None)               # min-norm least squares
         self._spline = BSpline(self.knots, self.coef[:-1], degree, extrapolate=True)
@@ -124,8 +140,8 @@ class BSplineFit:
         return self._spline(g) + self.coef[-1]
 
 
-def fit_step_time(g, s, degree: int = 2, n_knots: int = 8) -> BSplineFit:
-    return BSplineFit(g, s, degree, n_knots)
+def fit_step_time(g, s, degree: int = 2, n_knots: int = 8, knots: str = "quantile") -> BSplineFit:
+    return BSplineFit(g, s, degree, n_knots, knots)
 
 
 @dataclass
@@ -135,10 +151,10 @@ class DraftSizeFit:
     predicted_tau: float
     predicted_step_s: float
     predicted_tokens_per_s: float
-    mode: str                   # "de" or "grid"
+    mode: str                   # "de", "grid", or "grid-fallback" (the fit was unusable)
 
 
-def optimal_draft_size(g, tau, s, mode: str = "de") -> DraftSizeFit:
+def optimal_draft_size(g, tau, s, mode: str = "de", knots: str = "quantile") -> DraftSizeFit:
     """g* = argmax tau(g)/s(g) over [min g, max g]. mode "de": fitted curves + differential evolution;
     "grid": the best measured point. Pure."""
     g_arr, tau_arr = _check_curve(g, tau, "tau")
@@ -153,9 +169,19 @@ def optimal_draft_size(g, tau, s, mode: str = "de") -> DraftSizeFit:
     elif mode == "de":
         from scipy.optimize import differential_evolution
 
-        f_tau, f_s = fit_tau(g_arr, tau_arr), fit_step_time(g_arr, s_arr)
+        f_tau, f_s = fit_tau(g_arr, tau_arr), fit_step_time(g_arr, s_arr, knots=knots)
         lo, hi = float(g_arr.min()), float(g_arr.max())
-        floor_s = 1e-3 * float(s_arr.min())          # a spline dipping to <= 0 must not win by division
+        dense = np.linspace(lo, hi, 1001)
+        if float(f_s(dense).min()) < 0.5 * float(s_arr.min()):
+            # the step-time fit dips far below every measurement: the optimiser would chase the dip
+            warnings.warn(f"the step-time spline drops to {float(f_s(dense).min()):.3g} s (measured minimum "
+                          f"{float(s_arr.min()):.3g} s): the measurements are too noisy for the fit; using "
+                          f"the best measured grid point instead (remeasure with --repeats 2 on a quiet "
+                          f"machine)", stacklevel=2)
+            fit = optimal_draft_size(g_arr, tau_arr, s_arr, mode="grid")
+            fit.mode = "grid-fallback"
+            return fit
+        floor_s = 1e-3 * float(s_arr.min())          # never divide by ~0
 
         def neg_speed(x):
             return -float(f_tau(x[0])) / max(float(f_s(x[0])), floor_s)
@@ -445,7 +471,7 @@ def calibrate(model, prompts: Sequence[torch.Tensor], method: str = "unispec", *
     record = {
         "key": key, "model": model_id(model), "device": device_name(device),
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "method": method,
-        "g_star": fit.g_star, "g_continuous": fit.g_continuous, "mode": mode, "timing": timing,
+        "g_star": fit.g_star, "g_continuous": fit.g_continuous, "mode": fit.mode, "timing": timing,
         "g_star_grid": grid_fit.g_star, "predicted_tokens_per_s": fit.predicted_tokens_per_s,
         "rows": rows, "prompts": len(prompts), "repeats": repeats,
         "threshold_r": (cfg or SpecConfig()).threshold_r,
@@ -455,6 +481,25 @@ def calibrate(model, prompts: Sequence[torch.Tensor], method: str = "unispec", *
     if save:
         save_calibration(key, record)
     return record
+
+
+def refit(key: str, mode: str = "de", timing: str | None = None, save: bool = True) -> dict:
+    """Recompute g* of a cached record from its measured rows (e.g. after a change to the fits)."""
+    rec = load_calibrations().get(key)
+    if rec is None:
+        raise CalibrationError(f"no calibration {key!r} in {cache_file()}; run `python -m engine.calibrate`")
+    timing = timing or rec.get("timing", "step")
+    rows = rec["rows"]
+    g = [r["g"] for r in rows]
+    tau = [r["tau"] for r in rows]
+    s = [r["s_step" if timing == "step" else "s_forward"] for r in rows]
+    fit = optimal_draft_size(g, tau, s, mode=mode)
+    rec.update(g_star=fit.g_star, g_continuous=fit.g_continuous, mode=fit.mode, timing=timing,
+               g_star_grid=optimal_draft_size(g, tau, s, mode="grid").g_star,
+               predicted_tokens_per_s=fit.predicted_tokens_per_s)
+    if save:
+        save_calibration(key, rec)
+    return rec
 
 
 # ---- CLI -------------------------------------------------------------------------------------------------
@@ -530,7 +575,16 @@ def _cli(argv=None):
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-compare", action="store_true")
     ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--refit", action="store_true", help="recompute g* from the cached measurements only")
     a = ap.parse_args(argv)
+    if a.refit:
+        from engine.models import load_model
+
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        rec = refit(model_key(load_model(a.model)[0], a.method), mode=a.mode, save=not a.no_save)
+        print(f"{rec['key']}: g* = {rec['g_star']} ({rec['mode']}), grid g* = {rec['g_star_grid']}")
+        return
     grid = None if a.grid is None else [int(x) for x in a.grid.split(",")]
     main(model=a.model, method=a.method, grid=grid, mode=a.mode, timing=a.timing, prompts=a.prompts,
          warmup=a.warmup, max_new_tokens=a.max_new_tokens, repeats=a.repeats, compare=not a.no_compare,

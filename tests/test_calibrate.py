@@ -44,6 +44,31 @@ def test_de_recovers_known_optimum(name):
     assert tau_fn(fit.g_star) / s_fn(fit.g_star) >= 0.985 * best
 
 
+def test_de_on_the_uneven_cpu_grid():
+    """The CPU grid is uneven; with noisy step times the spline must not swing (it did with uniform knots)."""
+    tau_fn = lambda g: 1 + 1.0 * (1 - np.exp(-g / 8))
+    s_fn = lambda g: 0.075 + 0.0032 * g - 0.03 * np.exp(-g)          # a jump from 1 to 2 nodes, then linear
+    grid = np.array(cal.DEFAULT_GRIDS["cpu"], dtype=float)
+    g_star = true_optimum(tau_fn, s_fn, grid[0], grid[-1])
+    rng = np.random.default_rng(3)
+    for trial in range(5):
+        s = s_fn(grid) * (1 + 0.05 * rng.standard_normal(grid.size))       # 5% timing noise
+        fit = cal.optimal_draft_size(grid, tau_fn(grid), s, mode="de")
+        assert fit.mode == "de"
+        assert float(cal.fit_step_time(grid, s)(np.linspace(1, 32, 300)).min()) > 0.5 * s.min()
+        assert tau_fn(fit.g_star) / s_fn(fit.g_star) >= 0.93 * tau_fn(g_star) / s_fn(g_star), (trial, fit)
+
+
+def test_unusable_fit_falls_back_to_grid():
+    g = np.array([1, 2, 3, 4, 6, 8, 12, 16, 24, 32], dtype=float)
+    s = np.array([.149, .152, .108, .133, .146, .120, .139, .187, .237, .271])   # measured under load
+    tau = np.array([1.09, 1.23, 1.29, 1.36, 1.50, 1.56, 1.68, 1.83, 1.93, 1.98])
+    with pytest.warns(UserWarning, match="too noisy"):
+        fit = cal.optimal_draft_size(g, tau, s, knots="uniform")
+    assert fit.mode == "grid-fallback" and fit.g_star == 8
+    assert cal.optimal_draft_size(g, tau, s).mode == "de"              # quantile knots cope
+
+
 @pytest.mark.parametrize("name", sorted(CURVES))
 def test_grid_mode_picks_best_measured_point(name):
     tau_fn, s_fn, lo, hi = CURVES[name]

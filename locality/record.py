@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from locality.trace import Trace, write_traces
+from locality.trace import Trace, read_traces, write_traces
 
 _TOPK_CHUNK_ELEMS = 1 << 26   # logits computed per chunk in the prefill top-K (256 MiB of fp32)
 
@@ -69,9 +69,14 @@ def greedy_with_topk(model, prompt_ids: Sequence[int], *, max_new_tokens: int, t
 
 
 def record_traces(model, tokenizer, info, prompts, *, max_new_tokens: int = 128, topk: int = 16,
-                  progress: bool = True, eos_ids: Sequence[int] | None = None) -> list[Trace]:
+                  progress: bool = True, eos_ids: Sequence[int] | None = None,
+                  out: str | Path | None = None, resume: bool = False) -> list[Trace]:
     """One Trace per prompt turn (greedy, eos included). meta: model, tokenizer, prompt_set, category,
-    language, prompt_id, turn (1-based), plus max_new_tokens, topk and whether the system prompt was used."""
+    language, prompt_id, turn (1-based), plus max_new_tokens, topk and whether the system prompt was used.
+
+    out: a Parquet path rewritten (atomically) after every finished prompt, so an interrupted run keeps
+    what it finished; resume: start from the traces already in `out` and skip their prompts (the
+    recording settings must match - model, max_new_tokens and topk are checked)."""
     from engine.models import eos_token_ids
     from engine.prompts import decode_answer, encode_prompt
 
@@ -83,8 +88,12 @@ def record_traces(model, tokenizer, info, prompts, *, max_new_tokens: int = 128,
     for p in prompts:
         encode_prompt(tokenizer, info, p.turns[:1], [], max_new_tokens=max_new_tokens,
                       system_prompt=p.system_prompt, name=p.name)
-    traces = []
-    for p in tqdm(prompts, desc=f"recording {info.name}", unit="prompt", disable=not progress):
+    traces: list[Trace] = []
+    if out is not None and resume and Path(out).exists():
+        traces = _resumable(read_traces(out), info, max_new_tokens, topk, out)
+    done = {(t.meta.get("prompt_set"), str(t.meta.get("prompt_id"))) for t in traces}
+    todo = [p for p in prompts if (p.prompt_set, str(p.question_id)) not in done]
+    for p in tqdm(todo, desc=f"recording {info.name}", unit="prompt", disable=not progress):
         answers: list[str] = []
         for turn in range(1, len(p.turns) + 1):
             ids = encode_prompt(tokenizer, info, p.turns[:turn], answers, max_new_tokens=max_new_tokens,
@@ -98,7 +107,19 @@ def record_traces(model, tokenizer, info, prompts, *, max_new_tokens: int = 128,
                                           turn=turn, max_new_tokens=max_new_tokens, topk=topk,
                                           system_prompt=bool(info.has_chat_template and p.system_prompt))))
             answers.append(decode_answer(tokenizer, generated.tolist(), eos_ids))
+        if out is not None:
+            write_traces(traces, out)          # atomic rewrite: a crash loses at most the prompt in flight
     return traces
+
+
+def _resumable(old: list[Trace], info, max_new_tokens: int, topk: int, path) -> list[Trace]:
+    """Keep the traces of whole prompts (all turns) recorded with the same settings; refuse a mismatch."""
+    for t in old:
+        got = (t.meta.get("model"), t.meta.get("max_new_tokens"), t.meta.get("topk"))
+        if got != (info.name, max_new_tokens, topk):
+            raise ValueError(f"{path} holds traces recorded with (model, max_new_tokens, topk) = {got}, not "
+                             f"{(info.name, max_new_tokens, topk)}; pass another --out or drop --resume")
+    return old
 
 
 def _split(s: str | None) -> list[str] | None:
@@ -107,7 +128,7 @@ def _split(s: str | None) -> list[str] | None:
 
 def main(*, model: str, prompts: str, out: str, per_category: int | None = None, categories=None,
          languages=None, max_new_tokens: int = 128, topk: int = 16, report: bool = False,
-         dtype: str = "float32", device: str = "cpu", progress: bool = True) -> Path:
+         dtype: str = "float32", device: str = "cpu", progress: bool = True, resume: bool = False) -> Path:
     """Load, record, write `out/traces.parquet`, print a summary line (and the coverage report if asked)."""
     from engine.models import load_model
     from engine.prompts import load_prompts
@@ -115,8 +136,10 @@ def main(*, model: str, prompts: str, out: str, per_category: int | None = None,
     t0 = time.perf_counter()
     plist = load_prompts(prompts, per_category=per_category, categories=categories, languages=languages)
     m, tok, info = load_model(model, dtype=getattr(torch, dtype), device=device)
-    traces = record_traces(m, tok, info, plist, max_new_tokens=max_new_tokens, topk=topk, progress=progress)
-    path = write_traces(traces, Path(out) / "traces.parquet")
+    path = Path(out) / "traces.parquet"
+    traces = record_traces(m, tok, info, plist, max_new_tokens=max_new_tokens, topk=topk, progress=progress,
+                           out=path, resume=resume)
+    write_traces(traces, path)
     n_gen = sum(len(t.generated) for t in traces)
     n_prompt = sum(len(t.prompt) for t in traces)
     print(f"recorded {len(traces)} traces ({len(plist)} prompts from {prompts}) on {info.name}: "
@@ -149,6 +172,7 @@ def _parse(argv=None) -> dict:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--report", action="store_true", help="print locality.coverage.coverage_report afterwards")
     ap.add_argument("--no-progress", dest="progress", action="store_false")
+    ap.add_argument("--resume", action="store_true", help="keep the prompts already in OUT/traces.parquet")
     return vars(ap.parse_args(argv))
 
 

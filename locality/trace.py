@@ -18,6 +18,7 @@ A trace file is a Parquet table with one row per trace:
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -137,19 +138,22 @@ def write_traces(traces: Iterable[Trace], path: str | Path) -> Path:
     """Write traces to one Parquet file (parent folders are created). Returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    traces_to_frame(traces).write_parquet(path)
+    tmp = path.with_name(path.name + ".tmp")
+    traces_to_frame(traces).write_parquet(tmp)
+    os.replace(tmp, path)                  # atomic: readers never see a half-written file
     return path
 
 
 def read_traces(path: str | Path | Sequence[str | Path]) -> list[Trace]:
-    """Read traces from a Parquet file, a folder of them (recursively), or a list of files."""
+    """Read traces from a Parquet file, a folder (its `traces*.parquet` files, recursively; other Parquet
+    files there, e.g. `coverage.parquet`, are results, not traces), or a list of files."""
     if isinstance(path, (list, tuple)):
         return [t for p in path for t in read_traces(p)]
     path = Path(path)
     if path.is_dir():
-        files = sorted(path.rglob("*.parquet"))
+        files = sorted(path.rglob("traces*.parquet"))
         if not files:
-            raise TraceError(f"no *.parquet trace files under {path}; record some with `python -m locality.record`")
+            raise TraceError(f"no traces*.parquet files under {path}; record some with `python -m locality.record`")
         return [t for f in files for t in read_traces(f)]
     if not path.exists():
         raise TraceError(f"trace file {path} does not exist; record traces with `python -m locality.record`")

@@ -125,6 +125,39 @@ def test_cli_writes_traces_and_prints_a_summary(tmp_path, capsys, monkeypatch):
     assert report.filter(pl.col("category") == "(all)")["steps"].item() == sum(len(t.generated) for t in traces)
 
 
+def test_record_writes_after_every_prompt_and_resumes(tmp_path, monkeypatch):
+    model, tok, info = load_random_model("random-llama", vocab_size=256)
+    prompts = load_prompts("spec_bench", categories=["qa", "math", "translation"], per_category=1)
+    path = tmp_path / "traces.parquet"
+    calls = []
+    real = record.greedy_with_topk
+    crash_at = [len(prompts[0].turns) + len(prompts[1].turns) + 1]
+
+    def crash_on_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == crash_at[0]:
+            raise KeyboardInterrupt                          # the third prompt never finishes
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(record, "greedy_with_topk", crash_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        record_traces(model, tok, info, prompts, max_new_tokens=4, topk=3, progress=False, out=path)
+    kept = read_traces(path)                                 # the two finished prompts are on disk
+    assert [t.meta["prompt_id"] for t in kept] == [p.question_id for p in prompts[:2] for _ in p.turns]
+    calls.clear()
+    crash_at[0] = -1
+    traces = record_traces(model, tok, info, prompts, max_new_tokens=4, topk=3, progress=False, out=path,
+                           resume=True)
+    ids = [p.question_id for p in prompts for _ in p.turns]
+    assert [t.meta["prompt_id"] for t in traces] == ids and len(calls) == len(prompts[2].turns)
+    assert [t.meta["prompt_id"] for t in read_traces(path)] == ids
+    # a folder read takes the trace files only, not the results written beside them
+    pl.DataFrame({"w_max": [1]}).write_parquet(tmp_path / "coverage.parquet")
+    assert len(read_traces(tmp_path)) == len(ids)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        record_traces(model, tok, info, prompts, max_new_tokens=5, topk=3, progress=False, out=path, resume=True)
+
+
 @pytest.mark.slow
 def test_recorder_on_smollm2_equals_transformers_generate(smollm2):
     model, tok, info = smollm2

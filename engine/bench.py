@@ -2,12 +2,36 @@
 
     python -m engine.bench --model smollm2-135m-instruct --methods ar,pld,hf-prompt-lookup \\
         --prompts spec_bench --per-category 1 --max-new-tokens 64 --repeats 1 --out runs/bench
+    python -m engine.bench --model gemma-3-270m --methods ar --drafter layerskip \\
+        --vocab full,frspec,microspec,oracle --set drafter_layers=first:4 --threads 1 --out runs/microspec
 
-Writes `OUT/results.parquet`, one row per (method, prompt, turn, repeat) - MT-Bench prompts have two turns,
-each method answering the second turn after its own first answer - rewritten after every finished prompt so
-a crash loses nothing finished (`--resume` skips what is there). Then prints, per category and overall:
-tokens/s (mean over rows of new_tokens / wall_s), speedup (ratio of that mean to `ar`'s), tau
-(sum new_tokens / sum steps; ar = 1.00) and `lossless` (every output equals `ar`'s; greedy only).
+A *run* is one (method, vocab) pair: every `--methods` entry (vocab "full" for methods without an LM head),
+plus, with `--drafter layerskip|eagle`, the drafter once per `--vocab` policy (`engine.vocab`; `ar` is added
+as the speed and lossless reference). `frspec` without `--set frequency_file=...` counts a default ranking
+on the bundled corpus (`engine.vocab.default_frequency_file`, cached) and says which.
+
+Writes `OUT/results.parquet`, one row per (method, vocab, prompt, turn, repeat) - MT-Bench prompts have two
+turns, each run answering the second turn after its own first answer - rewritten after every finished
+prompt so a crash loses nothing finished (`--resume` skips the runs there: key `RUN_KEY`). Per row, besides
+the harness' timings: the drafter's phases `backbone_s, gather_s, lm_head_s, tree_s` (summed over the
+prompt, null for drafters without phases), `draft_prefill_s` (the drafter's pass over the prompt, no step's),
+`uncharged_s` (the oracle policy's full head, which it does not charge), and the policy's
+`mean_active_vocab`, `max_active_vocab`, `draft_coverage`, `bonus_coverage` (`VocabPolicy.stats`).
+
+`tokens_per_s` = new_tokens / (wall_s - uncharged_s) (= new_tokens / wall_s except for oracle rows).
+
+Then prints, per category and overall, per run: rows, tokens/s (mean over rows), speedup (that mean over
+`ar`'s), tau (sum new_tokens / sum steps; ar = 1.00) and `lossless` (every output equals `ar`'s; greedy
+only); overall also mean_active_vocab (mean over drafted steps: sum of row mean x drafted steps / sum of
+drafted steps) and the draft time per drafted step in ms,
+
+    draft_ms   = sum over rows (draft_s - draft_prefill_s - uncharged_s) / sum over rows (steps - 1)
+    <phase>_ms = sum over rows <phase>_s / sum over rows (steps - 1),  phase = backbone | gather | lm_head | tree
+
+(steps - 1: the prefill, step 0, drafts nothing; draft_s includes the drafter's `begin`, so the per-prompt
+set-up of the policy - microspec's Eq. 2 window - is spread over the steps). Last, for a drafter benched
+with several vocabs, one line per non-full vocab against `full` (and microspec against frspec): draft-time
+ratio, tau ratio and tokens/s ratio, measured in this run, with the issue's targets for microspec.
 
 `run_bench(**kwargs)` is what the CLI calls and what a Ray sweep cell calls: one call per cell.
 """
@@ -16,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -30,23 +55,46 @@ from engine.models import eos_token_ids, load_model
 from engine.prompts import decode_answer, encode_prompt, load_prompts
 
 RESULTS_FILE = "results.parquet"
+DRAFTERS = ("layerskip", "eagle")              # drafters with an LM head behind a vocabulary policy
+VOCABS = ("full", "frspec", "microspec", "oracle")
+PHASES = ("backbone", "gather", "lm_head", "tree")
 ROW_SCHEMA = {
-    "model": pl.String, "device": pl.String, "method": pl.String, "prompt_set": pl.String,
+    "model": pl.String, "device": pl.String, "method": pl.String, "vocab": pl.String, "prompt_set": pl.String,
     "question_id": pl.String, "category": pl.String, "language": pl.String, "turn": pl.Int32,
     "repeat": pl.Int32, "prompt_tokens": pl.Int64, "new_tokens": pl.Int64, "steps": pl.Int64,
     "tau": pl.Float64, "g": pl.Float64, "wall_s": pl.Float64, "prefill_s": pl.Float64, "draft_s": pl.Float64,
-    "verify_s": pl.Float64, "tokens_per_s": pl.Float64, "stop_reason": pl.String, "temperature": pl.Float64,
+    "verify_s": pl.Float64, "tokens_per_s": pl.Float64,
+    **{f"{p}_s": pl.Float64 for p in PHASES}, "draft_prefill_s": pl.Float64, "uncharged_s": pl.Float64,
+    "mean_active_vocab": pl.Float64, "max_active_vocab": pl.Float64, "draft_coverage": pl.Float64,
+    "bonus_coverage": pl.Float64, "threads": pl.Int32, "stop_reason": pl.String, "temperature": pl.Float64,
     "seed": pl.Int64, "output_ids": pl.List(pl.Int64),
 }
-RUN_KEY = ("method", "question_id", "repeat")
+RUN_KEY = ("method", "vocab", "question_id", "repeat")
+# the issue's targets for microspec against full of the same drafter (specs/microspec.md section 11, issue #5)
+TARGET_DRAFT_RATIO, TARGET_TAU_RATIO, TARGET_SPEED_RATIO = 3.0, 0.95, 1.0
 
 
 class BenchError(ValueError):
     """A bench argument is unusable; the message says which and what to pass instead."""
 
 
+@dataclass(frozen=True)
+class Run:
+    """One benched configuration: a method with one draft vocabulary ("full" for methods without a head)."""
+
+    method: str
+    vocab: str
+    cfg: SpecConfig
+
+
+def _names(value: str | Sequence[str] | None) -> list[str]:
+    if value is None:
+        return []
+    return [m.strip() for m in (value.split(",") if isinstance(value, str) else value) if m.strip()]
+
+
 def _methods(methods: str | Sequence[str]) -> list[str]:
-    names = [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods) if m.strip()]
+    names = _names(methods)
     if not names:
         raise BenchError("no methods given; pass e.g. --methods ar,pld")
     have = available_methods()
@@ -54,6 +102,45 @@ def _methods(methods: str | Sequence[str]) -> list[str]:
     if missing:
         raise BenchError(f"method(s) {missing} cannot run yet (no drafter registered); available: {have}")
     return list(dict.fromkeys(names))
+
+
+def plan_runs(methods: str | Sequence[str] | None, drafter: str | None = None,
+              vocab: str | Sequence[str] | None = None, config: dict | None = None) -> list[Run]:
+    """The runs of a bench: each of `methods` (default: ar,pld,hf-prompt-lookup; just ar with a drafter) with
+    the vocab its config says, then `drafter` once per `vocab` policy (default full); ar is added when a
+    drafter is benched without it. `config`: SpecConfig fields for every run."""
+    config = dict(config or {})
+    vocabs = _names(vocab)
+    if drafter is None and vocabs:
+        raise BenchError(f"--vocab {','.join(vocabs)} needs --drafter: the vocabulary policies restrict a "
+                         f"drafter's LM head; pass --drafter {' or --drafter '.join(DRAFTERS)}")
+    if drafter is not None and drafter not in DRAFTERS:
+        raise BenchError(f"unknown drafter {drafter!r}; --drafter takes one of {list(DRAFTERS)} (drafters with an "
+                         f"LM head; other methods go in --methods)")
+    bad = [v for v in vocabs if v not in VOCABS]
+    if bad:
+        raise BenchError(f"unknown vocab(s) {bad}; --vocab takes a comma list of {list(VOCABS)}")
+    if drafter == "eagle" and not config.get("eagle_head"):
+        raise BenchError("--drafter eagle needs a draft head: --set eagle_head=<local EAGLE-1/2 checkpoint dir> "
+                         "(or eagle_head=random for an untrained head in tests)")
+    if methods is None or (isinstance(methods, str) and not methods.strip() and drafter is not None):
+        methods = "ar" if drafter is not None else "ar,pld,hf-prompt-lookup"
+    names = _methods(methods)
+    if drafter is not None and "ar" not in names:
+        names = ["ar", *names]                                   # the speed and lossless reference
+    try:
+        runs = []
+        for m in names:
+            cfg = SpecConfig.preset(m, **config)
+            runs.append(Run(m, cfg.vocab if m in DRAFTERS else "full", cfg))
+        for v in (vocabs or ["full"]) if drafter is not None else []:
+            runs.append(Run(drafter, v, SpecConfig.preset(drafter, **{**config, "vocab": v})))
+    except ConfigError as e:
+        raise BenchError(f"bad configuration: {e}") from e
+    unique: dict[tuple[str, str], Run] = {}
+    for r in runs:
+        unique.setdefault((r.method, r.vocab), r)               # --methods layerskip + --vocab full: once
+    return list(unique.values())
 
 
 def _dtype(x) -> torch.dtype | None:
@@ -72,26 +159,58 @@ def _write(frame: pl.DataFrame, path: Path) -> None:
     os.replace(tmp, path)                                        # atomic: the file is always complete
 
 
-def run_bench(model: str = "smollm2-135m-instruct", methods: str | Sequence[str] = ("ar", "pld"),
-              prompts: str = "spec_bench", *, per_category: int | None = None,
-              categories: Sequence[str] | None = None, languages: Sequence[str] | None = None,
-              max_new_tokens: int = 128, repeats: int = 1, warmup: int = 1, out: str | Path | None = None,
-              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, device: str | None = None,
-              dtype=None, config: dict | None = None, loaded=None, resume: bool = False,
-              progress: bool = True, show: bool = True) -> pl.DataFrame:
-    """Run every method on every prompt `repeats` times; returns (and writes) one row per run and turn.
+def _frame(rows: list[dict]) -> pl.DataFrame:
+    return pl.DataFrame([{k: r.get(k) for k in ROW_SCHEMA} for r in rows], schema=ROW_SCHEMA)
+
+
+def _drafter_columns(res) -> dict:
+    """The drafter's phases (seconds over the prompt) and its policy's statistics, for one row."""
+    t, st = res.drafter_timings, res.drafter_stats
+    out = {f"{p}_s": (float(t.get(p, 0.0)) if t else None) for p in PHASES}
+    out["draft_prefill_s"] = float(t.get("draft_prefill", 0.0)) if t else None
+    out["uncharged_s"] = float(t.get("oracle_uncharged", 0.0))
+    out.update(mean_active_vocab=st.get("mean_active_vocab"), max_active_vocab=st.get("max_active_vocab"),
+               draft_coverage=st.get("coverage"), bonus_coverage=st.get("bonus_coverage"))
+    return out
+
+
+def run_bench(model: str = "smollm2-135m-instruct", methods: str | Sequence[str] | None = None,
+              prompts: str = "spec_bench", *, drafter: str | None = None, vocab: str | Sequence[str] | None = None,
+              per_category: int | None = None, categories: Sequence[str] | None = None,
+              languages: Sequence[str] | None = None, max_new_tokens: int = 128, repeats: int = 1,
+              warmup: int = 1, out: str | Path | None = None, temperature: float = 0.0, top_p: float = 1.0,
+              seed: int = 0, device: str | None = None, dtype=None, threads: int | None = None,
+              config: dict | None = None, loaded=None, resume: bool = False, progress: bool = True,
+              show: bool = True) -> pl.DataFrame:
+    """Run every run (see `plan_runs`) on every prompt `repeats` times; returns (and writes) one row per run,
+    prompt, turn and repeat.
 
     model: a name for `load_model`, or pass `loaded=(model, tokenizer, info)` to reuse a loaded one.
-    config: further SpecConfig fields for every method (e.g. {"pld_num_draft": 5}).
+    methods: default ar,pld,hf-prompt-lookup, or just ar with a drafter. drafter: layerskip | eagle, benched
+    once per `vocab` (comma list of full, frspec, microspec, oracle; default full).
+    threads: torch.set_num_threads for the bench (restored afterwards); recorded per row.
+    config: further SpecConfig fields for every run (e.g. {"pld_num_draft": 5, "drafter_layers": "first:4"}).
     """
-    names = _methods(methods)
     if repeats < 1 or warmup < 0:
         raise BenchError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise BenchError(f"threads must be an int >= 1, got {threads!r}")
+    config = dict(config or {})
+    runs = plan_runs(methods, drafter, vocab, {**config, "max_new_tokens": max_new_tokens,
+                                               "temperature": temperature, "top_p": top_p, "seed": seed})
+    old_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
     try:
-        cfgs = {m: SpecConfig.preset(m, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                     seed=seed, **(config or {})) for m in names}
-    except ConfigError as e:
-        raise BenchError(f"bad configuration: {e}") from e
+        return _bench(runs, model, prompts, per_category=per_category, categories=categories, languages=languages,
+                      max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup, out=out, device=device,
+                      dtype=dtype, loaded=loaded, resume=resume, progress=progress, show=show)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _bench(runs: list[Run], model, prompts, *, per_category, categories, languages, max_new_tokens, repeats,
+           warmup, out, device, dtype, loaded, resume, progress, show) -> pl.DataFrame:
     if loaded is None:
         from kernels.hardware import DEFAULT_DTYPE, DEVICE
         loaded = load_model(model, device=device or DEVICE, dtype=_dtype(dtype) or DEFAULT_DTYPE)
@@ -101,6 +220,11 @@ def run_bench(model: str = "smollm2-135m-instruct", methods: str | Sequence[str]
     prompt_list = load_prompts(prompts, per_category=per_category, categories=categories, languages=languages)
     if not prompt_list:
         raise BenchError(f"prompt set {prompts!r} with these filters is empty")
+    if any(r.vocab == "frspec" and r.cfg.frequency_file is None for r in runs):
+        from engine.vocab import default_frequency_file     # says which corpus the ranking came from
+        ranking = str(default_frequency_file(tokenizer, info.tokenizer_name, info.vocab_size))
+        runs = [Run(r.method, r.vocab, r.cfg.replace(frequency_file=ranking)) if r.vocab == "frspec"
+                and r.cfg.frequency_file is None else r for r in runs]
 
     path = None if out is None else Path(out) / RESULTS_FILE
     rows: list[dict] = []
@@ -109,10 +233,12 @@ def run_bench(model: str = "smollm2-135m-instruct", methods: str | Sequence[str]
         path.parent.mkdir(parents=True, exist_ok=True)
         if resume and path.exists():
             old = pl.read_parquet(path)
+            if "vocab" not in old.columns:                       # written before runs had a vocab
+                old = old.with_columns(vocab=pl.lit("full"))
             rows = old.to_dicts()
             done = {tuple(str(r[k]) for k in RUN_KEY) for r in rows}
 
-    def run_turns(p, method: str, repeat: int, cfg: SpecConfig, limit: int | None = None) -> list[dict]:
+    def run_turns(p, run: Run, repeat: int, cfg: SpecConfig, limit: int | None = None) -> list[dict]:
         answers, got = [], []
         for turn in range(len(p.turns)):
             ids = encode_prompt(tokenizer, info, p.turns[:turn + 1], answers, max_new_tokens=cfg.max_new_tokens,
@@ -120,13 +246,15 @@ def run_bench(model: str = "smollm2-135m-instruct", methods: str | Sequence[str]
             res = generate(target, ids, cfg.replace(seed=cfg.seed + repeat), tokenizer=tokenizer, info=info,
                            eos_ids=eos)
             answers.append(decode_answer(tokenizer, res.output_ids.tolist(), eos))
+            extra = _drafter_columns(res)
             got.append({
-                "model": info.name, "device": dev, "method": method, "prompt_set": p.prompt_set,
-                "question_id": str(p.question_id), "category": p.category, "language": p.language,
-                "turn": turn, "repeat": repeat, "prompt_tokens": len(ids), "new_tokens": res.new_tokens,
-                "steps": res.steps, "tau": res.tau, "g": res.g, "wall_s": res.wall_s,
+                "model": info.name, "device": dev, "method": run.method, "vocab": run.vocab,
+                "prompt_set": p.prompt_set, "question_id": str(p.question_id), "category": p.category,
+                "language": p.language, "turn": turn, "repeat": repeat, "prompt_tokens": len(ids),
+                "new_tokens": res.new_tokens, "steps": res.steps, "tau": res.tau, "g": res.g, "wall_s": res.wall_s,
                 "prefill_s": res.prefill_s, "draft_s": res.draft_s, "verify_s": res.verify_s,
-                "tokens_per_s": res.new_tokens / res.wall_s, "stop_reason": res.stop_reason,
+                "tokens_per_s": res.new_tokens / (res.wall_s - extra["uncharged_s"]), **extra,
+                "threads": torch.get_num_threads(), "stop_reason": res.stop_reason,
                 "temperature": cfg.temperature, "seed": cfg.seed + repeat, "output_ids": res.output_ids.tolist()})
             if limit is not None:
                 break
@@ -134,59 +262,160 @@ def run_bench(model: str = "smollm2-135m-instruct", methods: str | Sequence[str]
 
     first = prompt_list[0]
     for _ in range(warmup):                                      # untimed: first calls allocate and compile
-        for m in names:
-            run_turns(first, m, 0, cfgs[m].replace(max_new_tokens=min(16, max_new_tokens)), limit=1)
+        for run in runs:
+            run_turns(first, run, 0, run.cfg.replace(max_new_tokens=min(16, max_new_tokens)), limit=1)
 
-    todo = [(p, r, m) for p in prompt_list for r in range(repeats) for m in names
-            if (m, str(p.question_id), str(r)) not in done]
-    for p, r, m in tqdm(todo, desc=f"bench {info.name}", unit="run", disable=not progress):
-        rows.extend(run_turns(p, m, r, cfgs[m]))
+    todo = [(p, r, run) for p in prompt_list for r in range(repeats) for run in runs
+            if (run.method, run.vocab, str(p.question_id), str(r)) not in done]
+    for p, r, run in tqdm(todo, desc=f"bench {info.name}", unit="run", disable=not progress):
+        rows.extend(run_turns(p, run, r, run.cfg))
         if path is not None:
-            _write(pl.DataFrame(rows, schema=ROW_SCHEMA), path)
-    frame = pl.DataFrame(rows, schema=ROW_SCHEMA)
+            _write(_frame(rows), path)
+    frame = _frame(rows)
     if show:
         print_summary(frame)
     return frame
 
 
+# --- summaries ------------------------------------------------------------------------------------------
+
+RUN = ["method", "vocab"]
+
+
 def summarize(frame: pl.DataFrame) -> pl.DataFrame:
-    """Per (category incl. "all", method): runs, tokens_per_s, speedup over ar, tau, lossless."""
+    """Per (category incl. "all", method, vocab): rows, tokens_per_s (mean over rows), speedup over ar, tau,
+    g, mean_active_vocab, draft_ms and the per-phase ms per drafted step (module docstring), draft and bonus
+    coverage, lossless."""
+    if "vocab" not in frame.columns:
+        frame = frame.with_columns(vocab=pl.lit("full"))
+    for col, dt in ROW_SCHEMA.items():                           # frames from before a column existed
+        if col not in frame.columns:
+            frame = frame.with_columns(pl.lit(None, dtype=dt).alias(col))
     both = pl.concat([frame, frame.with_columns(category=pl.lit("all"))])
-    agg = (both.group_by("category", "method")
+    drafted = (pl.col("steps") - 1).clip(lower_bound=0)
+    per_step = (lambda e: pl.when(drafted.sum() > 0).then(e.sum() / drafted.sum() * 1e3))
+    agg = (both.group_by("category", *RUN)
            .agg(rows=pl.len(), tokens_per_s=pl.col("tokens_per_s").mean(),
-                tau=pl.col("new_tokens").sum() / pl.col("steps").sum(), g=pl.col("g").mean()))
-    ar_speed = agg.filter(pl.col("method") == "ar").select("category", ar_tokens_per_s="tokens_per_s")
+                tau=pl.col("new_tokens").sum() / pl.col("steps").sum(), g=pl.col("g").mean(),
+                mean_active_vocab=(pl.col("mean_active_vocab") * drafted).sum()
+                / drafted.filter(pl.col("mean_active_vocab").is_not_null()).sum(),
+                draft_ms=per_step(pl.col("draft_s") - pl.col("draft_prefill_s").fill_null(0.0)
+                                  - pl.col("uncharged_s").fill_null(0.0)),
+                **{f"{p}_ms": per_step(pl.col(f"{p}_s")) for p in PHASES},
+                coverage=(pl.col("draft_coverage") * pl.col("new_tokens")).sum()
+                / pl.col("new_tokens").filter(pl.col("draft_coverage").is_not_null()).sum(),
+                has_phases=pl.col("backbone_s").is_not_null().any()))
+    agg = agg.with_columns([pl.when(pl.col("has_phases")).then(pl.col(f"{p}_ms")).alias(f"{p}_ms")
+                            for p in PHASES]).drop("has_phases")
+    agg = agg.with_columns(pl.when(pl.col("mean_active_vocab").is_finite()).then(pl.col("mean_active_vocab")),
+                           pl.when(pl.col("coverage").is_finite()).then(pl.col("coverage")))
+    ar_speed = (agg.filter(pl.col("method") == "ar").group_by("category")
+                .agg(ar_tokens_per_s=pl.col("tokens_per_s").first()))
     agg = (agg.join(ar_speed, on="category", how="left")
            .with_columns(speedup=pl.col("tokens_per_s") / pl.col("ar_tokens_per_s")).drop("ar_tokens_per_s"))
     key = ["question_id", "turn", "repeat"]
-    ar_out = frame.filter(pl.col("method") == "ar").select(*key, ar_output=pl.col("output_ids"))
+    ar_out = (frame.filter(pl.col("method") == "ar").unique(key, keep="first", maintain_order=True)
+              .select(*key, ar_output=pl.col("output_ids")))
     if ar_out.height and bool((frame["temperature"] == 0).all()):
         same = (frame.join(ar_out, on=key, how="left")
                 .with_columns(same=pl.col("output_ids") == pl.col("ar_output")))
         same = pl.concat([same, same.with_columns(category=pl.lit("all"))])
-        lossless = same.group_by("category", "method").agg(lossless=pl.col("same").all())
-        agg = agg.join(lossless, on=["category", "method"], how="left")
+        lossless = same.group_by("category", *RUN).agg(lossless=pl.col("same").all())
+        agg = agg.join(lossless, on=["category", *RUN], how="left")
     else:                                                        # no ar rows, or sampling: not token-comparable
         agg = agg.with_columns(lossless=pl.lit(None, dtype=pl.Boolean))
-    order = {m: i for i, m in enumerate(frame["method"].unique(maintain_order=True).to_list())}
-    return (agg.with_columns(_cat_all=pl.col("category") == "all",
-                             _m=pl.col("method").replace_strict(order, return_dtype=pl.Int64))
-            .sort("_cat_all", "category", "_m").drop("_cat_all", "_m")
-            .select("category", "method", "rows", "tokens_per_s", "speedup", "tau", "g", "lossless"))
+    runs = frame.select(RUN).unique(maintain_order=True).with_row_index("_r")
+    return (agg.join(runs, on=RUN, how="left").with_columns(_cat_all=pl.col("category") == "all")
+            .sort("_cat_all", "category", "_r").drop("_cat_all", "_r")
+            .select("category", *RUN, "rows", "tokens_per_s", "speedup", "tau", "g", "mean_active_vocab",
+                    "draft_ms", *[f"{p}_ms" for p in PHASES], "coverage", "lossless"))
+
+
+def compare_vocabs(table: pl.DataFrame) -> pl.DataFrame:
+    """From `summarize`'s "all" rows: per drafter, each non-full vocab against `full` of the same drafter,
+    and microspec against frspec. Ratios: draft_ratio = base draft_ms / draft_ms (how many times less draft
+    time per step), tau_ratio = tau / base tau, speed_ratio = tokens_per_s / base tokens_per_s."""
+    allrows = table.filter(pl.col("category") == "all")
+    out = []
+    for method in allrows["method"].unique(maintain_order=True).to_list():
+        mine = {r["vocab"]: r for r in allrows.filter(pl.col("method") == method).iter_rows(named=True)}
+        pairs = [(v, "full") for v in mine if v != "full" and "full" in mine]
+        if "microspec" in mine and "frspec" in mine:
+            pairs.append(("microspec", "frspec"))
+        for v, base in pairs:
+            a, b = mine[v], mine[base]
+            ratio = (lambda x, y: x / y if x is not None and y else None)
+            out.append({"method": method, "vocab": v, "base": base, "draft_ms": a["draft_ms"],
+                        "base_draft_ms": b["draft_ms"], "draft_ratio": ratio(b["draft_ms"], a["draft_ms"]),
+                        "tau": a["tau"], "base_tau": b["tau"], "tau_ratio": ratio(a["tau"], b["tau"]),
+                        "tokens_per_s": a["tokens_per_s"], "base_tokens_per_s": b["tokens_per_s"],
+                        "speed_ratio": ratio(a["tokens_per_s"], b["tokens_per_s"]),
+                        "mean_active_vocab": a["mean_active_vocab"], "base_mean_active_vocab": b["mean_active_vocab"]})
+    schema = {"method": pl.String, "vocab": pl.String, "base": pl.String,
+              **{c: pl.Float64 for c in ("draft_ms", "base_draft_ms", "draft_ratio", "tau", "base_tau", "tau_ratio",
+                                         "tokens_per_s", "base_tokens_per_s", "speed_ratio", "mean_active_vocab",
+                                         "base_mean_active_vocab")}}
+    return pl.DataFrame(out, schema=schema)
+
+
+def _fmt(x, spec: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def comparison_lines(cmp: pl.DataFrame) -> list[str]:
+    """One line per `compare_vocabs` row; microspec rows say whether the issue's targets are met."""
+    lines = []
+    for r in cmp.iter_rows(named=True):
+        line = (f"{r['method']} {r['vocab']} vs {r['base']}: draft {_fmt(r['draft_ms'])} vs "
+                f"{_fmt(r['base_draft_ms'])} ms/step = {_fmt(r['draft_ratio'])}x less; tau {_fmt(r['tau'])} vs "
+                f"{_fmt(r['base_tau'])} = {_fmt(r['tau_ratio'], '.3f')}x; tokens/s {_fmt(r['tokens_per_s'])} vs "
+                f"{_fmt(r['base_tokens_per_s'])} = {_fmt(r['speed_ratio'], '.3f')}x; mean active vocab "
+                f"{_fmt(r['mean_active_vocab'], '.0f')} vs {_fmt(r['base_mean_active_vocab'], '.0f')}")
+        if r["vocab"] == "microspec":
+            met = (lambda ok: "n/a" if ok is None else ("met" if ok else "MISSED"))
+            ge = (lambda x, t: None if x is None else x >= t)
+            gt = (lambda x, t: None if x is None else x > t)
+            if r["base"] == "full":
+                line += (f"  | targets: draft >= {TARGET_DRAFT_RATIO:g}x less {met(ge(r['draft_ratio'], TARGET_DRAFT_RATIO))}"
+                         f", tau >= {TARGET_TAU_RATIO:g}x {met(ge(r['tau_ratio'], TARGET_TAU_RATIO))}"
+                         f", tokens/s > full {met(gt(r['speed_ratio'], TARGET_SPEED_RATIO))}")
+            else:
+                smaller = (None if r["mean_active_vocab"] is None or r["base_mean_active_vocab"] is None
+                           else r["mean_active_vocab"] <= r["base_mean_active_vocab"])
+                better = gt(r["tau_ratio"], 1.0)
+                line += (f"  | targets: tau > frspec at <= its vocab "
+                         f"{met(None if better is None or smaller is None else better and smaller)}"
+                         f", tokens/s > frspec {met(gt(r['speed_ratio'], TARGET_SPEED_RATIO))}")
+        lines.append(line)
+    return lines
 
 
 def print_summary(frame: pl.DataFrame) -> pl.DataFrame:
-    table = summarize(frame).with_columns(pl.col("tokens_per_s", "speedup", "tau", "g").round(2))
+    """Prints the per-category table (speed, tau, lossless), the overall table with active vocab and draft
+    ms per step split by phase, and the vocab comparisons. Returns the full `summarize` table."""
+    full = summarize(frame)
+    num = ["tokens_per_s", "speedup", "tau", "g", "draft_ms", *[f"{p}_ms" for p in PHASES]]
+    table = full.with_columns(pl.col(num).round(2), pl.col("mean_active_vocab").round(0),
+                              pl.col("coverage").round(3))
     with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True,
-                   tbl_width_chars=120):
-        print(table)
-    return table
+                   tbl_width_chars=200):
+        print(table.select("category", *RUN, "rows", "tokens_per_s", "speedup", "tau", "g", "lossless"))
+        print("overall; draft time in ms per drafted step (steps - 1), split by drafter phase:")
+        print(table.filter(pl.col("category") == "all").drop("category", "g"))
+    for line in comparison_lines(compare_vocabs(full)):
+        print(line)
+    return full
 
 
 def main(argv: Sequence[str] | None = None) -> pl.DataFrame:
     ap = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--methods", default="ar,pld,hf-prompt-lookup", help="comma-separated method names")
+    ap.add_argument("--methods", default=None,
+                    help="comma-separated method names (default: ar,pld,hf-prompt-lookup; ar with --drafter)")
+    ap.add_argument("--drafter", default=None,
+                    help=f"a drafter with an LM head ({' | '.join(DRAFTERS)}), benched once per --vocab")
+    ap.add_argument("--vocab", default=None,
+                    help=f"with --drafter: comma list of draft vocabularies ({','.join(VOCABS)}; default full)")
     ap.add_argument("--prompts", default="spec_bench", help="a prompt set name or a .jsonl path")
     ap.add_argument("--per-category", type=int, default=None)
     ap.add_argument("--categories", default=None, help="comma-separated categories (default: all)")
@@ -199,17 +428,18 @@ def main(argv: Sequence[str] | None = None) -> pl.DataFrame:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None, help="fp32 | fp16 | bf16 (default: kernels.hardware)")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the bench")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="a further SpecConfig field for every method, e.g. --set pld_num_draft=5")
+                    help="a further SpecConfig field for every run, e.g. --set drafter_layers=first:4")
     ap.add_argument("--out", default=None, help="folder for results.parquet")
     ap.add_argument("--resume", action="store_true", help="keep the runs already in OUT/results.parquet")
     a = ap.parse_args(argv)
     split = (lambda s: None if s is None else [x for x in s.split(",") if x])
-    return run_bench(model=a.model, methods=a.methods, prompts=a.prompts, per_category=a.per_category,
-                     categories=split(a.categories), languages=split(a.languages),
+    return run_bench(model=a.model, methods=a.methods, prompts=a.prompts, drafter=a.drafter, vocab=a.vocab,
+                     per_category=a.per_category, categories=split(a.categories), languages=split(a.languages),
                      max_new_tokens=a.max_new_tokens, repeats=a.repeats, warmup=a.warmup, out=a.out,
                      temperature=a.temperature, top_p=a.top_p, seed=a.seed, device=a.device, dtype=a.dtype,
-                     config=_parse_sets(a.set), resume=a.resume)
+                     threads=a.threads, config=_parse_sets(a.set), resume=a.resume)
 
 
 def _parse_sets(items: list[str]) -> dict:

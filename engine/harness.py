@@ -71,6 +71,7 @@ class GenerateResult:
     draft_tokens: int = 0           # draft tokens proposed over all steps (root excluded)
     stop_reason: str = "max_new_tokens"     # "eos" or "max_new_tokens"
     drafter_timings: dict = field(default_factory=dict)
+    drafter_stats: dict = field(default_factory=dict)   # `drafter.stats()` if it has one (active vocab, coverage)
     records: list[StepRecord] | None = None
     prefill_topk: np.ndarray | None = None  # [L, K] target top-K at every prompt position (when recorded)
 
@@ -280,7 +281,8 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
     return GenerateResult(method=method, prompt_ids=prompt.cpu(), output_ids=torch.tensor(out[:T]),
                           steps=steps, wall_s=wall_s, prefill_s=prefill_s, draft_s=draft_s, verify_s=verify_s,
                           draft_tokens=num_draft, stop_reason=stop or "max_new_tokens",
-                          drafter_timings=dict(drafter.timings()), records=records, prefill_topk=top_rows)
+                          drafter_timings=dict(drafter.timings()), records=records, prefill_topk=top_rows,
+                          drafter_stats=dict(drafter.stats()) if hasattr(drafter, "stats") else {})
 
 
 def _check_tree(tree: DraftTree, root: int, drafter: Drafter) -> None:

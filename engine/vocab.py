@@ -12,6 +12,7 @@ Policies (`cfg.vocab`):
 - `full`      the whole head, m = V (EAGLE-2).
 - `frspec`    FR-Spec: a static top-K of a frequency ranking (`cfg.frequency_file`, made by
               `locality.shortlist`), K = `frspec_k` clipped to V; the K rows are packed once.
+              `default_frequency_file` counts one on the bundled corpus (`CORPORA`) for a tokenizer.
 - `microspec` MicroSpec (specs/microspec.md section 2): the active vocab is the distinct tokens among the
               last `w_max` entries of the candidate stream S (Eq. 4), fed live:
                 begin:      S_init = prompt ⊕ union of the target's top-k_pre at every prompt position (Eq. 2)
@@ -413,3 +414,79 @@ def replay_trace(policy: "MicroSpecVocab", trace) -> list[torch.Tensor]:
         draft = empty if drafts is None else torch.as_tensor(drafts[t], dtype=torch.long, device=dev)
         policy.observe_ids(draft, step_topk[t: t + 1])
     return out
+
+
+# --- a default FR-Spec ranking, counted once per tokenizer on the bundled corpus -----------------------------
+
+# name -> (file under engine/data, dotted field of the texts, what it is). FR-Spec counts SlimPajama; offline,
+# the bundled real text stands in: a chat model's answers (English) plus multilingual prompts.
+CORPORA = {
+    "rest_vicuna7b_mtbench": ("rest_vicuna7b_mtbench/baseline-vicuna-7b-v1.5-temperature-0.0-top_p-0.jsonl",
+                              "choices.*.turns", "Vicuna-7B-v1.5 greedy answers to the 80 MT-Bench questions "
+                                                 "(REST, Apache-2.0)"),
+    "multilingual": ("multilingual/prompts.jsonl", "turns", "the 980 multilingual prompts (7 languages x 7 tasks)"),
+}
+DEFAULT_CORPORA = ("rest_vicuna7b_mtbench", "multilingual")
+
+
+def corpus_texts(name: str) -> list[str]:
+    """The texts of one bundled corpus (`CORPORA`)."""
+    from locality.shortlist import read_texts
+
+    if name not in CORPORA:
+        raise VocabError(f"unknown corpus {name!r}; choose from {sorted(CORPORA)}")
+    return read_texts(_corpus_file(name), CORPORA[name][1])
+
+
+def _corpus_file(name: str) -> Path:
+    from importlib import resources
+    return Path(str(resources.files("engine").joinpath("data", *CORPORA[name][0].split("/"))))
+
+
+def default_frequency_file(tokenizer, tokenizer_name: str, vocab_size: int,
+                           corpora: tuple[str, ...] = DEFAULT_CORPORA, cache_dir: str | Path | None = None,
+                           verbose: bool = True) -> Path:
+    """A `locality.shortlist` ranking (Parquet + sidecar) of the bundled `corpora` tokenised with `tokenizer`
+    over `vocab_size` ids - what `vocab='frspec'` uses when no `frequency_file` is given. Counted once and
+    cached in `<specvocab cache>/rankings/` (`engine.models.cache_root`), keyed by tokenizer name, vocab size,
+    corpus names and a digest of the corpus files. `tokenizer` None = a random model's byte tokenizer."""
+    import hashlib
+    import os
+
+    from engine.models import cache_root
+    import polars as pl
+
+    from engine.prompts import ByteTokenizer
+    from locality.shortlist import ShortlistError, load_ranking, ranking_from_texts, save_ranking
+
+    if tokenizer is None:
+        tokenizer, tokenizer_name = ByteTokenizer(), tokenizer_name or "bytes"
+    if not tokenizer_name:
+        raise VocabError("default_frequency_file needs the tokenizer's name (ModelInfo.tokenizer_name) to key its "
+                         "cache; pass tokenizer_name=...")
+    unknown = [c for c in corpora if c not in CORPORA]
+    if unknown or not corpora:
+        raise VocabError(f"unknown corpus {unknown or '(none)'}; choose from {sorted(CORPORA)}")
+    digest = hashlib.sha256()
+    for c in corpora:
+        digest.update(_corpus_file(c).read_bytes())
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in tokenizer_name)
+    folder = Path(cache_dir) if cache_dir is not None else cache_root() / "rankings"
+    path = folder / f"{safe}-v{vocab_size}-{'+'.join(corpora)}-{digest.hexdigest()[:12]}.parquet"
+    source = "; ".join(f"{c}: {CORPORA[c][2]}" for c in corpora)
+    try:
+        ranking = load_ranking(path, tokenizer=tokenizer_name, vocab_size=vocab_size)
+        built = False
+    except (ShortlistError, OSError, pl.exceptions.PolarsError):   # missing or unreadable: count (seconds)
+        texts = [t for c in corpora for t in corpus_texts(c)]
+        ranking = ranking_from_texts(texts, tokenizer, vocab_size)
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}.parquet")
+        save_ranking(ranking, tmp, tokenizer=tokenizer_name, source=source)
+        os.replace(tmp.with_name(tmp.name + ".json"), path.with_name(path.name + ".json"))
+        os.replace(tmp, path)  # same content whoever writes last: concurrent builders cannot disagree
+        built = True
+    if verbose:
+        seen = int((ranking["count"] > 0).sum())
+        print(f"[specvocab] frspec ranking {'counted' if built else 'cached'}: {int(ranking['count'].sum())} "
+              f"tokens, {seen} distinct of {vocab_size}, tokenizer {tokenizer_name}; corpus {source} -> {path}")
+    return path

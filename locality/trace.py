@@ -144,16 +144,26 @@ def write_traces(traces: Iterable[Trace], path: str | Path) -> Path:
     return path
 
 
+def _is_trace_file(path: Path) -> bool:
+    """A Parquet file with the trace columns (an unreadable one counts, so that reading it names the error)."""
+    try:
+        names = pl.read_parquet_schema(path).keys()
+    except Exception:  # polars raises several error types for a non-Parquet file
+        return True
+    return {"prompt", "prefill_topk", "generated", "step_topk"} <= set(names)
+
+
 def read_traces(path: str | Path | Sequence[str | Path]) -> list[Trace]:
-    """Read traces from a Parquet file, a folder (its `traces*.parquet` files, recursively; other Parquet
-    files there, e.g. `coverage.parquet`, are results, not traces), or a list of files."""
+    """Read traces from a Parquet file, a folder (recursively: every Parquet file with the trace columns;
+    others there, e.g. `coverage.parquet` written beside them, are results and are passed over), or a list
+    of files."""
     if isinstance(path, (list, tuple)):
         return [t for p in path for t in read_traces(p)]
     path = Path(path)
     if path.is_dir():
-        files = sorted(path.rglob("traces*.parquet"))
+        files = [f for f in sorted(path.rglob("*.parquet")) if _is_trace_file(f)]
         if not files:
-            raise TraceError(f"no traces*.parquet files under {path}; record some with `python -m locality.record`")
+            raise TraceError(f"no Parquet trace files under {path}; record some with `python -m locality.record`")
         return [t for f in files for t in read_traces(f)]
     if not path.exists():
         raise TraceError(f"trace file {path} does not exist; record traces with `python -m locality.record`")

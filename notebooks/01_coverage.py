@@ -26,11 +26,10 @@ shortlist_k = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
 # %%
 # %load_ext autoreload
 # %autoreload 2
-import altair as alt
 import polars as pl
 
 import locality
-from sweeps.figures import save_chart
+from sweeps.figures import line_chart, save_chart
 
 traces = locality.read_traces(traces_path)
 print(f"{len(traces)} traces, {sum(len(t.generated) for t in traces)} generated tokens")
@@ -40,12 +39,9 @@ print(f"{len(traces)} traces, {sum(len(t.generated) for t in traces)} generated 
 
 # %%
 cov = locality.coverage_by(traces, by=["category"], w_max=w_max)
-chart = alt.Chart(cov).mark_line(point=True).encode(
-    x=alt.X("w_max:Q", scale=alt.Scale(type="log", base=2), title="w_max (stream entries)"),
-    y=alt.Y("coverage:Q", scale=alt.Scale(domain=[0, 1])),
-    color="category:N",
-    tooltip=["category", "w_max", "coverage", "mean_active_vocab"],
-).properties(title="Coverage of the next generated token by the window", width=360, height=240)
+chart = line_chart(cov, "w_max", "coverage", "category", x_title="w_max (stream entries)",
+                   tooltip=["category", "w_max", "coverage", "mean_active_vocab"],
+                   title="Coverage of the next generated token by the window")
 save_chart(chart, out_dir, "coverage_vs_wmax")
 chart
 
@@ -55,10 +51,8 @@ chart
 # %%
 abl = pl.concat([locality.coverage(traces, w_max=w_max, sources=s).with_columns(pl.lit(s).alias("sources"))
                  for s in ("ctx+ext", "ctx", "ext")])
-chart = alt.Chart(abl).mark_line(point=True).encode(
-    x=alt.X("mean_active_vocab:Q", scale=alt.Scale(type="log", base=2), title="mean active vocab"),
-    y=alt.Y("coverage:Q", scale=alt.Scale(domain=[0, 1])), color="sources:N",
-).properties(title="Coverage vs mean vocabulary, by stream source", width=360, height=240)
+chart = line_chart(abl, "mean_active_vocab", "coverage", "sources", x_title="mean active vocab",
+                   title="Coverage vs mean vocabulary, by stream source")
 save_chart(chart, out_dir, "coverage_sources")
 chart
 
@@ -73,10 +67,8 @@ static = locality.shortlist_coverage(ranking, traces, k=shortlist_k).rename({"k"
 window = locality.coverage(traces, w_max=w_max).select(
     pl.col("mean_active_vocab").alias("vocab"), "coverage").with_columns(pl.lit("microspec window").alias("policy"))
 both = pl.concat([static.select("vocab", "coverage", "policy"), window], how="vertical_relaxed")
-chart = alt.Chart(both).mark_line(point=True).encode(
-    x=alt.X("vocab:Q", scale=alt.Scale(type="log", base=2), title="(mean) vocabulary size"),
-    y=alt.Y("coverage:Q", scale=alt.Scale(domain=[0, 1])), color="policy:N",
-).properties(title="Dynamic window vs static shortlist", width=360, height=240)
+chart = line_chart(both, "vocab", "coverage", "policy", x_title="(mean) vocabulary size",
+                   title="Dynamic window vs static shortlist")
 save_chart(chart, out_dir, "window_vs_static")
 chart
 
@@ -91,10 +83,8 @@ long = pl.concat([
     mrc.select("category", pl.col("fifo_mean_active_vocab").alias("mean_active_vocab"),
                pl.col("fifo_miss_ratio").alias("miss_ratio")).with_columns(pl.lit("FIFO window").alias("policy")),
 ])
-chart = alt.Chart(long).mark_line(point=True).encode(
-    x=alt.X("mean_active_vocab:Q", scale=alt.Scale(type="log", base=2)),
-    y="miss_ratio:Q", color="policy:N", strokeDash="policy:N", facet=alt.Facet("category:N", columns=4),
-).properties(width=160, height=120, title="Miss ratio")
+chart = line_chart(long, "mean_active_vocab", "miss_ratio", "policy", facet="category", unit_y=False,
+                   title="Miss ratio", width=160, height=120)
 save_chart(chart, out_dir, "lru_vs_fifo")
 chart
 
@@ -103,8 +93,7 @@ chart
 
 # %%
 succ = locality.successor_coverage(traces, persist=True)
-chart = alt.Chart(succ).mark_line(point=True).encode(
-    x=alt.X("k:Q", title="successors stored per token (k)"), y=alt.Y("coverage:Q", scale=alt.Scale(domain=[0, 1])),
-).properties(title="Coverage of generated[t] by store[generated[t-1]][:k]", width=360, height=240)
+chart = line_chart(succ, "k", "coverage", log_x=False, x_title="successors stored per token (k)",
+                   title="Coverage of generated[t] by store[generated[t-1]][:k]")
 save_chart(chart, out_dir, "successor_store")
 chart

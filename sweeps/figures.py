@@ -17,3 +17,23 @@ def save_chart(chart, out_dir: str | Path, name: str, scale: float = 2.0) -> dic
     chart.save(str(png), scale_factor=scale)
     chart.save(str(html), inline=True)
     return {"png": png, "html": html}
+
+
+def line_chart(frame, x: str, y: str, color: str | None = None, *, title: str = "", x_title: str | None = None,
+               y_title: str | None = None, log_x: bool = True, unit_y: bool = True, facet: str | None = None,
+               tooltip=(), width: int = 360, height: int = 240):
+    """The one line-with-points chart the notebooks draw: x on a log2 axis (window and vocabulary sizes),
+    y in [0, 1] (coverage, miss ratio) unless `unit_y=False`, one line per `color`, optionally faceted."""
+    import altair as alt
+
+    enc = dict(
+        x=alt.X(f"{x}:Q", title=x_title or x, scale=alt.Scale(type="log", base=2) if log_x else alt.Undefined),
+        y=alt.Y(f"{y}:Q", title=y_title or y, scale=alt.Scale(domain=[0, 1]) if unit_y else alt.Undefined),
+    )
+    if color is not None:
+        enc.update(color=f"{color}:N", strokeDash=f"{color}:N" if facet else alt.Undefined)
+    if facet is not None:
+        enc["facet"] = alt.Facet(f"{facet}:N", columns=4)
+    if tooltip:
+        enc["tooltip"] = list(tooltip)
+    return alt.Chart(frame).mark_line(point=True).encode(**enc).properties(title=title, width=width, height=height)

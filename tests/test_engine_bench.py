@@ -1,14 +1,22 @@
 """`engine.bench` on a tiny random model (byte-level prompts): rows, Parquet file, summary table, crash
-safety and resume, and clear errors for methods that cannot run."""
+safety and resume, clear errors for methods that cannot run; drafter x vocab runs (phase columns that add
+up, policy statistics, lossless against ar, run keys with the vocab, comparisons); the default FR-Spec
+ranking counted on the bundled corpus; and (slow) the same on SmolLM2 with its real tokenizer."""
 
 import json
+from collections import Counter
 
+import numpy as np
 import polars as pl
 import pytest
+import torch
 
 import engine.bench as bench
-from engine.bench import BenchError, RESULTS_FILE, run_bench, summarize
+from engine.bench import (BenchError, PHASES, RESULTS_FILE, compare_vocabs, plan_runs, run_bench, summarize)
 from engine.models import load_model
+from engine.prompts import ByteTokenizer
+from engine.vocab import CORPORA, DEFAULT_CORPORA, corpus_texts, default_frequency_file
+from locality.shortlist import load_ranking
 from tests.engine_testing import untie_head
 
 METHODS = ["ar", "pld", "hf-prompt-lookup"]
@@ -30,6 +38,13 @@ def prompt_file(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    """A private specvocab cache, so default rankings are counted here and not shared with other runs."""
+    monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
 
 
 def test_run_bench_rows_file_and_table(loaded, prompt_file, tmp_path, capsys):
@@ -88,6 +103,7 @@ def test_a_crash_keeps_finished_runs_and_resume_completes(loaded, prompt_file, t
                      progress=False, show=False, warmup=0, resume=True)
     assert full.height == 4 * 2
     assert full.unique(["method", "question_id", "turn", "repeat"]).height == full.height
+    assert (full["vocab"] == "full").all()
 
 
 def test_methods_that_cannot_run_are_refused_up_front(loaded, prompt_file):
@@ -108,3 +124,185 @@ def test_cli_parses_into_run_bench(monkeypatch):
     assert got["config"] == {"pld_num_draft": 5, "vocab": "microspec"} and got["categories"] == ["math", "qa"]
     with pytest.raises(BenchError, match="FIELD=VALUE"):
         bench.main(["--set", "no_such_field=1"])
+
+
+# --- drafters x draft vocabularies ------------------------------------------------------------------------
+
+# a 2-layer random model: the drafter keeps its first layer; windows and shortlists well below V = 512
+DRAFT_CFG = dict(drafter_layers="first:1", w_max=64, frspec_k=100, eagle_depth=3, eagle_topk=4,
+                 eagle_total_tokens=10)
+ALL_VOCABS = ["full", "frspec", "microspec", "oracle"]
+
+
+def _check_drafter_rows(df: pl.DataFrame, vocabs, drafter: str) -> None:
+    key = ["question_id", "turn", "repeat"]
+    ar = {tuple(r[k] for k in key): r["output_ids"] for r in df.filter(pl.col("method") == "ar").iter_rows(named=True)}
+    assert df.filter(pl.col("method") == "ar")["vocab"].to_list() == ["full"] * len(ar)
+    assert df.unique(["method", "vocab", *key]).height == df.height
+    for v in vocabs:
+        rows = df.filter((pl.col("method") == drafter) & (pl.col("vocab") == v))
+        assert rows.height == len(ar)
+        for r in rows.iter_rows(named=True):
+            assert r["output_ids"] == ar[tuple(r[k] for k in key)], (drafter, v, r["question_id"], r["turn"])
+            phases = sum(r[f"{p}_s"] for p in PHASES)
+            assert all(r[f"{p}_s"] >= 0 for p in PHASES) and r["backbone_s"] > 0 and r["lm_head_s"] > 0
+            # the phases, the drafter's prompt pass and the oracle's uncharged head all lie inside draft_s
+            assert phases + r["draft_prefill_s"] + r["uncharged_s"] <= r["draft_s"] + 1e-6
+            assert (r["uncharged_s"] > 0) == (v == "oracle")
+            assert r["tokens_per_s"] == pytest.approx(r["new_tokens"] / (r["wall_s"] - r["uncharged_s"]))
+            assert r["threads"] == 1 and 0 <= r["draft_coverage"] <= 1
+            expect = {"full": 512, "frspec": DRAFT_CFG["frspec_k"], "oracle": DRAFT_CFG["w_max"]}
+            if v in expect:
+                assert r["mean_active_vocab"] == expect[v]
+            else:
+                assert 0 < r["mean_active_vocab"] <= r["max_active_vocab"] <= DRAFT_CFG["w_max"]
+            if v in ("full", "oracle"):
+                assert r["draft_coverage"] == 1.0          # the drafter proposes from the whole vocabulary
+    for col in ("backbone_s", "gather_s", "lm_head_s", "tree_s", "mean_active_vocab", "draft_coverage"):
+        assert df.filter(pl.col("method") == "ar")[col].is_null().all()
+
+
+def test_layerskip_every_vocab_is_lossless_with_phase_columns(loaded, prompt_file, tmp_path, cache, capsys,
+                                                               monkeypatch):
+    before = torch.get_num_threads()
+    df = run_bench(prompts=str(prompt_file), drafter="layerskip", vocab=",".join(ALL_VOCABS), max_new_tokens=10,
+                   loaded=loaded, progress=False, threads=1, config=DRAFT_CFG, out=tmp_path / "ls")
+    assert torch.get_num_threads() == before                 # restored after the bench
+    assert df.select("method", "vocab").unique(maintain_order=True).rows() == \
+        [("ar", "full")] + [("layerskip", v) for v in ALL_VOCABS]
+    _check_drafter_rows(df, ALL_VOCABS, "layerskip")
+    printed = capsys.readouterr().out
+    assert "frspec ranking counted" in printed and "rest_vicuna7b_mtbench" in printed   # which corpus
+    assert "layerskip microspec vs full" in printed and "layerskip microspec vs frspec" in printed
+    assert "targets:" in printed and "backbone_ms" in printed
+
+    table = summarize(df)
+    assert table["lossless"].all()
+    allrows = {(r["method"], r["vocab"]): r for r in table.filter(pl.col("category") == "all").iter_rows(named=True)}
+    ls = df.filter(pl.col("method") == "layerskip")
+    for v in ALL_VOCABS:                                      # draft ms per drafted step, as the docstring says
+        rows = ls.filter(pl.col("vocab") == v)
+        drafted = (rows["steps"] - 1).sum()
+        assert allrows[("layerskip", v)]["draft_ms"] == pytest.approx(
+            (rows["draft_s"] - rows["draft_prefill_s"] - rows["uncharged_s"]).sum() / drafted * 1e3)
+        assert allrows[("layerskip", v)]["lm_head_ms"] == pytest.approx(rows["lm_head_s"].sum() / drafted * 1e3)
+        assert allrows[("layerskip", v)]["tau"] == pytest.approx(rows["new_tokens"].sum() / rows["steps"].sum())
+    assert allrows[("ar", "full")]["backbone_ms"] is None and allrows[("ar", "full")]["speedup"] == 1.0
+
+    cmp = compare_vocabs(table)
+    assert cmp.select("vocab", "base").rows() == [("frspec", "full"), ("microspec", "full"), ("oracle", "full"),
+                                                  ("microspec", "frspec")]
+    for r in cmp.iter_rows(named=True):
+        a, b = allrows[("layerskip", r["vocab"])], allrows[("layerskip", r["base"])]
+        assert r["draft_ratio"] == pytest.approx(b["draft_ms"] / a["draft_ms"])
+        assert r["tau_ratio"] == pytest.approx(a["tau"] / b["tau"])
+        assert r["speed_ratio"] == pytest.approx(a["tokens_per_s"] / b["tokens_per_s"])
+
+    # the run key holds the vocab: resuming with one more vocab runs only that one
+    calls = {"n": 0}
+    real = bench.generate
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "generate", counting)
+    more = run_bench(prompts=str(prompt_file), drafter="layerskip", vocab="full,microspec", max_new_tokens=10,
+                     loaded=loaded, progress=False, show=False, warmup=0, config=DRAFT_CFG, out=tmp_path / "ls",
+                     resume=True)
+    assert calls["n"] == 0 and more.height == df.height      # every (method, vocab) run was there already
+    # a file written before runs had a vocab (and the drafter columns) resumes as vocab "full"
+    old = df.filter(pl.col("method") == "ar").drop("vocab", *[f"{p}_s" for p in PHASES], "mean_active_vocab")
+    old.write_parquet(tmp_path / "ls" / RESULTS_FILE)
+    again = run_bench(prompts=str(prompt_file), methods="ar", drafter="layerskip", vocab="oracle",
+                      max_new_tokens=10, loaded=loaded, progress=False, show=False, warmup=0, config=DRAFT_CFG,
+                      out=tmp_path / "ls", resume=True)
+    assert calls["n"] == 4                                    # the 4 oracle turns; ar's were kept
+    assert again.filter(pl.col("method") == "ar")["vocab"].to_list() == ["full"] * 4
+    assert summarize(again)["lossless"].all()
+
+
+def test_eagle_vocabs_lossless(loaded, prompt_file, cache):
+    df = run_bench(prompts=str(prompt_file), methods="ar", drafter="eagle", vocab="full,microspec,oracle",
+                   max_new_tokens=6, loaded=loaded, progress=False, show=False, warmup=0, threads=1,
+                   config={**DRAFT_CFG, "eagle_head": "random"})
+    _check_drafter_rows(df, ["full", "microspec", "oracle"], "eagle")
+
+
+def test_plan_runs_adds_ar_and_refuses_bad_flags(loaded, prompt_file):
+    plan = [(r.method, r.vocab) for r in plan_runs(None, "layerskip", "full,microspec")]
+    assert plan == [("ar", "full"), ("layerskip", "full"), ("layerskip", "microspec")]
+    plan = plan_runs("pld,layerskip", "layerskip", None, {"vocab": "frspec"})
+    assert [(r.method, r.vocab) for r in plan] == [("ar", "full"), ("pld", "full"), ("layerskip", "frspec"),
+                                                   ("layerskip", "full")]
+    assert [r.cfg.vocab for r in plan] == ["frspec", "frspec", "frspec", "full"]
+    assert [(r.method, r.vocab) for r in plan_runs(None)] == [("ar", "full"), ("pld", "full"),
+                                                              ("hf-prompt-lookup", "full")]
+    with pytest.raises(BenchError, match="unknown drafter 'pld'.*layerskip"):
+        plan_runs("ar", "pld", "full")
+    with pytest.raises(BenchError, match=r"unknown vocab\(s\) \['tiny'\].*microspec"):
+        plan_runs("ar", "layerskip", "full,tiny")
+    with pytest.raises(BenchError, match="--vocab full,microspec needs --drafter"):
+        plan_runs("ar", None, "full,microspec")
+    with pytest.raises(BenchError, match="eagle_head"):
+        plan_runs("ar", "eagle", "full")
+    with pytest.raises(BenchError, match="w_max"):
+        plan_runs("ar", "layerskip", "microspec", {"w_max": 0})
+    with pytest.raises(BenchError, match="needs --drafter"):
+        bench.main(["--model", "random-llama", "--vocab", "microspec"])
+    with pytest.raises(BenchError, match="threads"):
+        run_bench(prompts=str(prompt_file), loaded=loaded, threads=0)
+
+
+def test_cli_passes_drafter_vocab_and_threads(monkeypatch):
+    got = {}
+    monkeypatch.setattr(bench, "run_bench", lambda **kw: got.update(kw))
+    bench.main(["--methods", "ar", "--drafter", "layerskip", "--vocab", "full,microspec", "--threads", "1",
+                "--set", "drafter_layers=first:4"])
+    assert got["drafter"] == "layerskip" and got["vocab"] == "full,microspec" and got["threads"] == 1
+    assert got["config"] == {"drafter_layers": "first:4"}
+
+
+def test_default_frequency_file_counts_the_bundled_corpus_once(cache, capsys):
+    tok = ByteTokenizer()
+    path = default_frequency_file(tok, "bytes", 300)
+    assert path.parent == cache / "rankings"
+    ranking = load_ranking(path, tokenizer="bytes", vocab_size=300)
+    texts = [t for c in DEFAULT_CORPORA for t in corpus_texts(c)]
+    expect = Counter(b for t in texts for b in tok.encode(t))
+    assert {t: c for t, c in zip(ranking["token_id"], ranking["count"]) if c} == dict(expect)
+    assert "counted" in capsys.readouterr().out
+    mtime = path.stat().st_mtime_ns
+    assert default_frequency_file(tok, "bytes", 300) == path and path.stat().st_mtime_ns == mtime
+    assert "cached" in capsys.readouterr().out
+    # another vocabulary size or corpus is another file
+    other = default_frequency_file(tok, "bytes", 256, corpora=("rest_vicuna7b_mtbench",), verbose=False)
+    assert other != path and load_ranking(other)["count"].sum() == sum(len(tok.encode(t))
+                                                                     for t in corpus_texts("rest_vicuna7b_mtbench"))
+    assert set(DEFAULT_CORPORA) <= set(CORPORA)
+    from engine.vocab import VocabError
+    with pytest.raises(VocabError, match="unknown corpus"):
+        default_frequency_file(tok, "bytes", 300, corpora=("slimpajama",))
+
+
+# --- a real model (slow) -----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_smollm2_layerskip_every_vocab_lossless(smollm2, cache, capsys):
+    model, tok, info = smollm2
+    df = run_bench(prompts="spec_bench", categories=["qa"], per_category=1, drafter="layerskip",
+                   vocab=",".join(ALL_VOCABS), max_new_tokens=12, loaded=smollm2, progress=False, warmup=0,
+                   threads=1, config=dict(drafter_layers="skip:12,14,16,18", eagle_depth=3, eagle_topk=4,
+                                          eagle_total_tokens=10, w_max=512, frspec_k=2048))
+    _ = capsys.readouterr()
+    ar = df.filter(pl.col("method") == "ar")["output_ids"].to_list()
+    for v in ALL_VOCABS:
+        rows = df.filter((pl.col("method") == "layerskip") & (pl.col("vocab") == v))
+        assert rows["output_ids"].to_list() == ar, v
+    # the frspec ranking was counted with SmolLM2's own tokenizer on the bundled corpus
+    ranking = load_ranking(next((cache / "rankings").glob("smollm2-*.parquet")), tokenizer=info.tokenizer_name,
+                           vocab_size=info.vocab_size)
+    sample = corpus_texts("rest_vicuna7b_mtbench")[:3]
+    ids = np.concatenate([tok.encode(t, add_special_tokens=False) for t in sample])
+    counts = dict(zip(ranking["token_id"].to_list(), ranking["count"].to_list()))
+    assert all(counts[int(i)] >= c for i, c in Counter(ids.tolist()).items())

@@ -18,6 +18,7 @@ from engine.vocab import (FrSpecVocab, FullVocab, MicroSpecVocab, OracleVocab, V
 from locality.shortlist import ShortlistError, count_tokens, save_ranking
 from locality.stream import candidate_stream
 from locality.trace import Trace, TraceError
+from tests.locality_reference import ordered_unique as py_ordered_unique
 from tests.test_drafters_lmhead import _drive
 
 V, D = 60, 8
@@ -33,14 +34,7 @@ def _cfg(**kw):
 
 def _py_unique(seq, keep="first"):
     seq = list(seq)
-    if keep == "last":
-        return _py_unique(seq[::-1])[::-1]
-    seen, out = set(), []
-    for v in seq:
-        if v not in seen:
-            seen.add(v)
-            out.append(v)
-    return out
+    return py_ordered_unique(seq[::-1])[::-1] if keep == "last" else py_ordered_unique(seq)
 
 
 def _live(entries: torch.Tensor) -> list[int]:

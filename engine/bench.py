@@ -3,11 +3,12 @@
     python -m engine.bench --model smollm2-135m-instruct --methods ar,pld,hf-prompt-lookup \\
         --prompts spec_bench --per-category 1 --max-new-tokens 64 --repeats 1 --out runs/bench
     python -m engine.bench --model gemma-3-270m --methods ar --drafter layerskip \\
-        --vocab full,frspec,microspec,oracle --set drafter_layers=first:4 --threads 1 --out runs/microspec
+        --vocab full,frspec,frspec:1024,microspec,oracle --set drafter_layers=first:4 --threads 1 --out runs/microspec
 
 A *run* is one (method, vocab) pair: every `--methods` entry (vocab "full" for methods without an LM head),
 plus, with `--drafter layerskip|eagle`, the drafter once per `--vocab` policy (`engine.vocab`; `ar` is added
-as the speed and lossless reference). `frspec` without `--set frequency_file=...` counts a default ranking
+as the speed and lossless reference). A policy may carry a size: `frspec:1024` (K) or `microspec:1024`
+(w_max); the label is the run's `vocab` column. `frspec` without `--set frequency_file=...` counts a default ranking
 on the bundled corpus (`engine.vocab.default_frequency_file`, cached) and says which.
 
 Writes `OUT/results.parquet`, one row per (method, vocab, prompt, turn, repeat) - MT-Bench prompts have two
@@ -48,7 +49,7 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from engine.config import ConfigError, SpecConfig
+from engine.config import VOCABS, ConfigError, SpecConfig
 from engine.drafters import available_methods
 from engine.harness import generate
 from engine.models import eos_token_ids, load_model
@@ -56,7 +57,6 @@ from engine.prompts import decode_answer, encode_prompt, load_prompts
 
 RESULTS_FILE = "results.parquet"
 DRAFTERS = ("layerskip", "eagle")              # drafters with an LM head behind a vocabulary policy
-VOCABS = ("full", "frspec", "microspec", "oracle")
 PHASES = ("backbone", "gather", "lm_head", "tree")
 ROW_SCHEMA = {
     "model": pl.String, "device": pl.String, "method": pl.String, "vocab": pl.String, "prompt_set": pl.String,
@@ -104,6 +104,28 @@ def _methods(methods: str | Sequence[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+VOCAB_SIZE_FIELD = {"frspec": "frspec_k", "microspec": "w_max"}    # what N in `--vocab name:N` sets
+
+
+def vocab_fields(label: str) -> dict:
+    """SpecConfig fields of a --vocab entry: "microspec" -> {vocab: microspec}; a sized variant
+    "frspec:1024" -> {vocab: frspec, frspec_k: 1024}, "microspec:1024" -> {vocab: microspec, w_max: 1024}.
+    The label stays the run's `vocab` column, so several sizes of one policy bench side by side."""
+    name, sep, size = label.partition(":")
+    if not sep:
+        return {"vocab": name}
+    if name not in VOCAB_SIZE_FIELD:
+        raise BenchError(f"--vocab {label!r}: only {sorted(VOCAB_SIZE_FIELD)} take a size (name:N)")
+    if not size.isdigit() or int(size) <= 0:
+        raise BenchError(f"--vocab {label!r}: the size after ':' must be a positive integer, e.g. {name}:1024")
+    return {"vocab": name, VOCAB_SIZE_FIELD[name]: int(size)}
+
+
+def policy(label: str) -> str:
+    """The vocabulary policy of a run's vocab label ("frspec:1024" -> "frspec")."""
+    return label.partition(":")[0]
+
+
 def plan_runs(methods: str | Sequence[str] | None, drafter: str | None = None,
               vocab: str | Sequence[str] | None = None, config: dict | None = None) -> list[Run]:
     """The runs of a bench: each of `methods` (default: ar,pld,hf-prompt-lookup; just ar with a drafter) with
@@ -117,9 +139,10 @@ def plan_runs(methods: str | Sequence[str] | None, drafter: str | None = None,
     if drafter is not None and drafter not in DRAFTERS:
         raise BenchError(f"unknown drafter {drafter!r}; --drafter takes one of {list(DRAFTERS)} (drafters with an "
                          f"LM head; other methods go in --methods)")
-    bad = [v for v in vocabs if v not in VOCABS]
+    bad = [v for v in vocabs if v.partition(":")[0] not in VOCABS]
     if bad:
-        raise BenchError(f"unknown vocab(s) {bad}; --vocab takes a comma list of {list(VOCABS)}")
+        raise BenchError(f"unknown vocab(s) {bad}; --vocab takes a comma list of {list(VOCABS)}, "
+                         f"optionally sized: frspec:K (top-K shortlist) or microspec:W (w_max)")
     if drafter == "eagle" and not config.get("eagle_head"):
         raise BenchError("--drafter eagle needs a draft head: --set eagle_head=<local EAGLE-1/2 checkpoint dir> "
                          "(or eagle_head=random for an untrained head in tests)")
@@ -134,7 +157,7 @@ def plan_runs(methods: str | Sequence[str] | None, drafter: str | None = None,
             cfg = SpecConfig.preset(m, **config)
             runs.append(Run(m, cfg.vocab if m in DRAFTERS else "full", cfg))
         for v in (vocabs or ["full"]) if drafter is not None else []:
-            runs.append(Run(drafter, v, SpecConfig.preset(drafter, **{**config, "vocab": v})))
+            runs.append(Run(drafter, v, SpecConfig.preset(drafter, **{**config, **vocab_fields(v)})))
     except ConfigError as e:
         raise BenchError(f"bad configuration: {e}") from e
     unique: dict[tuple[str, str], Run] = {}
@@ -220,10 +243,10 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
     prompt_list = load_prompts(prompts, per_category=per_category, categories=categories, languages=languages)
     if not prompt_list:
         raise BenchError(f"prompt set {prompts!r} with these filters is empty")
-    if any(r.vocab == "frspec" and r.cfg.frequency_file is None for r in runs):
+    if any(r.cfg.vocab == "frspec" and r.cfg.frequency_file is None for r in runs):
         from engine.vocab import default_frequency_file     # says which corpus the ranking came from
         ranking = str(default_frequency_file(tokenizer, info.tokenizer_name, info.vocab_size))
-        runs = [Run(r.method, r.vocab, r.cfg.replace(frequency_file=ranking)) if r.vocab == "frspec"
+        runs = [Run(r.method, r.vocab, r.cfg.replace(frequency_file=ranking)) if r.cfg.vocab == "frspec"
                 and r.cfg.frequency_file is None else r for r in runs]
 
     path = None if out is None else Path(out) / RESULTS_FILE
@@ -333,15 +356,15 @@ def summarize(frame: pl.DataFrame) -> pl.DataFrame:
 
 def compare_vocabs(table: pl.DataFrame) -> pl.DataFrame:
     """From `summarize`'s "all" rows: per drafter, each non-full vocab against `full` of the same drafter,
-    and microspec against frspec. Ratios: draft_ratio = base draft_ms / draft_ms (how many times less draft
+    and every microspec run against every frspec run (e.g. frspec and frspec:1024, to compare tau at an equal
+    or smaller mean vocabulary). Ratios: draft_ratio = base draft_ms / draft_ms (how many times less draft
     time per step), tau_ratio = tau / base tau, speed_ratio = tokens_per_s / base tokens_per_s."""
     allrows = table.filter(pl.col("category") == "all")
     out = []
     for method in allrows["method"].unique(maintain_order=True).to_list():
         mine = {r["vocab"]: r for r in allrows.filter(pl.col("method") == method).iter_rows(named=True)}
         pairs = [(v, "full") for v in mine if v != "full" and "full" in mine]
-        if "microspec" in mine and "frspec" in mine:
-            pairs.append(("microspec", "frspec"))
+        pairs += [(v, b) for v in mine if policy(v) == "microspec" for b in mine if policy(b) == "frspec"]
         for v, base in pairs:
             a, b = mine[v], mine[base]
             ratio = (lambda x, y: x / y if x is not None and y else None)
@@ -371,7 +394,7 @@ def comparison_lines(cmp: pl.DataFrame) -> list[str]:
                 f"{_fmt(r['base_tau'])} = {_fmt(r['tau_ratio'], '.3f')}x; tokens/s {_fmt(r['tokens_per_s'])} vs "
                 f"{_fmt(r['base_tokens_per_s'])} = {_fmt(r['speed_ratio'], '.3f')}x; mean active vocab "
                 f"{_fmt(r['mean_active_vocab'], '.0f')} vs {_fmt(r['base_mean_active_vocab'], '.0f')}")
-        if r["vocab"] == "microspec":
+        if policy(r["vocab"]) == "microspec":
             met = (lambda ok: "n/a" if ok is None else ("met" if ok else "MISSED"))
             ge = (lambda x, t: None if x is None else x >= t)
             gt = (lambda x, t: None if x is None else x > t)
@@ -415,7 +438,8 @@ def main(argv: Sequence[str] | None = None) -> pl.DataFrame:
     ap.add_argument("--drafter", default=None,
                     help=f"a drafter with an LM head ({' | '.join(DRAFTERS)}), benched once per --vocab")
     ap.add_argument("--vocab", default=None,
-                    help=f"with --drafter: comma list of draft vocabularies ({','.join(VOCABS)}; default full)")
+                    help=f"with --drafter: comma list of draft vocabularies ({','.join(VOCABS)}; default full); "
+                         f"frspec:K and microspec:W set the shortlist size / w_max")
     ap.add_argument("--prompts", default="spec_bench", help="a prompt set name or a .jsonl path")
     ap.add_argument("--per-category", type=int, default=None)
     ap.add_argument("--categories", default=None, help="comma-separated categories (default: all)")

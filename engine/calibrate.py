@@ -556,6 +556,10 @@ def main(model: str = "smollm2-135m-instruct", method: str = "unispec", grid: Se
         for label, r in rec["compare"].items():
             print(f"  {label:>5}: g = {r['g']:>3}  tau {r['tau']:.2f}  {r['tokens_per_s']:.1f} tok/s  "
                   f"({r['tokens_per_s'] / ar_speed:.2f}x ar)")
+        best = max((r["tokens_per_s"], label) for label, r in rec["compare"].items() if label != "ar")
+        if best[0] < ar_speed:
+            print(f"  note: no draft size beats ar on this device ({best[1]} is the best at "
+                  f"{best[0] / ar_speed:.2f}x): verifying a tree costs more than its accepted tokens save here")
         if save:
             save_calibration(rec["key"], rec)
     return rec

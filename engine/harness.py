@@ -36,6 +36,7 @@ from engine.drafters import HF_METHODS, make_drafter
 from engine.models import eos_token_ids
 from engine.tree import DraftTree, Drafter, StepResult
 from engine.verify import sample_token, tree_layout, verify_greedy, verify_sampling, warp_probs
+from kernels.head import dense_head
 
 
 class ContextError(ValueError):
@@ -109,7 +110,11 @@ class GenerateResult:
 
 def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """The target's logits [.., V] fp32 from final hidden states (LM head + Gemma's soft-capping)."""
-    logits = model.get_output_embeddings()(hidden).float()
+    head = model.get_output_embeddings()
+    if type(head) is torch.nn.Linear:        # a plain head: the small-row CPU path of `kernels.head.dense_head`
+        logits = dense_head(hidden, head.weight, head.bias).float()
+    else:
+        logits = head(hidden).float()
     cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap

@@ -250,6 +250,16 @@ def test_plan_runs_adds_ar_and_refuses_bad_flags(loaded, prompt_file):
         plan_runs("ar", "layerskip", "microspec", {"w_max": 0})
     with pytest.raises(BenchError, match="needs --drafter"):
         bench.main(["--model", "random-llama", "--vocab", "microspec"])
+    sized = plan_runs(None, "layerskip", "frspec,frspec:1024,microspec:512")
+    assert [r.vocab for r in sized] == ["full", "frspec", "frspec:1024", "microspec:512"]
+    assert [(r.cfg.vocab, r.cfg.frspec_k, r.cfg.w_max) for r in sized[1:]] == [
+        ("frspec", 32768, 3072), ("frspec", 1024, 3072), ("microspec", 32768, 512)]
+    with pytest.raises(BenchError, match="positive integer"):
+        plan_runs(None, "layerskip", "frspec:0")
+    with pytest.raises(BenchError, match="take a size"):
+        plan_runs(None, "layerskip", "oracle:10")
+    with pytest.raises(BenchError, match="unknown vocab"):
+        plan_runs(None, "layerskip", "tiny:10")
     with pytest.raises(BenchError, match="threads"):
         run_bench(prompts=str(prompt_file), loaded=loaded, threads=0)
 
@@ -306,3 +316,18 @@ def test_smollm2_layerskip_every_vocab_lossless(smollm2, cache, capsys):
     ids = np.concatenate([tok.encode(t, add_special_tokens=False) for t in sample])
     counts = dict(zip(ranking["token_id"].to_list(), ranking["count"].to_list()))
     assert all(counts[int(i)] >= c for i, c in Counter(ids.tolist()).items())
+
+
+def test_compare_vocabs_pairs_microspec_with_every_frspec_size():
+    rows = [("full", 10.0, 2.0, 1.0, None), ("frspec", 4.0, 1.9, 1.5, 32768.0), ("frspec:1024", 3.0, 1.5, 1.6, 1024.0),
+            ("microspec", 2.5, 1.8, 1.9, 700.0)]
+    table = pl.DataFrame([{"category": "all", "method": "layerskip", "vocab": v, "draft_ms": d, "tau": t,
+                           "tokens_per_s": s, "mean_active_vocab": m} for v, d, t, s, m in rows])
+    cmp = compare_vocabs(table)
+    assert cmp.select("vocab", "base").rows() == [("frspec", "full"), ("frspec:1024", "full"), ("microspec", "full"),
+                                                  ("microspec", "frspec"), ("microspec", "frspec:1024")]
+    lines = bench.comparison_lines(cmp)
+    assert "draft >= 3x less met" in lines[2] and "tau >= 0.95x MISSED" in lines[2]   # 4.0x less, 0.90x tau
+    assert "tau > frspec at <= its vocab MISSED" in lines[3]          # 32k shortlist: higher tau than microspec
+    assert "tau > frspec at <= its vocab met" in lines[4]             # 1k shortlist, more rows than microspec's 700
+    assert cmp.filter(pl.col("base") == "frspec:1024")["tau_ratio"].item() == pytest.approx(1.8 / 1.5)

@@ -117,3 +117,18 @@ def test_packed_head_takes_a_bool_valid_mask(backend):
     with using_triton(backend):
         by_mask = packed_head(h, packed, tok_of_slot >= 0)
     assert rel_rms(by_mask, packed_head_ref(h, packed, tok_of_slot)) < TOL
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_head_equals_linear(rows, bias):
+    from kernels.head import dense_head
+
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(1000, 64, generator=g)
+    b = torch.randn(1000, generator=g) if bias else None
+    h = torch.randn(1, rows, 64, generator=g)                       # [1, r, d], as a decoder's hidden states
+    got = dense_head(h, w, b)
+    assert got.shape == (1, rows, 1000)
+    torch.testing.assert_close(got, torch.nn.functional.linear(h, w, b), rtol=1e-5, atol=1e-4)
+    assert torch.equal(got.argmax(-1), (h @ w.T + (0 if b is None else b)).argmax(-1))

@@ -40,6 +40,7 @@ coverage of the committed tokens by the vocab the drafter had.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -191,7 +192,7 @@ def expand_tree(root: int | torch.Tensor, h_root: torch.Tensor, forward: Forward
 
 # --- the drafter base class ------------------------------------------------------------------------------
 
-class LMHeadDrafter(Drafter):
+class LMHeadDrafter(Drafter, ABC):
     """A drafter whose backbone ends in an LM head, drafting EAGLE-2 trees through a vocabulary policy.
 
     Subclasses implement the backbone:
@@ -259,17 +260,21 @@ class LMHeadDrafter(Drafter):
             return self._forward_tree(tokens, parent_h, tree_mask, depth)
 
     # backbone hooks -----------------------------------------------------------------------------------
+    @abstractmethod
     def _backbone_begin(self, prompt_ids: torch.Tensor, prefill_hidden: torch.Tensor | None) -> None:
-        raise NotImplementedError
+        """The drafter's pass over the prompt (fills its own KV cache)."""
 
+    @abstractmethod
     def _catch_up(self, ids: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Feed committed tokens not yet in the drafter's cache; returns h_root [1, d]."""
 
+    @abstractmethod
     def _forward_tree(self, tokens, parent_h, tree_mask, depth) -> torch.Tensor:
-        raise NotImplementedError
+        """One tree level through the backbone: h [r, d] (see `ForwardFn`)."""
 
+    @abstractmethod
     def _after_step(self, step: StepResult, expansion: Expansion | None) -> None:
-        raise NotImplementedError
+        """Roll back / compact the drafter's cache after verification."""
 
 
 # --- a KV cache the drafters own ---------------------------------------------------------------------------

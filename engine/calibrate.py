@@ -262,8 +262,9 @@ def cache_file() -> Path:
     return root / "calibration.json"
 
 
-def load_calibrations() -> dict:
-    path = cache_file()
+def load_calibrations(path: str | Path | None = None) -> dict:
+    """{key: calibration record} from `path` (default: the cache, `cache_file()`); {} if there is none."""
+    path = cache_file() if path is None else Path(path)
     if not path.exists():
         return {}
     try:
@@ -399,6 +400,11 @@ def round_robin(model, prompts: Sequence[torch.Tensor], cfgs: Mapping, *, store=
     neighbour slows all configs alike. With a store, each config keeps its own copy, starting from
     the store's current state and evolving over the prompts as in a deployment; the store is left
     as it was. Returns {label: [run_prompts dicts, one per (repeat, prompt)]}."""
+    with torch.inference_mode():          # the store may hold inference tensors (made inside `generate`)
+        return _round_robin(model, prompts, cfgs, store, repeats, eos_ids, progress, desc)
+
+
+def _round_robin(model, prompts, cfgs, store, repeats, eos_ids, progress, desc) -> dict:
     from tqdm.auto import tqdm
 
     labels = list(cfgs)
@@ -500,6 +506,28 @@ def refit(key: str, mode: str = "de", timing: str | None = None, save: bool = Tr
     if save:
         save_calibration(key, rec)
     return rec
+
+
+def calibration_curves(record: dict, mode: str = "de", points: int = 200) -> "pl.DataFrame":
+    """A calibration record as one tidy frame for plotting: the measured grid (`kind="measured"`) and the
+    fitted curves over [min g, max g] (`kind="fit"`: cubic f_tau, B-spline f_s, their ratio), with columns
+    `key, kind, g, tau, s_step_ms, tokens_per_s`, plus one `kind="g_star"` row at the record's g*. Pure:
+    refits from the record's rows (the same fits `calibrate` used)."""
+    import polars as pl
+
+    rows = record["rows"]
+    timing = record.get("timing", "step")
+    g = np.array([r["g"] for r in rows], dtype=np.float64)
+    tau = np.array([r["tau"] for r in rows], dtype=np.float64)
+    s = np.array([r["s_step" if timing == "step" else "s_forward"] for r in rows], dtype=np.float64)
+    f_tau, f_s = fit_tau(g, tau), fit_step_time(g, s)
+    dense = np.linspace(g.min(), g.max(), points)
+    fit = optimal_draft_size(g, tau, s, mode=mode)
+    parts = [("measured", g, tau, s), ("fit", dense, f_tau(dense), f_s(dense)),
+             ("g_star", np.array([fit.g_star], dtype=np.float64), np.array([fit.predicted_tau]),
+              np.array([fit.predicted_step_s]))]
+    return pl.concat([pl.DataFrame({"key": record["key"], "kind": kind, "g": x, "tau": t, "s_step_ms": 1e3 * st,
+                                    "tokens_per_s": t / st}) for kind, x, t, st in parts])
 
 
 # ---- CLI -------------------------------------------------------------------------------------------------

@@ -37,3 +37,22 @@ def line_chart(frame, x: str, y: str, color: str | None = None, *, title: str = 
     if tooltip:
         enc["tooltip"] = list(tooltip)
     return alt.Chart(frame).mark_line(point=True).encode(**enc).properties(title=title, width=width, height=height)
+
+
+def bar_chart(frame, x: str, y: str, color: str, *, title: str = "", y_title: str | None = None,
+              stack: bool = False, rule: float | None = None, tooltip=(), width: int = 480, height: int = 220):
+    """Bars of `y` per `x`, one bar per `color` side by side (`stack=False`: the runs of a bench per
+    category) or stacked (`stack=True`: phases of a step); `rule` draws a horizontal reference line
+    (e.g. speedup 1.0 = ar)."""
+    import altair as alt
+
+    enc = dict(x=alt.X(f"{x}:N", title=x), y=alt.Y(f"{y}:Q", title=y_title or y, stack=True if stack else None),
+               color=f"{color}:N")
+    if not stack:
+        enc["xOffset"] = f"{color}:N"
+    if tooltip:
+        enc["tooltip"] = list(tooltip)
+    chart = alt.Chart(frame).mark_bar().encode(**enc).properties(title=title, width=width, height=height)
+    if rule is not None:
+        chart = chart + alt.Chart(alt.Data(values=[{"y": rule}])).mark_rule(strokeDash=[4, 3]).encode(y="y:Q")
+    return chart

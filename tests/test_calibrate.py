@@ -5,6 +5,7 @@ import json
 import warnings
 
 import numpy as np
+import polars as pl
 import pytest
 import torch
 
@@ -215,3 +216,34 @@ def test_errors_of_measurement(tiny):
         cal.measure_grid(model, prompts, "unispec", [], eos_ids=[], progress=False)
     with pytest.raises(cal.CalibrationError, match="positive"):
         cal.measure_grid(model, prompts, "unispec", [0, 2], eos_ids=[], progress=False)
+
+
+def test_calibration_curves_frame():
+    g = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+    tau = [1 + 0.6 * np.log2(x + 1) for x in g]
+    s = [0.05 + 0.002 * x ** 1.5 for x in g]
+    rec = {"key": "m|cpu|float32|unispec", "timing": "step",
+           "rows": [{"g": x, "tau": t, "s_step": st, "s_forward": st} for x, t, st in zip(g, tau, s)]}
+    cur = cal.calibration_curves(rec, points=50)
+    assert cur.group_by("kind").len().sort("kind").rows() == [("fit", 50), ("g_star", 1), ("measured", 10)]
+    meas = cur.filter(pl.col("kind") == "measured")
+    assert meas["g"].to_list() == g and np.allclose(meas["s_step_ms"].to_numpy(), np.array(s) * 1e3)
+    assert np.allclose(meas["tokens_per_s"].to_numpy(), np.array(tau) / np.array(s))
+    star = cur.filter(pl.col("kind") == "g_star").row(0, named=True)
+    assert star["g"] == cal.optimal_draft_size(g, tau, s).g_star
+    fit = cur.filter(pl.col("kind") == "fit")                  # the fitted curves pass near the measurements
+    assert abs(np.interp(8, fit["g"].to_numpy(), fit["tau"].to_numpy()) - tau[5]) < 0.05
+
+
+def test_calibrate_after_generate_on_the_same_model(tiny):
+    """`generate` makes the deployment store inside inference mode; a later calibration (a notebook's
+    next cell) must still be able to snapshot and restore it."""
+    from engine.harness import generate
+
+    model, info = tiny
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 300, (10,), generator=gen) for _ in range(2)]
+    generate(model, prompts[0], method="unispec", max_new_tokens=6, draft_size=2, eos_ids=[])
+    rec = cal.calibrate(model, prompts, "unispec", grid=[1, 2], cfg=SpecConfig.preset("unispec", max_new_tokens=6),
+                        eos_ids=[], save=False, progress=False)
+    assert [r["g"] for r in rec["rows"]] == [1, 2]

@@ -4,7 +4,8 @@ Implements specs/unispec.md sections 4.3, 4.9 and 4.10 (paper: Alg. 1 l.16-30, 3
 
 - level 1 = S[root] (+) C, where C is the cached top-k of the verifier distribution at the token
   before the root (the distribution that produced the root: "next-next" candidates); empty slots
-  dropped, duplicate tokens merged keeping the max confidence [C];
+  dropped, duplicate tokens merged keeping the max confidence [C]; the root's own entry in C is dropped
+  (`cfg.cache_exclude_root`, default True: see `engine.config` for why and what it measured);
 - levels 2..d: the children of the frontier (the top-k nodes of the previous level whose score >= r)
   are the frontier tokens' store rows; every child goes into the candidate pool;
 - node confidence (`cfg.confidence`): "path" = product of the stored probabilities along the path

@@ -53,10 +53,10 @@ save_chart(chart, out_dir, "tau_by_category")
 chart
 
 # %% [markdown]
-# ## Draft time per drafted step, by drafter phase (runs whose drafter reports phases)
+# ## Draft time per drafted step, by drafter phase (drafters with a backbone and an LM head)
 
 # %%
-phases = (table.filter((pl.col("category") == "all") & pl.col("backbone_ms").is_not_null())
+phases = (table.filter((pl.col("category") == "all") & (pl.col("backbone_ms") > 0))
           .unpivot(index="run", on=[f"{p}_ms" for p in PHASES], variable_name="phase", value_name="ms")
           .with_columns(pl.col("phase").str.strip_suffix("_ms")))
 if phases.height:

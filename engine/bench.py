@@ -139,7 +139,7 @@ def plan_runs(methods: str | Sequence[str] | None, drafter: str | None = None,
     if drafter is not None and drafter not in DRAFTERS:
         raise BenchError(f"unknown drafter {drafter!r}; --drafter takes one of {list(DRAFTERS)} (drafters with an "
                          f"LM head; other methods go in --methods)")
-    bad = [v for v in vocabs if v.partition(":")[0] not in VOCABS]
+    bad = [v for v in vocabs if policy(v) not in VOCABS]
     if bad:
         raise BenchError(f"unknown vocab(s) {bad}; --vocab takes a comma list of {list(VOCABS)}, "
                          f"optionally sized: frspec:K (top-K shortlist) or microspec:W (w_max)")

@@ -15,7 +15,7 @@ section 4.7). idx < 0 gives -inf, so `indexed_head(h, weight, tok_of_slot)` equa
 weight's dtype. On CPU with at most `SMALL_ROWS` rows it computes (weight @ h.T).T: one pass over the
 [V, d] weight for all rows, which this machine's fp32 BLAS runs much faster than `F.linear`'s small-M
 GEMM (measured on Gemma-3-270M's 262144 x 640 head, one thread: 2 rows 90 -> 28 ms, 3 rows 135 -> 40 ms,
-4 rows 79 -> 33 ms, 1 row equal; `python -m kernels.bench --dense-rows`). Both orders sum the same d
+4 rows 79 -> 33 ms, 1 row equal; a one-off timing, not a bench flag). Both orders sum the same d
 products per logit; only the accumulation order differs.
 
 One Triton kernel serves both (a constexpr picks the row address); `packed_head_ref` /

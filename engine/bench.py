@@ -5,19 +5,26 @@
     python -m engine.bench --model gemma-3-270m --methods ar --drafter layerskip \\
         --vocab full,frspec,frspec:1024,microspec,oracle --set drafter_layers=first:4 --threads 1 --out runs/microspec
 
-A *run* is one (method, vocab) pair: every `--methods` entry (vocab "full" for methods without an LM head),
-plus, with `--drafter layerskip|eagle`, the drafter once per `--vocab` policy (`engine.vocab`; `ar` is added
-as the speed and lossless reference). A policy may carry a size: `frspec:1024` (K) or `microspec:1024`
-(w_max); the label is the run's `vocab` column. `frspec` without `--set frequency_file=...` counts a default ranking
-on the bundled corpus (`engine.vocab.default_frequency_file`, cached) and says which.
+A *run* is one (method, vocabulary policy) pair: every `--methods` entry (policy "full" for methods without
+an LM head), plus, with `--drafter layerskip|eagle`, the drafter once per `--vocab` entry (`engine.vocab`;
+`ar` is added as the speed and lossless reference). A policy may carry a size: `frspec:1024` (K) or
+`microspec:1024` (w_max). Columns: `policy` (full | frspec | microspec | oracle | dynaspec), `vocab_size`
+(the requested size - frspec's K, microspec's and oracle's w_max; null for full and dynaspec) and `run`,
+the `--vocab` label as given (`frspec:1024`), so several sizes of one policy bench side by side.
+`draft_size` is the run's resolved draft size (`engine.harness.resolve_config`), `g` the mean draft tokens
+per step it actually proposed. `frspec` without `--set frequency_file=...` counts a default ranking on
+the training corpus (`engine.frequency.default_frequency_file`, cached) and says which.
 
-Writes `OUT/results.parquet`, one row per (method, vocab, prompt, turn, repeat) - MT-Bench prompts have two
-turns, each run answering the second turn after its own first answer - rewritten after every finished
-prompt so a crash loses nothing finished (`--resume` skips the runs there: key `RUN_KEY`). Per row, besides
-the harness' timings: the drafter's phases `backbone_s, gather_s, lm_head_s, tree_s` (summed over the
+Writes `OUT/results.parquet`, one row per (method, run, prompt, turn, repeat) - `prompt_id` is the prompt
+set's id, `turn` counts from 1 (MT-Bench prompts have two turns, each run answering the second turn after
+its own first answer) - rewritten after every finished prompt so a crash loses nothing finished (`--resume`
+skips the runs there: key `RUN_KEY`; a file in an older column layout is refused). Per row, besides the
+harness' timings: the drafter's phases `backbone_s, gather_s, lm_head_s, tree_s` (summed over the
 prompt, null for drafters without phases), `draft_prefill_s` (the drafter's pass over the prompt, no step's),
 `uncharged_s` (the oracle policy's full head, which it does not charge), and the policy's
-`mean_active_vocab`, `max_active_vocab`, `draft_coverage`, `bonus_coverage` (`VocabPolicy.stats`).
+`mean_active_vocab`, `max_active_vocab`, `draft_coverage`, `bonus_coverage` (`VocabPolicy.stats`), and
+`score_bins_proposed`, `score_bins_accepted`: draft nodes proposed and accepted per confidence-score bin
+(`engine.harness.SCORE_BINS` equal bins over [0, 1], bin b = [b/20, (b+1)/20), 1.0 in the last; UniSpec Fig. 3).
 
 `tokens_per_s` = new_tokens / (wall_s - uncharged_s) (= new_tokens / wall_s except for oracle rows).
 
@@ -31,8 +38,8 @@ drafted steps) and the draft time per drafted step in ms,
 
 (steps - 1: the prefill, step 0, drafts nothing; draft_s includes the drafter's `begin`, so the per-prompt
 set-up of the policy - microspec's Eq. 2 window - is spread over the steps). Last, for a drafter benched
-with several vocabs, one line per non-full vocab against `full` (and microspec against frspec): draft-time
-ratio, tau ratio and tokens/s ratio, measured in this run, with the issue's targets for microspec.
+with several policies, one line per non-full run against `full` (and microspec against frspec): draft-time
+ratio, tau ratio and tokens/s ratio, measured in this run, with MicroSpec's claims as targets.
 
 `run_bench(**kwargs)` is what the CLI calls and what a Ray sweep cell calls: one call per cell.
 """
@@ -49,18 +56,21 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from engine.config import VOCABS, ConfigError, SpecConfig
+from engine.config import POLICIES, ConfigError, SpecConfig, parse_overrides
 from engine.drafters import available_methods
-from engine.harness import generate
+from engine.harness import generate, resolve_config
 from engine.models import eos_token_ids, load_model
 from engine.prompts import decode_answer, encode_prompt, load_prompts
+from engine.frequency import default_frequency_file
+from kernels.hardware import HardwareError, parse_device, parse_dtype
 
 RESULTS_FILE = "results.parquet"
 DRAFTERS = ("layerskip", "eagle")              # drafters with an LM head behind a vocabulary policy
 PHASES = ("backbone", "gather", "lm_head", "tree")
 ROW_SCHEMA = {
-    "model": pl.String, "device": pl.String, "method": pl.String, "vocab": pl.String, "prompt_set": pl.String,
-    "question_id": pl.String, "category": pl.String, "language": pl.String, "turn": pl.Int32,
+    "model": pl.String, "device": pl.String, "method": pl.String, "run": pl.String, "policy": pl.String,
+    "vocab_size": pl.Int64, "draft_size": pl.Int64, "prompt_set": pl.String, "prompt_id": pl.String,
+    "category": pl.String, "language": pl.String, "turn": pl.Int32,
     "repeat": pl.Int32, "prompt_tokens": pl.Int64, "new_tokens": pl.Int64, "steps": pl.Int64,
     "tau": pl.Float64, "g": pl.Float64, "wall_s": pl.Float64, "prefill_s": pl.Float64, "draft_s": pl.Float64,
     "verify_s": pl.Float64, "tokens_per_s": pl.Float64,
@@ -68,10 +78,15 @@ ROW_SCHEMA = {
     "mean_active_vocab": pl.Float64, "max_active_vocab": pl.Float64, "draft_coverage": pl.Float64,
     "bonus_coverage": pl.Float64, "threads": pl.Int32, "stop_reason": pl.String, "temperature": pl.Float64,
     "seed": pl.Int64, "output_ids": pl.List(pl.Int64),
+    "score_bins_proposed": pl.List(pl.Int64), "score_bins_accepted": pl.List(pl.Int64),
 }
-RUN_KEY = ("method", "vocab", "question_id", "repeat")
-# the issue's targets for microspec against full of the same drafter (specs/microspec.md section 11, issue #5)
+RUN_KEY = ("method", "run", "prompt_id", "repeat")
+RUN = ["method", "run"]                         # one benched configuration
+# MicroSpec's claims against full of the same drafter, as targets: draft time per step cut several-fold
+# (MicroSpec §4.4, Fig. 4), tau kept (§4.3), faster end to end (§4.2)
 TARGET_DRAFT_RATIO, TARGET_TAU_RATIO, TARGET_SPEED_RATIO = 3.0, 0.95, 1.0
+REQUESTED_SIZE = {"frspec": "frspec_k", "microspec": "w_max", "oracle": "w_max"}   # the vocab_size column
+LABEL_SIZE = {"frspec": "frspec_k", "microspec": "w_max"}  # what N in `--vocab name:N` sets
 
 
 class BenchError(ValueError):
@@ -80,11 +95,22 @@ class BenchError(ValueError):
 
 @dataclass(frozen=True)
 class Run:
-    """One benched configuration: a method with one draft vocabulary ("full" for methods without a head)."""
+    """One benched configuration: a method with one draft vocabulary policy ("full" for methods without a
+    head). `label`: the `--vocab` entry as given ("frspec:1024"), the `run` column."""
 
     method: str
-    vocab: str
+    label: str
     cfg: SpecConfig
+
+    @property
+    def policy(self) -> str:
+        return self.cfg.vocab if self.method in DRAFTERS else "full"
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The requested vocabulary size (frspec's K, microspec's / oracle's w_max); None for full."""
+        field = REQUESTED_SIZE.get(self.policy)
+        return None if field is None else int(getattr(self.cfg, field))
 
 
 def _names(value: str | Sequence[str] | None) -> list[str]:
@@ -104,25 +130,22 @@ def _methods(methods: str | Sequence[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-VOCAB_SIZE_FIELD = {"frspec": "frspec_k", "microspec": "w_max"}    # what N in `--vocab name:N` sets
-
-
 def vocab_fields(label: str) -> dict:
     """SpecConfig fields of a --vocab entry: "microspec" -> {vocab: microspec}; a sized variant
     "frspec:1024" -> {vocab: frspec, frspec_k: 1024}, "microspec:1024" -> {vocab: microspec, w_max: 1024}.
-    The label stays the run's `vocab` column, so several sizes of one policy bench side by side."""
+    The label stays the run's `run` column, so several sizes of one policy bench side by side."""
     name, sep, size = label.partition(":")
     if not sep:
         return {"vocab": name}
-    if name not in VOCAB_SIZE_FIELD:
-        raise BenchError(f"--vocab {label!r}: only {sorted(VOCAB_SIZE_FIELD)} take a size (name:N)")
+    if name not in LABEL_SIZE:
+        raise BenchError(f"--vocab {label!r}: only {sorted(LABEL_SIZE)} take a size (name:N)")
     if not size.isdigit() or int(size) <= 0:
         raise BenchError(f"--vocab {label!r}: the size after ':' must be a positive integer, e.g. {name}:1024")
-    return {"vocab": name, VOCAB_SIZE_FIELD[name]: int(size)}
+    return {"vocab": name, LABEL_SIZE[name]: int(size)}
 
 
 def policy(label: str) -> str:
-    """The vocabulary policy of a run's vocab label ("frspec:1024" -> "frspec")."""
+    """The vocabulary policy of a run label ("frspec:1024" -> "frspec")."""
     return label.partition(":")[0]
 
 
@@ -139,9 +162,9 @@ def plan_runs(methods: str | Sequence[str] | None, drafter: str | None = None,
     if drafter is not None and drafter not in DRAFTERS:
         raise BenchError(f"unknown drafter {drafter!r}; --drafter takes one of {list(DRAFTERS)} (drafters with an "
                          f"LM head; other methods go in --methods)")
-    bad = [v for v in vocabs if policy(v) not in VOCABS]
+    bad = [v for v in vocabs if policy(v) not in POLICIES]
     if bad:
-        raise BenchError(f"unknown vocab(s) {bad}; --vocab takes a comma list of {list(VOCABS)}, "
+        raise BenchError(f"unknown vocab(s) {bad}; --vocab takes a comma list of {list(POLICIES)}, "
                          f"optionally sized: frspec:K (top-K shortlist) or microspec:W (w_max)")
     if drafter == "eagle" and not config.get("eagle_head"):
         raise BenchError("--drafter eagle needs a draft head: --set eagle_head=<local EAGLE-1/2 checkpoint dir> "
@@ -162,18 +185,8 @@ def plan_runs(methods: str | Sequence[str] | None, drafter: str | None = None,
         raise BenchError(f"bad configuration: {e}") from e
     unique: dict[tuple[str, str], Run] = {}
     for r in runs:
-        unique.setdefault((r.method, r.vocab), r)               # --methods layerskip + --vocab full: once
+        unique.setdefault((r.method, r.label), r)               # --methods layerskip + --vocab full: once
     return list(unique.values())
-
-
-def _dtype(x) -> torch.dtype | None:
-    if x is None or isinstance(x, torch.dtype):
-        return x
-    table = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
-             "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-    if x not in table:
-        raise BenchError(f"unknown dtype {x!r}; choose one of {sorted(table)}")
-    return table[x]
 
 
 def _write(frame: pl.DataFrame, path: Path) -> None:
@@ -212,7 +225,8 @@ def run_bench(model: str = "smollm2-135m-instruct", methods: str | Sequence[str]
     methods: default ar,pld,hf-prompt-lookup, or just ar with a drafter. drafter: layerskip | eagle, benched
     once per `vocab` (comma list of full, frspec, microspec, oracle; default full).
     threads: torch.set_num_threads for the bench (restored afterwards); recorded per row.
-    config: further SpecConfig fields for every run (e.g. {"pld_num_draft": 5, "drafter_layers": "first:4"}).
+    device / dtype: for `load_model` (None: `kernels.hardware`'s defaults; strings as `--dtype`).
+    config: further SpecConfig fields for every run (e.g. {"draft_size": 5, "drafter_layers": "first:4"}).
     """
     if repeats < 1 or warmup < 0:
         raise BenchError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
@@ -235,18 +249,23 @@ def run_bench(model: str = "smollm2-135m-instruct", methods: str | Sequence[str]
 def _bench(runs: list[Run], model, prompts, *, per_category, categories, languages, max_new_tokens, repeats,
            warmup, out, device, dtype, loaded, resume, progress, show) -> pl.DataFrame:
     if loaded is None:
-        from kernels.hardware import DEFAULT_DTYPE, DEVICE
-        loaded = load_model(model, device=device or DEVICE, dtype=_dtype(dtype) or DEFAULT_DTYPE)
+        try:
+            device, dtype = parse_device(device), parse_dtype(dtype)
+        except HardwareError as e:
+            raise BenchError(str(e)) from None
+        loaded = load_model(model, device=device, dtype=dtype)
     target, tokenizer, info = loaded
+    # each run's draft size decided once, here (unispec: its calibrated g*; see engine.harness)
+    runs = [Run(r.method, r.label, resolve_config(r.cfg, model=target)) for r in runs]
     dev = str(next(target.parameters()).device)
     eos = eos_token_ids(target, tokenizer)
     prompt_list = load_prompts(prompts, per_category=per_category, categories=categories, languages=languages)
     if not prompt_list:
         raise BenchError(f"prompt set {prompts!r} with these filters is empty")
     if any(r.cfg.vocab == "frspec" and r.cfg.frequency_file is None for r in runs):
-        from engine.vocab import default_frequency_file     # says which corpus the ranking came from
-        ranking = str(default_frequency_file(tokenizer, info.tokenizer_name, info.vocab_size))
-        runs = [Run(r.method, r.vocab, r.cfg.replace(frequency_file=ranking)) if r.cfg.vocab == "frspec"
+        ranking = str(default_frequency_file(tokenizer, info.tokenizer_name, info.vocab_size,   # says which corpus
+                                             eos_ids=eos))
+        runs = [Run(r.method, r.label, r.cfg.replace(frequency_file=ranking)) if r.cfg.vocab == "frspec"
                 and r.cfg.frequency_file is None else r for r in runs]
 
     path = None if out is None else Path(out) / RESULTS_FILE
@@ -256,29 +275,34 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
         path.parent.mkdir(parents=True, exist_ok=True)
         if resume and path.exists():
             old = pl.read_parquet(path)
-            if "vocab" not in old.columns:                       # written before runs had a vocab
-                old = old.with_columns(vocab=pl.lit("full"))
+            missing = [c for c in (*RUN_KEY, "policy", "vocab_size", "turn") if c not in old.columns]
+            if missing or "question_id" in old.columns:
+                raise BenchError(f"cannot resume {path}: it was written by an older engine.bench (columns "
+                                 f"question_id / vocab, turns from 0; missing {missing}); bench into a new "
+                                 f"--out folder, or delete the file to start over")
             rows = old.to_dicts()
             done = {tuple(str(r[k]) for k in RUN_KEY) for r in rows}
 
     def run_turns(p, run: Run, repeat: int, cfg: SpecConfig, limit: int | None = None) -> list[dict]:
         answers, got = [], []
-        for turn in range(len(p.turns)):
-            ids = encode_prompt(tokenizer, info, p.turns[:turn + 1], answers, max_new_tokens=cfg.max_new_tokens,
+        for turn in range(1, len(p.turns) + 1):                 # MT-Bench's "turn 1", "turn 2"
+            ids = encode_prompt(tokenizer, info, p.turns[:turn], answers, max_new_tokens=cfg.max_new_tokens,
                                 system_prompt=p.system_prompt, name=p.name)
             res = generate(target, ids, cfg.replace(seed=cfg.seed + repeat), tokenizer=tokenizer, info=info,
                            eos_ids=eos)
             answers.append(decode_answer(tokenizer, res.output_ids.tolist(), eos))
             extra = _drafter_columns(res)
             got.append({
-                "model": info.name, "device": dev, "method": run.method, "vocab": run.vocab,
-                "prompt_set": p.prompt_set, "question_id": str(p.question_id), "category": p.category,
+                "model": info.name, "device": dev, "method": run.method, "run": run.label,
+                "policy": run.policy, "vocab_size": run.vocab_size, "draft_size": cfg.draft_size,
+                "prompt_set": p.prompt_set, "prompt_id": str(p.prompt_id), "category": p.category,
                 "language": p.language, "turn": turn, "repeat": repeat, "prompt_tokens": len(ids),
                 "new_tokens": res.new_tokens, "steps": res.steps, "tau": res.tau, "g": res.g, "wall_s": res.wall_s,
                 "prefill_s": res.prefill_s, "draft_s": res.draft_s, "verify_s": res.verify_s,
                 "tokens_per_s": res.new_tokens / (res.wall_s - extra["uncharged_s"]), **extra,
                 "threads": torch.get_num_threads(), "stop_reason": res.stop_reason,
-                "temperature": cfg.temperature, "seed": cfg.seed + repeat, "output_ids": res.output_ids.tolist()})
+                "temperature": cfg.temperature, "seed": cfg.seed + repeat, "output_ids": res.output_ids.tolist(),
+                "score_bins_proposed": res.score_bins_proposed, "score_bins_accepted": res.score_bins_accepted})
             if limit is not None:
                 break
         return got
@@ -289,7 +313,7 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
             run_turns(first, run, 0, run.cfg.replace(max_new_tokens=min(16, max_new_tokens)), limit=1)
 
     todo = [(p, r, run) for p in prompt_list for r in range(repeats) for run in runs
-            if (run.method, run.vocab, str(p.question_id), str(r)) not in done]
+            if (run.method, run.label, str(p.prompt_id), str(r)) not in done]
     for p, r, run in tqdm(todo, desc=f"bench {info.name}", unit="run", disable=not progress):
         rows.extend(run_turns(p, run, r, run.cfg))
         if path is not None:
@@ -302,23 +326,23 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
 
 # --- summaries ------------------------------------------------------------------------------------------
 
-RUN = ["method", "vocab"]
-
-
 def summarize(frame: pl.DataFrame) -> pl.DataFrame:
-    """Per (category incl. "all", method, vocab): rows, tokens_per_s (mean over rows), speedup over ar, tau,
-    g, mean_active_vocab, draft_ms and the per-phase ms per drafted step (module docstring), draft and bonus
-    coverage, lossless."""
-    if "vocab" not in frame.columns:
-        frame = frame.with_columns(vocab=pl.lit("full"))
-    for col, dt in ROW_SCHEMA.items():                           # frames from before a column existed
+    """Per (category incl. "all", method, run): policy, vocab_size, rows, tokens_per_s (mean over rows),
+    speedup over ar, tau, g, mean_active_vocab, draft_ms and the per-phase ms per drafted step (module
+    docstring), draft and bonus coverage, lossless."""
+    missing = [c for c in (*RUN, "prompt_id", "turn", "repeat", "category") if c not in frame.columns]
+    if missing:
+        raise BenchError(f"summarize needs engine.bench's columns; missing {missing} (a results file from an "
+                         f"older engine.bench: bench again)")
+    for col, dt in ROW_SCHEMA.items():                           # optional columns a hand-made frame lacks
         if col not in frame.columns:
             frame = frame.with_columns(pl.lit(None, dtype=dt).alias(col))
     both = pl.concat([frame, frame.with_columns(category=pl.lit("all"))])
     drafted = (pl.col("steps") - 1).clip(lower_bound=0)
     per_step = (lambda e: pl.when(drafted.sum() > 0).then(e.sum() / drafted.sum() * 1e3))
     agg = (both.group_by("category", *RUN)
-           .agg(rows=pl.len(), tokens_per_s=pl.col("tokens_per_s").mean(),
+           .agg(policy=pl.col("policy").first(), vocab_size=pl.col("vocab_size").first(), rows=pl.len(),
+                tokens_per_s=pl.col("tokens_per_s").mean(),
                 tau=pl.col("new_tokens").sum() / pl.col("steps").sum(), g=pl.col("g").mean(),
                 mean_active_vocab=(pl.col("mean_active_vocab") * drafted).sum()
                 / drafted.filter(pl.col("mean_active_vocab").is_not_null()).sum(),
@@ -336,7 +360,7 @@ def summarize(frame: pl.DataFrame) -> pl.DataFrame:
                 .agg(ar_tokens_per_s=pl.col("tokens_per_s").first()))
     agg = (agg.join(ar_speed, on="category", how="left")
            .with_columns(speedup=pl.col("tokens_per_s") / pl.col("ar_tokens_per_s")).drop("ar_tokens_per_s"))
-    key = ["question_id", "turn", "repeat"]
+    key = ["prompt_id", "turn", "repeat"]
     ar_out = (frame.filter(pl.col("method") == "ar").unique(key, keep="first", maintain_order=True)
               .select(*key, ar_output=pl.col("output_ids")))
     if ar_out.height and bool((frame["temperature"] == 0).all()):
@@ -350,31 +374,32 @@ def summarize(frame: pl.DataFrame) -> pl.DataFrame:
     runs = frame.select(RUN).unique(maintain_order=True).with_row_index("_r")
     return (agg.join(runs, on=RUN, how="left").with_columns(_cat_all=pl.col("category") == "all")
             .sort("_cat_all", "category", "_r").drop("_cat_all", "_r")
-            .select("category", *RUN, "rows", "tokens_per_s", "speedup", "tau", "g", "mean_active_vocab",
+            .select("category", *RUN, "policy", "vocab_size", "rows", "tokens_per_s", "speedup", "tau", "g",
+                    "mean_active_vocab",
                     "draft_ms", *[f"{p}_ms" for p in PHASES], "coverage", "lossless"))
 
 
 def compare_vocabs(table: pl.DataFrame) -> pl.DataFrame:
-    """From `summarize`'s "all" rows: per drafter, each non-full vocab against `full` of the same drafter,
+    """From `summarize`'s "all" rows: per drafter, each non-full run against `full` of the same drafter,
     and every microspec run against every frspec run (e.g. frspec and frspec:1024, to compare tau at an equal
     or smaller mean vocabulary). Ratios: draft_ratio = base draft_ms / draft_ms (how many times less draft
     time per step), tau_ratio = tau / base tau, speed_ratio = tokens_per_s / base tokens_per_s."""
     allrows = table.filter(pl.col("category") == "all")
     out = []
     for method in allrows["method"].unique(maintain_order=True).to_list():
-        mine = {r["vocab"]: r for r in allrows.filter(pl.col("method") == method).iter_rows(named=True)}
+        mine = {r["run"]: r for r in allrows.filter(pl.col("method") == method).iter_rows(named=True)}
         pairs = [(v, "full") for v in mine if v != "full" and "full" in mine]
         pairs += [(v, b) for v in mine if policy(v) == "microspec" for b in mine if policy(b) == "frspec"]
         for v, base in pairs:
             a, b = mine[v], mine[base]
             ratio = (lambda x, y: x / y if x is not None and y else None)
-            out.append({"method": method, "vocab": v, "base": base, "draft_ms": a["draft_ms"],
+            out.append({"method": method, "run": v, "base": base, "draft_ms": a["draft_ms"],
                         "base_draft_ms": b["draft_ms"], "draft_ratio": ratio(b["draft_ms"], a["draft_ms"]),
                         "tau": a["tau"], "base_tau": b["tau"], "tau_ratio": ratio(a["tau"], b["tau"]),
                         "tokens_per_s": a["tokens_per_s"], "base_tokens_per_s": b["tokens_per_s"],
                         "speed_ratio": ratio(a["tokens_per_s"], b["tokens_per_s"]),
                         "mean_active_vocab": a["mean_active_vocab"], "base_mean_active_vocab": b["mean_active_vocab"]})
-    schema = {"method": pl.String, "vocab": pl.String, "base": pl.String,
+    schema = {"method": pl.String, "run": pl.String, "base": pl.String,
               **{c: pl.Float64 for c in ("draft_ms", "base_draft_ms", "draft_ratio", "tau", "base_tau", "tau_ratio",
                                          "tokens_per_s", "base_tokens_per_s", "speed_ratio", "mean_active_vocab",
                                          "base_mean_active_vocab")}}
@@ -386,15 +411,15 @@ def _fmt(x, spec: str = ".2f") -> str:
 
 
 def comparison_lines(cmp: pl.DataFrame) -> list[str]:
-    """One line per `compare_vocabs` row; microspec rows say whether the issue's targets are met."""
+    """One line per `compare_vocabs` row; microspec rows say whether MicroSpec's claims (TARGET_*) hold."""
     lines = []
     for r in cmp.iter_rows(named=True):
-        line = (f"{r['method']} {r['vocab']} vs {r['base']}: draft {_fmt(r['draft_ms'])} vs "
+        line = (f"{r['method']} {r['run']} vs {r['base']}: draft {_fmt(r['draft_ms'])} vs "
                 f"{_fmt(r['base_draft_ms'])} ms/step = {_fmt(r['draft_ratio'])}x less; tau {_fmt(r['tau'])} vs "
                 f"{_fmt(r['base_tau'])} = {_fmt(r['tau_ratio'], '.3f')}x; tokens/s {_fmt(r['tokens_per_s'])} vs "
                 f"{_fmt(r['base_tokens_per_s'])} = {_fmt(r['speed_ratio'], '.3f')}x; mean active vocab "
                 f"{_fmt(r['mean_active_vocab'], '.0f')} vs {_fmt(r['base_mean_active_vocab'], '.0f')}")
-        if policy(r["vocab"]) == "microspec":
+        if policy(r["run"]) == "microspec":
             met = (lambda ok: "n/a" if ok is None else ("met" if ok else "MISSED"))
             ge = (lambda x, t: None if x is None else x >= t)
             gt = (lambda x, t: None if x is None else x > t)
@@ -438,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> pl.DataFrame:
     ap.add_argument("--drafter", default=None,
                     help=f"a drafter with an LM head ({' | '.join(DRAFTERS)}), benched once per --vocab")
     ap.add_argument("--vocab", default=None,
-                    help=f"with --drafter: comma list of draft vocabularies ({','.join(VOCABS)}; default full); "
+                    help=f"with --drafter: comma list of draft vocabularies ({','.join(POLICIES)}; default full); "
                          f"frspec:K and microspec:W set the shortlist size / w_max")
     ap.add_argument("--prompts", default="spec_bench", help="a prompt set name or a .jsonl path")
     ap.add_argument("--per-category", type=int, default=None)
@@ -450,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> pl.DataFrame:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default=None)
+    ap.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: kernels.hardware)")
     ap.add_argument("--dtype", default=None, help="fp32 | fp16 | bf16 (default: kernels.hardware)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the bench")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
@@ -467,20 +492,10 @@ def main(argv: Sequence[str] | None = None) -> pl.DataFrame:
 
 
 def _parse_sets(items: list[str]) -> dict:
-    import dataclasses
-    import json
-
-    fields = {f.name for f in dataclasses.fields(SpecConfig)}
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or key not in fields:
-            raise BenchError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value                                     # a bare string, e.g. --set vocab=microspec
-    return out
+    try:
+        return parse_overrides(items)
+    except ConfigError as e:
+        raise BenchError(str(e)) from None
 
 
 if __name__ == "__main__":

@@ -1,18 +1,42 @@
 """One config dataclass with the papers' defaults, and named presets.
 
-Every knob of every method lives here once, with the section of the paper (or of `shared/specs/`) that
-fixes its default. `engine.generate(..., **overrides)`, the bench CLI and a Ray sweep cell all build a
-`SpecConfig` the same way: `SpecConfig.preset(name).replace(**overrides)`.
+Every knob of every method lives here once, with the section of the paper that fixes its default.
+`engine.generate(..., **overrides)`, the bench CLI and a Ray sweep cell all build a `SpecConfig` the same
+way: `SpecConfig.preset(name).replace(**overrides)`.
+
+Each set of allowed values is defined once, as the `Literal` type of its field; `METHODS` and
+`POLICIES` are read from those types, and `validate()` checks every `Literal` field against its own
+arguments.
+
+Draft size: one field, `draft_size` = g, the draft tokens per step (root excluded), for every method.
+`None` means the method's default, resolved once where a run's config is resolved
+(`engine.harness.resolve_config`), never inside a drafter: `DEFAULT_DRAFT_SIZE` for pld and the
+EAGLE-style drafters, the whole static template for recycling, the calibrated g* for unispec
+(`engine.calibration.resolve_draft_size`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import json
+import typing
+from dataclasses import dataclass
 from typing import Literal
 
-METHODS = ("ar", "pld", "hf-prompt-lookup", "recycling", "unispec", "layerskip", "eagle")
-VOCABS = ("full", "frspec", "microspec", "oracle")
+Method = Literal["ar", "pld", "hf-prompt-lookup", "recycling", "unispec", "layerskip", "eagle"]
+Policy = Literal["full", "frspec", "microspec", "oracle", "dynaspec"]     # draft vocabulary policies (engine.vocab)
+
+METHODS: tuple[str, ...] = typing.get_args(Method)
+POLICIES: tuple[str, ...] = typing.get_args(Policy)
+
+# The draft size a method uses when `draft_size` is None, where it is a fixed number:
+#   pld / hf-prompt-lookup: 10 = transformers' `prompt_lookup_num_tokens` (Saxena 2023's reference setting);
+#   layerskip / eagle: 59 = EAGLE-2's 60 draft tokens (MicroSpec §4.1, FR-Spec §4.1) minus the root.
+# recycling uses its whole static template (Token Recycling's Figure 5 tree: 80 nodes) and unispec its g*
+# (UniSpec §3, Eq. 4); both are resolved in `engine.harness.resolve_config`.
+DEFAULT_DRAFT_SIZE: dict[str, int] = {"pld": 10, "hf-prompt-lookup": 10, "layerskip": 59, "eagle": 59}
+
+_LABELS = {"method": "method", "vocab": "vocab policy"}      # how error messages name a field's values
 
 
 class ConfigError(ValueError):
@@ -22,60 +46,64 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class SpecConfig:
     # --- decoding -------------------------------------------------------------------------------------
-    method: str = "ar"
+    method: Method = "ar"
     max_new_tokens: int = 128
     temperature: float = 0.0          # 0 = greedy (all papers' main setting)
     top_p: float = 1.0
     seed: int = 0
     record: bool = False              # keep per-step records (draft tree, accepted path, top-K)
     record_topk: int = 16             # K of recorded top-K rows (locality traces use K=16)
+    draft_size: int | None = None     # g: draft tokens per step (root excluded), every method; None = the
+                                      # method's default (module docstring), resolved by resolve_config
 
-    # --- prompt lookup (Saxena 2023; transformers' prompt_lookup_num_tokens=10) --------------------------
+    # --- prompt lookup (Saxena 2023; transformers' prompt lookup) ----------------------------------------
     pld_max_ngram: int = 3
     pld_min_ngram: int = 1
-    pld_num_draft: int = 10
 
-    # --- Token Recycling / UniSpec (unispec.md App. A; specs/unispec.md section 2, 4) ----------------------
+    # --- Token Recycling / UniSpec (UniSpec App. A, Alg. 1) ----------------------------------------------
     store_k: int = 10                 # k: successors stored per token and nodes expanded per level
     tree_depth: int = 10              # d: maximum draft-tree depth
-    threshold_r: float = 0.05         # r: confidence threshold for expanding a node
-    draft_size: int | None = None     # g: draft tokens per step (root excluded); None = calibrated g*
+    threshold_r: float = 0.05         # r: confidence threshold for expanding a node (App. A, Table 12)
     confidence: Literal["path", "node"] = "path"   # node score: product along the path, or own stored prob
     broaden_first_level: bool = True  # first level also from the cached top-k at the token before the root
     store_persistence: Literal["deployment", "per_prompt"] = "deployment"
     recycling_tree: str = "tr-default"  # Token Recycling's static tree template
-    threshold_scope: Literal["expand", "expand+select"] = "expand"   # r only stops expansion, or also
-                                      # drops nodes under r from the draft (specs/unispec.md 4.3.4 [C])
-    cache_exclude_root: bool = True   # drop the root itself from the first-level cache C (specs/unispec.md
-                                      # 4.3.1 `C_exclude_top1` [C]; the spec's default is False = the paper
-                                      # read literally). C is the distribution that produced the root, so
-                                      # under greedy its top-1 IS the root, scored with the root's own
-                                      # probability - not a next-token estimate - and it outranks S[root]'s
-                                      # successors. Measured (gemma-3-270m, 5 calibration prompts x 96 tokens,
-                                      # per-prompt store): tau 1.25 -> 1.48 at g=1, 1.59 -> 1.92 at g=3,
-                                      # 2.06 -> 2.18 at g=8; without it UniSpec trails Token Recycling at
-                                      # small g. False restores the literal algorithm.
+    threshold_scope: Literal["expand", "expand+select"] = "expand"   # r only stops expansion (Alg. 1
+                                      # l.28), or also drops nodes under r from the draft (§3's motivation)
+    cache_exclude_root: bool = True   # drop the root itself from the first-level cache C (Alg. 1 l.19-20):
+                                      # C is the distribution that produced the root, so under greedy its
+                                      # top-1 IS the root, scored with the root's own probability - not a
+                                      # next-token estimate - and it outranks S[root]'s successors.
+                                      # False = the paper read literally.
 
-    # --- drafters with an LM head (microspec.md section 4.1; EAGLE-2 defaults) ---------------------------
+    # --- drafters with an LM head (MicroSpec §4.1; EAGLE-2 defaults) -------------------------------------
     drafter_layers: str = "skip:12,14,16,18"   # layerskip: which target layers the drafter drops/keeps
     eagle_depth: int = 5
     eagle_topk: int = 10
-    eagle_total_tokens: int = 60
     eagle_head: str | None = None     # eagle: EAGLE-1/2 draft head - hub id, local dir, or "random" (tests)
 
-    # --- draft vocabulary policy (microspec.md section 3.2, 4.1, A.3; fr-spec.md) ---------------------------
-    vocab: str = "full"
+    # --- draft vocabulary policy (MicroSpec §3.2, §4.1, App. A.3; FR-Spec §3) ----------------------------
+    vocab: Policy = "full"
     k_pre: int = 3
     k_ver: int = 3
     w_max: int = 3072
     sources: Literal["ctx+ext", "ctx", "ext"] = "ctx+ext"
-    ver_rows: Literal["accepted_path", "last", "all_tree"] = "accepted_path"   # specs/microspec.md A1
-    window_mode: Literal["eq4_exact", "fifo_unique"] = "eq4_exact"            # A4
-    draft_tree_tokens: Literal["final", "all_expanded"] = "final"              # A2
-    prefill_order: Literal["first", "last"] = "first"   # A3: order of the Eq. 2 prefill union (first or
+    ver_rows: Literal["accepted_path", "last", "all_tree"] = "accepted_path"   # rows of z_verify (§3.2)
+    window_mode: Literal["eq4_exact", "fifo_unique"] = "eq4_exact"            # Eq. 4 literally, or dedup
+    draft_tree_tokens: Literal["final", "all_expanded"] = "final"              # which tree feeds C_draft
+    prefill_order: Literal["first", "last"] = "first"   # order of the Eq. 2 prefill union (first or
                                                        # last occurrence); "first" = locality.stream's default
     frspec_k: int = 32768
     frequency_file: str | None = None
+    # DynaSpec (engine.dynaspec): a fitted clusters + router file (`python -m engine.dynaspec fit`); None =
+    # the newest one in the specvocab cache fitted for this LM head and drafter
+    dynaspec_file: str | None = None
+    dynaspec_k_max: int = 256         # clusters per row at draft steps 0-1 (DynaSpec §4.2); not stated in the
+                                      # paper: 256 of M = 1024 clusters is the quarter of the vocabulary that
+                                      # its FR-Spec baseline keeps (32k of Llama-3's 128k, Table 1)
+    dynaspec_budget: Literal["position", "fixed"] = "position"   # DynaSpec-PA: k_max at t = 0, 1, then
+                                      # floor(k_max / (2 (t + 1))) (§4.2, Alg. 1 l.7); fixed = DynaSpec-F (Fig. 2)
+    dynaspec_k_min: int = 1           # floor of the decayed budget; the paper names k_min but never sets it
 
     def replace(self, **overrides) -> "SpecConfig":
         unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
@@ -91,27 +119,26 @@ class SpecConfig:
         return PRESETS[name].replace(**overrides)
 
     def validate(self) -> "SpecConfig":
-        if self.method not in METHODS:
-            raise ConfigError(f"unknown method {self.method!r}; choose one of {list(METHODS)}")
-        if self.vocab not in VOCABS:
-            raise ConfigError(f"unknown vocab policy {self.vocab!r}; choose one of {list(VOCABS)}")
+        for name, choices in LITERAL_FIELDS.items():
+            value = getattr(self, name)
+            if value not in choices:
+                raise ConfigError(f"unknown {_LABELS.get(name, name)} {value!r}; choose one of {list(choices)} "
+                                  f"(field {name})")
         if self.max_new_tokens <= 0:
             raise ConfigError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if not (self.temperature >= 0):
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not (0 < self.top_p <= 1):
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.draft_size is not None and self.draft_size <= 0:
-            raise ConfigError(f"draft_size (g*) must be a positive number of draft tokens, got {self.draft_size}; "
-                              f"pass None to calibrate it")
+        if self.draft_size is not None and (isinstance(self.draft_size, bool) or self.draft_size <= 0):
+            raise ConfigError(f"draft_size must be a positive number of draft tokens (root excluded), got "
+                              f"{self.draft_size!r}; pass None for the method's default")
         if self.w_max <= 0:
             raise ConfigError(f"w_max must be > 0 (the paper uses 3072), got {self.w_max}")
-        for name in ("k_pre", "k_ver", "store_k", "tree_depth", "eagle_depth", "eagle_topk",
-                     "eagle_total_tokens", "pld_num_draft", "frspec_k", "record_topk"):
+        for name in ("k_pre", "k_ver", "store_k", "tree_depth", "eagle_depth", "eagle_topk", "frspec_k",
+                     "record_topk", "dynaspec_k_max", "dynaspec_k_min"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.threshold_scope not in ("expand", "expand+select"):
-            raise ConfigError(f"threshold_scope must be 'expand' or 'expand+select', got {self.threshold_scope!r}")
         if not (0 <= self.threshold_r < 1):
             raise ConfigError(f"threshold_r must be in [0, 1), got {self.threshold_r}")
         if not (1 <= self.pld_min_ngram <= self.pld_max_ngram):
@@ -119,9 +146,43 @@ class SpecConfig:
                               f"{self.pld_min_ngram}, {self.pld_max_ngram}")
         return self
 
+    def require_draft_size(self) -> int:
+        """`draft_size` of a resolved config; a clear error when it is still None (drafters call this)."""
+        if self.draft_size is None:
+            raise ConfigError(f"{self.method}: draft_size is None; the method's default is resolved by "
+                              f"engine.harness.resolve_config(cfg, model=target) - generate() does this - so "
+                              f"resolve the config first or set draft_size")
+        return int(self.draft_size)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _literal_fields() -> dict[str, tuple]:
+    hints = typing.get_type_hints(SpecConfig)
+    return {f.name: typing.get_args(hints[f.name]) for f in dataclasses.fields(SpecConfig)
+            if typing.get_origin(hints[f.name]) is Literal}
+
+
+# {field name: allowed values} for every `Literal` field of SpecConfig, read from the types themselves
+LITERAL_FIELDS: dict[str, tuple] = _literal_fields()
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """`FIELD=VALUE` strings (a CLI's repeated `--set`) -> SpecConfig overrides. VALUE is read as JSON
+    (numbers, true/false, null), else kept as a string (`--set vocab=microspec`)."""
+    fields = {f.name for f in dataclasses.fields(SpecConfig)}
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise ConfigError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 PRESETS: dict[str, SpecConfig] = {

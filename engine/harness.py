@@ -31,12 +31,19 @@ import numpy as np
 import torch
 
 from engine import kv
-from engine.config import SpecConfig
+from engine.calibration import resolve_draft_size
+from engine.config import DEFAULT_DRAFT_SIZE, SpecConfig
 from engine.drafters import HF_METHODS, make_drafter
+from engine.drafters.recycling import template_size
 from engine.models import eos_token_ids
 from engine.tree import DraftTree, Drafter, StepResult
 from engine.verify import sample_token, tree_layout, verify_greedy, verify_sampling, warp_probs
 from kernels.head import dense_head
+from locality.trace import Trace
+
+# Histogram of the drafted nodes' confidence scores (`DraftTree.scores`, UniSpec §3.2, Fig. 3): SCORE_BINS equal
+# bins over [0, 1], bin b = [b / SCORE_BINS, (b + 1) / SCORE_BINS), a score of 1.0 (or above) in the last one
+SCORE_BINS = 20
 
 
 class ContextError(ValueError):
@@ -75,6 +82,10 @@ class GenerateResult:
     drafter_stats: dict = field(default_factory=dict)   # `drafter.stats()` if it has one (active vocab, coverage)
     records: list[StepRecord] | None = None
     prefill_topk: np.ndarray | None = None  # [L, K] target top-K at every prompt position (when recorded)
+    # per confidence-score bin (SCORE_BINS over [0, 1]): draft nodes proposed (root excluded) and accepted by
+    # verification (before the eos / max_new_tokens cut); None for hf-prompt-lookup
+    score_bins_proposed: list[int] | None = None
+    score_bins_accepted: list[int] | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -90,20 +101,37 @@ class GenerateResult:
         """Mean draft tokens per verify step (the prefill proposes none)."""
         return self.draft_tokens / max(self.steps - 1, 1)
 
-    def to_trace(self, meta: dict | None = None):
-        """A `locality.Trace` of this run (needs `cfg.record=True`)."""
-        from locality.trace import Trace
+    @property
+    def step_sizes(self) -> list[int]:
+        """Tokens committed by each step, the prefill's step 0 (one token) included; the last step's count
+        is what was kept after the eos / max_new_tokens cut, so the sizes sum to `new_tokens`."""
+        if self.records is None:
+            raise HarnessError("step_sizes needs per-step records: run generate(..., record=True)")
+        sizes, left = [], self.new_tokens
+        for n in [1] + [len(r.new_tokens) for r in self.records]:
+            sizes.append(min(n, left))
+            left -= sizes[-1]
+        return sizes
 
+    def to_trace(self, meta: dict | None = None) -> Trace:
+        """A `locality.Trace` of this run (needs `cfg.record=True`), with what `locality.candidate_stream`
+        needs for either event order: `step_topk[t]` = the target's top-K at the row that produced
+        generated[t]; and, when any step drafted, `draft_tokens` = one list per step (the tree's tokens in
+        node order, root excluded; the prefill's step 0 drafts none) with `meta["step_sizes"]`. A run that
+        never drafted (ar, or a drafter that found nothing) committed one token per step and keeps
+        `draft_tokens=None`, like a plain greedy recording. meta: merged over {"method": ...}."""
         if self.records is None or self.prefill_topk is None:
             raise HarnessError("to_trace needs per-step records: run generate(..., record=True)")
         t = self.new_tokens
-        step_topk = np.concatenate([self.prefill_topk[-1:]] + [r.topk for r in self.records])[:t]
-        drafts = [np.zeros(0, dtype=np.int64)] + [np.asarray(r.tree_tokens[1:], dtype=np.int64)
-                                                  for r in self.records]
+        step_topk = np.concatenate([self.prefill_topk[-1:]] + [r.topk for r in self.records])[:t]   # [T, K]
         meta = {"method": self.method, **(meta or {})}
+        drafts = None
+        if any(len(r.tree_tokens) > 1 for r in self.records):
+            drafts = [np.zeros(0, dtype=np.int64)] + [np.asarray(r.tree_tokens[1:], dtype=np.int64)
+                                                      for r in self.records]
+            meta["step_sizes"] = self.step_sizes
         return Trace(prompt=self.prompt_ids.numpy(), prefill_topk=self.prefill_topk[:-1],
-                     generated=self.output_ids.numpy(), step_topk=step_topk,
-                     draft_tokens=drafts[:self.steps], meta=meta)
+                     generated=self.output_ids.numpy(), step_topk=step_topk, draft_tokens=drafts, meta=meta)
 
 
 # --- the target's forward over a tree -------------------------------------------------------------------
@@ -167,12 +195,35 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def resolve_config(cfg: SpecConfig | None, method: str | None, overrides: dict) -> SpecConfig:
+def resolve_config(cfg: SpecConfig | None, method: str | None = None, overrides: dict | None = None,
+                   model=None) -> SpecConfig:
+    """The run's config: cfg (default `SpecConfig.preset(method or "ar")`) with `method` and `overrides`
+    applied, validated; with `model`, `draft_size=None` is replaced by the method's default
+    (`default_draft_size`). The one place a run's draft size is decided."""
+    overrides = dict(overrides or {})
     if cfg is None:
-        return SpecConfig.preset(method or "ar", **overrides)
-    if method is not None:
-        overrides = {"method": method, **overrides}
-    return cfg.replace(**overrides) if overrides else cfg.validate()
+        cfg = SpecConfig.preset(method or "ar", **overrides)
+    else:
+        if method is not None:
+            overrides = {"method": method, **overrides}
+        cfg = cfg.replace(**overrides) if overrides else cfg.validate()
+    if model is not None and cfg.draft_size is None:
+        g = default_draft_size(cfg, model)
+        if g is not None:
+            cfg = cfg.replace(draft_size=g)
+    return cfg
+
+
+def default_draft_size(cfg: SpecConfig, model) -> int | None:
+    """The draft size of cfg.method when `draft_size` is None: unispec the calibrated g* of this model,
+    device, dtype and config (UniSpec §3; a per-device fallback with a warning when none is cached),
+    recycling its whole static template, the others `DEFAULT_DRAFT_SIZE` (engine.config); None for
+    methods that draft nothing (ar) or that this table does not know."""
+    if cfg.method == "unispec":
+        return resolve_draft_size(cfg, model)
+    if cfg.method == "recycling":
+        return template_size(cfg.recycling_tree)
+    return DEFAULT_DRAFT_SIZE.get(cfg.method)
 
 
 def max_context(model, info=None) -> int:
@@ -186,11 +237,12 @@ def generate(model, prompt_ids, cfg: SpecConfig | None = None, *, method: str | 
              **overrides) -> GenerateResult:
     """Decode `cfg.max_new_tokens` tokens after prompt_ids [L] with `cfg.method`, losslessly.
 
-    cfg: a SpecConfig (default: `SpecConfig.preset(method or "ar")`); overrides: SpecConfig fields.
+    cfg: a SpecConfig (default: `SpecConfig.preset(method or "ar")`); overrides: SpecConfig fields. The run's
+    config is `resolve_config(cfg, method, overrides, model)`: draft_size None becomes the method's default.
     drafter: a ready Drafter instead of `make_drafter(model, cfg)`. eos_ids: token ids that stop decoding
     (default: `engine.models.eos_token_ids` - generation config and tokenizer; [] = never stop early).
     """
-    cfg = resolve_config(cfg, method, overrides)
+    cfg = resolve_config(cfg, method, overrides, model)
     eos = eos_token_ids(model, tokenizer) if eos_ids is None else [int(e) for e in eos_ids]
     device = next(model.parameters()).device
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).to(device)    # [L]
@@ -238,6 +290,8 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
     del hidden, logits
     draft_s = _clock(device) - t_prefill
     verify_s, steps, num_draft = 0.0, 1, 0
+    bins_proposed = torch.zeros(SCORE_BINS, dtype=torch.long, device=device)
+    bins_accepted = torch.zeros(SCORE_BINS, dtype=torch.long, device=device)
     stop = "eos" if out[0] in eos_set else None
     while stop is None and len(out) < T:
         t0 = _clock(device)
@@ -246,7 +300,7 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
         n = tree.size
         if committed + n > ctx:
             raise ContextError(f"draft tree of {n} nodes after {committed} cached tokens exceeds the model's "
-                               f"context of {ctx}; lower the draft size (draft_size / pld_num_draft) or "
+                               f"context of {ctx}; lower draft_size or "
                                f"max_new_tokens")
         t1 = _clock(device)
         tokens = tree.tokens.to(device, non_blocking=True)     # [n]
@@ -264,6 +318,11 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
         acc, new = torch.stack([accepted, new_tokens]).tolist()  # the one sync per step: accept length
                                                                  # and committed tokens (stop test, drafter)
         committed = kv.compact(cache, committed, n, acc)
+        if n > 1:                                                # acceptance by confidence, on the device
+            b = score_bins(tree.scores[1:].to(device, non_blocking=True))
+            bins_proposed.scatter_add_(0, b, torch.ones_like(b))
+            hit = b[accepted[1:] - 1]
+            bins_accepted.scatter_add_(0, hit, torch.ones_like(hit))
         t2 = _clock(device)
         verify_s += t2 - t1
         steps += 1
@@ -278,8 +337,10 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
             keep, stop = keep[:hit + 1], "eos"
         ids[L + len(out): L + len(out) + len(keep)] = new_tokens[:len(keep)]
         out.extend(keep)
+        # new_tokens: the kept ones (the last step may be cut at an eos or max_new_tokens), so a drafter's
+        # coverage counts generated tokens only; nothing is drafted after a cut step
         drafter.observe(StepResult(tree=tree, logits=logits, hidden=hidden, accepted=accepted,
-                                   new_tokens=new_tokens))
+                                   new_tokens=new_tokens[:len(keep)]))
         draft_s += (t1 - t0) + (_clock(device) - t2)
     wall_s = _clock(device) - t_start
     method = cfg.method if drafter.name in ("base", cfg.method) else drafter.name   # a hand-made drafter
@@ -287,7 +348,13 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
                           steps=steps, wall_s=wall_s, prefill_s=prefill_s, draft_s=draft_s, verify_s=verify_s,
                           draft_tokens=num_draft, stop_reason=stop or "max_new_tokens",
                           drafter_timings=dict(drafter.timings()), records=records, prefill_topk=top_rows,
-                          drafter_stats=dict(drafter.stats()) if hasattr(drafter, "stats") else {})
+                          drafter_stats=dict(drafter.stats()) if hasattr(drafter, "stats") else {},
+                          score_bins_proposed=bins_proposed.tolist(), score_bins_accepted=bins_accepted.tolist())
+
+
+def score_bins(scores: torch.Tensor) -> torch.Tensor:
+    """[n] confidence scores -> [n] int64 bin indices in [0, SCORE_BINS) (fp32 arithmetic, any device)."""
+    return (scores.float().clamp(0.0, 1.0) * SCORE_BINS).long().clamp_(max=SCORE_BINS - 1)
 
 
 def _check_tree(tree: DraftTree, root: int, drafter: Drafter) -> None:
@@ -326,7 +393,8 @@ def _generate_hf_prompt_lookup(model, prompt, cfg, eos) -> GenerateResult:
     gc.eos_token_id = list(eos) if eos else None
     gc.pad_token_id = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if eos else 0)
     gc.do_sample, gc.temperature, gc.top_p, gc.top_k = False, None, None, None
-    gc.prompt_lookup_num_tokens, gc.max_new_tokens, gc.min_new_tokens = cfg.pld_num_draft, cfg.max_new_tokens, 0
+    gc.prompt_lookup_num_tokens = cfg.require_draft_size()
+    gc.max_new_tokens, gc.min_new_tokens = cfg.max_new_tokens, 0
     gc.max_length = None
     h1 = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
     h2 = model.register_forward_hook(post_hook, with_kwargs=True)

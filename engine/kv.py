@@ -2,7 +2,8 @@
 
 The harness keeps a transformers `DynamicCache` whose committed part holds exactly the committed tokens
 (prompt + accepted tokens, the root excluded). One step appends the n tree nodes; `compact` then keeps
-the committed prefix plus the accepted path and drops the rest (specs/unispec.md section 4.8).
+the committed prefix plus the accepted path and drops the rest (tree attention: Miao et al. 2024, as
+in UniSpec §2).
 
 Layer types of transformers 5.23's `DynamicCache` handled here:
 - `DynamicLayer` (full attention): keys [1, h, P, d] hold every committed token.
@@ -15,6 +16,11 @@ Masks (`tree_attention_masks`): one additive float mask per layer type, [1, 1, n
 what that layer type will attend over (its `get_mask_sizes`): committed columns visible to every tree
 row (within the sliding window for local layers), tree columns visible iff ancestor-or-self.
 Position ids are P + depth (siblings share a position).
+
+Attention implementations: only those that apply a custom 4D mask can verify a tree - `sdpa` and `eager`
+(`TREE_MASK_ATTENTION`). Flash-attention builds its own causal mask from the sequence and ignores ours,
+so it would verify every node as if the tree were one chain; `new_cache` refuses such models before any
+forward runs.
 """
 
 from __future__ import annotations
@@ -24,10 +30,30 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+TREE_MASK_ATTENTION = ("sdpa", "eager")       # attention implementations that honour a 4D tree mask
 
 
 class CacheError(RuntimeError):
     """The KV cache cannot be used for tree verification; the message says why and what to do."""
+
+
+class AttentionImplementationError(CacheError):
+    """The model's attention implementation ignores the 4D tree mask; the message says how to switch."""
+
+
+def check_attention(config) -> None:
+    """Raise unless the model's attention applies a custom 4D mask (`TREE_MASK_ATTENTION`)."""
+    cfgs = [config]
+    if hasattr(config, "get_text_config"):
+        cfgs.append(config.get_text_config(decoder=True))
+    for c in cfgs:
+        impl = getattr(c, "_attn_implementation", None)
+        if impl is not None and impl not in TREE_MASK_ATTENTION:
+            raise AttentionImplementationError(
+                f"the model's attention implementation is {impl!r}, which ignores the custom 4D attention mask "
+                f"that tree verification passes (it would verify a tree as one chain); use one of "
+                f"{list(TREE_MASK_ATTENTION)}: load with attn_implementation='sdpa' (engine.models.load_model "
+                f"does) or call model.set_attn_implementation('sdpa')")
 
 
 def layer_types(config) -> list[str]:
@@ -47,7 +73,9 @@ def layer_types(config) -> list[str]:
 
 
 def new_cache(model) -> DynamicCache:
-    """An empty cache laid out like the model's own (sliding layers where the config has them)."""
+    """An empty cache laid out like the model's own (sliding layers where the config has them). Refuses a
+    model whose attention ignores the tree mask (`check_attention`)."""
+    check_attention(model.config)
     types = layer_types(model.config)
     cache = DynamicCache(config=model.config)
     if len(cache.layers) != len(types):
@@ -75,6 +103,7 @@ def tree_attention_masks(model, cache: DynamicCache, committed: int, depths: tor
     depths [n], anc [n, n] (from `engine.verify.tree_layout`). Returns one [1, 1, n, kv_len] tensor when
     every layer is full attention, else {layer type: mask} (the form Gemma 3 / Qwen accept).
     """
+    check_attention(model.config)
     types = layer_types(model.config)
     dtype = model.dtype
     neg = torch.finfo(dtype).min

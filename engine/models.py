@@ -33,6 +33,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from kernels.hardware import parse_device, parse_dtype
+
 
 class ModelError(ValueError):
     """Unknown model, missing wheel or corrupt cache; the message says what to install or delete."""
@@ -343,15 +345,21 @@ def known_models() -> list[str]:
     return [*OFFLINE_MODELS, *RANDOM_MODELS]
 
 
-def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               **kwargs):
+def load_model(name_or_path: str, *, dtype: str | torch.dtype | None = None,
+               device: str | torch.device | None = None, **kwargs):
     """Load a target model. Returns (model, tokenizer, info); tokenizer is None for random models.
 
+    dtype / device: None = this machine's defaults (`kernels.hardware.DEFAULT_DTYPE` / `DEVICE`: fp16 on
+    CUDA, fp32 on CPU); strings as in every CLI's --dtype / --device (`kernels.hardware.parse_dtype`).
+    Random models are test fixtures: None gives them fp32 on the CPU, so tests are exact and their
+    CPU-tensor inputs fit wherever they run.
     kwargs go to `load_random_model` for random names (vocab_size, hidden_size, num_layers, max_context, seed)
     and to `from_pretrained` for hub ids and local folders (revision, local_files_only, ...).
     """
     if name_or_path in RANDOM_MODELS:
-        return load_random_model(name_or_path, dtype=dtype, device=device, **kwargs)
+        return load_random_model(name_or_path, dtype=torch.float32 if dtype is None else parse_dtype(dtype),
+                                 device="cpu" if device is None else parse_device(device), **kwargs)
+    dtype, device = parse_dtype(dtype), parse_device(device)
     if kwargs and name_or_path in OFFLINE_MODELS:
         raise ModelError(f"{name_or_path!r} takes no extra arguments (got {sorted(kwargs)})")
     if name_or_path in OFFLINE_MODELS:

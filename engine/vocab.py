@@ -10,9 +10,10 @@ coverage of the committed tokens by the vocabulary the drafter had at that step.
 Policies (`cfg.vocab`):
 
 - `full`      the whole head, m = V (EAGLE-2).
-- `frspec`    FR-Spec: a static top-K of a frequency ranking (`cfg.frequency_file`, made by
-              `locality.shortlist`), K = `frspec_k` clipped to V; the K rows are packed once.
-              `default_frequency_file` counts one on the bundled corpus (`CORPORA`) for a tokenizer.
+- `frspec`    FR-Spec: a static top-K of a frequency list (`cfg.frequency_file`, made by `engine.frequency`,
+              whose `default_frequency_file` counts one on the training corpus for a tokenizer), K =
+              `frspec_k` clipped to the ids the list ranks (never-seen ids are not ranked); the K rows are
+              packed once.
 - `microspec` MicroSpec (specs/microspec.md section 2): the active vocab is the distinct tokens among the
               last `w_max` entries of the candidate stream S (Eq. 4), fed live:
                 begin:      S_init = prompt ⊕ union of the target's top-k_pre at every prompt position (Eq. 2)
@@ -38,15 +39,21 @@ policy and by `replay_trace` (feeding a recorded `locality.Trace` through the po
 
 from __future__ import annotations
 
+import json
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from engine.config import POLICIES
+from engine.dynaspec import DynaSpecHead, FittedDynaSpec, find_fitted, load_dynaspec
+from engine.timing import PhaseTimer
+from kernels.head import packed_head
+from kernels.streams import PackedLMHead
 from kernels.tensor_ops import first_occurrence
-
-POLICIES = ("full", "frspec", "microspec", "oracle")
-
+from locality.shortlist import load_ranking
+from locality.stream import step_bounds
 
 class VocabError(ValueError):
     """A vocabulary policy cannot be built or fed as asked; the message names the problem and the fix."""
@@ -105,6 +112,21 @@ def ver_row_index(accepted: torch.Tensor, n: int, ver_rows: str) -> torch.Tensor
     raise VocabError(f"unknown ver_rows {ver_rows!r}; choose accepted_path, last or all_tree (specs/microspec.md A1)")
 
 
+# --- the drafter's LM-head step ----------------------------------------------------------------------------
+
+def head_topk(logits: torch.Tensor, slot_to_token: torch.Tensor | None, k: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [r, m] -> (log-probs [r, k'], full-vocabulary token ids [r, k']), k' = min(k, m).
+    The log-softmax renormalises over the m slots (empty slots are -inf and get probability 0)."""
+    logp = torch.log_softmax(logits.float(), dim=-1).clamp(max=0.0)   # [r, m]; <= 0 keeps scores monotone
+    top = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    ids = top.indices if slot_to_token is None else slot_to_token[top.indices]
+    # a -inf candidate (fewer live slots than k) may map to an empty slot (-1): give it a harmless id;
+    # it is dropped from the tree, and so are its descendants (their scores are -inf too)
+    ids = torch.where(torch.isfinite(top.values), ids.long(), torch.zeros_like(ids, dtype=torch.long))
+    return top.values, ids
+
+
 # --- policies ----------------------------------------------------------------------------------------------
 
 def _softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -119,7 +141,6 @@ class VocabPolicy:
     name = "full"
 
     def __init__(self, weight: torch.Tensor, cfg, *, softcap: float | None = None, timer=None):
-        from engine.drafters.lmhead import PhaseTimer
         if weight.dim() != 2:
             raise VocabError(f"the LM head weight must be [V, d], got {tuple(weight.shape)}")
         self.weight = weight                                   # [V, d]
@@ -141,13 +162,17 @@ class VocabPolicy:
     def observe(self, step, tried_tokens: torch.Tensor | None = None) -> None:
         self._count_coverage(step.new_tokens)
 
+    def route(self, tokens: torch.Tensor, parent_h: torch.Tensor, t: int) -> None:
+        """Called by the drafter before its backbone runs the rows whose head call comes next (draft step t;
+        t = 0: the root, with h_root): their tokens [r] and the hidden states that proposed them [r, d].
+        Only DynaSpec's router reads them (DynaSpec §4.2-4.3)."""
+
     def logits(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = self._check_h(h)
         return _softcap(torch.nn.functional.linear(h, self.weight).float(), self.softcap), None
 
     def head_topk(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafter's LM-head step: log-probs [r, k'] and full-vocabulary ids [r, k']."""
-        from engine.drafters.lmhead import head_topk
         return head_topk(*self.logits(h), k)
 
     def active_size(self) -> torch.Tensor | int:
@@ -198,14 +223,21 @@ class FullVocab(VocabPolicy):
 
 def load_frequency_ranking(path: str | Path, vocab_size: int | None = None) -> np.ndarray:
     """Token ids, most frequent first, from a ranking written by `locality.shortlist.save_ranking` (Parquet +
-    JSON sidecar; checked against `vocab_size`), or from .npy / .pt / .txt (one id per line) files."""
+    JSON sidecar; checked against `vocab_size`; ids it never counted are left out), or from .npy / .pt / .txt
+    (one id per line) files, e.g. `engine.frequency`'s lists (a sidecar `<file>.json` is checked too)."""
     path = Path(path)
     if not path.exists():
-        raise VocabError(f"frequency file {path} does not exist; build one with `python -m locality.shortlist` "
+        raise VocabError(f"frequency file {path} does not exist; build one with `python -m engine.frequency` "
                          f"and pass frequency_file=<path>")
+    side = path.with_name(path.name + ".json")
+    if path.suffix != ".parquet" and side.exists() and vocab_size is not None:
+        made_for = json.loads(side.read_text()).get("vocab_size")
+        if made_for not in (None, vocab_size):
+            raise VocabError(f"frequency file {path} was made for a vocabulary of {made_for} ids but the model has "
+                             f"{vocab_size}; count a list with the target's tokenizer (python -m engine.frequency)")
     if path.suffix == ".parquet":
-        from locality.shortlist import load_ranking
-        ranking = load_ranking(path, vocab_size=vocab_size).sort("rank")["token_id"].to_numpy()
+        frame = load_ranking(path, vocab_size=vocab_size).sort("rank")
+        ranking = frame["token_id"].to_numpy()[frame["count"].to_numpy() > 0]   # never-seen ids are not ranked
     elif path.suffix == ".npy":
         ranking = np.load(path)
     elif path.suffix == ".pt":
@@ -240,6 +272,10 @@ class FrSpecVocab(VocabPolicy):
         _, first = np.unique(ranking.numpy(), return_index=True)
         ranking = ranking[np.sort(first)]                       # keep-first, in case of repeats
         self.k = min(cfg.frspec_k, self.vocab_size, ranking.numel())   # K clipped to V (and to what is ranked)
+        if cfg.frspec_k > self.k < self.vocab_size:
+            warnings.warn(f"frspec_k={cfg.frspec_k} exceeds the {ranking.numel()} ids the frequency list ranks "
+                          f"(tokens its corpus showed + kept specials): the shortlist's true size is {self.k}",
+                          stacklevel=2)
         self.ids = ranking[: self.k].to(self.device)            # [K] full-vocab ids, most frequent first
         self.packed = weight[self.ids].contiguous()             # [K, d]
         self.mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
@@ -263,7 +299,6 @@ class MicroSpecVocab(VocabPolicy):
 
     def __init__(self, weight, cfg, *, softcap=None, timer=None):
         super().__init__(weight, cfg, softcap=softcap, timer=timer)
-        from kernels.streams import PackedLMHead
         _check_w_max(cfg.w_max, self.vocab_size)
         for name in ("k_pre", "k_ver"):
             if getattr(cfg, name) > self.vocab_size:
@@ -297,10 +332,10 @@ class MicroSpecVocab(VocabPolicy):
             raise VocabError(f"k_ver={self.cfg.k_ver} is larger than the K={ver_topk.shape[-1]} top-k ids available "
                              f"per verify row; record more (record_topk / --topk) or lower k_ver")
         with self.timer.phase("gather"):
-            entries = step_entries(draft_tokens.to(self.device), ver_topk[:, : self.cfg.k_ver])
-            # Only the last w_max entries of S can be active: exact for eq4_exact; for fifo_unique it only
-            # matters when one step brings more than w_max entries (w_max below ~75).
-            self.head.update(entries[-self.w_max:])
+            entries = step_entries(draft_tokens.to(self.device), ver_topk[:, : self.cfg.k_ver])   # -1 padded
+            # All of them: the window skips the -1 lanes before it keeps the last w_max entries (Eq. 4), so
+            # a step bringing more than w_max padded entries still ends with the last w_max real ones.
+            self.head.update(entries)
 
     # live protocol ----------------------------------------------------------------------------------
     def begin(self, prompt_ids, prefill_logits):
@@ -358,8 +393,6 @@ class OracleVocab(VocabPolicy):
         self.tiny_tok = torch.arange(cfg.w_max, dtype=torch.int32, device=self.device)  # [w_max]
 
     def head_topk(self, h, k):
-        from engine.drafters.lmhead import head_topk
-        from kernels.head import packed_head
         h = self._check_h(h)
         head_topk(_softcap(packed_head(h, self.tiny, self.tiny_tok), self.softcap), self.tiny_tok.long(), k)  # charged
         with self.timer.phase("oracle_uncharged"):
@@ -369,13 +402,59 @@ class OracleVocab(VocabPolicy):
         return self.w_max
 
 
+# --- DynaSpec ----------------------------------------------------------------------------------------------
+
+class DynaSpecVocab(VocabPolicy):
+    """DynaSpec's routed cluster shortlists (DynaSpec §4.2-4.3; the pieces are in `engine.dynaspec`).
+
+    Before the backbone runs a tree level the drafter calls `route(tokens, parent_h, t)`: the router picks
+    each row's top-k_c(t) clusters (`dynaspec_k_max`, `dynaspec_budget`, `dynaspec_k_min`), on its own
+    stream on CUDA. `logits(h)` runs the head once over the union of the level's shortlists, each row
+    masked to its own. The clusters and router come from `cfg.dynaspec_file`, or when None from the newest
+    DynaSpec in `<specvocab cache>/dynaspec/` fitted for this LM head and drafter (`find_fitted`).
+    Active vocab of a step = its mean per-row shortlist (the paper's "vocab size", Table 1); coverage counts
+    committed tokens inside the union of the step's shortlists; `stats()` adds `mean_row_vocab` (over all
+    rows) and `mean_union_vocab` / `max_union_vocab` (rows of W the head read per call)."""
+
+    name = "dynaspec"
+
+    def __init__(self, weight, cfg, *, softcap=None, timer=None, fitted: FittedDynaSpec | None = None):
+        super().__init__(weight, cfg, softcap=softcap, timer=timer)
+        if fitted is None:
+            fitted = load_dynaspec(cfg.dynaspec_file or find_fitted(weight, cfg), weight)
+        self.head = DynaSpecHead(fitted, weight, k_max=cfg.dynaspec_k_max, budget=cfg.dynaspec_budget,
+                                 k_min=cfg.dynaspec_k_min)
+
+    def begin(self, prompt_ids, prefill_logits):
+        super().begin(prompt_ids, prefill_logits)
+        self.head.reset()
+
+    def route(self, tokens, parent_h, t):
+        with self.timer.phase("router"):
+            self.head.route(tokens, parent_h, t)
+
+    def logits(self, h):
+        logits, idx = self.head.logits(self._check_h(h))
+        return _softcap(logits, self.softcap), idx
+
+    def active_size(self):
+        return self.head.step_row_mean()
+
+    def active_mask(self):
+        return self.head.step_mask
+
+    def stats(self):
+        return {**super().stats(), **self.head.stats()}
+
+
 def _check_w_max(w_max: int, vocab_size: int) -> None:
     if w_max <= 0 or w_max > vocab_size:
         raise VocabError(f"w_max={w_max} must be in [1, V={vocab_size}] (the window can never hold more distinct "
                          f"tokens than the vocabulary); the paper uses 3072 for V of 128k-152k")
 
 
-_POLICIES = {"full": FullVocab, "frspec": FrSpecVocab, "microspec": MicroSpecVocab, "oracle": OracleVocab}
+_POLICIES = {"full": FullVocab, "frspec": FrSpecVocab, "microspec": MicroSpecVocab, "oracle": OracleVocab,
+             "dynaspec": DynaSpecVocab}
 
 
 def make_policy(cfg, weight: torch.Tensor, *, softcap: float | None = None, timer=None) -> VocabPolicy:
@@ -387,106 +466,45 @@ def make_policy(cfg, weight: torch.Tensor, *, softcap: float | None = None, time
 
 # --- feeding a recorded trace through the live policy ------------------------------------------------------
 
-def replay_trace(policy: "MicroSpecVocab", trace) -> list[torch.Tensor]:
-    """Feed a recorded `locality.Trace` through the live policy in `locality.stream`'s event order; returns
-    I_t (sorted token ids) before every generated token t, T sets.
+def replay_trace(policy: "MicroSpecVocab", trace, event_order: str = "token") -> list[torch.Tensor]:
+    """Feed a recorded `locality.Trace` through the live policy in one of `locality.stream`'s event orders;
+    returns I (sorted token ids) at every query, as `locality.candidate_stream` queries them.
 
     Events: begin = the prompt + the top-K at all L prompt positions (`prefill_topk` rows, then
-    `step_topk[0]`, the last position); then per generated token t: query I_t, append the trace's
-    `draft_tokens[t]` (keep-first; none when the trace has no drafts) and the top-k_ver of `step_topk[t]`.
+    `step_topk[0]`, the last position). "token": per generated token t, query I_t, append the trace's
+    `draft_tokens[t]` (keep-first; none when the trace has no drafts) and the top-k_ver of `step_topk[t]`
+    (T sets). "engine": per drafted step s, query I_s once for each token the step committed, then append
+    the step's tree (its root, generated[c_s - 1], then `draft_tokens[s]`) and the top-k_ver of its rows
+    `step_topk[c_s : c_s+1]`, as `observe` does live (T - 1 sets: the prefill's token is not drafted).
     """
     cfg = policy.cfg
     dev = policy.device
     T = len(trace.generated)
     drafts = trace.draft_tokens
-    if drafts is not None and len(drafts) != T:
-        raise VocabError(f"the trace has {len(drafts)} draft_tokens lists for {T} generated tokens; replay needs one "
-                         f"list per generated token (see locality.stream)")
+    if event_order not in ("token", "engine"):
+        raise VocabError(f"event_order={event_order!r}; choose 'token' or 'engine' (see locality.stream)")
+    if event_order == "token" and drafts is not None and len(drafts) != T:
+        raise VocabError(f"the trace has {len(drafts)} draft_tokens lists for {T} generated tokens; the token "
+                         f"order needs one list per generated token (replay one list per step with "
+                         f"event_order='engine')")
     trace.check_k(max(cfg.k_pre, cfg.k_ver if cfg.sources != "ctx" else 0), "k_pre/k_ver")
     prompt = torch.as_tensor(trace.prompt, device=dev)
     pre = torch.as_tensor(np.concatenate([trace.prefill_topk, trace.step_topk[:1]]), device=dev)   # [L, K]
     policy.begin_ids(prompt, pre)
-    step_topk = torch.as_tensor(trace.step_topk, device=dev)
+    step_topk = torch.as_tensor(trace.step_topk, device=dev)        # [T, K]
     empty = torch.zeros(0, dtype=torch.long, device=dev)
     out = []
-    for t in range(T):          # a test/analysis utility: one window step per generated token
-        out.append(policy.active_tokens())
-        draft = empty if drafts is None else torch.as_tensor(drafts[t], dtype=torch.long, device=dev)
-        policy.observe_ids(draft, step_topk[t: t + 1])
+    if event_order == "token":
+        for t in range(T):          # a test/analysis utility: one window step per generated token
+            out.append(policy.active_tokens())
+            draft = empty if drafts is None else torch.as_tensor(drafts[t], dtype=torch.long, device=dev)
+            policy.observe_ids(draft, step_topk[t: t + 1])
+        return out
+    c = step_bounds(trace).tolist()                                  # [S+1] step s committed c[s]:c[s+1]
+    generated = torch.as_tensor(trace.generated, device=dev)
+    for s in range(1, len(c) - 1):  # one window step per drafted step, frozen while the step is queried
+        active = policy.active_tokens()
+        out += [active] * (c[s + 1] - c[s])
+        tree = empty if drafts is None else torch.as_tensor(drafts[s], dtype=torch.long, device=dev)
+        policy.observe_ids(torch.cat([generated[c[s] - 1: c[s]], tree]), step_topk[c[s]: c[s + 1]])
     return out
-
-
-# --- a default FR-Spec ranking, counted once per tokenizer on the bundled corpus -----------------------------
-
-# name -> (file under engine/data, dotted field of the texts, what it is). FR-Spec counts SlimPajama; offline,
-# the bundled real text stands in: a chat model's answers (English) plus multilingual prompts.
-CORPORA = {
-    "rest_vicuna7b_mtbench": ("rest_vicuna7b_mtbench/baseline-vicuna-7b-v1.5-temperature-0.0-top_p-0.jsonl",
-                              "choices.*.turns", "Vicuna-7B-v1.5 greedy answers to the 80 MT-Bench questions "
-                                                 "(REST, Apache-2.0)"),
-    "multilingual": ("multilingual/prompts.jsonl", "turns", "the 980 multilingual prompts (7 languages x 7 tasks)"),
-}
-DEFAULT_CORPORA = ("rest_vicuna7b_mtbench", "multilingual")
-
-
-def corpus_texts(name: str) -> list[str]:
-    """The texts of one bundled corpus (`CORPORA`)."""
-    from locality.shortlist import read_texts
-
-    if name not in CORPORA:
-        raise VocabError(f"unknown corpus {name!r}; choose from {sorted(CORPORA)}")
-    return read_texts(_corpus_file(name), CORPORA[name][1])
-
-
-def _corpus_file(name: str) -> Path:
-    from importlib import resources
-    return Path(str(resources.files("engine").joinpath("data", *CORPORA[name][0].split("/"))))
-
-
-def default_frequency_file(tokenizer, tokenizer_name: str, vocab_size: int,
-                           corpora: tuple[str, ...] = DEFAULT_CORPORA, cache_dir: str | Path | None = None,
-                           verbose: bool = True) -> Path:
-    """A `locality.shortlist` ranking (Parquet + sidecar) of the bundled `corpora` tokenised with `tokenizer`
-    over `vocab_size` ids - what `vocab='frspec'` uses when no `frequency_file` is given. Counted once and
-    cached in `<specvocab cache>/rankings/` (`engine.models.cache_root`), keyed by tokenizer name, vocab size,
-    corpus names and a digest of the corpus files. `tokenizer` None = a random model's byte tokenizer."""
-    import hashlib
-    import os
-
-    from engine.models import cache_root
-    import polars as pl
-
-    from engine.prompts import ByteTokenizer
-    from locality.shortlist import ShortlistError, load_ranking, ranking_from_texts, save_ranking
-
-    if tokenizer is None:
-        tokenizer, tokenizer_name = ByteTokenizer(), tokenizer_name or "bytes"
-    if not tokenizer_name:
-        raise VocabError("default_frequency_file needs the tokenizer's name (ModelInfo.tokenizer_name) to key its "
-                         "cache; pass tokenizer_name=...")
-    unknown = [c for c in corpora if c not in CORPORA]
-    if unknown or not corpora:
-        raise VocabError(f"unknown corpus {unknown or '(none)'}; choose from {sorted(CORPORA)}")
-    digest = hashlib.sha256()
-    for c in corpora:
-        digest.update(_corpus_file(c).read_bytes())
-    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in tokenizer_name)
-    folder = Path(cache_dir) if cache_dir is not None else cache_root() / "rankings"
-    path = folder / f"{safe}-v{vocab_size}-{'+'.join(corpora)}-{digest.hexdigest()[:12]}.parquet"
-    source = "; ".join(f"{c}: {CORPORA[c][2]}" for c in corpora)
-    try:
-        ranking = load_ranking(path, tokenizer=tokenizer_name, vocab_size=vocab_size)
-        built = False
-    except (ShortlistError, OSError, pl.exceptions.PolarsError):   # missing or unreadable: count (seconds)
-        texts = [t for c in corpora for t in corpus_texts(c)]
-        ranking = ranking_from_texts(texts, tokenizer, vocab_size)
-        tmp = path.with_name(f".{path.stem}.{os.getpid()}.parquet")
-        save_ranking(ranking, tmp, tokenizer=tokenizer_name, source=source)
-        os.replace(tmp.with_name(tmp.name + ".json"), path.with_name(path.name + ".json"))
-        os.replace(tmp, path)  # same content whoever writes last: concurrent builders cannot disagree
-        built = True
-    if verbose:
-        seen = int((ranking["count"] > 0).sum())
-        print(f"[specvocab] frspec ranking {'counted' if built else 'cached'}: {int(ranking['count'].sum())} "
-              f"tokens, {seen} distinct of {vocab_size}, tokenizer {tokenizer_name}; corpus {source} -> {path}")
-    return path

@@ -27,9 +27,16 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 DEVICE: torch.device = torch.device("cuda" if HAS_CUDA else "cpu")
-# fp16 on CUDA as in the FR-Spec scripts (specs/microspec.md section 2.2); fp32 on CPU, where half
-# precision GEMMs are slow and gain nothing.
+# fp16 on CUDA, the precision of the FR-Spec and UniSpec experiments (UniSpec App. A); fp32 on CPU, where
+# half-precision GEMMs gain little and fp32 keeps greedy outputs comparable across runs.
 DEFAULT_DTYPE: torch.dtype = torch.float16 if HAS_CUDA else torch.float32
+
+# The one dtype vocabulary of every CLI (`--dtype`) and loader.
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+}
 
 ENV_VAR = "SPECVOCAB_KERNELS"
 _BACKENDS = ("triton", "torch")
@@ -38,6 +45,38 @@ _override: bool | None = None
 
 class KernelBackendError(RuntimeError):
     """The requested kernel backend cannot run here; the message says why and what to do."""
+
+
+class HardwareError(ValueError):
+    """An unknown device or dtype name; the message lists the valid ones."""
+
+
+def parse_dtype(value: str | torch.dtype | None) -> torch.dtype:
+    """A dtype from a CLI string ("fp16", "bfloat16", "torch.float32", ...), a torch.dtype, or None for
+    `DEFAULT_DTYPE`. Every CLI and loader parses `--dtype` here."""
+    if value is None:
+        return DEFAULT_DTYPE
+    if isinstance(value, torch.dtype):
+        return value
+    name = str(value).strip().lower().removeprefix("torch.")
+    if name not in DTYPES:
+        raise HardwareError(f"unknown dtype {value!r}; choose one of {sorted(DTYPES)} (default here: "
+                            f"{str(DEFAULT_DTYPE).removeprefix('torch.')})")
+    return DTYPES[name]
+
+
+def parse_device(value: str | torch.device | None) -> torch.device:
+    """A torch.device from a CLI string ("cpu", "cuda", "cuda:1"), a torch.device, or None for `DEVICE`."""
+    if value is None:
+        return DEVICE
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as e:
+        raise HardwareError(f"unknown device {value!r} ({e}); pass cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not HAS_CUDA:
+        raise HardwareError(f"device {value!r} asked for, but this machine has no CUDA; pass cpu or leave the "
+                            f"device unset (default here: {DEVICE})")
+    return device
 
 
 def triton_interpreted() -> bool:

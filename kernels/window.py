@@ -339,15 +339,42 @@ def _window_step_torch(st: WindowState, entries: torch.Tensor) -> GatherList:
     return GatherList(torch.where(new_lane, got, -1), torch.where(new_lane, new, -1), n_enter)
 
 
+def _pushed_suffix(state: WindowState, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entries a step would push (valid ones; for fifo_unique the distinct ones not active at the start
+    of the step), compacted, and the last w_max of them: (suffix [w_max] -1 padded, pushed count 0-d).
+
+    Only the last w_max pushed entries can be active after the step (Eq. 4), so pushing the suffix gives
+    the same window as pushing them all. Padding (-1) must be dropped BEFORE the suffix is taken: a
+    padded tail such as entries[-w_max:] would count -1 lanes as stream entries. Fixed shapes, no sync."""
+    raw = entries.long()
+    m, W = raw.numel(), state.w_max
+    if m == 0:
+        return torch.full((W,), -1, dtype=torch.int64, device=state.device), raw.new_zeros(())
+    keep = raw >= 0
+    if state.mode == "fifo_unique":
+        keep &= first_occurrence(raw) & ~state.active[raw.clamp(min=0)]
+    pushed, n = compact(raw, keep)                                 # [m]: the n pushed entries first
+    start = (n - W).clamp(min=0)
+    lane = torch.arange(W, device=state.device)
+    suffix = torch.where(lane < n.clamp(max=W), pushed[(start + lane).clamp(max=m - 1)], -1)
+    return suffix, n
+
+
 def window_step(state: WindowState, entries: torch.Tensor) -> GatherList:
-    """Append one step's entries [m] (int, m <= w_max, negative = padding) to the candidate stream and
-    commit Eq. 4 (or fifo_unique). Returns the gather list of the tokens that entered I. No host sync."""
+    """Append one step's entries [m] (int, negative = padding) to the candidate stream and commit Eq. 4
+    (or fifo_unique). Returns the gather list of the tokens that entered I. No host sync.
+
+    m > w_max is allowed: the padding is compacted away first and only the last w_max pushed entries
+    are written (`_pushed_suffix`), at the ring positions they would have had if all were pushed one by
+    one (ring_head and stream_len advance by every pushed entry)."""
     _check_ids(entries, "entries")
-    if entries.numel() > state.w_max:
-        raise WindowError(f"a step appends at most w_max={state.w_max} entries, got {entries.numel()}; only the "
-                          f"last w_max can be active, so pass entries[-w_max:] (window_init does this)")
     if entries.device != state.device:
         raise WindowError(f"entries are on {entries.device} but the window state is on {state.device}")
+    if entries.numel() > state.w_max:
+        entries, n = _pushed_suffix(state, entries)                # [w_max]
+        dropped = n - n.clamp(max=state.w_max)                     # pushed entries overwritten in this step
+        state.ring_head += dropped
+        state.stream_len += dropped
     if triton_enabled():
         return _window_step_triton(state, entries)
     return _window_step_torch(state, entries)
@@ -356,24 +383,13 @@ def window_step(state: WindowState, entries: torch.Tensor) -> GatherList:
 def window_init(state: WindowState, entries: torch.Tensor) -> GatherList:
     """Reset the window and push the prompt-derived stream S_init [L] (Eq. 2: prompt tokens, then the
     top-k_pre union; negative = padding). Only the last w_max pushed entries can be active, so only that
-    suffix enters the ring (specs/microspec.md section 2.5 note); stream_len keeps the true |S|.
+    suffix enters the ring (MicroSpec §3.2, Eq. 4); stream_len keeps the true |S|.
     Returns the gather list (up to min(L, w_max) rows: every token of I_first)."""
     _check_ids(entries, "entries")
     if entries.device != state.device:
         raise WindowError(f"entries are on {entries.device} but the window state is on {state.device}")
     state.reset()
-    raw = entries.long()
-    L, W = raw.numel(), state.w_max
-    keep = raw >= 0
-    if state.mode == "fifo_unique":      # what a batch push onto the empty window keeps
-        keep &= first_occurrence(raw)
-    pushed, n = compact(raw, keep)                                 # [L]
-    if L > W:                            # the last min(n, W) pushed entries, fixed shape [W]
-        start = (n - W).clamp(min=0)
-        lane = torch.arange(W, device=state.device)
-        suffix = torch.where(lane < n.clamp(max=W), pushed[(start + lane).clamp(max=L - 1)], -1)
-    else:
-        suffix = pushed
+    suffix, n = _pushed_suffix(state, entries)                     # [w_max]; nothing is active yet
     gathered = window_step(state, suffix)
     state.stream_len.copy_(n)
     return gathered

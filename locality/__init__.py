@@ -1,16 +1,30 @@
 """Ground-truth coverage and temporal locality of candidate streams.
 
 `locality` is pure and token-only: functions take token-id arrays, `Trace`s or polars frames and return
-polars frames. No model, tokenizer or GPU inside; loading lives in the thin CLI `locality.record`.
+polars frames. No model, tokenizer or GPU inside, and nothing from `engine`: traces are recorded by
+`python -m engine.record` (or `engine.generate(..., record=True).to_trace()`) and read here.
 
 Glossary (one word for one thing, across modules, notebooks and Parquet columns)
 ---------------------------------------------------------------------------------
 target            the model whose greedy/sampled output must be reproduced exactly.
+method            how a run drafts: ar | pld | hf-prompt-lookup | recycling | unispec | layerskip | eagle
+                  (`engine.config.METHODS`); ar drafts nothing.
+drafter           the object that proposes one draft tree per step for a method (`engine.drafters`);
+                  layerskip and eagle end in an LM head, which a policy restricts.
+policy            which rows of that LM head the drafter scores: full | frspec | microspec | oracle |
+                  dynaspec; its size (`vocab_size` in results) is frspec's K or microspec's w_max.
+run               one labelled configuration in a results table, e.g. `layerskip` or `frspec:1024`
+                  (method, policy and size in one string; the `run` column).
 step              one draft-verify cycle: the target runs one forward over the draft tree; the prefill counts
-                  as step 0 (it yields the first token), so autoregressive decoding has tau = 1.00.
+                  as step 0 (it yields the first token), so autoregressive decoding has tau = 1.00. `steps`
+                  counts these cycles, and nothing else.
+tokens            a count of generated tokens (`tokens` columns; tokens = steps only when every step commits
+                  one token, as in autoregressive decoding and in the "token" event order of a stream).
 root              the last committed token, not yet in the KV cache; node 0 of every draft tree.
 draft tree        the nodes proposed in one step: `tokens [n]`, `parents [n]` (-1 for the root), `scores [n]`.
-draft token       a non-root node of the draft tree (g = number of draft tokens = the draft size).
+draft token       a non-root node of the draft tree.
+g                 the draft size: draft tokens per step, root excluded (config field `draft_size`; `g` in
+                  results is its mean over drafted steps).
 accepted token    a draft token on the longest path that matches the target (greedy) or survives rejection
                   sampling.
 bonus token       the token the target itself emits after the last accepted token (every step has one).
@@ -20,7 +34,8 @@ candidate stream  S: MicroSpec's sequence of token ids - prompt tokens, then the
                   row, then per step the draft-tree tokens and the top-k_ver of the verify rows.
 window            the last w_max entries of S; the active vocabulary I_t = Unique(Suffix(S, w_max)).
 active vocab      I_t; `mean_active_vocab` is its mean size over steps.
-coverage          the fraction of generated tokens y_t with y_t in the vocabulary the drafter had at step t.
+coverage          the fraction of generated tokens y_t with y_t in the vocabulary the drafter had at the step
+                  that committed y_t; `bonus_coverage` the same over each step's bonus token.
 reuse distance    for y_t: the number of stream entries since its latest occurrence in S (inf if never);
                   y_t is covered by a window of w_max iff its reuse distance <= w_max.
 stack distance    LRU stack distance: the number of distinct tokens seen since y_t's latest occurrence, + 1.
@@ -29,7 +44,7 @@ stack distance    LRU stack distance: the number of distinct tokens seen since y
 from locality.trace import META_COLUMNS, Trace, TraceError, read_traces, traces_to_frame, write_traces
 from locality.stream import LocalityError, Stream, StreamIndex, candidate_stream, generated_stream
 from locality.coverage import coverage, coverage_by, coverage_report
-from locality.temporal import distance_histograms, miss_ratio_curves, step_distances
+from locality.temporal import distance_histograms, miss_ratio_curves, token_distances
 # `shortlist(ranking, k)` stays at locality.shortlist.shortlist: exporting it here would hide the module
 from locality.shortlist import (ShortlistError, count_tokens, load_ranking, ranking_from_traces, save_ranking,
                                 shortlist_coverage, shortlist_coverage_by)
@@ -40,7 +55,7 @@ __all__ = ["META_COLUMNS", "Trace", "TraceError", "read_traces", "traces_to_fram
            "LocalityError", "Stream", "StreamIndex", "candidate_stream", "generated_stream",
            "coverage", "coverage_by", "coverage_report",
            # temporal locality (locality.temporal)
-           "step_distances", "distance_histograms", "miss_ratio_curves",
+           "token_distances", "distance_histograms", "miss_ratio_curves",
            # static shortlists (locality.shortlist)
            "ShortlistError", "count_tokens", "ranking_from_traces", "save_ranking", "load_ranking",
            "shortlist_coverage", "shortlist_coverage_by",

@@ -4,6 +4,7 @@
 - lru      : LRU vocabulary vs FIFO window at equal mean size (`miss_ratio_curves`)
 - successor: UniSpec store coverage for k = 1..K (`successor_coverage`)
 `--out FILE.parquet` also writes the (tidy) frame. TRACES is a trace Parquet file or a folder of them.
+`--event-order engine` replays the live drafter's per-step window on speculative traces (`locality.stream`).
 """
 
 from __future__ import annotations
@@ -29,11 +30,15 @@ def main(argv=None) -> pl.DataFrame:
     ap.add_argument("--k-ver", type=int, default=3)
     ap.add_argument("--sources", default="ctx+ext", choices=["ctx+ext", "ctx", "ext"])
     ap.add_argument("--prefill-order", default="first", choices=["first", "last"])
+    ap.add_argument("--event-order", default="token", choices=["token", "engine"],
+                    help="token: the window moves after every token; engine: after every recorded step, as "
+                         "the live drafter's (see locality.stream)")
     ap.add_argument("--persist", action="store_true", help="successor: one store per model across traces")
     ap.add_argument("--out", help="write the tidy frame to this Parquet file")
     a = ap.parse_args(argv)
     traces = read_traces(a.traces)
-    kw = dict(k_pre=a.k_pre, k_ver=a.k_ver, sources=a.sources, prefill_order=a.prefill_order)
+    kw = dict(k_pre=a.k_pre, k_ver=a.k_ver, sources=a.sources, prefill_order=a.prefill_order,
+              event_order=a.event_order)
     if a.what == "coverage":
         coverage_report(traces, a.w_max, a.by, **kw)
         frame = coverage_by(traces, [a.by], a.w_max, **kw)

@@ -135,8 +135,9 @@ def simulate_per_step(traces, ws, k_pre=3, k_ver=3):
 
 
 def simulate_refcount(traces, ws, k_pre=3, k_ver=3):
-    """The incremental per-step simulation (specs/microspec.md §2.5): per W a ring of the last W entries
-    with a reference count per token, O(1) per event. Returns [(covered, sum|I|)] like `simulate_per_step`."""
+    """The incremental per-step simulation (the ring + reference counts behind MicroSpec §3.3's device
+    state): per W a ring of the last W entries with a reference count per token, O(1) per event.
+    Returns [(covered, sum|I|)] like `simulate_per_step`."""
     res = []
     for w in ws:
         cov = act = 0
@@ -200,14 +201,14 @@ def main(traces: str | None = None, text_jsonl: str | None = None, n_traces: int
         t_curve.append(t2 - t1)
     ev = stream.events
     tb, tc = min(t_build), min(t_curve)
-    print(f"stream: {len(stream.tokens):,} entries + {idx.steps:,} steps = {ev:,} events")
+    print(f"stream: {len(stream.tokens):,} entries + {idx.tokens:,} queried tokens = {ev:,} events")
     print(f"one-pass, 16 window sizes: index+curve {tc:.3f} s = {ev / tc / 1e6:.2f} M events/s "
           f"(stream construction from traces {tb:.3f} s more; all together {ev / (tb + tc) / 1e6:.2f} M events/s)")
 
     pre_stream = candidate_stream(pre, 3, 3)
     _, pcov, pact = one_pass(pre, ws)
     for name, sim in [("per-step set simulation (set(S[-W:]) per step)", simulate_per_step),
-                      ("incremental ring + refcount simulation (specs/microspec.md 2.5)", simulate_refcount)]:
+                      ("incremental ring + refcount simulation", simulate_refcount)]:
         times = []
         for _ in range(repeats):             # best of `repeats`, like the one-pass timing
             t0 = time.perf_counter()
@@ -222,8 +223,8 @@ def main(traces: str | None = None, text_jsonl: str | None = None, n_traces: int
               f"{t_ref:.2f} s = {ref_rate / 1e6:.4f} M events/s; results identical to the one-pass")
         print(f"  speed ratio one-pass / this: {ev / tc / ref_rate:.0f}x (index+curve), "
               f"{ev / (tb + tc) / ref_rate:.0f}x including stream construction")
-    print("coverage per W:", dict(zip(ws.tolist(), np.round(cov / idx.steps, 4).tolist())))
-    print("mean active vocab per W:", dict(zip(ws.tolist(), np.round(act / idx.steps, 1).tolist())))
+    print("coverage per W:", dict(zip(ws.tolist(), np.round(cov / idx.tokens, 4).tolist())))
+    print("mean active vocab per W:", dict(zip(ws.tolist(), np.round(act / idx.tokens, 1).tolist())))
 
 
 def cli(argv=None):

@@ -2,13 +2,13 @@
 
 A ranking is a polars frame `token_id, count, rank` with one row per vocabulary id (0 .. vocab_size-1),
 sorted by rank (0-based). Ids are ranked by count, descending; ties by first occurrence in the counted
-arrays (FR-Spec's `collections.Counter` + stable sort, specs/frspec_dynaspec.md); ids never seen come last,
-by id. The shortlist of size K is the ids of rank < K, so a token of rank r is covered for every K > r and
-the coverage-vs-K curve of many K is one sort of the ranks of the generated tokens.
+arrays (FR-Spec's `collections.Counter` + stable sort); ids never seen come last, by id (rank >= the number
+of distinct ids seen: a shortlist that reaches them holds tokens the corpus never showed). The shortlist of
+size K is the ids of rank < K, so a token of rank r is covered for every K > r and the coverage-vs-K curve of
+many K is one sort of the ranks of the generated tokens.
 
-- FR-Spec counts a corpus tokenised by the caller (`count_tokens(arrays, vocab_size)`), or texts with a
-  tokenizer object the caller passes in (`ranking_from_texts(texts, tokenizer, vocab_size)`; `read_texts`
-  reads them from JSONL). Nothing here loads a tokenizer: the CLI does, at the edge.
+- FR-Spec counts a corpus tokenised by the caller (`count_tokens(arrays, vocab_size)`); tokenising text with
+  a model's tokenizer lives beside the vocabulary policies (`engine.frequency`).
 - VocabTrim counts the target's own generations (`ranking_from_traces(traces, vocab_size, "generated")`).
 
 Files: `save_ranking(ranking, path, tokenizer)` writes Parquet plus a JSON sidecar (`<path>.json`: tokenizer,
@@ -17,9 +17,7 @@ The ids in rank order (what a drafter packs) are `shortlist(ranking, k)`, or `ra
 
 `python -m locality.shortlist --traces T.parquet | --token-ids A.npy ... --vocab-size V --tokenizer NAME
 --out rank.parquet` counts recorded traces (VocabTrim-style, `--what`) or pre-tokenised id arrays (FR-Spec
-corpus counts) and prints the coverage-vs-K of the traces. `--texts FILE.jsonl ... --text-field turns --model
-NAME` counts a text corpus tokenised with that model's tokenizer (`engine.models.load_model`; `--tokenizer` and
-`--vocab-size` then default to the model's).
+corpus counts) and prints the coverage-vs-K of the traces. Text corpora: `python -m engine.frequency`.
 """
 
 from __future__ import annotations
@@ -60,87 +58,6 @@ def count_tokens(arrays: Iterable[np.ndarray], vocab_size: int) -> pl.DataFrame:
                          "rank": np.arange(vocab_size, dtype=np.int64)})
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    if callable(getattr(tokenizer, "encode", None)):
-        try:
-            return tokenizer.encode(text, add_special_tokens=False)        # Hugging Face tokenizers
-        except TypeError:
-            return tokenizer.encode(text)                                   # e.g. engine.prompts.ByteTokenizer
-    if callable(tokenizer):
-        return tokenizer(text)
-    raise ShortlistError(f"tokenizer {type(tokenizer).__name__} has no encode(text) and is not callable; pass a "
-                         "Hugging Face tokenizer, an object with encode(text) -> ids, or a function text -> ids")
-
-
-def tokenize_texts(texts: Iterable[str], tokenizer) -> list[np.ndarray]:
-    """Token ids [n_i] of each text, without special tokens (a corpus count should not count BOS per text).
-    `tokenizer`: a Hugging Face tokenizer, anything with `encode(text) -> ids`, or a function text -> ids."""
-    out = []
-    for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise ShortlistError(f"text {i} is a {type(text).__name__}, not a str; pass strings (read_texts "
-                                 "flattens lists of turns)")
-        out.append(np.asarray(_encode(tokenizer, text), dtype=np.int64).reshape(-1))
-    return out
-
-
-def ranking_from_texts(texts: Iterable[str], tokenizer, vocab_size: int) -> pl.DataFrame:
-    """FR-Spec's frequency ranking: count the tokens of a text corpus tokenised with the target's tokenizer
-    (`tokenize_texts`) over a `vocab_size` vocabulary (the target's LM-head rows). Ids the tokenizer yields
-    outside [0, vocab_size) raise: the tokenizer and the model do not belong together."""
-    return count_tokens(tokenize_texts(texts, tokenizer), vocab_size)
-
-
-def _pluck(value, parts: Sequence[str], where: str) -> list:
-    """The values at a dotted path: dict keys, list indices (digits) and `*` (every list element)."""
-    if not parts:
-        return [value]
-    head, rest = parts[0], parts[1:]
-    if isinstance(value, dict):
-        if head not in value:
-            raise ShortlistError(f"{where} has no field {head!r} (keys: {sorted(value)}); pass --text-field / "
-                                 "field= as a dotted path, e.g. turns or choices.*.turns")
-        return _pluck(value[head], rest, where)
-    if isinstance(value, list):
-        if head == "*":
-            return [v for item in value for v in _pluck(item, rest, where)]
-        if head.lstrip("-").isdigit():
-            if not -len(value) <= int(head) < len(value):
-                raise ShortlistError(f"{where}: a list of {len(value)} has no index {head}; use * for every element")
-            return _pluck(value[int(head)], rest, where)
-    raise ShortlistError(f"{where}: cannot take {head!r} of a {type(value).__name__}; use a key for objects, "
-                         "an index or * for lists")
-
-
-def read_texts(path: str | Path, field: str = "turns") -> list[str]:
-    """The texts of a JSONL file (optionally .gz) at `field`, a dotted path (`turns`, `choices.*.turns`,
-    `text`); a list of strings (e.g. the turns of a conversation) gives one text per element."""
-    import gzip
-
-    path = Path(path)
-    if not path.exists():
-        raise ShortlistError(f"text file {path} does not exist")
-    opener = gzip.open if path.suffix == ".gz" else open
-    texts: list[str] = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path.name} line {n}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ShortlistError(f"{where} is not JSON ({e}); pass a JSONL file, one object per line") from None
-            for v in _pluck(row, field.split("."), where):
-                vals = v if isinstance(v, list) else [v]
-                bad = [x for x in vals if not isinstance(x, str)]
-                if bad:
-                    raise ShortlistError(f"{where}: field {field!r} holds a {type(bad[0]).__name__}, not text; "
-                                         "point --text-field at strings or lists of strings")
-                texts.extend(vals)
-    return texts
-
-
 def ranking_from_traces(traces: Sequence[Trace], vocab_size: int,
                         what: Literal["generated", "prompt", "prompt+generated"] = "generated") -> pl.DataFrame:
     """A frequency ranking counted from traces: the generated tokens (VocabTrim-style: the target's own
@@ -159,13 +76,13 @@ def _sidecar(path: Path) -> Path:
 
 def save_ranking(ranking: pl.DataFrame, path: str | Path, tokenizer: str, source: str = "") -> Path:
     """Write `ranking` to Parquet and its sidecar `<path>.json` (tokenizer name, vocab size, total tokens,
-    source). Returns the Parquet path."""
+    distinct tokens seen, source). Returns the Parquet path."""
     _check_frame(ranking, "ranking")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     ranking.select("token_id", "count", "rank").sort("rank").write_parquet(path)
     meta = {"tokenizer": tokenizer, "vocab_size": ranking.height, "total_tokens": int(ranking["count"].sum()),
-            "source": source}
+            "seen": int((ranking["count"] > 0).sum()), "source": source}
     _sidecar(path).write_text(json.dumps(meta, indent=2, sort_keys=True))
     return path
 
@@ -251,42 +168,24 @@ def shortlist_coverage_by(ranking: pl.DataFrame, traces: Sequence[Trace], by: Se
 
 
 def main(argv=None) -> Path:
-    ap = argparse.ArgumentParser(prog="python -m locality.shortlist", description="build a frequency ranking")
+    ap = argparse.ArgumentParser(prog="python -m locality.shortlist", description="build a frequency ranking "
+                                 "from token ids (text corpora: python -m engine.frequency)")
     ap.add_argument("--traces", help="trace Parquet file or folder to count (see --what)")
     ap.add_argument("--what", default="generated", choices=["generated", "prompt", "prompt+generated"])
     ap.add_argument("--token-ids", nargs="+", default=[], help=".npy files of token ids (a tokenised corpus)")
-    ap.add_argument("--texts", nargs="+", default=[], help="JSONL text corpora to tokenise and count (FR-Spec)")
-    ap.add_argument("--text-field", default="turns", help="dotted path of the texts in each JSONL object, e.g. "
-                                                          "turns, text or choices.*.turns (default: turns)")
-    ap.add_argument("--model", help="with --texts: the model (engine.models name) whose tokenizer counts them")
-    ap.add_argument("--vocab-size", type=int, help="the tokenizer's full vocabulary size (default: --model's)")
-    ap.add_argument("--tokenizer", help="tokenizer name, stored in the sidecar and checked on load "
-                                        "(default: --model's)")
+    ap.add_argument("--vocab-size", type=int, required=True, help="the tokenizer's full vocabulary size")
+    ap.add_argument("--tokenizer", required=True, help="tokenizer name, stored in the sidecar and checked on load")
     ap.add_argument("--out", required=True, help="ranking Parquet path (a .json sidecar is written beside it)")
     ap.add_argument("--k", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
     a = ap.parse_args(argv)
-    if not a.traces and not a.token_ids and not a.texts:
-        ap.error("give --traces, --token-ids and/or --texts")
-    tokenizer = None
-    if a.texts:
-        if not a.model:
-            ap.error("--texts needs --model NAME: the model whose tokenizer counts the texts")
-        from engine.models import load_model     # the edge: loading a tokenizer is the CLI's job, not locality's
-        from engine.prompts import ByteTokenizer
-        _, tokenizer, info = load_model(a.model)
-        tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
-        a.vocab_size = a.vocab_size or info.vocab_size
-        a.tokenizer = a.tokenizer or info.tokenizer_name or "bytes"
-    if a.vocab_size is None or a.tokenizer is None:
-        ap.error("give --vocab-size and --tokenizer (or --model with --texts)")
+    if not a.traces and not a.token_ids:
+        ap.error("give --traces and/or --token-ids (to count text, use python -m engine.frequency)")
     traces = read_traces(a.traces) if a.traces else []
     pick = {"generated": ("generated",), "prompt": ("prompt",), "prompt+generated": ("prompt", "generated")}
     arrays = [getattr(t, f) for t in traces for f in pick[a.what]] + [np.load(p) for p in a.token_ids]
-    arrays += [ids for p in a.texts for ids in tokenize_texts(read_texts(p, a.text_field), tokenizer)]
     ranking = count_tokens(arrays, a.vocab_size)
     source = "; ".join(filter(None, [f"{a.what} tokens of {a.traces}" if a.traces else "",
-                                     f"token ids {a.token_ids}" if a.token_ids else "",
-                                     f"texts {a.texts} ({a.text_field}) tokenised with {a.model}" if a.texts else ""]))
+                                     f"token ids {a.token_ids}" if a.token_ids else ""]))
     path = save_ranking(ranking, a.out, a.tokenizer, source)
     print(f"ranking of {a.vocab_size} ids from {int(ranking['count'].sum())} tokens ({source}) -> {path}")
     if traces:

@@ -1,51 +1,73 @@
-"""The candidate stream of MicroSpec (specs/microspec.md §2.3, Eq. 2-4) built from traces, and the one-pass
-index that answers every window size at once.
+"""The candidate stream of MicroSpec (MicroSpec §3.2, Eq. 2-4) built from traces, and the one-pass index that
+answers every window size at once.
 
 Event order of the candidate stream of one trace (`sources="ctx+ext"`, the paper's method)
 -------------------------------------------------------------------------------------------
 A trace holds `prompt [L]`, `prefill_topk [L-1, K]` (row i: prompt position i), `generated [T]` and
 `step_topk [T, K]`, where `step_topk[t]` is the distribution that produced `generated[t]`; so `step_topk[0]`
-comes from the last prompt position L-1 (it is a prompt position for Eq. 2 too).
+comes from the last prompt position L-1 (it is a prompt position for Eq. 2 too). Two event orders share
+S_init and differ in when entries are appended and which tokens are queried.
 
     S_init = prompt[0], ..., prompt[L-1]                                    (repeats kept)
            ⊕ Dedup(prefill_topk[0, :k_pre], ..., prefill_topk[L-2, :k_pre],
                    step_topk[0, :k_pre])                                    (Eq. 2: all L prompt positions)
+
+`event_order="token"` (the default): one query per generated token, the window moves after every token.
+
     for t = 0 .. T-1:
         query  t : n_t = |S|;  I_t = Unique(S[max(0, n_t - w_max) : n_t]);  generated[t] covered iff in I_t
         append   : Dedup(draft_tokens[t])          (only if the trace has draft tokens; keep-first order)
         append   : step_topk[t, :k_ver]            (C_ver; top-K ids are distinct, appended as they are)
 
-So query 0 sees S_init, which already holds the top-k_pre of row 0 (its top-1 is generated[0], so step 0 is
+So query 0 sees S_init, which already holds the top-k_pre of row 0 (its top-1 is generated[0], so token 0 is
 covered whenever that entry is inside the window); row 0's top-k_ver is appended right after query 0, i.e.
-the offline replay of specs/microspec.md §3.1 ("append TopK(z_t, K_ver) after every token"). One trace step
-here is one generated token. `Dedup` keeps the first occurrence in row-then-rank order
-(`prefill_order="first"`, the default asked for by this project); `prefill_order="last"` orders the prefill
-union by the position of each token's last occurrence (specs/microspec.md A3's reading), which keeps the
-candidates of late prompt positions nearest the window's end.
+an offline replay of §2.2's ground-truth coverage (Fig. 1b: is the target's token y*_t in the vocabulary at
+step t), appending TopK(z_t, K_ver) after every token. Each generated token is its own step here, as in
+autoregressive decoding. `Dedup` keeps the first occurrence in row-then-rank order (`prefill_order="first"`,
+the default asked for by this project); `prefill_order="last"` orders the prefill union by the position of
+each token's last occurrence (Eq. 2 leaves the order of tuple(∪) open), which keeps the candidates of late
+prompt positions nearest the window's end.
 
 Draft tokens: either one list per generated token (`draft_tokens[t]` is appended after query t), or one
 list per step together with `meta["step_sizes"]` (tokens committed by each step, the prefill's step 0
 included): the tree of a step that commits tokens t..t+a is appended after query t+a, i.e. after the step,
 and before the next step's first query (the last step's tree after the last query: it changes nothing).
 
-Sources (MicroSpec Table 3 ablation, §4.5; specs/microspec.md A6)
------------------------------------------------------------------
+`event_order="engine"`: the engine's own per-step window (`engine.vocab.MicroSpecVocab`, live). A step is
+one draft-verify cycle (`meta["step_sizes"]`; without it every step committed one token); step s commits
+generated[c[s] : c[s+1]] (`step_bounds`). The window is frozen during a step and all of the step's entries
+are appended after it (Eq. 3, then Eq. 4 for the next step):
+
+    for s = 1 .. S-1:                                  (step 0 is the prefill: its token is not queried)
+        query  t, for c[s] <= t < c[s+1] : n = |S| (one n for the whole step); I_s = Unique(S[n - w_max : n])
+        append : Dedup(root_s, draft_tokens[s])         (C_draft: the tree's tokens in node order, the root
+                                                          root_s = generated[c[s] - 1] included; keep-first)
+        append : Dedup(step_topk[c[s] : c[s+1], :k_ver]) (C_ver: the verify rows of the accepted path, row
+                                                          order then rank; keep-first)
+
+The bonus token of step s is its last token, generated[c[s+1] - 1]. This reproduces exactly the coverage and
+bonus coverage the live drafter reports for `window_mode="eq4_exact"`, `ver_rows="accepted_path"`,
+`draft_tree_tokens="final"` (the paper's settings; the other switches need rows a trace does not keep).
+
+Sources (MicroSpec Table 3 ablation, §4.5)
+------------------------------------------
 - `"ctx+ext"`: everything above.
 - `"ctx"` ("Ctx. Only": "restricted to tokens present in the input prompt and high-probability candidates
   from the prefill phase (S_init). No new candidates are added during decoding steps"): S = S_init; nothing
   is appended, every query sees the last w_max entries of S_init.
 - `"ext"` ("Ext. Only": "solely of tokens from the draft tree and top candidates from the target model's
-  latest verification ..., ignoring the prompt context"): S_init = step_topk[0, :k_pre] only (A6: the last
+  latest verification ..., ignoring the prompt context"): S_init = step_topk[0, :k_pre] only (the last
   prompt position's candidates, without which nothing could be drafted), then the per-step appends above
-  inside the same w_max window. (A6's `latest_only` alternative, no window at all, is not modelled.)
+  inside the same w_max window. (The reading with no window at all, I = C_draft ∪ C_ver of the latest step
+  only, is not modelled.)
 
 Flat layout and the one-pass index
 ----------------------------------
 `Stream` concatenates many traces' streams (`tokens [N]`, `bounds [R+1]`) with their queries
-(`query_pos [Q]` = n_t local to the trace, `query_token [Q]`, `query_trace [Q]`, `query_step [Q]`).
-`StreamIndex` sorts one bit-packed int64 key per stream entry (trace | token | 2j+1) once and
-binary-searches the sorted query keys (trace | token | 2n; an entry j sorts before a query n iff j < n):
-O(N log N + Q log N), then O(N + Q) passes. From that it reads off
+(`query_pos [Q]` = n_t local to the trace, `query_token [Q]`, `query_trace [Q]`, `query_step [Q]`,
+`query_position [Q]` = t). `StreamIndex` sorts one bit-packed int64 key per stream entry (trace | token |
+2j+1) once and binary-searches the sorted query keys (trace | token | 2n; an entry j sorts before a query n
+iff j < n): O(N log N + Q log N), then O(N + Q) passes. From that it reads off
 
 - the reuse distance of each query, d = n - (latest occurrence of its token before n), NEVER if none;
   covered by a window of W iff d <= W, so coverage for every W is a searchsorted over the sorted d;
@@ -54,6 +76,7 @@ O(N log N + Q log N), then O(N + Q) passes. From that it reads off
   and Sum_queries #{j < n : prev[j] >= n - W} = Sum_j #{queries n : j < n <= min(prev[j] + W, end)}
   = Sum_j max(0, Cq[min(prev[j] + W, end)] - Cq[j]) with Cq the cumulative count of query positions:
   O(N_repeat) gathers per window size (N_repeat = entries whose token occurred before in the trace);
+  counting only each step's first query gives the sum over steps;
 - LRU stack distances with a wavelet matrix over prev (see `StreamIndex.stack_distance`).
 """
 
@@ -67,6 +90,7 @@ import numpy as np
 from locality.trace import Trace, TraceError
 
 SOURCES = ("ctx+ext", "ctx", "ext")
+EVENT_ORDERS = ("token", "engine")
 NEVER = np.int64(1) << np.int64(62)      # reuse/stack distance of a token that never occurred before
 _CHUNK = 1 << 16                         # repeats per cache-resident chunk in StreamIndex.active_vocab_sums
 
@@ -77,14 +101,16 @@ class LocalityError(ValueError):
 
 @dataclass(frozen=True)
 class Stream:
-    """Many traces' streams, concatenated, with one query per step (generated token)."""
+    """Many traces' streams, concatenated, with one query per queried generated token. Queries are in trace
+    order, then generated order, so the queries of one step are contiguous."""
 
-    tokens: np.ndarray        # [N] int64 stream entries of all traces, trace after trace
-    bounds: np.ndarray        # [R+1] int64: trace r owns tokens[bounds[r]:bounds[r+1]]
-    query_pos: np.ndarray     # [Q] int64 n_t: stream length (local to its trace) when step t is queried
-    query_token: np.ndarray   # [Q] int64 generated[t]
-    query_trace: np.ndarray   # [Q] int64 r
-    query_step: np.ndarray    # [Q] int64 t
+    tokens: np.ndarray          # [N] int64 stream entries of all traces, trace after trace
+    bounds: np.ndarray          # [R+1] int64: trace r owns tokens[bounds[r]:bounds[r+1]]
+    query_pos: np.ndarray       # [Q] int64 n_t: stream length (local to its trace) when token t is queried
+    query_token: np.ndarray     # [Q] int64 generated[t]
+    query_trace: np.ndarray     # [Q] int64 r
+    query_step: np.ndarray      # [Q] int64 the step that committed token t (= t in the "token" order)
+    query_position: np.ndarray  # [Q] int64 t, the token's position in `generated`
 
     @property
     def num_traces(self) -> int:
@@ -124,7 +150,7 @@ def check_traces(traces: Sequence[Trace]) -> list[Trace]:
     traces = list(traces)
     if not traces:
         raise LocalityError("the trace list is empty; read some with locality.read_traces(path) "
-                            "or record them with `python -m locality.record`")
+                            "or record them with `python -m engine.record`")
     for i, t in enumerate(traces):
         if not isinstance(t, Trace):
             raise LocalityError(f"traces[{i}] is a {type(t).__name__}, not a locality.Trace")
@@ -155,17 +181,22 @@ def _dedup_ragged(tokens: np.ndarray, row: np.ndarray) -> np.ndarray:
     return keep
 
 
-def _trace_stream(t: Trace, k_pre: int, k_ver: int, sources: str, prefill_order: str):
-    """(entries [n], query_pos [T]) of one trace; see the module docstring for the event order."""
-    T = len(t.generated)
+def _stream_init(t: Trace, k_pre: int, sources: str, prefill_order: str) -> np.ndarray:
+    """S_init of one trace (Eq. 2; "ext": the last prompt position's candidates only)."""
     last_row = t.step_topk[:1, :k_pre]                                   # [<=1, k_pre] prompt position L-1
     if sources == "ext":
-        init = last_row.reshape(-1)
-    else:
-        cands = np.concatenate([t.prefill_topk[:, :k_pre].reshape(-1), last_row.reshape(-1)])
-        init = np.concatenate([t.prompt, _dedup(cands, prefill_order)])
+        return last_row.reshape(-1)
+    cands = np.concatenate([t.prefill_topk[:, :k_pre].reshape(-1), last_row.reshape(-1)])
+    return np.concatenate([t.prompt, _dedup(cands, prefill_order)])
+
+
+def _token_stream(t: Trace, k_pre: int, k_ver: int, sources: str, prefill_order: str):
+    """(entries [n], query_pos [T], query_step [T], query_position [T]) of one trace, "token" order."""
+    T = len(t.generated)
+    init = _stream_init(t, k_pre, sources, prefill_order)
+    tok = np.arange(T, dtype=np.int64)                                   # every token is its own step
     if sources == "ctx" or T == 0:
-        return init, np.full(T, len(init), dtype=np.int64)
+        return init, np.full(T, len(init), dtype=np.int64), tok, tok
     ver = t.step_topk[:, :k_ver]                                         # [T, k_ver]
     if t.draft_tokens is None:
         per_step = np.full(T, k_ver, dtype=np.int64)
@@ -186,7 +217,7 @@ def _trace_stream(t: Trace, k_pre: int, k_ver: int, sources: str, prefill_order:
         ver_pos = (offs + n_draft)[:, None] + np.arange(k_ver)[None, :]  # [T, k_ver]
         appended[ver_pos.reshape(-1)] = ver.reshape(-1)
     query_pos = len(init) + np.concatenate([[0], np.cumsum(per_step)[:-1]])
-    return np.concatenate([init, appended]), query_pos.astype(np.int64)
+    return np.concatenate([init, appended]), query_pos.astype(np.int64), tok, tok
 
 
 def draft_positions(t: Trace) -> np.ndarray:
@@ -202,47 +233,114 @@ def draft_positions(t: Trace) -> np.ndarray:
                      "draft trees, or store one list per generated token (see locality.stream)")
 
 
+def step_bounds(t: Trace) -> np.ndarray:
+    """[S+1] int64 c: step s committed generated[c[s]:c[s+1]]; step 0 is the prefill's one token.
+
+    From `meta["step_sizes"]` (one int >= 1 per step, summing to >= T: a last step cut at an eos or
+    max_new_tokens may be recorded whole), else one token per step (autoregressive decoding; then
+    `draft_tokens`, if any, must hold one list per generated token)."""
+    T = len(t.generated)
+    sizes = t.meta.get("step_sizes")
+    n = None if t.draft_tokens is None else len(t.draft_tokens)
+    if sizes is None:
+        if n is not None and n != T:
+            raise TraceError(f"trace has {n} draft_tokens lists but {T} generated tokens and no "
+                             f"meta['step_sizes']; the engine event order needs the tokens committed per step "
+                             f"(engine.harness.GenerateResult.to_trace writes them)")
+        return np.arange(T + 1, dtype=np.int64)
+    a = np.asarray(sizes)
+    if (a.ndim != 1 or not np.issubdtype(a.dtype, np.integer) or (n is not None and len(a) != n)
+            or (a < 1).any() or a.sum() < T or (T and a[0] != 1)):
+        raise TraceError(f"meta['step_sizes'] = {list(sizes)} is not one int >= 1 per step "
+                         f"({'any number of' if n is None else n} steps, the prefill's step 0 committing 1) "
+                         f"summing to >= {T} generated tokens; re-record the trace with "
+                         f"engine.harness.GenerateResult.to_trace")
+    return np.concatenate([[0], np.minimum(np.cumsum(a.astype(np.int64)), T)])
+
+
+def _engine_stream(t: Trace, k_pre: int, k_ver: int, sources: str, prefill_order: str):
+    """(entries [n], query_pos [Q], query_step [Q], query_position [Q]) of one trace, "engine" order."""
+    init = _stream_init(t, k_pre, sources, prefill_order)
+    c = step_bounds(t)                                                   # [S+1]
+    S, T = len(c) - 1, len(t.generated)
+    position = np.arange(min(1, T), T, dtype=np.int64)                   # [Q] every token but the prefill's
+    step = np.searchsorted(c, position, side="right") - 1                # [Q] the step that committed it
+    if sources == "ctx" or S <= 1:
+        return init, np.full(len(position), len(init), dtype=np.int64), step, position
+    steps = np.arange(1, S, dtype=np.int64)                              # the drafted steps
+    # C_draft of step s: the root generated[c[s] - 1], then the tree's draft tokens in node order
+    trees = [np.zeros(0, dtype=np.int64)] * S if t.draft_tokens is None else t.draft_tokens
+    lens = np.array([len(trees[s]) for s in steps], dtype=np.int64) + 1  # [S-1] root included
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    draft = np.empty(int(lens.sum()), dtype=np.int64)
+    draft[starts] = t.generated[c[1:S] - 1]
+    if lens.sum() > len(lens):
+        body = np.ones(len(draft), dtype=bool)
+        body[starts] = False
+        draft[body] = np.concatenate([trees[s] for s in steps])
+    draft_step = np.repeat(steps, lens)
+    # C_ver of step s: the top-k_ver of the rows that produced its tokens (the accepted path), row by row
+    ver = t.step_topk[c[1]:c[S], :k_ver].reshape(-1)                      # [(c[S]-c[1]) * k_ver]
+    ver_step = np.repeat(np.searchsorted(c, np.arange(c[1], c[S]), side="right") - 1, k_ver)
+    keep_d, keep_v = _dedup_ragged(draft, draft_step), _dedup_ragged(ver, ver_step)   # keep-first, per step
+    ent = np.concatenate([draft[keep_d], ver[keep_v]])
+    ent_step = np.concatenate([draft_step[keep_d], ver_step[keep_v]])
+    part = np.concatenate([np.zeros(int(keep_d.sum()), np.int64), np.ones(int(keep_v.sum()), np.int64)])
+    order = np.argsort(2 * ent_step + part, kind="stable")                # per step: C_draft, then C_ver
+    before = np.concatenate([[0], np.cumsum(np.bincount(ent_step, minlength=S))])   # [S+1] entries of steps < s
+    return np.concatenate([init, ent[order]]), len(init) + before[step], step, position
+
+
 def candidate_stream(traces: Sequence[Trace], k_pre: int = 3, k_ver: int = 3, sources: str = "ctx+ext",
-                     prefill_order: Literal["first", "last"] = "first") -> Stream:
-    """MicroSpec's candidate stream S of every trace, concatenated, with one query per generated token."""
+                     prefill_order: Literal["first", "last"] = "first",
+                     event_order: Literal["token", "engine"] = "token") -> Stream:
+    """MicroSpec's candidate stream S of every trace, concatenated, with one query per generated token
+    ("token" order) or per token a drafted step committed ("engine" order); see the module docstring."""
     traces = check_traces(traces)
     k_pre, k_ver = check_k(k_pre, "k_pre"), check_k(k_ver, "k_ver")
     if sources not in SOURCES:
         raise LocalityError(f"sources={sources!r}; choose one of {SOURCES} (MicroSpec Table 3)")
     if prefill_order not in ("first", "last"):
         raise LocalityError(f"prefill_order={prefill_order!r}; choose 'first' or 'last'")
-    parts, qpos = [], []
+    if event_order not in EVENT_ORDERS:
+        raise LocalityError(f"event_order={event_order!r}; choose one of {EVENT_ORDERS} (see locality.stream)")
+    build = _token_stream if event_order == "token" else _engine_stream
+    parts, queries = [], []
     for t in traces:
         _check_trace_k(t, k_pre, "k_pre")
         if sources != "ctx":
             _check_trace_k(t, k_ver, "k_ver")
-        s, q = _trace_stream(t, k_pre, k_ver, sources, prefill_order)
+        s, pos, step, position = build(t, k_pre, k_ver, sources, prefill_order)
         parts.append(s)
-        qpos.append(q)
-    return _assemble(parts, qpos, [t.generated for t in traces])
+        queries.append((pos, step, position, t.generated[position]))
+    return _assemble(parts, queries)
 
 
 def generated_stream(traces: Sequence[Trace]) -> Stream:
     """The plain text stream: S = prompt ⊕ generated; step t queries generated[t] against prompt ⊕
-    generated[:t] (prompt-lookup / in-context hit rate, specs/microspec.md §3.3)."""
+    generated[:t] (prompt-lookup / in-context hit rate, MicroSpec §2.2)."""
     traces = check_traces(traces)
     parts = [np.concatenate([t.prompt, t.generated]) for t in traces]
-    qpos = [len(t.prompt) + np.arange(len(t.generated), dtype=np.int64) for t in traces]
-    return _assemble(parts, qpos, [t.generated for t in traces])
+    queries = []
+    for t in traces:
+        tok = np.arange(len(t.generated), dtype=np.int64)
+        queries.append((len(t.prompt) + tok, tok, tok, t.generated))
+    return _assemble(parts, queries)
 
 
-def _assemble(parts, qpos, gens) -> Stream:
+def _assemble(parts, queries) -> Stream:
+    """parts: R stream arrays; queries: R tuples (query_pos, query_step, query_position, query_token)."""
     lens = np.array([len(p) for p in parts], dtype=np.int64)
-    tlen = np.array([len(g) for g in gens], dtype=np.int64)
+    qlen = np.array([len(q[0]) for q in queries], dtype=np.int64)
     cat = lambda xs: np.concatenate(xs).astype(np.int64) if len(xs) else np.zeros(0, np.int64)  # noqa: E731
     return Stream(
         tokens=cat(parts),
         bounds=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
-        query_pos=cat(qpos),
-        query_token=cat(gens),
-        query_trace=np.repeat(np.arange(len(parts), dtype=np.int64), tlen),
-        query_step=(np.arange(int(tlen.sum()), dtype=np.int64)
-                    - np.repeat(np.concatenate([[0], np.cumsum(tlen)[:-1]]), tlen)),
+        query_pos=cat([q[0] for q in queries]),
+        query_token=cat([q[3] for q in queries]),
+        query_trace=np.repeat(np.arange(len(parts), dtype=np.int64), qlen),
+        query_step=cat([q[1] for q in queries]),
+        query_position=cat([q[2] for q in queries]),
     )
 
 
@@ -301,20 +399,31 @@ class StreamIndex:
 
         # shifted slots: trace r occupies len_r + 1 slots, so a query at n = len_r never meets trace r+1
         small = N + R + 1 < 2 ** 31
-        it = np.int32 if small else np.int64
-        shift = s.bounds[:-1] + np.arange(R)                              # [R]
-        cq = np.cumsum(np.bincount(shift[s.query_trace] + s.query_pos, minlength=N + R + 1)).astype(it)
+        self._it = it = np.int32 if small else np.int64
+        self._shift = shift = s.bounds[:-1] + np.arange(R)                # [R]
         rshift = shift[self._rep_trace]
-        self._cq = cq                                                     # [N+R+1] #queries at slots <= x
+        self._rep_slot = rshift + self._rep_loc                           # [N_rep] slot of the entry itself
         self._rep_prev_slot = (rshift + self._rep_prev_loc).astype(it)    # [N_rep]
         self._rep_end_slot = (rshift + lens[self._rep_trace]).astype(it)  # [N_rep]
-        self._rep_base = cq[rshift + self._rep_loc]                       # [N_rep] Cq at the entry itself
         self._rep_gap = (self._rep_loc - self._rep_prev_loc).astype(it)   # [N_rep] j - prev[j] >= 1
+        self._counted = {}                                                # per: (Cq, Cq at each repeat, n)
         self._prev = None
+        # the queries of one step are contiguous: mark each step's first and last (bonus) query
+        new = np.ones(Q, dtype=bool)
+        new[1:] = (s.query_trace[1:] != s.query_trace[:-1]) | (s.query_step[1:] != s.query_step[:-1])
+        self.step_first = new                                             # [Q]
+        self.step_last = np.append(new[1:], True) if Q else new           # [Q]
+        self._sorted_bonus_d = None
+
+    @property
+    def tokens(self) -> int:
+        """Queried generated tokens."""
+        return len(self.stream.query_pos)
 
     @property
     def steps(self) -> int:
-        return len(self.stream.query_pos)
+        """Steps the queried tokens belong to (= tokens in the "token" event order)."""
+        return int(self.step_first.sum())
 
     @property
     def query_last(self) -> np.ndarray:
@@ -348,14 +457,33 @@ class StreamIndex:
         """[nW] number of queries whose token is in the window of each w_max (reuse distance <= W)."""
         return np.searchsorted(self._sorted_d, check_windows(ws), side="right")
 
-    def active_vocab_sums(self, ws) -> np.ndarray:
-        """[nW] Sum over queries of |I_t| = |Unique(S[max(0, n-W):n])| for each window size W."""
+    def bonus_counts(self, ws) -> np.ndarray:
+        """[nW] number of steps whose last queried token (the bonus token of a whole step) is in the window."""
+        if self._sorted_bonus_d is None:
+            self._sorted_bonus_d = np.sort(self.reuse_distance[self.step_last])
+        return np.searchsorted(self._sorted_bonus_d, check_windows(ws), side="right")
+
+    def _query_counts(self, per: str):
+        """(Cq [N+R+1]: #counted queries at slots <= x, Cq at each repeat's own slot, counted query_pos)."""
+        if per not in ("token", "step"):
+            raise LocalityError(f"per={per!r}; choose 'token' (every query) or 'step' (one per step)")
+        if per not in self._counted:
+            s = self.stream
+            sel = slice(None) if per == "token" else self.step_first
+            qtrace, qpos = s.query_trace[sel], s.query_pos[sel]
+            n_slots = len(s.tokens) + s.num_traces + 1
+            cq = np.cumsum(np.bincount(self._shift[qtrace] + qpos, minlength=n_slots)).astype(self._it)
+            self._counted[per] = (cq, cq[self._rep_slot], qpos)
+        return self._counted[per]
+
+    def active_vocab_sums(self, ws, per: Literal["token", "step"] = "token") -> np.ndarray:
+        """[nW] Sum over queries (per="token") or over steps (per="step", the window of each step once) of
+        |I_t| = |Unique(S[max(0, n-W):n])| for each window size W."""
         ws = check_windows(ws)
-        qpos = self.stream.query_pos
+        cq, base, qpos = self._query_counts(per)
         out = np.empty(len(ws), dtype=np.int64)
         keep = self._rep_gap < int(ws.max())   # a repeat further back than every window never counts
-        rp, re, rb = self._rep_prev_slot[keep], self._rep_end_slot[keep], self._rep_base[keep]
-        cq = self._cq
+        rp, re, rb = self._rep_prev_slot[keep], self._rep_end_slot[keep], base[keep]
         repeats = np.zeros(len(ws), dtype=np.int64)
         x = np.empty(min(len(rp), _CHUNK), dtype=rp.dtype)
         c = np.empty(min(len(rp), _CHUNK), dtype=rb.dtype)

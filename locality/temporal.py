@@ -1,9 +1,9 @@
 """Temporal locality of generated tokens: reuse and LRU stack distances, and LRU vs FIFO vocabularies.
 
-Two streams (`locality.stream`): `"generated"` = prompt ⊕ generated (step t looks back over prompt ⊕
+Two streams (`locality.stream`): `"generated"` = prompt ⊕ generated (token t looks back over prompt ⊕
 generated[:t]: the in-context hit rate behind prompt lookup), and `"candidate"` = MicroSpec's S.
 
-- reuse distance of step t: n_t - (latest occurrence of generated[t] in S[0:n_t]); a window of W covers it
+- reuse distance of token t: n_t - (latest occurrence of generated[t] in S[0:n_t]); a window of W covers it
   iff reuse distance <= W (FIFO, MicroSpec Eq. 4).
 - stack distance: 1 + the number of distinct tokens in S after that occurrence; an LRU vocabulary of C
   unique tokens (I_t = the C most recently seen distinct tokens of S) covers it iff stack distance <= C.
@@ -33,30 +33,33 @@ DEFAULT_BY = ("category", "language")
 DEFAULT_CAPACITIES = (64, 128, 256, 512, 1024, 2048, 3072, 4096)
 
 
-def step_distances(traces: Sequence[Trace], stream: Literal["candidate", "generated"] = "generated",
-                   by: Sequence[str] = DEFAULT_BY, k_pre: int = 3, k_ver: int = 3, sources: str = "ctx+ext",
-                   prefill_order: Literal["first", "last"] = "first") -> pl.DataFrame:
-    """One row per step: the `by` meta columns, `trace` (index in `traces`), `step`, `token`,
+def token_distances(traces: Sequence[Trace], stream: Literal["candidate", "generated"] = "generated",
+                    by: Sequence[str] = DEFAULT_BY, k_pre: int = 3, k_ver: int = 3, sources: str = "ctx+ext",
+                    prefill_order: Literal["first", "last"] = "first",
+                    event_order: Literal["token", "engine"] = "token") -> pl.DataFrame:
+    """One row per queried generated token: the `by` meta columns, `trace` (index in `traces`), `step` (the
+    step that committed it; = position in the "token" event order), `position` (t in `generated`), `token`,
     `reuse_distance` and `stack_distance` (null when the token never occurred before in the stream)."""
-    idx = build_index(traces, stream, k_pre, k_ver, sources, prefill_order)
+    idx = build_index(traces, stream, k_pre, k_ver, sources, prefill_order, event_order)
     s = idx.stream
     reuse, stack = idx.reuse_distance, idx.stack_distance()
     cols = {c: [traces[r].meta.get(c) for r in range(len(traces))] for c in ([by] if isinstance(by, str) else by)}
     frame = pl.DataFrame({
-        "trace": s.query_trace, "step": s.query_step, "token": s.query_token,
+        "trace": s.query_trace, "step": s.query_step, "position": s.query_position, "token": s.query_token,
         "reuse_distance": np.where(reuse == NEVER, -1, reuse),
         "stack_distance": np.where(stack == NEVER, -1, stack),
     }).with_columns(pl.when(pl.col(c) < 0).then(None).otherwise(pl.col(c)).alias(c)
                     for c in ("reuse_distance", "stack_distance"))
     meta = pl.DataFrame({"trace": np.arange(len(traces)), **cols},
                         schema_overrides={c: pl.String for c, v in cols.items() if all(x is None for x in v)})
-    return meta.join(frame, on="trace", how="inner").select(*cols, "trace", "step", "token",
+    return meta.join(frame, on="trace", how="inner").select(*cols, "trace", "step", "position", "token",
                                                              "reuse_distance", "stack_distance")
 
 
 def distance_histograms(traces: Sequence[Trace], by: Sequence[str] = DEFAULT_BY,
                         streams: Sequence[str] = ("generated", "candidate"), k_pre: int = 3, k_ver: int = 3,
-                        sources: str = "ctx+ext", prefill_order: Literal["first", "last"] = "first") -> pl.DataFrame:
+                        sources: str = "ctx+ext", prefill_order: Literal["first", "last"] = "first",
+                        event_order: Literal["token", "engine"] = "token") -> pl.DataFrame:
     """Power-of-two histograms of reuse and stack distances of generated tokens, per group and stream.
 
     Columns: `by..., stream, metric ("reuse_distance" | "stack_distance"), bin_lo, bin_hi, count, fraction,
@@ -67,7 +70,7 @@ def distance_histograms(traces: Sequence[Trace], by: Sequence[str] = DEFAULT_BY,
     by = [by] if isinstance(by, str) else list(by)
     frames = []
     for st in streams:
-        d = step_distances(traces, st, by, k_pre, k_ver, sources, prefill_order)
+        d = token_distances(traces, st, by, k_pre, k_ver, sources, prefill_order, event_order)
         for metric in ("reuse_distance", "stack_distance"):
             v = d[metric].fill_null(0).to_numpy()
             lo = np.left_shift(1, np.frexp(np.maximum(v, 1))[1] - 1)       # 2^floor(log2 v), exact for ints
@@ -84,14 +87,14 @@ def distance_histograms(traces: Sequence[Trace], by: Sequence[str] = DEFAULT_BY,
 
 
 def _fifo_match(idx, targets: np.ndarray) -> np.ndarray:
-    """[nC] the smallest w_max whose mean active vocab >= each target mean (vectorised bisection)."""
-    steps = idx.steps
+    """[nC] the smallest w_max whose mean active vocab (over tokens) >= each target mean (vectorised bisection)."""
+    tokens = idx.tokens
     top = max(int(idx.stream.query_pos.max(initial=1)), 1)            # beyond this nothing changes
     lo = np.ones(len(targets), dtype=np.int64)
     hi = np.full(len(targets), top, dtype=np.int64)
     while (lo < hi).any():
         mid = (lo + hi) // 2
-        ok = idx.active_vocab_sums(mid) >= targets * steps - 1e-9
+        ok = idx.active_vocab_sums(mid) >= targets * tokens - 1e-9
         hi = np.where(ok, mid, hi)
         lo = np.where(ok, lo, mid + 1)
     return lo
@@ -99,29 +102,30 @@ def _fifo_match(idx, targets: np.ndarray) -> np.ndarray:
 
 def miss_ratio_curves(traces: Sequence[Trace], capacities=DEFAULT_CAPACITIES, by: Sequence[str] = ("category",),
                       stream: Literal["candidate", "generated"] = "candidate", k_pre: int = 3, k_ver: int = 3,
-                      sources: str = "ctx+ext", prefill_order: Literal["first", "last"] = "first") -> pl.DataFrame:
+                      sources: str = "ctx+ext", prefill_order: Literal["first", "last"] = "first",
+                      event_order: Literal["token", "engine"] = "token") -> pl.DataFrame:
     """Miss ratio of an LRU vocabulary of C unique tokens vs the FIFO window at equal mean size, per group.
 
-    Columns: `by..., capacity, steps, lru_mean_active_vocab, lru_miss_ratio, fifo_w_max,
-    fifo_mean_active_vocab, fifo_miss_ratio` (micro-averages over the group's steps).
+    Columns: `by..., capacity, tokens, lru_mean_active_vocab, lru_miss_ratio, fifo_w_max,
+    fifo_mean_active_vocab, fifo_miss_ratio` (micro-averages over the group's queried generated tokens).
     """
     caps = check_windows(capacities)
     frames = []
     for values, members in group_traces(traces, by):
         sub = [traces[i] for i in members]
-        idx = build_index(sub, stream, k_pre, k_ver, sources, prefill_order)
-        steps = idx.steps
-        if steps == 0:
+        idx = build_index(sub, stream, k_pre, k_ver, sources, prefill_order, event_order)
+        tokens = idx.tokens
+        if tokens == 0:
             raise LocalityError(f"group {values} has no generated tokens; drop empty traces or group differently")
         stack = np.sort(idx.stack_distance())
         distinct = idx.distinct_before()
         lru_mean = np.array([np.minimum(distinct, c).mean() for c in caps])
-        lru_hit = np.searchsorted(stack, caps, side="right") / steps
+        lru_hit = np.searchsorted(stack, caps, side="right") / tokens
         w = _fifo_match(idx, lru_mean)
         frames.append(with_groups(pl.DataFrame({
-            "capacity": caps, "steps": np.full(len(caps), steps),
+            "capacity": caps, "tokens": np.full(len(caps), tokens),
             "lru_mean_active_vocab": lru_mean, "lru_miss_ratio": 1 - lru_hit,
-            "fifo_w_max": w, "fifo_mean_active_vocab": idx.active_vocab_sums(w) / steps,
-            "fifo_miss_ratio": 1 - idx.coverage_counts(w) / steps,
+            "fifo_w_max": w, "fifo_mean_active_vocab": idx.active_vocab_sums(w) / tokens,
+            "fifo_miss_ratio": 1 - idx.coverage_counts(w) / tokens,
         }), values))
     return pl.concat(frames, how="vertical_relaxed")

@@ -12,6 +12,11 @@ A trace file is a Parquet table with one row per trace:
 | meta columns   | str / int            | `model, tokenizer, prompt_set, category, language, prompt_id, turn` |
 | `meta_json`    | str                  | any further meta keys, JSON-encoded                               |
 
+`turn` counts from 1 (MT-Bench's "turn 1", "turn 2"). A speculative run's trace
+(`engine.harness.GenerateResult.to_trace`) holds one `draft_tokens` list per step (node order, root excluded;
+the prefill's step 0 drafts none) and `meta["step_sizes"]`, the tokens each step committed; a trace without
+draft tokens committed one token per step. `locality.stream` explains how both enter the candidate stream.
+
 `pl.scan_parquet(path)` reads it like any other table; `read_traces` turns rows back into `Trace`s.
 """
 
@@ -51,7 +56,9 @@ def _ids_1d(x: Any, name: str) -> np.ndarray:
 
 
 def _ids_2d(x: Any, name: str, rows: int) -> np.ndarray:
-    a = np.asarray(x.tolist() if hasattr(x, "tolist") else x, dtype=np.int64)
+    # an ndarray keeps its shape even with no rows ([0, K]); other array types go through lists
+    a = x.astype(np.int64) if isinstance(x, np.ndarray) else np.asarray(
+        x.tolist() if hasattr(x, "tolist") else x, dtype=np.int64)
     if a.size == 0:
         a = a.reshape(0, a.shape[1] if a.ndim == 2 else 0)
     if a.ndim != 2:
@@ -97,7 +104,7 @@ class Trace:
     def check_k(self, k: int, what: str = "K") -> None:
         if k > self.k:
             raise TraceError(f"{what}={k} is larger than the K={self.k} this trace was recorded with; "
-                             f"re-record with `python -m locality.record --topk {k}` or ask for {what} <= {self.k}")
+                             f"re-record with `python -m engine.record --topk {k}` or ask for {what} <= {self.k}")
 
     def to_row(self) -> dict:
         meta = dict(self.meta)
@@ -163,15 +170,15 @@ def read_traces(path: str | Path | Sequence[str | Path]) -> list[Trace]:
     if path.is_dir():
         files = [f for f in sorted(path.rglob("*.parquet")) if _is_trace_file(f)]
         if not files:
-            raise TraceError(f"no Parquet trace files under {path}; record some with `python -m locality.record`")
+            raise TraceError(f"no Parquet trace files under {path}; record some with `python -m engine.record`")
         return [t for f in files for t in read_traces(f)]
     if not path.exists():
-        raise TraceError(f"trace file {path} does not exist; record traces with `python -m locality.record`")
+        raise TraceError(f"trace file {path} does not exist; record traces with `python -m engine.record`")
     try:
         df = pl.read_parquet(path)
     except Exception as e:  # polars raises several error types for a non-Parquet file
         raise TraceError(f"{path} is not a readable Parquet trace file ({type(e).__name__}: {e}); "
-                         f"delete it and re-record with `python -m locality.record`") from e
+                         f"delete it and re-record with `python -m engine.record`") from e
     out = []
     for i, row in enumerate(df.iter_rows(named=True)):
         try:

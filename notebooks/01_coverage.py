@@ -11,89 +11,94 @@
 # ---
 
 # %% [markdown]
-# # 01 · Coverage and temporal locality of recorded traces
-# Reads traces written by `python -m locality.record` and draws MicroSpec's window coverage against
-# `w_max` per category (paper Fig. 1b / Fig. 5), the static FR-Spec shortlist at equal size, LRU vs the FIFO
-# window at equal mean size, and UniSpec's successor store replayed as a stream. Tables come from
-# `locality`; this notebook only filters and encodes.
+# # 01 · Coverage of the draft vocabulary against its size, per task
+# Reads a sweep's `coverage` cells (model-free analyses of the `record` cells' greedy traces) with
+# `sweeps.load` and draws:
+#
+# * **coverage_vs_vocab** — MicroSpec Fig. 1(b): the fraction of generated tokens inside the draft vocabulary
+#   against its size. MicroSpec's window (stars, one per `w_max`, placed at the window's *mean active
+#   vocabulary*) against FR-Spec's static top-K shortlists (dashed), ranked on the **training corpus**,
+#   never on the traces being scored.
+# * **lru_vs_fifo** — the miss ratio of an LRU vocabulary of C tokens against MicroSpec's FIFO window of the
+#   same mean size (`locality.miss_ratio_curves`).
+#
+# The window's stream is the papers' default (prompt, prefill top-3, verify top-3, MicroSpec §3.2) when the
+# sweep has it. Run with `python -m sweeps.render DIR`, or set `results_dir` below.
 
 # %% tags=["parameters"]
-traces_path = "runs/quickstart/traces.parquet"
-out_dir = "runs/quickstart/figures"
-w_max = [64, 128, 256, 512, 1024, 2048, 3072, 4096, 8192]
-shortlist_k = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+results_dir = "results/quick"
+out_dir = ""                     # default: {results_dir}/figures
 
 # %%
 # %load_ext autoreload
 # %autoreload 2
+import altair as alt
 import polars as pl
 
-import locality
-from sweeps.figures import line_chart, save_chart
+from sweeps import figures as fig
 
-traces = locality.read_traces(traces_path)
-print(f"{len(traces)} traces, {sum(len(t.generated) for t in traces)} generated tokens")
-
-# %% [markdown]
-# ## Window coverage vs `w_max` (MicroSpec stream: prompt, prefill top-3, verify top-3)
-
-# %%
-cov = locality.coverage_by(traces, by=["category"], w_max=w_max)
-chart = line_chart(cov, "w_max", "coverage", "category", x_title="w_max (stream entries)",
-                   tooltip=["category", "w_max", "coverage", "mean_active_vocab"],
-                   title="Coverage of the next generated token by the window")
-save_chart(chart, out_dir, "coverage_vs_wmax")
-chart
+out_dir = out_dir or f"{results_dir}/figures"
+record = fig.read(results_dir, "record", fig.RECORD_COLUMNS)
+coverage = fig.read(results_dir, "coverage")
 
 # %% [markdown]
-# ## Sources ablation (Table 3): context only, extension only, both
+# ## Coverage vs vocabulary size: dynamic window against static shortlists (MicroSpec Fig. 1b)
 
 # %%
-abl = pl.concat([locality.coverage(traces, w_max=w_max, sources=s).with_columns(pl.lit(s).alias("sources"))
-                 for s in ("ctx+ext", "ctx", "ext")])
-chart = line_chart(abl, "mean_active_vocab", "coverage", "sources", x_title="mean active vocab",
-                   title="Coverage vs mean vocabulary, by stream source")
-save_chart(chart, out_dir, "coverage_sources")
-chart
+table = fig.coverage_vs_vocab(coverage)
+if table is not None:
+    star = "M0,-1L0.24,-0.33L0.95,-0.31L0.39,0.12L0.59,0.81L0,0.4L-0.59,0.81L-0.39,0.12L-0.95,-0.31L-0.24,-0.33Z"
+    base = alt.Chart(table).encode(
+        x=fig.log2_axis("vocab:Q", "vocabulary size (tokens)"),
+        y=alt.Y("coverage:Q", title="coverage of generated tokens", scale=alt.Scale(domain=[0, 1]),
+                axis=alt.Axis(format="%")),
+        tooltip=["panel", "series", "w_max", "k", alt.Tooltip("vocab:Q", format=".0f"),
+                 alt.Tooltip("coverage:Q", format=".1%"), "tokens"])
+    static = base.transform_filter(alt.datum.series == fig.STATIC).mark_line(
+        strokeDash=[6, 4], color="#555", point=alt.OverlayMarkDef(color="#555", size=18)).encode(
+        detail="series:N")
+    window = base.transform_filter(alt.datum.series == fig.WINDOW).mark_point(
+        shape=star, filled=True, size=140, opacity=0.9).encode(
+        color=alt.Color("w_max:O", title="window w_max", scale=alt.Scale(scheme="viridis")))
+    trail = base.transform_filter(alt.datum.series == fig.WINDOW).mark_line(color="#bbb", strokeWidth=1)
+    chart = (alt.layer(static, trail, window).properties(width=170, height=130)
+             .facet(facet=alt.Facet("panel:N", title=None, header=alt.Header(labelFontWeight="bold")), columns=5)
+             .properties(title=fig.title(
+                 "Coverage vs draft vocabulary size, per task (MicroSpec Fig. 1b)", coverage, record,
+                 notes=["stars: MicroSpec's window, one per w_max, at its mean active vocabulary; dashed grey: "
+                        "static top-K shortlists (FR-Spec) ranked on the training corpus"])))
+    fig.save_chart(chart, out_dir, "coverage_vs_vocab")
+    display(chart)  # noqa: F821 (IPython)
 
 # %% [markdown]
-# ## Static shortlist (FR-Spec) at equal size — ranking counted from the same traces (an upper bound)
+# Per task: the smallest static shortlist and the smallest window reaching 90 % coverage.
 
 # %%
-vocab_size = int(max(max(t.prompt.max(), t.generated.max(initial=0), t.step_topk.max(initial=0)) for t in traces)) + 1
-ranking = locality.ranking_from_traces(traces, vocab_size)
-static = locality.shortlist_coverage(ranking, traces, k=shortlist_k).rename({"k": "vocab"}).with_columns(
-    pl.lit("frspec (static top-K)").alias("policy"))
-window = locality.coverage(traces, w_max=w_max).select(
-    pl.col("mean_active_vocab").alias("vocab"), "coverage").with_columns(pl.lit("microspec window").alias("policy"))
-both = pl.concat([static.select("vocab", "coverage", "policy"), window], how="vertical_relaxed")
-chart = line_chart(both, "vocab", "coverage", "policy", x_title="(mean) vocabulary size",
-                   title="Dynamic window vs static shortlist")
-save_chart(chart, out_dir, "window_vs_static")
-chart
+if table is not None:
+    display(table.filter(pl.col("coverage") >= 0.9).group_by("model", "prompt_set", "task", "series")  # noqa: F821
+            .agg(pl.col("vocab").min().round(0).alias("vocab at 90 %")).sort("model", "prompt_set", "task", "series"))
 
 # %% [markdown]
 # ## LRU vocabulary vs FIFO window at equal mean size
 
 # %%
-mrc = locality.miss_ratio_curves(traces, by=["category"])
-long = pl.concat([
-    mrc.select("category", pl.col("lru_mean_active_vocab").alias("mean_active_vocab"),
-               pl.col("lru_miss_ratio").alias("miss_ratio")).with_columns(pl.lit("LRU").alias("policy")),
-    mrc.select("category", pl.col("fifo_mean_active_vocab").alias("mean_active_vocab"),
-               pl.col("fifo_miss_ratio").alias("miss_ratio")).with_columns(pl.lit("FIFO window").alias("policy")),
-])
-chart = line_chart(long, "mean_active_vocab", "miss_ratio", "policy", facet="category", unit_y=False,
-                   title="Miss ratio", width=160, height=120)
-save_chart(chart, out_dir, "lru_vs_fifo")
-chart
-
-# %% [markdown]
-# ## UniSpec's successor store replayed as a stream
-
-# %%
-succ = locality.successor_coverage(traces, persist=True)
-chart = line_chart(succ, "k", "coverage", log_x=False, x_title="successors stored per token (k)",
-                   title="Coverage of generated[t] by store[generated[t-1]][:k]")
-save_chart(chart, out_dir, "successor_store")
-chart
+miss = fig.miss_ratios(coverage)
+if miss is not None:
+    chart = (alt.Chart(miss).mark_line(point=True).encode(
+        x=fig.log2_axis("mean_active_vocab:Q", "mean active vocabulary (tokens)"),
+        y=alt.Y("miss_ratio:Q", title="miss ratio", axis=alt.Axis(format="%")),
+        color=alt.Color("policy:N", title=None, scale=alt.Scale(domain=[fig.LRU, fig.FIFO],
+                                                                range=["#d62728", "#1f77b4"]),
+                        legend=alt.Legend(orient="top", symbolStrokeWidth=3)),
+        strokeDash=alt.StrokeDash("policy:N", title=None, scale=alt.Scale(domain=[fig.LRU, fig.FIFO],
+                                                                          range=[[6, 3], [1, 0]])),
+        tooltip=["panel", "policy", "capacity", "w_max", alt.Tooltip("mean_active_vocab:Q", format=".0f"),
+                 alt.Tooltip("miss_ratio:Q", format=".1%")])
+        .properties(width=170, height=130)
+        .facet(facet=alt.Facet("panel:N", title=None, header=alt.Header(labelFontWeight="bold")), columns=5)
+        .properties(title=fig.title(
+            "Miss ratio per task: LRU vocabulary vs FIFO window at equal mean size", coverage, record,
+            notes=["LRU: the C most recently used tokens of the candidate stream; FIFO: MicroSpec's window, its "
+                   "w_max chosen to match the LRU's mean active vocabulary"])))
+    fig.save_chart(chart, out_dir, "lru_vs_fifo")
+    display(chart)  # noqa: F821 (IPython)

@@ -1,16 +1,185 @@
-"""Saving figures the same way from every notebook: PNG (vl-convert, offline) and self-contained HTML.
+"""Tidy tables and shared chart pieces for the figure notebooks (`notebooks/NN_*.py`), and `save_chart`.
 
-altair's default HTML loads JavaScript from a CDN, which an offline machine cannot reach, so HTML is written
-with `inline=True`; PNG needs `vl-convert-python` (installed with the `notebooks`/`dev` extras).
+Every table builder takes the frames a sweep wrote (`read(DIR, kind)`, i.e. `sweeps.load(DIR, kind)`
+collected) and returns a small aggregated polars frame (altair refuses frames over 5,000 rows), or None
+after printing why it cannot (a kind or an axis the sweep did not run). The notebooks only filter and
+encode. Words as in `locality`'s glossary: the *window* is MicroSpec's FIFO suffix of the candidate stream
+(MicroSpec §3.2, Eq. 4), its `w_max` counted in stream entries; a *static shortlist* is FR-Spec's top-K of
+a token ranking counted on the training corpus (FR-Spec §3); *coverage* = the fraction of generated tokens
+in the draft vocabulary; tau = tokens committed per step (bonus included, ar = 1.00).
+
+`task` names what a paper calls a task: the Spec-Bench category, or the language for a prompt set split by
+language (the multilingual set), or both when a set has several of each; `panel` adds the prompt set and
+the model when a sweep holds several. Figures are written as PNG (`vl-convert-python`, offline) and self-contained HTML
+(`inline=True`: altair's default HTML loads JavaScript from a CDN an offline machine cannot reach).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Sequence
+
+import altair as alt
+import polars as pl
+
+from engine.bench import DRAFTERS
+from engine.config import SpecConfig
+from sweeps.cell import SweepError
+from sweeps.results import load
+
+KINDS = ("record", "coverage", "bench", "calibrate")
+# a record cell's scalar columns: enough to say what was recorded without reading the traces' token lists
+RECORD_COLUMNS = ("model", "model_name", "prompt_set", "category", "language", "prompt_id", "turn",
+                  "max_new_tokens", "topk", "dtype")
+PHASES = ("backbone", "gather", "lm_head", "tree")          # a drafter's phases (MicroSpec Fig. 4)
+DEFAULTS = SpecConfig()                                     # the papers' defaults: w_max 3072, k_pre = k_ver = 3
+WINDOW = "MicroSpec window"
+STATIC = "static top-K (FR-Spec)"
+LRU = "LRU vocabulary"
+FIFO = "FIFO window (MicroSpec)"
+AVG = "avg"                                                 # the across-tasks column of MicroSpec's Table 2
+TEN = "tableau10"
+TWENTY = "category20"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading and describing a sweep's results
+# ----------------------------------------------------------------------------------------------------------
+
+def read(results_dir: str | Path, kind: str, columns: Sequence[str] | None = None) -> pl.DataFrame | None:
+    """`sweeps.load(results_dir, kind)` collected (only `columns`, those present, when given), or None with
+    a printed line when the sweep has no results of that kind - a notebook draws what it has."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown result kind {kind!r}; choose from {list(KINDS)}")
+    try:
+        lazy = load(results_dir, kind)
+    except SweepError as e:
+        print(f"missing: {e}")
+        return None
+    if columns is not None:
+        have = lazy.collect_schema().names()
+        lazy = lazy.select([c for c in columns if c in have])
+    return lazy.collect()
+
+
+def _present(frame: pl.DataFrame | None, what: str, *columns: str) -> bool:
+    """False (with a printed reason) when `frame` is None, empty or lacks `columns`."""
+    if frame is None:
+        print(f"skipped {what}: no results of the kind it needs")
+        return False
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        print(f"skipped {what}: the results have no {missing} columns (an older sweep? run it again)")
+        return False
+    if frame.is_empty():
+        print(f"skipped {what}: no rows")
+        return False
+    return True
+
+
+def _values(frame: pl.DataFrame, column: str) -> list:
+    if column not in frame.columns:
+        return []
+    return sorted(v for v in frame[column].unique().to_list() if v is not None)
+
+
+def _span(values: list, unit: str) -> str:
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    return f"{lo} {unit}" if lo == hi else f"{lo}-{hi} {unit}"
+
+
+def describe(frame: pl.DataFrame, record: pl.DataFrame | None = None) -> list[str]:
+    """Subtitle lines saying what produced `frame`: the model(s), the prompt sets (turns, categories,
+    languages), the new tokens per turn, and where timings were taken (device, dtype, threads).
+
+    record: the record cells' rows (RECORD_COLUMNS), for frames that do not carry prompts and token limits
+    themselves (coverage results are computed from those traces)."""
+    src = frame
+    if record is not None and not record.is_empty():
+        src = record
+        for col in ("model", "prompt_set"):
+            if col in frame.columns and col in record.columns:
+                src = src.filter(pl.col(col).is_in(_values(frame, col)))
+    models = _values(frame, "model")
+    names = _values(frame, "model_name")
+    who = ", ".join(models) or "?"
+    if names and names != models:
+        who += f" ({', '.join(names)})"
+    lines = [f"model: {who}"]
+    sets = []
+    for name in _values(src, "prompt_set"):
+        part = src.filter(pl.col("prompt_set") == name)
+        bits = []
+        if {"prompt_id", "turn"} <= set(part.columns):
+            bits.append(f"{part.select('prompt_id', 'turn').unique().height} turns")
+        for col, word in (("category", "categories"), ("language", "languages")):
+            n = len(_values(part, col))
+            if n > 1:
+                bits.append(f"{n} {word}")
+        sets.append(f"{name} ({', '.join(bits)})" if bits else name)
+    if sets:
+        lines.append("prompts: " + "; ".join(sets))
+    tokens = _span(_values(src, "max_new_tokens"), "new tokens per turn")
+    if tokens:
+        lines.append(tokens + (", greedy" if "temperature" not in frame.columns
+                               or set(_values(frame, "temperature")) <= {0.0} else ""))
+    where = []
+    for col, fmt in (("device", "{}"), ("dtype", "{}"), ("threads", "torch threads: {}")):
+        vals = _values(frame, col)
+        if vals:
+            where.append(fmt.format("/".join(str(v) for v in vals)))
+    if where:
+        lines[0] += " on " + ", ".join(where)
+    return lines
+
+
+def title(what: str, frame: pl.DataFrame, record: pl.DataFrame | None = None, notes: Sequence[str] = ()
+          ) -> alt.TitleParams:
+    """A chart title: `what` the figure shows; the subtitle: `notes` (how to read it), then `describe`'s lines
+    (what was run)."""
+    return alt.TitleParams(what, subtitle=[*notes, *describe(frame, record)], anchor="start", fontSize=15,
+                           subtitleColor="#444", subtitleFontSize=12)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tasks, panels and colours
+# ----------------------------------------------------------------------------------------------------------
+
+def with_task(frame: pl.DataFrame) -> pl.DataFrame:
+    """Add `task` (category; language in a set split by language; "category/language" when a set has
+    several of both) and `panel` (the task, prefixed with the prompt set and the model when the frame holds
+    several)."""
+    cat = pl.col("category").fill_null("-")
+    lang = pl.col("language").fill_null("-")
+    over = "prompt_set" if "prompt_set" in frame.columns else None
+    n_cat = cat.n_unique().over(over) if over else cat.n_unique()
+    n_lang = lang.n_unique().over(over) if over else lang.n_unique()
+    frame = frame.with_columns(task=pl.when(n_lang <= 1).then(cat).when(n_cat <= 1).then(lang)
+                               .otherwise(cat + "/" + lang))
+    panel = pl.col("task")
+    if "prompt_set" in frame.columns and frame["prompt_set"].n_unique() > 1:
+        panel = pl.col("prompt_set") + " · " + panel
+    if "model" in frame.columns and frame["model"].n_unique() > 1:
+        panel = pl.col("model") + " · " + panel
+    return frame.with_columns(panel=panel)
+
+
+def color_scale(n: int, **kwargs) -> alt.Scale:
+    """10 distinguishable colours, or 20 when there are more series (13 Spec-Bench categories)."""
+    return alt.Scale(scheme=TEN if n <= 10 else TWENTY, **kwargs)
+
+
+def log2_axis(field: str, title_: str, **kwargs) -> alt.X:
+    """A log-2 x axis (window and vocabulary sizes)."""
+    return alt.X(field, title=title_, scale=alt.Scale(type="log", base=2), axis=alt.Axis(tickCount=8), **kwargs)
 
 
 def save_chart(chart, out_dir: str | Path, name: str, scale: float = 2.0) -> dict[str, Path]:
-    """Write `out_dir/name.png` and `out_dir/name.html`; returns both paths."""
+    """Write `out_dir/name.png` (vl-convert, offline) and `out_dir/name.html` (self-contained: the
+    JavaScript inline, no CDN); returns both paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     png, html = out / f"{name}.png", out / f"{name}.html"
@@ -19,40 +188,423 @@ def save_chart(chart, out_dir: str | Path, name: str, scale: float = 2.0) -> dic
     return {"png": png, "html": html}
 
 
-def line_chart(frame, x: str, y: str, color: str | None = None, *, title: str = "", x_title: str | None = None,
-               y_title: str | None = None, log_x: bool = True, unit_y: bool = True, facet: str | None = None,
-               tooltip=(), width: int = 360, height: int = 240):
-    """The one line-with-points chart the notebooks draw: x on a log2 axis (window and vocabulary sizes),
-    y in [0, 1] (coverage, miss ratio) unless `unit_y=False`, one line per `color`, optionally faceted."""
-    import altair as alt
+# ----------------------------------------------------------------------------------------------------------
+# Coverage tables (model-free coverage cells)
+# ----------------------------------------------------------------------------------------------------------
 
-    enc = dict(
-        x=alt.X(f"{x}:Q", title=x_title or x, scale=alt.Scale(type="log", base=2) if log_x else alt.Undefined),
-        y=alt.Y(f"{y}:Q", title=y_title or y, scale=alt.Scale(domain=[0, 1]) if unit_y else alt.Undefined),
-    )
-    if color is not None:
-        enc.update(color=f"{color}:N", strokeDash=f"{color}:N" if facet else alt.Undefined)
-    if facet is not None:
-        enc["facet"] = alt.Facet(f"{facet}:N", columns=4)
-    if tooltip:
-        enc["tooltip"] = list(tooltip)
-    return alt.Chart(frame).mark_line(point=True).encode(**enc).properties(title=title, width=width, height=height)
+def _weighted(frame: pl.DataFrame, keys: Sequence[str], columns: Sequence[str], weight: str = "tokens"
+              ) -> pl.DataFrame:
+    """Per `keys`: `columns` averaged with weight `weight` (micro-averages over generated tokens), and the
+    summed weight."""
+    w = pl.col(weight)
+    return (frame.group_by(*keys, maintain_order=True)
+            .agg(*[((pl.col(c) * w).sum() / w.filter(pl.col(c).is_not_null()).sum()).alias(c) for c in columns],
+                 w.sum().alias(weight)))
 
 
-def bar_chart(frame, x: str, y: str, color: str, *, title: str = "", y_title: str | None = None,
-              stack: bool = False, rule: float | None = None, tooltip=(), width: int = 480, height: int = 220):
-    """Bars of `y` per `x`, one bar per `color` side by side (`stack=False`: the runs of a bench per
-    category) or stacked (`stack=True`: phases of a step); `rule` draws a horizontal reference line
-    (e.g. speedup 1.0 = ar)."""
-    import altair as alt
+def _analysis(cov: pl.DataFrame | None, analysis: str, what: str, *columns: str) -> pl.DataFrame | None:
+    if not _present(cov, what, "analysis"):
+        return None
+    rows = cov.filter(pl.col("analysis") == analysis)
+    if rows.is_empty():
+        print(f"skipped {what}: the sweep ran no {analysis!r} coverage cells ([coverage] analyses)")
+        return None
+    if not _present(rows, what, *columns):
+        return None
+    return with_task(rows)
 
-    enc = dict(x=alt.X(f"{x}:N", title=x), y=alt.Y(f"{y}:Q", title=y_title or y, stack=True if stack else None),
-               color=f"{color}:N")
-    if not stack:
-        enc["xOffset"] = f"{color}:N"
-    if tooltip:
-        enc["tooltip"] = list(tooltip)
-    chart = alt.Chart(frame).mark_bar().encode(**enc).properties(title=title, width=width, height=height)
-    if rule is not None:
-        chart = chart + alt.Chart(alt.Data(values=[{"y": rule}])).mark_rule(strokeDash=[4, 3]).encode(y="y:Q")
-    return chart
+
+def default_point(rows: pl.DataFrame) -> pl.DataFrame:
+    """The rows at the papers' stream (k_pre = k_ver = 3, sources ctx+ext, MicroSpec §3.2) when the sweep
+    has it, else at the sweep's largest k_pre / k_ver and first sources value (printed)."""
+    want = {"k_pre": DEFAULTS.k_pre, "k_ver": DEFAULTS.k_ver, "sources": DEFAULTS.sources}
+    for col, value in want.items():
+        if col not in rows.columns:
+            continue
+        have = _values(rows, col)
+        if value not in have and have:
+            value = have[-1] if col != "sources" else have[0]
+            print(f"note: no {col} = {want[col]!r} in this sweep; drawing {col} = {value!r}")
+        rows = rows.filter(pl.col(col) == value)
+    return rows
+
+
+def coverage_vs_vocab(cov: pl.DataFrame | None) -> pl.DataFrame | None:
+    """MicroSpec Fig. 1(b): per task, the window's coverage at its mean active vocabulary for every w_max
+    (`series` = WINDOW, one row per w_max) and the static shortlist's coverage at every K (`series` =
+    STATIC). Columns: model, prompt_set, task, panel, series, vocab, coverage, w_max, k, tokens."""
+    what = "coverage vs vocabulary size"
+    window = _analysis(cov, "window", what, "w_max", "coverage", "mean_active_vocab", "tokens")
+    if window is None:
+        return None
+    keys = ["model", "prompt_set", "task", "panel"]
+    win = _weighted(default_point(window), [*keys, "w_max"], ["coverage", "mean_active_vocab"])
+    parts = [win.select(*keys, pl.lit(WINDOW).alias("series"), pl.col("mean_active_vocab").alias("vocab"),
+                        "coverage", pl.col("w_max").cast(pl.Int64), pl.lit(None, pl.Int64).alias("k"), "tokens")]
+    static = cov.filter(pl.col("analysis") == "shortlist")
+    if static.is_empty() or "k" not in static.columns:
+        print("note: no shortlist coverage cells: drawing the window only ([coverage] analyses += 'shortlist')")
+    else:
+        st = _weighted(with_task(static), [*keys, "k"], ["coverage"])
+        parts.append(st.select(*keys, pl.lit(STATIC).alias("series"), pl.col("k").cast(pl.Float64).alias("vocab"),
+                               "coverage", pl.lit(None, pl.Int64).alias("w_max"), pl.col("k").cast(pl.Int64),
+                               "tokens"))
+    return pl.concat(parts, how="vertical_relaxed").sort(*keys, "series", "vocab")
+
+
+def miss_ratios(cov: pl.DataFrame | None) -> pl.DataFrame | None:
+    """LRU vocabulary of C tokens against the FIFO window of equal mean size (`locality.miss_ratio_curves`),
+    per task, long: policy (LRU | FIFO), mean_active_vocab, miss_ratio, capacity, w_max."""
+    rows = _analysis(cov, "miss_ratio", "LRU vs FIFO", "capacity", "lru_miss_ratio", "fifo_miss_ratio", "tokens")
+    if rows is None:
+        return None
+    keys = ["model", "prompt_set", "task", "panel", "capacity"]
+    agg = _weighted(default_point(rows), keys, ["lru_mean_active_vocab", "lru_miss_ratio", "fifo_w_max",
+                                                 "fifo_mean_active_vocab", "fifo_miss_ratio"])
+    return pl.concat([
+        agg.select(*keys, pl.lit(LRU).alias("policy"),
+                   pl.col("lru_mean_active_vocab").alias("mean_active_vocab"),
+                   pl.col("lru_miss_ratio").alias("miss_ratio"), pl.lit(None, pl.Float64).alias("w_max"), "tokens"),
+        agg.select(*keys, pl.lit(FIFO).alias("policy"),
+                   pl.col("fifo_mean_active_vocab").alias("mean_active_vocab"),
+                   pl.col("fifo_miss_ratio").alias("miss_ratio"), pl.col("fifo_w_max").alias("w_max"), "tokens"),
+    ])
+
+
+def window_coverage(cov: pl.DataFrame | None, by: Sequence[str] = (), at_default: bool = True
+                    ) -> pl.DataFrame | None:
+    """Window coverage and mean active vocabulary per w_max, micro-averaged over the tasks of each prompt
+    set (or per `by`, e.g. ("task",)); `at_default=False` keeps every (k_pre, k_ver, sources) point of the
+    grid with a `stream` label "k_pre=.., k_ver=..". Columns: model, prompt_set, *by, [stream, k_pre, k_ver,
+    sources], w_max, coverage, mean_active_vocab, tokens."""
+    rows = _analysis(cov, "window", "window coverage", "w_max", "coverage", "mean_active_vocab", "tokens")
+    if rows is None:
+        return None
+    keys = ["model", "prompt_set", *by]
+    if at_default:
+        rows = default_point(rows)
+    else:
+        rows = rows.with_columns(stream=pl.format("k_pre={}, k_ver={}", "k_pre", "k_ver")
+                                 + pl.when(pl.col("sources").n_unique() > 1).then(" · " + pl.col("sources"))
+                                 .otherwise(pl.lit("")))
+        keys += ["stream", "k_pre", "k_ver", "sources"]
+    return _weighted(rows, [*keys, "w_max"], ["coverage", "mean_active_vocab"]).sort(*keys, "w_max")
+
+
+def languages_only(frame: pl.DataFrame | None, what: str) -> pl.DataFrame | None:
+    """The rows of prompt sets that hold several languages (the multilingual set), or None (printed)."""
+    if not _present(frame, what, "prompt_set", "language"):
+        return None
+    sets = (frame.group_by("prompt_set").agg(pl.col("language").n_unique().alias("n"))
+            .filter(pl.col("n") > 1)["prompt_set"].to_list())
+    if not sets:
+        print(f"skipped {what}: no prompt set with several languages (add the multilingual set, split = "
+              f"\"language\")")
+        return None
+    return frame.filter(pl.col("prompt_set").is_in(sets))
+
+
+def distances(cov: pl.DataFrame | None, multilingual: bool = True) -> pl.DataFrame | None:
+    """Reuse / stack distance histograms (`locality.distance_histograms`, power-of-two bins) per task,
+    counts summed over cells and re-normalised; `new_fraction` = tokens never seen before (no bin).
+    `multilingual`: only the prompt sets with several languages. Columns: model, prompt_set, task, panel,
+    stream, metric, bin_lo, bin_hi, count, fraction, cum_fraction, new_fraction."""
+    rows = _analysis(cov, "distances", "reuse distances", "metric", "stream", "bin_lo", "count")
+    if rows is None:
+        return None
+    if multilingual:
+        rows = languages_only(rows, "reuse distances across languages")
+        if rows is None:
+            return None
+    keys = ["model", "prompt_set", "task", "panel", "stream", "metric"]
+    counts = (default_point(rows).group_by(*keys, "bin_lo", "bin_hi").agg(pl.col("count").sum())
+              .with_columns(total=pl.col("count").sum().over(keys)))
+    new = (counts.filter(pl.col("bin_lo").is_null())
+           .select(*keys, (pl.col("count") / pl.col("total")).alias("new_fraction")))
+    seen = (counts.filter(pl.col("bin_lo").is_not_null()).sort(*keys, "bin_lo")
+            .with_columns(fraction=pl.col("count") / pl.col("total"))
+            .with_columns(cum_fraction=pl.col("fraction").cum_sum().over(keys)))
+    return (seen.join(new, on=keys, how="left").with_columns(pl.col("new_fraction").fill_null(0.0))
+            .drop("total"))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Bench tables
+# ----------------------------------------------------------------------------------------------------------
+
+def _config_fields(text) -> dict:
+    try:
+        return json.loads(text) if isinstance(text, str) and text else {}
+    except json.JSONDecodeError:
+        return {}
+
+
+def with_run(bench: pl.DataFrame) -> pl.DataFrame:
+    """Add `run`: one label per benched configuration - the method, and for a drafter with an LM head its
+    vocabulary policy and requested size ("layerskip · full", "layerskip · microspec 3072"), and the grid fields that vary between the method's cells ("k_pre=1").
+    Also `task` and `panel` (`with_task`)."""
+    frame = bench.drop("run", strict=False)
+    size = pl.when(pl.col("vocab_size").is_not_null()).then(" " + pl.col("vocab_size").cast(pl.String)).otherwise(
+        pl.lit(""))
+    base = (pl.when(pl.col("method").is_in(DRAFTERS)).then(pl.col("method") + " · " + pl.col("policy").fill_null("full")
+                                                           + size).otherwise(pl.col("method")))
+    frame = frame.with_columns(run=base)
+    if "config" in frame.columns:
+        pairs = frame.select("method", "config").unique().to_dicts()
+        fields = {(p["method"], p["config"]): _config_fields(p["config"]) for p in pairs}
+        vary: dict[str, set] = {}
+        for method in {m for m, _ in fields}:
+            dicts = [d for (m, _), d in fields.items() if m == method]
+            keys = set().union(*dicts) if dicts else set()
+            vary[method] = {k for k in keys if len({json.dumps(d.get(k), sort_keys=True) for d in dicts}) > 1}
+        extra = {key: ", ".join(f"{k}={d.get(k)}" for k in sorted(vary[key[0]])) for key, d in fields.items()}
+        if any(extra.values()):
+            lookup = pl.DataFrame({"method": [k[0] for k in extra], "config": [k[1] for k in extra],
+                                   "_extra": list(extra.values())}, schema_overrides={"config": pl.String})
+            frame = (frame.join(lookup, on=["method", "config"], how="left", nulls_equal=True)
+                     .with_columns(run=pl.when(pl.col("_extra") != "").then(pl.col("run") + " (" + pl.col("_extra")
+                                                                           + ")").otherwise(pl.col("run")))
+                     .drop("_extra"))
+    return with_task(frame)
+
+
+def method_summary(bench: pl.DataFrame | None) -> pl.DataFrame | None:
+    """MicroSpec Table 2 / Fig. 4 in tidy form: per model, prompt set, task and run - rows, tokens_per_s
+    (mean over prompts, turns, repeats and seeds), tau (sum of new tokens / sum of steps), speedup (tokens/s
+    over ar's on the same model, prompt set and task), draft_ms and <phase>_ms (per drafted step: the
+    prefill, step 0, drafts nothing), draft_coverage (token-weighted). One more row per (model, prompt set,
+    run) with task = AVG: the mean over tasks of tokens/s and tau, speedup = that mean over ar's (Table 2's
+    "Avg. Speed" and "Avg. Len.")."""
+    if not _present(bench, "the method comparison", "method", "tokens_per_s", "tau", "new_tokens", "steps"):
+        return None
+    frame = with_run(bench)
+    for p in PHASES:
+        if f"{p}_s" not in frame.columns:
+            frame = frame.with_columns(pl.lit(None, pl.Float64).alias(f"{p}_s"))
+    for col in ("draft_prefill_s", "uncharged_s", "draft_coverage"):
+        if col not in frame.columns:
+            frame = frame.with_columns(pl.lit(None, pl.Float64).alias(col))
+    keys = ["model", "prompt_set", "run"]
+    drafted = (pl.col("steps") - 1).clip(lower_bound=0).sum()
+    per_step = (lambda e: pl.when(drafted > 0).then(e.sum() / drafted * 1e3))
+    agg = (frame.group_by(*keys, "task", "panel")
+           .agg(method=pl.col("method").first(), policy=pl.col("policy").first(),
+                vocab_size=pl.col("vocab_size").first(), rows=pl.len(),
+                tokens_per_s=pl.col("tokens_per_s").mean(), tau=pl.col("new_tokens").sum() / pl.col("steps").sum(),
+                draft_ms=per_step(pl.col("draft_s") - pl.col("draft_prefill_s").fill_null(0.0)
+                                  - pl.col("uncharged_s").fill_null(0.0)),
+                **{f"{p}_ms": per_step(pl.col(f"{p}_s")) for p in PHASES},
+                has_phases=pl.col("backbone_s").is_not_null().any(),
+                draft_coverage=(pl.col("draft_coverage") * pl.col("new_tokens")).sum()
+                / pl.col("new_tokens").filter(pl.col("draft_coverage").is_not_null()).sum()))
+    agg = agg.with_columns([pl.when(pl.col("has_phases")).then(pl.col(f"{p}_ms")).alias(f"{p}_ms")
+                            for p in PHASES]).drop("has_phases")
+    avg = (agg.group_by(*keys).agg(pl.col("method", "policy", "vocab_size").first(), rows=pl.col("rows").sum(),
+                                   tokens_per_s=pl.col("tokens_per_s").mean(), tau=pl.col("tau").mean(),
+                                   **{c: pl.col(c).mean() for c in ("draft_ms", *[f"{p}_ms" for p in PHASES],
+                                                                     "draft_coverage")})
+           .with_columns(task=pl.lit(AVG), panel=pl.lit(AVG)))
+    both = pl.concat([agg, avg], how="diagonal_relaxed")
+    both = both.with_columns(pl.when(pl.col("draft_coverage").is_finite()).then(pl.col("draft_coverage"))
+                             .alias("draft_coverage"))
+    ar = (both.filter(pl.col("method") == "ar").group_by("model", "prompt_set", "task")
+          .agg(ar_tokens_per_s=pl.col("tokens_per_s").mean()))
+    if ar.is_empty():
+        print("note: no ar runs in this sweep: speedup is not defined (add \"ar\" to a [[bench]] entry)")
+    both = (both.join(ar, on=["model", "prompt_set", "task"], how="left")
+            .with_columns(speedup=pl.col("tokens_per_s") / pl.col("ar_tokens_per_s")).drop("ar_tokens_per_s"))
+    order = {m: i for i, m in enumerate(("ar", "pld", "hf-prompt-lookup", "recycling", "unispec", "dynaspec",
+                                         "layerskip", "eagle"))}
+    both = both.with_columns(_m=pl.col("method").replace_strict(order, default=len(order), return_dtype=pl.Int64),
+                             _avg=pl.col("task") == AVG)
+    return (both.sort("model", "prompt_set", "_avg", "task", "_m", "policy", "vocab_size", "run", nulls_last=True)
+            .drop("_m", "_avg"))
+
+
+def run_order(summary: pl.DataFrame) -> list[str]:
+    """The runs in `method_summary`'s order (ar first, then training-free methods, then drafters)."""
+    return summary["run"].unique(maintain_order=True).to_list()
+
+
+def task_order(summary: pl.DataFrame) -> list[str]:
+    """The tasks sorted, AVG last."""
+    tasks = _values(summary.filter(pl.col("task") != AVG), "task")
+    return tasks + ([AVG] if AVG in set(summary["task"].to_list()) else [])
+
+
+def methods_wide(summary: pl.DataFrame) -> pl.DataFrame:
+    """MicroSpec Table 2's layout: one row per (model, prompt set, run), tokens/s per task, then the average
+    tokens/s, its speedup over ar and the average tau."""
+    tasks = [t for t in task_order(summary) if t != AVG]
+    keys = ["model", "prompt_set", "run"]
+    wide = (summary.filter(pl.col("task") != AVG).pivot("task", index=keys, values="tokens_per_s",
+                                                        aggregate_function="first")
+            .select(*keys, *[pl.col(t).round(1) for t in tasks if t in summary["task"].to_list()]))
+    avg = summary.filter(pl.col("task") == AVG).select(
+        *keys, pl.col("tokens_per_s").round(1).alias("avg tokens/s"), pl.col("speedup").round(2),
+        pl.col("tau").round(2).alias("avg tau"))
+    order = pl.DataFrame({"run": run_order(summary)}).with_row_index("_r")
+    return wide.join(avg, on=keys, how="left").join(order, on="run").sort("model", "prompt_set", "_r").drop("_r")
+
+
+def table_cells(summary: pl.DataFrame) -> pl.DataFrame:
+    """`methods_wide` as long cells for a drawn table: column ("<task>" tokens/s, "avg tokens/s (speedup)",
+    "avg tau"), text and the speedup that colours the cell (null for tau)."""
+    cells = summary.select(
+        "model", "prompt_set", "run", "task", "speedup",
+        column=pl.when(pl.col("task") == AVG).then(pl.lit("avg tokens/s (× ar)")).otherwise(pl.col("task")),
+        text=pl.when(pl.col("task") == AVG).then(
+            pl.format("{} ({}×)", pl.col("tokens_per_s").round(1), pl.col("speedup").round(2).fill_null(float("nan"))))
+        .otherwise(pl.col("tokens_per_s").round(1).cast(pl.String)))
+    tau = summary.filter(pl.col("task") == AVG).select(
+        "model", "prompt_set", "run", task=pl.lit("avg tau"), speedup=pl.lit(None, pl.Float64),
+        column=pl.lit("avg tau"), text=pl.col("tau").round(2).cast(pl.String))
+    return pl.concat([cells, tau], how="vertical_relaxed")
+
+
+def phase_times(summary: pl.DataFrame | None) -> pl.DataFrame | None:
+    """MicroSpec Fig. 4: draft ms per drafted step by phase (backbone, gather, lm_head, tree), long, for the
+    runs of drafters that time their phases (layerskip, eagle)."""
+    if summary is None:
+        return None
+    cols = [f"{p}_ms" for p in PHASES]
+    rows = summary.filter(pl.sum_horizontal(*cols) > 0)       # drafters that time their phases
+    if rows.is_empty():
+        print("skipped the draft-time breakdown: no drafter with phase timings ran (bench layerskip or eagle)")
+        return None
+    return (rows.unpivot(index=["model", "prompt_set", "task", "panel", "run", "method", "policy", "vocab_size",
+                                "draft_ms"], on=cols, variable_name="phase", value_name="ms")
+            .with_columns(pl.col("phase").str.strip_suffix("_ms")))
+
+
+def wmax_sweep(bench: pl.DataFrame | None) -> pl.DataFrame | None:
+    """MicroSpec Fig. 5: per model, prompt set and drafter (method and its grid fields), the microspec runs
+    at every w_max (`vocab_size`): tokens_per_s (mean), tau, draft_coverage, with the same drafter's
+    full-vocabulary tokens_per_s and tau as `full_tokens_per_s`, `full_tau` (null when not benched). Only
+    where at least two w_max values ran."""
+    if not _present(bench, "the w_max sweep", "policy", "vocab_size"):
+        return None
+    frame = with_run(bench)
+    drafter = pl.col("method") + pl.col("run").str.extract(r"(\(.*\))$").fill_null("")
+    frame = frame.with_columns(drafter=drafter)
+    keys = ["model", "prompt_set", "drafter"]
+    per = (lambda f: f.agg(tokens_per_s=pl.col("tokens_per_s").mean(),
+                           tau=pl.col("new_tokens").sum() / pl.col("steps").sum(),
+                           draft_coverage=(pl.col("draft_coverage") * pl.col("new_tokens")).sum()
+                           / pl.col("new_tokens").sum(), rows=pl.len()))
+    micro = per(frame.filter(pl.col("policy") == "microspec").group_by(*keys, "vocab_size"))
+    micro = micro.filter(pl.col("vocab_size").n_unique().over(keys) >= 2)
+    if micro.is_empty():
+        print("skipped the w_max sweep: no drafter benched with microspec at two or more w_max values "
+              "([[bench]] policies = [\"microspec\"], vocab_sizes = [1024, 2048, 3072, 4096, 8192])")
+        return None
+    full = per(frame.filter(pl.col("policy") == "full").group_by(*keys)).select(
+        *keys, full_tokens_per_s="tokens_per_s", full_tau="tau")
+    return (micro.join(full, on=keys, how="left").rename({"vocab_size": "w_max"})
+            .with_columns(default=pl.col("w_max") == DEFAULTS.w_max).sort(*keys, "w_max"))
+
+
+def k_sweep(bench: pl.DataFrame | None) -> pl.DataFrame | None:
+    """tau and tokens/s of the microspec runs against k_pre and k_ver, where the bench grid varied them
+    (`params = { k_pre = [1, 3] }`); None (printed) when it did not."""
+    if not _present(bench, "the k_pre / k_ver bench sweep", "policy"):
+        return None
+    have = [k for k in ("k_pre", "k_ver") if k in bench.columns]
+    rows = bench.filter(pl.col("policy") == "microspec")
+    axes = [k for k in have if rows[k].drop_nulls().n_unique() > 1] if have else []
+    if rows.is_empty() or not axes:
+        print("note: the bench grid does not vary k_pre or k_ver (coverage cells show them model-free below)")
+        return None
+    frame = with_run(rows)
+    out = []
+    for k in axes:
+        out.append(frame.group_by("model", "prompt_set", "vocab_size", pl.col(k).cast(pl.Int64).alias("k"))
+                   .agg(tokens_per_s=pl.col("tokens_per_s").mean(),
+                        tau=pl.col("new_tokens").sum() / pl.col("steps").sum())
+                   .with_columns(parameter=pl.lit(k)))
+    return pl.concat(out).sort("model", "prompt_set", "parameter", "vocab_size", "k")
+
+
+def language_speedup(summary: pl.DataFrame | None) -> pl.DataFrame | None:
+    """UniSpec Fig. 4: `method_summary`'s rows of the prompt sets with several languages (task = the
+    language), speedup over ar and tau per run, the AVG rows included."""
+    if summary is None:
+        return None
+    langs = summary.filter(pl.col("task") != AVG).group_by("prompt_set").agg(n=pl.col("task").n_unique())
+    bench_sets = [s for s in langs.filter(pl.col("n") > 1)["prompt_set"].to_list()]
+    rows = summary.filter(pl.col("prompt_set").is_in(bench_sets))
+    if "multilingual" in bench_sets:
+        rows = rows.filter(pl.col("prompt_set") == "multilingual")
+    if rows.is_empty():
+        print("skipped speedup per language: no bench cells on a prompt set with several languages")
+        return None
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# UniSpec: acceptance by confidence, calibration
+# ----------------------------------------------------------------------------------------------------------
+
+def confidence_bins(bench: pl.DataFrame | None) -> pl.DataFrame | None:
+    """UniSpec Fig. 3: per model and method, draft nodes proposed and accepted per confidence-score bin
+    (`engine.harness.SCORE_BINS` equal bins over [0, 1], as many as the rows' lists hold) summed over every bench row: acceptance_rate =
+    accepted / proposed, density = proposed / all proposed. Methods whose every node sits in one bin (no
+    confidence score: pld, recycling) are left out (printed)."""
+    if not _present(bench, "acceptance vs confidence", "score_bins_proposed", "score_bins_accepted"):
+        return None
+    rows = bench.filter(pl.col("score_bins_proposed").is_not_null())
+    if rows.is_empty():
+        print("skipped acceptance vs confidence: no bench row counted confidence bins")
+        return None
+    frame = (rows.select("model", "method", "score_bins_proposed", "score_bins_accepted",
+                         n_bins=pl.col("score_bins_proposed").list.len())
+             .with_columns(bin=pl.int_ranges(0, pl.col("n_bins")))
+             .explode("score_bins_proposed", "score_bins_accepted", "bin")
+             .group_by("model", "method", "n_bins", "bin")
+             .agg(proposed=pl.col("score_bins_proposed").sum(), accepted=pl.col("score_bins_accepted").sum()))
+    frame = frame.with_columns(bin_lo=pl.col("bin") / pl.col("n_bins"), bin_hi=(pl.col("bin") + 1) / pl.col("n_bins"),
+                               acceptance_rate=pl.when(pl.col("proposed") > 0)
+                               .then(pl.col("accepted") / pl.col("proposed")),
+                               density=pl.col("proposed") / pl.col("proposed").sum().over("model", "method"))
+    spread = frame.filter(pl.col("proposed") > 0).group_by("model", "method").agg(n=pl.len())
+    keep = spread.filter(pl.col("n") > 1).select("model", "method")
+    dropped = sorted(set(spread.filter(pl.col("n") <= 1)["method"].to_list()))
+    if dropped:
+        print(f"note: {dropped} propose every node at one score (no confidence estimate): left out")
+    out = frame.join(keep, on=["model", "method"]).sort("model", "method", "bin")
+    if out.is_empty():
+        print("skipped acceptance vs confidence: no method with confidence scores drafted anything")
+        return None
+    return out
+
+
+QUANTITIES = {"tau": "τ(g): tokens per step", "s_step_ms": "s(g): ms per step",
+              "tokens_per_s": "τ/s: tokens per second"}
+
+
+def calibration_curves(cal: pl.DataFrame | None) -> pl.DataFrame | None:
+    """UniSpec App. F / Fig. 5: the calibrate cells' measured tau(g), s(g), tau/s and their fits, long
+    (`quantity` one of QUANTITIES' labels, `value`), `curve` measured | fit | g_star, `setting` = model ·
+    method · device (dtype)."""
+    if not _present(cal, "the calibration fits", "curve", "g", "tau", "s_step_ms", "tokens_per_s"):
+        return None
+    frame = cal.with_columns(setting=_setting())
+    return (frame.unpivot(index=["setting", "model", "method", "device", "curve", "g", "g_star"],
+                          on=list(QUANTITIES), variable_name="quantity", value_name="value")
+            .with_columns(pl.col("quantity").replace_strict(QUANTITIES)).sort("setting", "quantity", "curve", "g"))
+
+
+def _setting() -> pl.Expr:
+    return pl.format("{} · {} · {} ({})", pl.col("model"), pl.col("method"), pl.col("device").fill_null("?"),
+                     pl.col("dtype").fill_null("default dtype"))
+
+
+def g_stars(cal: pl.DataFrame | None) -> pl.DataFrame | None:
+    """UniSpec Fig. 5: g* per model, method and device (one row per calibrate cell), with the predicted
+    tokens/s at g*."""
+    if not _present(cal, "g* per device", "g_star", "device"):
+        return None
+    cols = [c for c in ("predicted_tokens_per_s", "g_continuous", "threads") if c in cal.columns]
+    return (cal.group_by("model", "method", "device", "dtype", "cell_id")
+            .agg(pl.col("g_star").first(), *[pl.col(c).first() for c in cols])
+            .with_columns(setting=_setting()).sort("model", "method", "device"))

@@ -138,3 +138,26 @@ class SampledChainDrafter(Drafter):
         while len(q_rows) < len(tokens):
             q_rows.append(torch.zeros(self.vocab))               # leaves: no children sampled
         return DraftTree(torch.tensor(tokens), torch.tensor(parents), draft_probs=torch.stack(q_rows))
+
+
+def greedy_topk_reference(model, prompt_ids, max_new_tokens: int, topk: int, eos_ids=()):
+    """What a recorded greedy trace must hold, written plainly: the model's own forward (its own LM head and
+    KV cache), one token at a time. Returns (prefill_topk [L-1, K], generated [T], step_topk [T, K]) as int64
+    numpy arrays; step_topk[t] is the top-K of the distribution that produced generated[t]."""
+    eos = set(int(e) for e in eos_ids)
+    with torch.inference_mode():
+        out = model(input_ids=torch.as_tensor(list(prompt_ids), dtype=torch.long)[None], use_cache=True)
+        logits = out.logits[0]                                   # [L, V]
+        prefill = logits[:-1].topk(topk, dim=-1).indices          # [L-1, K]
+        row, past = logits[-1], out.past_key_values
+        generated, step = [], []
+        for _ in range(max_new_tokens):
+            top = row.topk(topk).indices                           # [K]
+            step.append(top.tolist())
+            generated.append(int(top[0]))
+            if generated[-1] in eos or len(generated) == max_new_tokens:
+                break
+            out = model(input_ids=top[:1].view(1, 1), past_key_values=past, use_cache=True)
+            row, past = out.logits[0, -1], out.past_key_values
+    return (prefill.numpy().astype(np.int64), np.array(generated, dtype=np.int64),
+            np.array(step, dtype=np.int64).reshape(len(step), topk))

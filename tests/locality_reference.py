@@ -1,7 +1,7 @@
 """Plain, obviously correct per-step references for the `locality` metrics: Python lists, sets, loops.
 
-Written from the definitions (specs/microspec.md §2.3, §3; the event order in `locality.stream`), not from
-the fast code, and slow on purpose. The tests assert the vectorised paths agree with these exactly.
+Written from the definitions (MicroSpec §2.2 and §3.2, Eq. 2-4; the event orders in `locality.stream`), not
+from the fast code, and slow on purpose. The tests assert the vectorised paths agree with these exactly.
 """
 
 from __future__ import annotations
@@ -54,6 +54,46 @@ def candidate_events(trace, k_pre=3, k_ver=3, sources="ctx+ext", prefill_order="
             app += [int(v) for v in trace.step_topk[t][:k_ver]]
         steps.append((int(y), app))
     return s_init, steps
+
+
+def engine_events(trace, k_pre=3, k_ver=3, sources="ctx+ext", prefill_order="first"):
+    """(S_init, [(tokens the step committed, appended after the step)]) for the drafted steps s = 1, 2, ...
+    of one trace: the engine's own window, frozen during a step (`event_order="engine"`)."""
+    s_init, _ = candidate_events(trace, k_pre, k_ver, sources, prefill_order)
+    gen = [int(v) for v in trace.generated]
+    sizes = trace.meta.get("step_sizes") or [1] * len(gen)          # no sizes: one token per step
+    trees = trace.draft_tokens if trace.draft_tokens is not None else [[] for _ in sizes]
+    steps, start = [], 0
+    for s, (size, tree) in enumerate(zip(sizes, trees)):
+        end = min(start + size, len(gen))
+        if s > 0:                                                     # step 0 is the prefill: not drafted
+            app = []
+            if sources != "ctx":
+                app += ordered_unique([gen[start - 1]] + [int(v) for v in tree])       # C_draft, root first
+                app += ordered_unique([int(v) for t in range(start, end) for v in trace.step_topk[t][:k_ver]])
+            steps.append((gen[start:end], app))
+        start = end
+    return s_init, steps
+
+
+def engine_window(traces, w, **kw):
+    """[(covered flag of each token of the step, |I_s|)] for every drafted step of every trace."""
+    out = []
+    for tr in traces:
+        s, steps = engine_events(tr, **kw)
+        s = list(s)
+        for ys, app in steps:
+            active = set(s[max(0, len(s) - w):])
+            out.append(([y in active for y in ys], len(active)))
+            s.extend(app)
+    return out
+
+
+def engine_coverage(traces, w, **kw):
+    """(covered tokens, tokens, covered bonus tokens, Sum_s |I_s|, steps) of the engine order."""
+    per = [(flags, size) for flags, size in engine_window(traces, w, **kw) if flags]
+    return (sum(sum(f) for f, _ in per), sum(len(f) for f, _ in per), sum(f[-1] for f, _ in per),
+            sum(a for _, a in per), len(per))
 
 
 def generated_events(trace):

@@ -194,7 +194,7 @@ def test_lossless_greedy_every_policy(tiny, method):
     extra = dict(drafter_layers="skip:1") if method == "layerskip" else dict(eagle_head="random")
     for i, variant in enumerate(VOCAB_VARIANTS):
         out = generate(model, _prompt(i), method=method, max_new_tokens=20, eos_ids=[], frequency_file=str(ranking),
-                       eagle_depth=4, eagle_total_tokens=20, **extra, **variant)
+                       eagle_depth=4, draft_size=19, **extra, **variant)
         assert out.output_ids.tolist() == _ar(tiny, i), variant
         t = out.drafter_timings
         assert t["backbone"] > 0 and t["lm_head"] > 0 and t["tree"] > 0
@@ -209,17 +209,19 @@ def test_layerskip_drafts_tokens_the_target_accepts(tiny):
     out = generate(model, _prompt(0), method="layerskip", drafter_layers="skip:2", max_new_tokens=20, eos_ids=[])
     assert out.output_ids.tolist() == _ar(tiny, 0)
     assert out.tau > 1.5
-    assert isinstance(make_drafter(model, SpecConfig.preset("layerskip", drafter_layers="first:2")), LayerSkipDrafter)
-    assert isinstance(make_drafter(model, SpecConfig.preset("eagle", eagle_head="random")), EagleDrafter)
+    assert isinstance(make_drafter(model, SpecConfig.preset("layerskip", drafter_layers="first:2", draft_size=8)),
+                      LayerSkipDrafter)
+    assert isinstance(make_drafter(model, SpecConfig.preset("eagle", eagle_head="random", draft_size=8)),
+                      EagleDrafter)
 
 
 def test_oracle_proposes_what_full_proposes(tiny):
     model, info, _, _ = tiny
     prompt = _prompt(8)
     full = generate(model, prompt, method="layerskip", vocab="full", max_new_tokens=16, eos_ids=[], record=True,
-                    drafter_layers="skip:1", eagle_depth=4, eagle_total_tokens=20)
+                    drafter_layers="skip:1", eagle_depth=4, draft_size=19)
     drafter = make_drafter(model, SpecConfig.preset("layerskip", vocab="oracle", w_max=16, drafter_layers="skip:1",
-                                                    eagle_depth=4, eagle_total_tokens=20))
+                                                    eagle_depth=4, draft_size=19))
     oracle = generate(model, prompt, method="layerskip", max_new_tokens=16, eos_ids=[], record=True,
                       drafter=drafter)
     assert [r.tree_tokens for r in oracle.records] == [r.tree_tokens for r in full.records]
@@ -258,7 +260,7 @@ def _child_logp(tree):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_layerskip_with_every_layer_is_the_target(arch):
     model, _, _ = load_model(arch, vocab_size=V, hidden_size=48, num_layers=3, seed=11)
-    drafter = make_drafter(model, SpecConfig.preset("layerskip", drafter_layers="all"))
+    drafter = make_drafter(model, SpecConfig.preset("layerskip", drafter_layers="all", draft_size=59))
     accepted_total = 0
     for ids, tree, lg in _drive(model, drafter, _prompt(3, n=37), steps=4):   # 37 > Gemma's window of 16
         target = torch.log_softmax(lg.double(), -1)[tree.parents[1:], tree.tokens[1:]]
@@ -296,7 +298,7 @@ def _eagle_reference_logp(drafter, model, ids, path_tokens):
 def test_eagle_matches_a_cache_free_reference(arch):
     model, _, _ = load_model(arch, vocab_size=V, hidden_size=48, num_layers=2, seed=4)
     drafter = EagleDrafter(model, SpecConfig.preset("eagle", eagle_head="random", eagle_depth=3,
-                                                    eagle_total_tokens=12))
+                                                    draft_size=11))
     with torch.no_grad():                     # a sharper head, so that scores are far from uniform
         drafter.eagle.fc.weight.mul_(20)
     for ids, tree, _ in _drive(model, drafter, _prompt(5, n=20), steps=3):
@@ -332,7 +334,7 @@ def _mimic_head(model):
 def test_eagle_mimicking_the_target_gets_drafts_accepted():
     model, _, _ = load_model("random-llama", vocab_size=V, hidden_size=48, num_layers=1, seed=6)
     head = _mimic_head(model)
-    cfg = SpecConfig.preset("eagle", eagle_head="random", max_new_tokens=30)
+    cfg = SpecConfig.preset("eagle", eagle_head="random", max_new_tokens=30, draft_size=59)
     prompt = _prompt(9)
     ar = generate(model, prompt, method="ar", max_new_tokens=30, eos_ids=[])
     for vocab in ("full", "microspec"):
@@ -376,15 +378,16 @@ def test_eagle_checkpoint_round_trip(tmp_path):
 def test_eagle_errors_name_the_fix(tmp_path):
     model, _, _ = load_model("random-llama", vocab_size=V, hidden_size=48, num_layers=2)
     with pytest.raises(DrafterError, match="eagle_head="):
-        make_drafter(model, SpecConfig.preset("eagle"))
+        make_drafter(model, SpecConfig.preset("eagle", draft_size=8))
     with pytest.raises(DrafterError, match="local directory"):
-        make_drafter(model, SpecConfig.preset("eagle", eagle_head=str(tmp_path / "nowhere")))
+        make_drafter(model, SpecConfig.preset("eagle", eagle_head=str(tmp_path / "nowhere"), draft_size=8))
     other, _, _ = load_model("random-llama", vocab_size=V, hidden_size=64, num_layers=2)
+    cfg = SpecConfig.preset("eagle", eagle_head="random", draft_size=8)
     with pytest.raises(DrafterError, match="hidden size 64 but the target's is 48"):
-        EagleDrafter(model, SpecConfig.preset("eagle", eagle_head="random"), head=random_eagle_head(other))
+        EagleDrafter(model, cfg, head=random_eagle_head(other))
     bigger, _, _ = load_model("random-llama", vocab_size=V + 1, hidden_size=48, num_layers=2)
     with pytest.raises(DrafterError, match=r"vocabulary \(385\) differs from the target's \(384\)"):
-        EagleDrafter(model, SpecConfig.preset("eagle", eagle_head="random"), head=random_eagle_head(bigger))
+        EagleDrafter(model, cfg, head=random_eagle_head(bigger))
     assert isinstance(random_eagle_head(model), EagleHead)
 
 
@@ -403,7 +406,7 @@ def test_sampling_mode_keeps_the_target_distribution():
         seqs = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], 1)
         p2 = (p1[:, None] * torch.softmax(model(seqs).logits[:, -1].double(), -1)).sum(0)     # [V]
     cfg = SpecConfig.preset("layerskip", drafter_layers="skip:1", temperature=1.0, max_new_tokens=2,
-                            eagle_depth=2, eagle_topk=4, eagle_total_tokens=8)
+                            eagle_depth=2, eagle_topk=4, draft_size=7)
     n = 300
     counts = torch.zeros(vocab, dtype=torch.float64)
     for seed in range(n):

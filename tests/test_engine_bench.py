@@ -1,7 +1,8 @@
 """`engine.bench` on a tiny random model (byte-level prompts): rows, Parquet file, summary table, crash
-safety and resume, clear errors for methods that cannot run; drafter x vocab runs (phase columns that add
-up, policy statistics, lossless against ar, run keys with the vocab, comparisons); the default FR-Spec
-ranking counted on the bundled corpus; and (slow) the same on SmolLM2 with its real tokenizer."""
+safety and resume (and refusing an old-format file), clear errors for methods that cannot run; drafter x
+vocab runs (policy / vocab_size / run columns, phase columns that add up, policy statistics, lossless
+against ar, run keys with the run label, comparisons); and (slow) the same on SmolLM2 with its real
+tokenizer."""
 
 import json
 from collections import Counter
@@ -14,8 +15,7 @@ import torch
 import engine.bench as bench
 from engine.bench import (BenchError, PHASES, RESULTS_FILE, compare_vocabs, plan_runs, run_bench, summarize)
 from engine.models import load_model
-from engine.prompts import ByteTokenizer
-from engine.vocab import CORPORA, DEFAULT_CORPORA, corpus_texts, default_frequency_file
+from engine.frequency import corpus_texts
 from locality.shortlist import load_ranking
 from tests.engine_testing import untie_head
 
@@ -53,9 +53,16 @@ def test_run_bench_rows_file_and_table(loaded, prompt_file, tmp_path, capsys):
                    out=out, loaded=loaded, progress=False)
     # 4 turns (prompt 2 has two) x 3 methods x 2 repeats
     assert df.height == 4 * len(METHODS) * 2
-    for col in ("method", "question_id", "category", "repeat", "new_tokens", "steps", "wall_s", "tau",
-                "output_ids", "model", "language", "draft_s", "verify_s", "prefill_s", "g", "turn"):
+    for col in ("method", "prompt_id", "category", "repeat", "new_tokens", "steps", "wall_s", "tau",
+                "output_ids", "model", "language", "draft_s", "verify_s", "prefill_s", "g", "turn", "run", "policy",
+                "vocab_size", "draft_size"):
         assert col in df.columns
+    assert "question_id" not in df.columns and "vocab" not in df.columns
+    turns = df.filter(pl.col("method") == "ar").group_by("prompt_id").agg(pl.col("turn").unique().sort())
+    assert dict(turns.rows()) == {"1": [1], "2": [1, 2], "3": [1]}             # MT-Bench's "turn 1", "turn 2"
+    assert (df["policy"] == "full").all() and df["vocab_size"].is_null().all() and (df["run"] == "full").all()
+    assert df.select("method", "draft_size").unique(maintain_order=True).rows() == \
+        [("ar", None), ("pld", 10), ("hf-prompt-lookup", 10)]             # each method's default, resolved
     assert df["new_tokens"].to_list() == [len(o) for o in df["output_ids"].to_list()]
     assert (df.filter(pl.col("method") == "ar")["tau"] == 1.0).all()
     on_disk = pl.read_parquet(out / RESULTS_FILE)
@@ -73,7 +80,7 @@ def test_summary_flags_a_differing_output(loaded, prompt_file):
     df = run_bench(methods="ar,pld", prompts=str(prompt_file), max_new_tokens=6, loaded=loaded, progress=False,
                    show=False, warmup=0)
     broken = df.with_columns(
-        output_ids=pl.when((pl.col("method") == "pld") & (pl.col("question_id") == "3"))
+        output_ids=pl.when((pl.col("method") == "pld") & (pl.col("prompt_id") == "3"))
         .then(pl.lit([0, 0], dtype=pl.List(pl.Int64))).otherwise(pl.col("output_ids")))
     table = summarize(broken)
     lossless = {(r["category"], r["method"]): r["lossless"] for r in table.iter_rows(named=True)}
@@ -97,13 +104,19 @@ def test_a_crash_keeps_finished_runs_and_resume_completes(loaded, prompt_file, t
                   progress=False, show=False, warmup=0)
     saved = pl.read_parquet(out / RESULTS_FILE)
     # runs finished: prompt 1 (ar, pld), prompt 2 ar with its two turns; prompt 2 pld crashed
-    assert saved.height == 4 and saved.filter(pl.col("question_id") == "2")["method"].to_list() == ["ar", "ar"]
+    assert saved.height == 4 and saved.filter(pl.col("prompt_id") == "2")["method"].to_list() == ["ar", "ar"]
     monkeypatch.setattr(bench, "generate", real)
     full = run_bench(methods="ar,pld", prompts=str(prompt_file), max_new_tokens=6, out=out, loaded=loaded,
                      progress=False, show=False, warmup=0, resume=True)
     assert full.height == 4 * 2
-    assert full.unique(["method", "question_id", "turn", "repeat"]).height == full.height
-    assert (full["vocab"] == "full").all()
+    assert full.unique(["method", "prompt_id", "turn", "repeat"]).height == full.height
+    assert (full["run"] == "full").all()
+    # a results file from before prompt_id / policy (question_id, vocab, turns from 0) is refused
+    saved.rename({"prompt_id": "question_id", "run": "vocab"}).drop("policy", "vocab_size").with_columns(
+        pl.col("turn") - 1).write_parquet(out / RESULTS_FILE)
+    with pytest.raises(BenchError, match="older engine.bench.*new --out folder"):
+        run_bench(methods="ar,pld", prompts=str(prompt_file), max_new_tokens=6, out=out, loaded=loaded,
+                  progress=False, show=False, warmup=0, resume=True)
 
 
 def test_methods_that_cannot_run_are_refused_up_front(loaded, prompt_file):
@@ -111,17 +124,20 @@ def test_methods_that_cannot_run_are_refused_up_front(loaded, prompt_file):
         run_bench(methods="ar,not-a-drafter", prompts=str(prompt_file), loaded=loaded, progress=False)
     with pytest.raises(BenchError, match="no methods"):
         run_bench(methods="", prompts=str(prompt_file), loaded=loaded)
-    with pytest.raises(BenchError, match="pld_num_draft"):
-        run_bench(methods="pld", prompts=str(prompt_file), loaded=loaded, config={"pld_num_draft": 0})
+    with pytest.raises(BenchError, match="draft_size"):
+        run_bench(methods="pld", prompts=str(prompt_file), loaded=loaded, config={"draft_size": 0})
+    with pytest.raises(BenchError, match="unknown dtype 'fp8'"):
+        run_bench(model="random-llama", methods="ar", prompts=str(prompt_file), dtype="fp8")
 
 
 def test_cli_parses_into_run_bench(monkeypatch):
     got = {}
     monkeypatch.setattr(bench, "run_bench", lambda **kw: got.update(kw))
     bench.main(["--model", "random-llama", "--methods", "ar,pld", "--per-category", "2", "--max-new-tokens", "16",
-                "--set", "pld_num_draft=5", "--set", "vocab=microspec", "--categories", "math,qa"])
+                "--set", "draft_size=5", "--set", "vocab=microspec", "--categories", "math,qa", "--dtype", "bf16"])
     assert got["methods"] == "ar,pld" and got["per_category"] == 2 and got["max_new_tokens"] == 16
-    assert got["config"] == {"pld_num_draft": 5, "vocab": "microspec"} and got["categories"] == ["math", "qa"]
+    assert got["config"] == {"draft_size": 5, "vocab": "microspec"} and got["categories"] == ["math", "qa"]
+    assert got["dtype"] == "bf16"
     with pytest.raises(BenchError, match="FIELD=VALUE"):
         bench.main(["--set", "no_such_field=1"])
 
@@ -129,21 +145,24 @@ def test_cli_parses_into_run_bench(monkeypatch):
 # --- drafters x draft vocabularies ------------------------------------------------------------------------
 
 # a 2-layer random model: the drafter keeps its first layer; windows and shortlists well below V = 512
-DRAFT_CFG = dict(drafter_layers="first:1", w_max=64, frspec_k=100, eagle_depth=3, eagle_topk=4,
-                 eagle_total_tokens=10)
+DRAFT_CFG = dict(drafter_layers="first:1", w_max=64, frspec_k=100, eagle_depth=3, eagle_topk=4, draft_size=9)
 ALL_VOCABS = ["full", "frspec", "microspec", "oracle"]
 
 
 def _check_drafter_rows(df: pl.DataFrame, vocabs, drafter: str) -> None:
-    key = ["question_id", "turn", "repeat"]
+    key = ["prompt_id", "turn", "repeat"]
     ar = {tuple(r[k] for k in key): r["output_ids"] for r in df.filter(pl.col("method") == "ar").iter_rows(named=True)}
-    assert df.filter(pl.col("method") == "ar")["vocab"].to_list() == ["full"] * len(ar)
-    assert df.unique(["method", "vocab", *key]).height == df.height
+    assert df.filter(pl.col("method") == "ar")["run"].to_list() == ["full"] * len(ar)
+    assert df.unique(["method", "run", *key]).height == df.height
+    requested = {"full": None, "frspec": DRAFT_CFG["frspec_k"], "microspec": DRAFT_CFG["w_max"],
+                 "oracle": DRAFT_CFG["w_max"]}
     for v in vocabs:
-        rows = df.filter((pl.col("method") == drafter) & (pl.col("vocab") == v))
+        rows = df.filter((pl.col("method") == drafter) & (pl.col("run") == v))
         assert rows.height == len(ar)
+        assert (rows["policy"] == v).all() and rows["vocab_size"].to_list() == [requested[v]] * rows.height
+        assert (rows["draft_size"] == DRAFT_CFG["draft_size"]).all()
         for r in rows.iter_rows(named=True):
-            assert r["output_ids"] == ar[tuple(r[k] for k in key)], (drafter, v, r["question_id"], r["turn"])
+            assert r["output_ids"] == ar[tuple(r[k] for k in key)], (drafter, v, r["prompt_id"], r["turn"])
             phases = sum(r[f"{p}_s"] for p in PHASES)
             assert all(r[f"{p}_s"] >= 0 for p in PHASES) and r["backbone_s"] > 0 and r["lm_head_s"] > 0
             # the phases, the drafter's prompt pass and the oracle's uncharged head all lie inside draft_s
@@ -168,20 +187,24 @@ def test_layerskip_every_vocab_is_lossless_with_phase_columns(loaded, prompt_fil
     df = run_bench(prompts=str(prompt_file), drafter="layerskip", vocab=",".join(ALL_VOCABS), max_new_tokens=10,
                    loaded=loaded, progress=False, threads=1, config=DRAFT_CFG, out=tmp_path / "ls")
     assert torch.get_num_threads() == before                 # restored after the bench
-    assert df.select("method", "vocab").unique(maintain_order=True).rows() == \
+    assert df.select("method", "run").unique(maintain_order=True).rows() == \
         [("ar", "full")] + [("layerskip", v) for v in ALL_VOCABS]
     _check_drafter_rows(df, ALL_VOCABS, "layerskip")
     printed = capsys.readouterr().out
-    assert "frspec ranking counted" in printed and "rest_vicuna7b_mtbench" in printed   # which corpus
+    assert "frspec list counted" in printed and "train_corpus" in printed       # which corpus
     assert "layerskip microspec vs full" in printed and "layerskip microspec vs frspec" in printed
     assert "targets:" in printed and "backbone_ms" in printed
 
     table = summarize(df)
     assert table["lossless"].all()
-    allrows = {(r["method"], r["vocab"]): r for r in table.filter(pl.col("category") == "all").iter_rows(named=True)}
+    allrows = {(r["method"], r["run"]): r for r in table.filter(pl.col("category") == "all").iter_rows(named=True)}
+    assert {k: (r["policy"], r["vocab_size"]) for k, r in allrows.items()} == {
+        ("ar", "full"): ("full", None), ("layerskip", "full"): ("full", None),
+        ("layerskip", "frspec"): ("frspec", 100), ("layerskip", "microspec"): ("microspec", 64),
+        ("layerskip", "oracle"): ("oracle", 64)}
     ls = df.filter(pl.col("method") == "layerskip")
     for v in ALL_VOCABS:                                      # draft ms per drafted step, as the docstring says
-        rows = ls.filter(pl.col("vocab") == v)
+        rows = ls.filter(pl.col("run") == v)
         drafted = (rows["steps"] - 1).sum()
         assert allrows[("layerskip", v)]["draft_ms"] == pytest.approx(
             (rows["draft_s"] - rows["draft_prefill_s"] - rows["uncharged_s"]).sum() / drafted * 1e3)
@@ -190,15 +213,15 @@ def test_layerskip_every_vocab_is_lossless_with_phase_columns(loaded, prompt_fil
     assert allrows[("ar", "full")]["backbone_ms"] is None and allrows[("ar", "full")]["speedup"] == 1.0
 
     cmp = compare_vocabs(table)
-    assert cmp.select("vocab", "base").rows() == [("frspec", "full"), ("microspec", "full"), ("oracle", "full"),
-                                                  ("microspec", "frspec")]
+    assert cmp.select("run", "base").rows() == [("frspec", "full"), ("microspec", "full"), ("oracle", "full"),
+                                                ("microspec", "frspec")]
     for r in cmp.iter_rows(named=True):
-        a, b = allrows[("layerskip", r["vocab"])], allrows[("layerskip", r["base"])]
+        a, b = allrows[("layerskip", r["run"])], allrows[("layerskip", r["base"])]
         assert r["draft_ratio"] == pytest.approx(b["draft_ms"] / a["draft_ms"])
         assert r["tau_ratio"] == pytest.approx(a["tau"] / b["tau"])
         assert r["speed_ratio"] == pytest.approx(a["tokens_per_s"] / b["tokens_per_s"])
 
-    # the run key holds the vocab: resuming with one more vocab runs only that one
+    # the run key holds the run label: resuming with one more label runs only that one
     calls = {"n": 0}
     real = bench.generate
 
@@ -210,16 +233,14 @@ def test_layerskip_every_vocab_is_lossless_with_phase_columns(loaded, prompt_fil
     more = run_bench(prompts=str(prompt_file), drafter="layerskip", vocab="full,microspec", max_new_tokens=10,
                      loaded=loaded, progress=False, show=False, warmup=0, config=DRAFT_CFG, out=tmp_path / "ls",
                      resume=True)
-    assert calls["n"] == 0 and more.height == df.height      # every (method, vocab) run was there already
-    # a file written before runs had a vocab (and the drafter columns) resumes as vocab "full"
-    old = df.filter(pl.col("method") == "ar").drop("vocab", *[f"{p}_s" for p in PHASES], "mean_active_vocab")
-    old.write_parquet(tmp_path / "ls" / RESULTS_FILE)
-    again = run_bench(prompts=str(prompt_file), methods="ar", drafter="layerskip", vocab="oracle",
-                      max_new_tokens=10, loaded=loaded, progress=False, show=False, warmup=0, config=DRAFT_CFG,
-                      out=tmp_path / "ls", resume=True)
-    assert calls["n"] == 4                                    # the 4 oracle turns; ar's were kept
-    assert again.filter(pl.col("method") == "ar")["vocab"].to_list() == ["full"] * 4
-    assert summarize(again)["lossless"].all()
+    assert calls["n"] == 0 and more.height == df.height      # every (method, run) was there already
+    sized = run_bench(prompts=str(prompt_file), drafter="layerskip", vocab="frspec:32", max_new_tokens=10,
+                      loaded=loaded, progress=False, show=False, warmup=0, config=DRAFT_CFG, out=tmp_path / "ls",
+                      resume=True)
+    assert calls["n"] == 4                                    # only the 4 turns of the new run label
+    new = sized.filter(pl.col("run") == "frspec:32")
+    assert (new["policy"] == "frspec").all() and (new["vocab_size"] == 32).all()
+    assert summarize(sized)["lossless"].all()
 
 
 def test_eagle_vocabs_lossless(loaded, prompt_file, cache):
@@ -230,13 +251,13 @@ def test_eagle_vocabs_lossless(loaded, prompt_file, cache):
 
 
 def test_plan_runs_adds_ar_and_refuses_bad_flags(loaded, prompt_file):
-    plan = [(r.method, r.vocab) for r in plan_runs(None, "layerskip", "full,microspec")]
+    plan = [(r.method, r.label) for r in plan_runs(None, "layerskip", "full,microspec")]
     assert plan == [("ar", "full"), ("layerskip", "full"), ("layerskip", "microspec")]
     plan = plan_runs("pld,layerskip", "layerskip", None, {"vocab": "frspec"})
-    assert [(r.method, r.vocab) for r in plan] == [("ar", "full"), ("pld", "full"), ("layerskip", "frspec"),
+    assert [(r.method, r.label) for r in plan] == [("ar", "full"), ("pld", "full"), ("layerskip", "frspec"),
                                                    ("layerskip", "full")]
     assert [r.cfg.vocab for r in plan] == ["frspec", "frspec", "frspec", "full"]
-    assert [(r.method, r.vocab) for r in plan_runs(None)] == [("ar", "full"), ("pld", "full"),
+    assert [(r.method, r.label) for r in plan_runs(None)] == [("ar", "full"), ("pld", "full"),
                                                               ("hf-prompt-lookup", "full")]
     with pytest.raises(BenchError, match="unknown drafter 'pld'.*layerskip"):
         plan_runs("ar", "pld", "full")
@@ -251,7 +272,9 @@ def test_plan_runs_adds_ar_and_refuses_bad_flags(loaded, prompt_file):
     with pytest.raises(BenchError, match="needs --drafter"):
         bench.main(["--model", "random-llama", "--vocab", "microspec"])
     sized = plan_runs(None, "layerskip", "frspec,frspec:1024,microspec:512")
-    assert [r.vocab for r in sized] == ["full", "frspec", "frspec:1024", "microspec:512"]
+    assert [r.label for r in sized] == ["full", "frspec", "frspec:1024", "microspec:512"]
+    assert [(r.policy, r.vocab_size) for r in sized] == [("full", None), ("frspec", 32768), ("frspec", 1024),
+                                                         ("microspec", 512)]
     assert [(r.cfg.vocab, r.cfg.frspec_k, r.cfg.w_max) for r in sized[1:]] == [
         ("frspec", 32768, 3072), ("frspec", 1024, 3072), ("microspec", 32768, 512)]
     with pytest.raises(BenchError, match="positive integer"):
@@ -273,28 +296,6 @@ def test_cli_passes_drafter_vocab_and_threads(monkeypatch):
     assert got["config"] == {"drafter_layers": "first:4"}
 
 
-def test_default_frequency_file_counts_the_bundled_corpus_once(cache, capsys):
-    tok = ByteTokenizer()
-    path = default_frequency_file(tok, "bytes", 300)
-    assert path.parent == cache / "rankings"
-    ranking = load_ranking(path, tokenizer="bytes", vocab_size=300)
-    texts = [t for c in DEFAULT_CORPORA for t in corpus_texts(c)]
-    expect = Counter(b for t in texts for b in tok.encode(t))
-    assert {t: c for t, c in zip(ranking["token_id"], ranking["count"]) if c} == dict(expect)
-    assert "counted" in capsys.readouterr().out
-    mtime = path.stat().st_mtime_ns
-    assert default_frequency_file(tok, "bytes", 300) == path and path.stat().st_mtime_ns == mtime
-    assert "cached" in capsys.readouterr().out
-    # another vocabulary size or corpus is another file
-    other = default_frequency_file(tok, "bytes", 256, corpora=("rest_vicuna7b_mtbench",), verbose=False)
-    assert other != path and load_ranking(other)["count"].sum() == sum(len(tok.encode(t))
-                                                                     for t in corpus_texts("rest_vicuna7b_mtbench"))
-    assert set(DEFAULT_CORPORA) <= set(CORPORA)
-    from engine.vocab import VocabError
-    with pytest.raises(VocabError, match="unknown corpus"):
-        default_frequency_file(tok, "bytes", 300, corpora=("slimpajama",))
-
-
 # --- a real model (slow) -----------------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -303,16 +304,16 @@ def test_smollm2_layerskip_every_vocab_lossless(smollm2, cache, capsys):
     df = run_bench(prompts="spec_bench", categories=["qa"], per_category=1, drafter="layerskip",
                    vocab=",".join(ALL_VOCABS), max_new_tokens=12, loaded=smollm2, progress=False, warmup=0,
                    threads=1, config=dict(drafter_layers="skip:12,14,16,18", eagle_depth=3, eagle_topk=4,
-                                          eagle_total_tokens=10, w_max=512, frspec_k=2048))
+                                          draft_size=9, w_max=512, frspec_k=2048))
     _ = capsys.readouterr()
     ar = df.filter(pl.col("method") == "ar")["output_ids"].to_list()
     for v in ALL_VOCABS:
-        rows = df.filter((pl.col("method") == "layerskip") & (pl.col("vocab") == v))
+        rows = df.filter((pl.col("method") == "layerskip") & (pl.col("run") == v))
         assert rows["output_ids"].to_list() == ar, v
-    # the frspec ranking was counted with SmolLM2's own tokenizer on the bundled corpus
+    # the frspec ranking was counted with SmolLM2's own tokenizer on the training corpus
     ranking = load_ranking(next((cache / "rankings").glob("smollm2-*.parquet")), tokenizer=info.tokenizer_name,
                            vocab_size=info.vocab_size)
-    sample = corpus_texts("rest_vicuna7b_mtbench")[:3]
+    sample = corpus_texts("train_corpus")[:3]
     ids = np.concatenate([tok.encode(t, add_special_tokens=False) for t in sample])
     counts = dict(zip(ranking["token_id"].to_list(), ranking["count"].to_list()))
     assert all(counts[int(i)] >= c for i, c in Counter(ids.tolist()).items())
@@ -321,10 +322,10 @@ def test_smollm2_layerskip_every_vocab_lossless(smollm2, cache, capsys):
 def test_compare_vocabs_pairs_microspec_with_every_frspec_size():
     rows = [("full", 10.0, 2.0, 1.0, None), ("frspec", 4.0, 1.9, 1.5, 32768.0), ("frspec:1024", 3.0, 1.5, 1.6, 1024.0),
             ("microspec", 2.5, 1.8, 1.9, 700.0)]
-    table = pl.DataFrame([{"category": "all", "method": "layerskip", "vocab": v, "draft_ms": d, "tau": t,
+    table = pl.DataFrame([{"category": "all", "method": "layerskip", "run": v, "draft_ms": d, "tau": t,
                            "tokens_per_s": s, "mean_active_vocab": m} for v, d, t, s, m in rows])
     cmp = compare_vocabs(table)
-    assert cmp.select("vocab", "base").rows() == [("frspec", "full"), ("frspec:1024", "full"), ("microspec", "full"),
+    assert cmp.select("run", "base").rows() == [("frspec", "full"), ("frspec:1024", "full"), ("microspec", "full"),
                                                   ("microspec", "frspec"), ("microspec", "frspec:1024")]
     lines = bench.comparison_lines(cmp)
     assert "draft >= 3x less met" in lines[2] and "tau >= 0.95x MISSED" in lines[2]   # 4.0x less, 0.90x tau

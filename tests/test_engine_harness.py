@@ -2,22 +2,25 @@
 for token; self-speculation accepts every draft token; stops, records, errors; sampling keeps the target's
 distribution over whole generations."""
 
+import re
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
-from engine import ContextError, GenerateResult, HarnessError, SpecConfig, generate
-from engine.config import ConfigError
+from engine import ContextError, GenerateResult, HarnessError, SpecConfig, generate, harness, vocab
+from engine.calibration import FALLBACK_DRAFT_SIZE, model_key, save_calibration
+from engine.config import LITERAL_FIELDS, METHODS, POLICIES, ConfigError
+from engine.drafters.recycling import template_size
+from engine.harness import resolve_config
 from engine.drafters import UnknownMethodError, make_drafter
 from engine.models import load_model
 from engine.tree import DraftTree, Drafter
 from engine.verify import warp_probs
 from locality.trace import read_traces, write_traces
-from tests.engine_testing import (ARCHS, OracleTreeDrafter, SampledChainDrafter, SelfDrafter, naive_greedy,
-                                  untie_head)
+from tests.engine_testing import ARCHS, OracleTreeDrafter, SelfDrafter, naive_greedy, untie_head
+from tests.sampling_stats import assert_fits, assert_rejects
 
 VOCAB = 512
 T = 24
@@ -194,41 +197,83 @@ def tiny_target():
     return untie_head(model, scale=2.0), info
 
 
-def _exact_two_token_probs(model, prompt, temperature, top_p):
+def _exact_joint_probs(model, prompt, length: int, temperature: float, top_p: float) -> np.ndarray:
+    """[V ** length] float64: the target's exact joint distribution of its next `length` sampled tokens
+    (cell index = the tokens in base V, first most significant), from cache-free forwards of every prefix."""
+    v = model.config.vocab_size
+    joint = np.ones(1)
     with torch.inference_mode():
-        p1 = warp_probs(model(torch.tensor([prompt])).logits[0, -1], temperature, top_p)     # [V]
-        seqs = torch.tensor([prompt + [y] for y in range(8)])
-        p2 = warp_probs(model(seqs).logits[:, -1], temperature, top_p)                        # [V, V]
-    return (p1[:, None] * p2).reshape(-1).numpy()
+        for depth in range(length):
+            prefixes = [prompt + [(c // v ** j) % v for j in reversed(range(depth))] for c in range(v ** depth)]
+            p = warp_probs(model(torch.tensor(prefixes)).logits[:, -1], temperature, top_p).double().numpy()
+            joint = (joint[:, None] * p / p.sum(-1, keepdims=True)).reshape(-1)      # [v ** (depth + 1)]
+    return joint
 
 
-@pytest.mark.parametrize("kind", ["ar", "spec"])
+class _TargetDrafter(Drafter):
+    """Draft trees that depend on the target, so that the rejections that happen hit likely tokens. "top":
+    the root's children are the target's 2 most likely next tokens (most likely first), the first child's
+    children its 2 most likely after it. "sampled": 3 children of the root and 2 of the first child drawn
+    i.i.d. from q, a draft model's distribution: the target's logits at 3x the temperature plus a fixed
+    error per token (about half the drafts are accepted). The target's rows come from cache-free forwards,
+    memoised in `memo` across runs. The drafter's generator must not share the harness's seed: draws
+    coupled with the verifier's uniforms are not independent drafts."""
+
+    name = "test-target"
+
+    def __init__(self, target, cfg, mode: str, memo: dict, seed: int):
+        super().__init__(target, cfg)
+        self.mode, self.memo = mode, memo
+        self.gen = torch.Generator().manual_seed(seed)
+        v = target.config.vocab_size
+        self.error = torch.randn(v, v, generator=torch.Generator().manual_seed(7))   # [V, V] fixed
+
+    def _children(self, ctx: list[int], width: int):
+        if tuple(ctx) not in self.memo:
+            self.memo[tuple(ctx)] = self.target(torch.tensor([ctx])).logits[0, -1].float()
+        z = self.memo[tuple(ctx)]                                                     # [V]
+        if self.mode == "top":
+            p = warp_probs(z, self.cfg.temperature, self.cfg.top_p)
+            kids = p.topk(width).indices
+            return kids.tolist(), p[kids], None
+        q = torch.softmax(z / (3 * self.cfg.temperature) + 1.5 * self.error[ctx[-1]], -1)
+        kids = torch.multinomial(q, width, replacement=True, generator=self.gen)
+        return kids.tolist(), q[kids], q
+
+    def propose(self, ids):
+        ctx = ids.tolist()
+        kids, s1, q0 = self._children(ctx, 2 if self.mode == "top" else 3)
+        grand, s2, q1 = self._children(ctx + [kids[0]], 2)
+        tokens = [ctx[-1]] + kids + grand
+        parents = [-1] + [0] * len(kids) + [1] * len(grand)
+        scores = torch.cat([torch.ones(1), s1, s1[0] * s2])
+        draft_probs = None
+        if self.mode == "sampled":
+            draft_probs = torch.zeros(len(tokens), q0.numel())                        # [n, V]
+            draft_probs[0], draft_probs[1] = q0, q1
+        return DraftTree(torch.tensor(tokens), torch.tensor(parents), scores, draft_probs)
+
+
+@pytest.mark.parametrize("kind", ["ar", "top", "sampled"])
 def test_sampled_generations_follow_the_target(tiny_target, kind):
-    """First two sampled tokens over many seeds vs the exact joint distribution (64 cells), through the
-    whole harness: sampled first token at prefill, tree verification, cache compaction. "spec" alternates
-    deterministic random trees (some correct branches) and trees whose children are drawn from a q."""
+    """First three sampled tokens over many seeds vs the exact joint distribution (512 cells, 94 possible
+    under top-p), through the whole harness: sampled first token at prefill, tree verification, cache
+    compaction before the next step. Drafts depend on the target (`_TargetDrafter`)."""
     model, info = tiny_target
-    temperature, top_p = 2.0, 0.95
+    temperature, top_p, length = 1.0, 0.9, 3
     prompt = [1, 5, 2, 7, 1, 5, 2, 7, 3, 1, 5, 2, 7, 3, 6, 0, 4, 1, 5, 2]   # longer than the window (16)
-    want = _exact_two_token_probs(model, prompt, temperature, top_p)
-    greedy = naive_greedy(model, prompt, 6)
-    n = 600
-    counts = np.zeros(64, dtype=np.int64)
+    want = _exact_joint_probs(model, prompt, length, temperature, top_p)
+    assert (want == 0).any()                                 # top-p leaves impossible sequences
+    n, memo = 1000, {}
+    counts = np.zeros(8 ** length, dtype=np.int64)
     for seed in range(n):
-        cfg = SpecConfig(max_new_tokens=2, temperature=temperature, top_p=top_p, seed=seed)
-        if kind == "ar":
-            drafter = None
-        elif seed % 2:
-            drafter = OracleTreeDrafter(model, cfg, prompt + greedy, 8, seed=seed, max_nodes=6)
-        else:
-            drafter = SampledChainDrafter(model, cfg, 8, seed=seed)
+        cfg = SpecConfig(max_new_tokens=length, temperature=temperature, top_p=top_p, seed=seed)
+        drafter = None if kind == "ar" else _TargetDrafter(model, cfg, kind, memo, seed=10 ** 6 + seed)
         out = generate(model, prompt, cfg, info=info, drafter=drafter, eos_ids=[]).output_ids.tolist()
-        counts[out[0] * 8 + out[1]] += 1
-    expected = want * n
-    small = expected < 5
-    obs = np.append(counts[~small], counts[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    assert stats.chisquare(obs, exp * n / exp.sum()).pvalue > 1e-3
+        counts[(out[0] * 8 + out[1]) * 8 + out[2]] += 1
+    assert_fits(counts, want, f"{kind}: first {length} tokens")
+    # power: the counts do not fit the target at a slightly higher temperature
+    assert_rejects(counts, _exact_joint_probs(model, prompt, length, 1.3, top_p), f"{kind} vs T = 1.3")
 
 
 class _Spy(Drafter):
@@ -248,3 +293,96 @@ def test_drafters_get_prefill_logits_at_every_position_unless_they_opt_out(targe
     generate(model, prompt, info=info, drafter=spy, max_new_tokens=2)
     generate(model, prompt, info=info, drafter=last, max_new_tokens=2)
     assert spy.shapes == ((11, v), (11, d)) and last.shapes == ((1, v), (11, d))
+
+
+# --- the draft size: one field, resolved once --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small():
+    model, _, info = load_model("random-llama", vocab_size=VOCAB, hidden_size=32, num_layers=2, seed=4)
+    return untie_head(model), info
+
+
+def test_draft_size_none_is_each_methods_default(small, tmp_path, monkeypatch):
+    model, _ = small
+    monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path))
+    expect = {"ar": None, "pld": 10, "hf-prompt-lookup": 10, "layerskip": 59, "eagle": 59,
+              "recycling": template_size("tr-default")}
+    for method, g in expect.items():
+        assert resolve_config(SpecConfig.preset(method), model=model).draft_size == g, method
+    assert template_size("tr-default") == 80                       # Token Recycling's Figure 5 tree
+    assert resolve_config(SpecConfig.preset("pld", draft_size=3), model=model).draft_size == 3
+    assert resolve_config(SpecConfig.preset("pld")).draft_size is None     # no model: nothing to resolve
+    unispec = SpecConfig.preset("unispec")
+    with pytest.warns(UserWarning, match="no calibrated draft size"):
+        assert resolve_config(unispec, model=model).draft_size == FALLBACK_DRAFT_SIZE["cpu"]
+    save_calibration(model_key(model, unispec), {"g_star": 17})
+    assert resolve_config(unispec, model=model).draft_size == 17
+    with pytest.warns(UserWarning, match="no calibrated draft size"):         # another r: another key
+        other_r = resolve_config(unispec, overrides={"threshold_r": 0.2}, model=model)
+    assert other_r.draft_size == FALLBACK_DRAFT_SIZE["cpu"]
+
+
+def test_unispec_draft_size_comes_from_the_harness_not_the_drafter(small, monkeypatch):
+    """g* is looked up once per generate, where the config is resolved; the drafter only reads draft_size."""
+    model, info = small
+    calls = []
+    monkeypatch.setattr(harness, "resolve_draft_size", lambda cfg, m: calls.append(cfg.method) or 3)
+    out = generate(model, list(range(30, 60)), method="unispec", info=info, max_new_tokens=12, eos_ids=[])
+    assert calls == ["unispec"]
+    assert out.draft_tokens <= 3 * (out.steps - 1) and out.draft_tokens > 0
+    with pytest.raises(ConfigError, match="resolve_config"):
+        make_drafter(model, SpecConfig.preset("unispec"))             # an unresolved config is refused
+    for method in ("pld", "recycling", "layerskip"):
+        with pytest.raises(ConfigError, match="draft_size is None"):
+            make_drafter(model, SpecConfig.preset(method, drafter_layers="all"))
+
+
+@pytest.mark.parametrize("method", ["pld", "hf-prompt-lookup"])
+def test_prompt_lookup_drafts_at_most_draft_size(small, method):
+    model, info = small
+    prompt = list(range(40, 52)) * 3
+    sizes = {}
+    for g in (1, 6):
+        out = generate(model, prompt, method=method, info=info, max_new_tokens=24, eos_ids=[], draft_size=g)
+        assert out.draft_tokens <= g * out.steps
+        sizes[g] = out.draft_tokens
+    assert sizes[6] > sizes[1]
+
+
+@pytest.mark.parametrize("method", ["unispec", "layerskip"])
+def test_score_bins_count_what_the_records_show(small, method):
+    """The on-device confidence histogram equals a plain recount over the recorded steps' trees."""
+    model, info = small
+    prompt = list(range(40, 52)) * 3
+    res = generate(model, prompt, method=method, info=info, max_new_tokens=32, eos_ids=[], draft_size=6,
+                   drafter_layers="all", record=True)
+    proposed, accepted = np.zeros(harness.SCORE_BINS, int), np.zeros(harness.SCORE_BINS, int)
+    for r in res.records:
+        for node, score in enumerate(r.tree_scores[1:], start=1):
+            s = min(max(np.float32(score), np.float32(0)), np.float32(1))
+            b = min(int(s * np.float32(harness.SCORE_BINS)), harness.SCORE_BINS - 1)
+            proposed[b] += 1
+            accepted[b] += node in r.accepted[1:]
+    assert res.score_bins_proposed == proposed.tolist() and res.score_bins_accepted == accepted.tolist()
+    assert sum(res.score_bins_proposed) == res.draft_tokens > 0
+    assert 0 < sum(res.score_bins_accepted) <= res.new_tokens
+    assert np.count_nonzero(proposed) > 1                # the drafter's scores spread over several bins
+    ar = generate(model, prompt, method="ar", info=info, max_new_tokens=8, eos_ids=[])
+    assert ar.score_bins_proposed == ar.score_bins_accepted == [0] * harness.SCORE_BINS
+
+
+# --- allowed values: defined once, checked from the Literal types ---------------------------------------------
+
+def test_every_literal_field_is_checked_against_its_own_choices():
+    assert set(LITERAL_FIELDS) >= {"method", "vocab", "confidence", "store_persistence", "threshold_scope", "sources",
+                                   "ver_rows", "window_mode", "draft_tree_tokens", "prefill_order"}
+    for name, choices in LITERAL_FIELDS.items():
+        with pytest.raises(ConfigError, match=rf"'bogus'.*choose one of.*{re.escape(repr(list(choices)))}.*{name}"):
+            SpecConfig().replace(**{name: "bogus"})
+        for value in choices:
+            assert getattr(SpecConfig().replace(**{name: value}), name) == value
+    assert METHODS == LITERAL_FIELDS["method"] and POLICIES == LITERAL_FIELDS["vocab"]
+    assert vocab.POLICIES is POLICIES                                  # one definition
+    with pytest.raises(ConfigError, match="store_persistence"):
+        generate(None, [1, 2], store_persistence="bogus")

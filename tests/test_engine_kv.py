@@ -3,13 +3,15 @@
 Gemma 3's random model has a sliding window of 16 on 5 of every 6 layers, so prompts of 10-40 tokens
 cover caches below, at and beyond the window."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from engine import kv
-from engine.harness import forward_tree, prefill
+from engine.harness import forward_tree, generate, prefill
 from engine.models import load_model
 from engine.tree import DraftTree
 from engine.verify import tree_layout
@@ -164,3 +166,38 @@ def test_eager_attention_takes_the_same_masks():
         for i in range(tree.size):
             ref = _plain_logits(m, prompt[:-1] + tree.tokens[tree.path_to(i)].tolist())
             assert _rel_err(logits[i], ref) < 1e-4, f"{name} node {i}"
+
+
+@pytest.mark.parametrize("impl", ["flash_attention_2", "flex_attention", "paged|sdpa"])
+def test_attention_that_ignores_the_tree_mask_is_refused_before_any_forward(impl):
+    """Flash-attention builds its own causal mask and would verify a tree as one chain: refuse it."""
+    model, _, _ = load_model("random-gemma3", vocab_size=VOCAB, hidden_size=32, num_layers=2, seed=1)
+    model.config._attn_implementation = impl
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    try:
+        with pytest.raises(kv.AttentionImplementationError, match=rf"{re.escape(impl)}.*4D.*sdpa"):
+            generate(model, list(range(10)), method="pld", max_new_tokens=4, eos_ids=[])
+        with pytest.raises(kv.AttentionImplementationError, match="set_attn_implementation"):
+            kv.new_cache(model)
+    finally:
+        hook.remove()
+    assert forwards == []
+
+
+def test_eager_attention_verifies_trees_like_sdpa():
+    model, _, _ = load_model("random-llama", vocab_size=VOCAB, num_layers=3, seed=2)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, VOCAB, 12).tolist()
+    tree = random_tree(prompt[-1], 9, VOCAB, rng)
+    out = {}
+    for impl in ("sdpa", "eager"):
+        model.set_attn_implementation(impl)
+        assert model.config._attn_implementation == impl
+        with torch.inference_mode():
+            cache = kv.new_cache(model)
+            prefill(model, torch.tensor(prompt[:-1]), cache)
+            out[impl] = forward_tree(model, cache, len(prompt) - 1, tree.tokens, tree.parents)[1]
+    assert _rel_err(out["eager"], out["sdpa"]) < 1e-5
+    path = tree.tokens[tree.path_to(tree.size - 1)].tolist()
+    assert _rel_err(out["eager"][-1], _plain_logits(model, prompt[:-1] + path)) < 1e-4

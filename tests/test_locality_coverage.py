@@ -1,4 +1,5 @@
-"""Candidate stream construction and one-pass window coverage vs the per-step reference (exact equality)."""
+"""Candidate stream construction and one-pass window coverage vs the per-step reference (exact equality), in
+both event orders ("token": the window moves after every token; "engine": after every recorded step)."""
 
 import numpy as np
 import polars as pl
@@ -77,7 +78,34 @@ def test_hand_coverage_values():
     f = coverage([hand_trace()], w_max=[1, 2, 100], k_pre=2, k_ver=1)
     assert f["coverage"].to_list() == [0.5, 0.5, 0.5]
     assert f["mean_active_vocab"].to_list() == [1.0, 1.5, 5.0]   # |{5,6,7,1,8}| = 5 at both steps
-    assert f["steps"].to_list() == [2, 2, 2]
+    assert f["tokens"].to_list() == f["steps"].to_list() == [2, 2, 2]   # every token is a step here
+    assert f["bonus_coverage"].to_list() == f["coverage"].to_list()
+
+
+def spec_hand_trace():
+    """Step 0 (prefill) commits 8; step 1 drafts [10, 4, 10] under root 8 and commits 6 and 11."""
+    return Trace(prompt=[5, 6, 7], prefill_topk=[[6, 1], [7, 6]], generated=[8, 6, 11],
+                 step_topk=[[8, 1], [6, 8], [11, 3]], draft_tokens=[[], [10, 4, 10]], meta={"step_sizes": [1, 2]})
+
+
+def test_engine_event_order_by_hand():
+    s = candidate_stream([spec_hand_trace()], k_pre=2, k_ver=2, event_order="engine")
+    # S_init = [5,6,7] ⊕ Dedup([6,1],[7,6],[8,1]) = [5,6,7,6,1,7,8]; step 1 queries 6 and 11 at n = 7 (the
+    # window frozen for the step); then C_draft = Dedup(root 8, 10, 4, 10), C_ver = Dedup([6,8],[11,3])
+    assert s.tokens.tolist() == [5, 6, 7, 6, 1, 7, 8] + [8, 10, 4] + [6, 8, 11, 3]
+    assert s.query_pos.tolist() == [7, 7] and s.query_token.tolist() == [6, 11]
+    assert s.query_step.tolist() == [1, 1] and s.query_position.tolist() == [1, 2]
+    f = coverage([spec_hand_trace()], w_max=[2, 100], k_pre=2, k_ver=2, event_order="engine")
+    assert f["coverage"].to_list() == [0.0, 0.5] and f["bonus_coverage"].to_list() == [0.0, 0.0]
+    assert f["tokens"].to_list() == [2, 2] and f["steps"].to_list() == [1, 1]
+    assert f["mean_active_vocab"].to_list() == [2.0, 5.0]          # |{7, 8}|, |{5, 6, 7, 1, 8}|
+    # the "token" order of the same trace: one query per token (the prefill's included), trees after steps
+    t = candidate_stream([spec_hand_trace()], k_pre=2, k_ver=2)
+    assert t.query_pos.tolist() == [7, 9, 11] and t.query_step.tolist() == [0, 1, 2]
+    # no drafts: every step commits one token and drafts its root alone
+    ar = candidate_stream([hand_trace()], k_pre=2, k_ver=1, event_order="engine")
+    assert ar.tokens.tolist() == [5, 6, 7, 6, 1, 7, 8, 8, 10] and ar.query_pos.tolist() == [7]
+    assert ar.query_token.tolist() == [10]
 
 
 # --- fast path == reference, exactly -------------------------------------------------------------------
@@ -93,7 +121,7 @@ def test_coverage_matches_reference(seed, sources):
     for row in f.iter_rows(named=True):
         covered, active, steps = ref.coverage(trs, row["w_max"], k_pre=k_pre, k_ver=k_ver, sources=sources,
                                               prefill_order=order)
-        assert row["steps"] == steps
+        assert row["tokens"] == row["steps"] == steps
         if steps:
             assert row["coverage"] * steps == pytest.approx(covered, abs=1e-9)
             assert row["mean_active_vocab"] * steps == pytest.approx(active, abs=1e-9)
@@ -109,7 +137,7 @@ def test_generated_stream_matches_reference(seed):
     idx = StreamIndex(generated_stream(trs))
     for w in WS:
         c, a, n = ref.coverage(trs, w, events=ref.generated_events)
-        assert idx.coverage_counts([w])[0] == c and idx.active_vocab_sums([w])[0] == a and idx.steps == n
+        assert idx.coverage_counts([w])[0] == c and idx.active_vocab_sums([w])[0] == a and idx.tokens == n
 
 
 def test_edge_cases():
@@ -120,13 +148,13 @@ def test_edge_cases():
     for w in [1, 10 ** 9]:                      # w_max = 1 and far beyond any stream
         f = coverage(trs, [w], k_pre=4, k_ver=4)
         c, a, n = ref.coverage(trs, w, k_pre=4, k_ver=4)
-        assert f["steps"][0] == n == 24
+        assert f["tokens"][0] == n == 24
         assert f["coverage"][0] * n == pytest.approx(c) and f["mean_active_vocab"][0] * n == pytest.approx(a)
     no_draft = [random_trace(rng, draft=False, T=4) for _ in range(3)]
     empty = coverage(no_draft, [1, 5], k_pre=0, k_ver=0, sources="ext")     # an empty candidate stream
     assert empty["coverage"].to_list() == [0.0, 0.0] and empty["mean_active_vocab"].to_list() == [0.0, 0.0]
     only_empty = coverage([random_trace(rng, T=0)], [4])
-    assert only_empty["steps"][0] == 0 and only_empty["coverage"].is_nan()[0]
+    assert only_empty["tokens"][0] == 0 and only_empty["coverage"].is_nan()[0]
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -148,6 +176,59 @@ def test_draft_lists_per_step_with_step_sizes(seed):
         c, a, n = ref.coverage(trs, w, k_pre=2, k_ver=3)
         if n:
             assert (f["coverage"][0] * n, f["mean_active_vocab"][0] * n) == pytest.approx((c, a))
+
+
+def spec_traces(seed, n=4, V=12, cut=True):
+    """Speculative traces as the harness writes them: step 0 commits one token, later steps 1-4; the last
+    step may be recorded whole past the end (cut at an eos / max_new_tokens)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        t = random_trace(rng, V=V, draft=False, meta={"category": ["qa", "code"][i % 2]})
+        T = len(t.generated)
+        sizes = [1] if T else []
+        while sum(sizes) < T:
+            sizes.append(int(rng.integers(1, 5)))
+        if not cut and sum(sizes) > T:
+            sizes[-1] -= sum(sizes) - T
+        t.draft_tokens = [np.zeros(0, np.int64)] + [rng.integers(0, V, rng.integers(0, 7)) for _ in sizes[1:]]
+        t.meta["step_sizes"] = sizes
+        out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("sources", ["ctx+ext", "ctx", "ext"])
+def test_engine_event_order_matches_reference(seed, sources):
+    trs = spec_traces(seed, cut=bool(seed % 2)) + random_traces(seed, draft=False, n=2)   # + traces without drafts
+    order = ["first", "last"][seed % 2]
+    kw = dict(k_pre=int(seed % 4), k_ver=1 + int(seed % 3), sources=sources, prefill_order=order)
+    f = coverage(trs, WS, event_order="engine", **kw)
+    for row in f.iter_rows(named=True):
+        covered, tokens, bonus, active, steps = ref.engine_coverage(trs, row["w_max"], **kw)
+        assert (row["tokens"], row["steps"]) == (tokens, steps)
+        if steps:
+            assert row["coverage"] == covered / tokens and row["bonus_coverage"] == bonus / steps
+            assert row["mean_active_vocab"] == active / steps
+    idx = StreamIndex(candidate_stream(trs, event_order="engine", **kw))
+    exp = [ref.engine_coverage(trs, w, **kw) for w in WS]
+    assert idx.coverage_counts(WS).tolist() == [e[0] for e in exp]
+    assert idx.bonus_counts(WS).tolist() == [e[2] for e in exp]
+    assert idx.active_vocab_sums(WS, per="step").tolist() == [e[3] for e in exp]
+
+
+def test_engine_event_order_errors():
+    t = spec_hand_trace()
+    for sizes in ([2, 1], [1, 1], [1, 0, 2], [1, 2, 1]):     # prefill != 1, too few tokens, a 0, a list too long
+        t.meta["step_sizes"] = sizes
+        with pytest.raises(TraceError, match="step_sizes"):
+            candidate_stream([t], k_pre=2, k_ver=2, event_order="engine")
+    bad = Trace(prompt=[1, 2], prefill_topk=[[1, 2]], generated=[3, 4, 5], step_topk=[[3, 1], [4, 1], [5, 1]],
+                draft_tokens=[[], [1]])
+    with pytest.raises(TraceError, match="tokens committed per step"):
+        candidate_stream([bad], k_pre=2, k_ver=2, event_order="engine")
+    with pytest.raises(LocalityError, match="event_order"):
+        coverage([spec_hand_trace()], [5], event_order="step")
 
 
 def test_huge_token_ids_are_relabelled():
@@ -190,7 +271,8 @@ def test_bench_simulation_agrees_with_one_pass():
 def test_coverage_by_groups_equal_subsets():
     trs = random_traces(3, n=9)
     f = coverage_by(trs, ["category", "language"], [2, 50])
-    assert set(f.columns) >= {"category", "language", "w_max", "coverage", "mean_active_vocab", "steps"}
+    assert set(f.columns) >= {"category", "language", "w_max", "coverage", "bonus_coverage", "mean_active_vocab",
+                              "tokens", "steps"}
     for (cat, lang), g in f.group_by(["category", "language"]):
         sub = [t for t in trs if t.meta["category"] == cat and t.meta["language"] == lang]
         assert g.sort("w_max").drop("category", "language").equals(coverage(sub, [2, 50]))
@@ -242,7 +324,7 @@ def test_property_one_pass_equals_reference(seed, w, k_pre, k_ver, sources, orde
     k_pre, k_ver = min(k_pre, V), min(k_ver, V)                  # random_trace records K = min(4, V)
     idx = StreamIndex(candidate_stream(trs, k_pre, k_ver, sources, order))
     c, a, n = ref.coverage(trs, w, k_pre=k_pre, k_ver=k_ver, sources=sources, prefill_order=order)
-    assert (idx.coverage_counts([w])[0], idx.active_vocab_sums([w])[0], idx.steps) == (c, a, n)
+    assert (idx.coverage_counts([w])[0], idx.active_vocab_sums([w])[0], idx.tokens) == (c, a, n)
 
 
 def test_cli_and_bench_run(tmp_path, capsys):
@@ -255,6 +337,9 @@ def test_cli_and_bench_run(tmp_path, capsys):
     assert pl.read_parquet(tmp_path / "c.parquet").equals(f)
     assert f.equals(coverage_by(trs, ["category"], [3, 30]))
     main(["lru", str(tmp_path / "tr"), "--capacity", "2", "8", "--by", "language"])
+    write_traces(spec_traces(3), tmp_path / "spec" / "t.parquet")
+    e = main(["coverage", str(tmp_path / "spec"), "--w-max", "4", "--event-order", "engine"])
+    assert e.equals(coverage_by(spec_traces(3), ["category"], [4], event_order="engine"))
     main(["successor", str(tmp_path / "tr"), "--persist"])
     bench.main(n_traces=3, gen_len=40, prompt_len=20, prefix_traces=2, repeats=1)
     out = capsys.readouterr().out

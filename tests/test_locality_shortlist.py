@@ -91,80 +91,23 @@ def test_cli_builds_a_ranking_from_traces_and_id_arrays(tmp_path, capsys):
     assert "coverage" in capsys.readouterr().out
 
 
-# --- FR-Spec: rankings counted on texts --------------------------------------------------------------------
+# --- the module stays token-only --------------------------------------------------------------------------
 
-class WordTokenizer:
-    """A Hugging Face-like tokenizer: ids of whitespace words, BOS = 0 when add_special_tokens."""
+def test_text_counting_lives_in_engine_and_the_cli_says_so(tmp_path, capsys):
+    import locality.shortlist as sl
 
-    def __init__(self):
-        self.ids: dict[str, int] = {}
-
-    def encode(self, text, add_special_tokens=True):
-        ids = [self.ids.setdefault(w, len(self.ids) + 1) for w in text.split()]
-        return ([0] if add_special_tokens else []) + ids
-
-
-def test_ranking_from_texts_equals_a_counter_over_the_tokenised_texts():
-    from collections import Counter
-
-    from engine.prompts import ByteTokenizer
-    from locality.shortlist import ranking_from_texts, tokenize_texts
-
-    texts = ["the cat sat on the mat", "the end", "", "cat cat dog the"]
-    for tok in (WordTokenizer(), ByteTokenizer(), (lambda t: [len(w) for w in t.split()])):
-        ids = [i for a in tokenize_texts(texts, tok) for i in a.tolist()]
-        r = ranking_from_texts(texts, tok, vocab_size=256)
-        assert r.height == 256
-        assert {t: c for t, c in zip(r["token_id"], r["count"]) if c} == dict(Counter(ids))
-        assert r["token_id"][0] == Counter(ids).most_common(1)[0][0]
-    # special tokens are not counted (a BOS per text would top every ranking)
-    assert 0 not in {t for t, c in zip(*ranking_from_texts(texts, WordTokenizer(), 16)[["token_id", "count"]]) if c}
-
-
-def test_ranking_from_texts_refuses_a_tokenizer_the_vocab_does_not_fit():
-    from engine.prompts import ByteTokenizer
-    from locality.shortlist import ranking_from_texts
-
-    with pytest.raises(ShortlistError, match=r"token id 195 is outside the vocabulary \[0, 128\)"):
-        ranking_from_texts(["plain ascii", "é"], ByteTokenizer(), vocab_size=128)   # é = bytes 195 169
-    with pytest.raises(ShortlistError, match="not a str"):
-        ranking_from_texts([["a list"]], ByteTokenizer(), vocab_size=256)
-    with pytest.raises(ShortlistError, match="no encode"):
-        ranking_from_texts(["x"], object(), vocab_size=256)
-
-
-def test_read_texts_dotted_fields(tmp_path):
-    from locality.shortlist import read_texts
-
-    rows = [{"turns": ["a", "b"], "choices": [{"turns": ["x", "y"]}, {"turns": ["z"]}], "text": "t1"},
-            {"turns": ["c"], "choices": [], "text": "t2"}]
-    path = tmp_path / "c.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    assert read_texts(path) == ["a", "b", "c"]
-    assert read_texts(path, "text") == ["t1", "t2"]
-    assert read_texts(path, "choices.*.turns") == ["x", "y", "z"]
-    with pytest.raises(ShortlistError, match="line 2.*index 0"):
-        read_texts(path, "choices.0.turns")                   # row 2 has no choice 0
-    with pytest.raises(ShortlistError, match="no field 'body'"):
-        read_texts(path, "body")
-    with pytest.raises(ShortlistError, match="holds a dict, not text"):
-        read_texts(path, "choices.*")
-    path.write_text('{"turns": ["ok"]}\nnot json\n')
-    with pytest.raises(ShortlistError, match="line 2 is not JSON"):
-        read_texts(path)
-
-
-def test_cli_counts_texts_with_a_models_tokenizer(tmp_path, capsys):
-    from engine.prompts import ByteTokenizer
-    from locality.shortlist import ranking_from_texts, read_texts
-
-    path = tmp_path / "corpus.jsonl"
-    path.write_text("\n".join(json.dumps({"doc": {"text": t}}) for t in ["hello world", "hello again"]))
-    out = shortlist_main(["--texts", str(path), "--text-field", "doc.text", "--model", "random-llama",
-                          "--out", str(tmp_path / "r.parquet")])
-    got = load_ranking(out, tokenizer="bytes", vocab_size=512)          # name and size from the model
-    assert got.equals(ranking_from_texts(read_texts(path, "doc.text"), ByteTokenizer(), 512))
-    assert "texts" in json.loads((tmp_path / "r.parquet.json").read_text())["source"]
+    for name in ("tokenize_texts", "ranking_from_texts", "read_texts"):
+        assert not hasattr(sl, name), name               # moved to engine.frequency
     with pytest.raises(SystemExit):
-        shortlist_main(["--texts", str(path), "--out", str(tmp_path / "x.parquet")])     # no --model
-    assert "--texts needs --model" in capsys.readouterr().err
+        shortlist_main(["--texts", "c.jsonl", "--vocab-size", "12", "--tokenizer", "t", "--out", str(tmp_path / "r")])
+    assert "unrecognized arguments: --texts" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        shortlist_main(["--vocab-size", "12", "--tokenizer", "t", "--out", str(tmp_path / "r.parquet")])
+    assert "python -m engine.frequency" in capsys.readouterr().err
+
+
+def test_sidecar_counts_the_distinct_ids_seen(tmp_path):
+    r = count_tokens([np.array([4, 2, 2, 4, 7])], vocab_size=9)
+    save_ranking(r, tmp_path / "r.parquet", tokenizer="toy")
+    side = json.loads((tmp_path / "r.parquet.json").read_text())
+    assert side["seen"] == 3 and side["total_tokens"] == 5 and side["vocab_size"] == 9

@@ -21,7 +21,8 @@ def test_successor_ranks_match_reference(seed, persist, from_prefill):
     assert list(zip(r["rank"].to_list(), r["store_hit"].to_list())) == exp
     f = successor_coverage(trs, persist=persist, from_prefill=from_prefill)
     n = len(exp)
-    assert f["k"].to_list() == [1, 2, 3, 4] and f["steps"].to_list() == [n] * 4
+    assert f["k"].to_list() == [1, 2, 3, 4] and f["tokens"].to_list() == [n] * 4
+    assert r["position"].to_list() == [t for tr in trs for t in range(len(tr.generated))]
     if n:
         for k, cov in zip(f["k"], f["coverage"]):
             assert cov * n == pytest.approx(sum(rk is not None and rk < k for rk, _ in exp))
@@ -48,5 +49,5 @@ def test_successor_by_hand_and_errors():
         successor_coverage([tr], k=3)
     rng = np.random.default_rng(0)
     g = successor_coverage([random_trace(rng, T=0), tr2], by=["category"])
-    assert g["steps"].to_list() == [3, 3] and g["category"].to_list() == [None, None]
+    assert g["tokens"].to_list() == [3, 3] and g["category"].to_list() == [None, None]
     assert isinstance(g, pl.DataFrame)

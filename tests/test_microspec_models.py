@@ -12,7 +12,7 @@ from locality.shortlist import count_tokens, save_ranking
 
 POLICIES = [dict(vocab="full"), dict(vocab="frspec", frspec_k=2048), dict(vocab="microspec", w_max=512),
             dict(vocab="oracle", w_max=512)]
-SMALL_TREE = dict(eagle_depth=3, eagle_topk=4, eagle_total_tokens=10, max_new_tokens=10, eos_ids=[])
+SMALL_TREE = dict(eagle_depth=3, eagle_topk=4, draft_size=9, max_new_tokens=10, eos_ids=[])
 
 
 def _case(loaded, layers, tmp_path_factory, name):

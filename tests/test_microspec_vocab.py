@@ -1,6 +1,8 @@
 """Draft-vocabulary policies (`engine.vocab`): MicroSpec's live candidate stream and window against plain
-references, the same stream replayed from a recorded trace against `locality.stream`'s offline stream,
-FR-Spec's static shortlist, the oracle, and the error messages."""
+references (small windows whose steps bring more padded entries than w_max included), the same stream
+replayed from a recorded trace against `locality.stream`'s offline stream in both event orders, the coverage
+`locality` computes from a recorded MicroSpec run equal to what the live drafter reported, FR-Spec's static
+shortlist, the oracle, and the error messages."""
 
 from collections import deque
 
@@ -16,8 +18,10 @@ from engine.tree import DraftTree, StepResult
 from engine.vocab import (FrSpecVocab, FullVocab, MicroSpecVocab, OracleVocab, VocabError, make_policy,
                           ordered_unique, prefill_entries, replay_trace, step_entries)
 from locality.shortlist import ShortlistError, count_tokens, save_ranking
+from locality.coverage import coverage
 from locality.stream import candidate_stream
 from locality.trace import Trace, TraceError
+from tests.engine_testing import untie_head
 from tests.locality_reference import ordered_unique as py_ordered_unique
 from tests.test_drafters_lmhead import _drive
 
@@ -121,6 +125,41 @@ def test_window_matches_a_plain_reference(mode, order):
             assert stats["stream_len"] == len(ref.S)
 
 
+def test_padding_never_counts_as_window_entries():
+    """Eq. 4 on the REAL entries: a step whose -1-padded entries outnumber w_max keeps its last w_max tokens
+    (a plain entries[-w_max:] of the padded buffer would keep lanes of padding and lose real tokens)."""
+    policy = MicroSpecVocab(_weight(100), _cfg(w_max=8))
+    policy.begin_ids(torch.arange(60, 70), torch.arange(60, 70)[:, None].repeat(1, 3))
+    draft = torch.tensor([0, 1, 2, 3, 0, 4, 5, 6, 7, 8, 1, 9, 10, 11, 2, 3])      # C_draft: 0..11, 4 repeats
+    ver = torch.tensor([[50, 51, 52], [51, 50, 52], [56, 57, 50]])             # C_ver: 50, 51, 52, 56, 57
+    assert step_entries(draft, ver).numel() == 25                             # 17 real entries + 8 padding
+    policy.observe_ids(draft, ver)
+    assert policy.active_tokens().tolist() == [9, 10, 11, 50, 51, 52, 56, 57]
+    assert int(policy.stats()["stream_len"]) == 10 + 10 + 17                   # |S|: padding never counted
+
+
+@pytest.mark.parametrize("mode", ["eq4_exact", "fifo_unique"])
+@pytest.mark.parametrize("w_max", [1, 3, 8])
+def test_small_windows_match_a_plain_reference(mode, w_max):
+    rng = np.random.default_rng(w_max)
+    weight = _weight()
+    policy = MicroSpecVocab(weight, _cfg(w_max=w_max, window_mode=mode))
+    ref = WindowRef(w_max, mode)
+    L = 12
+    prompt, topk = rng.integers(0, V, L), rng.integers(0, V, (L, 3))
+    policy.begin_ids(torch.tensor(prompt), torch.tensor(topk))
+    ref.init(prompt.tolist() + _py_unique(topk.reshape(-1)))
+    _check_head(policy, ref.active(), weight)
+    for _ in range(30):
+        draft = rng.integers(0, V // 2, int(rng.integers(1, 25)))            # big trees with many repeats
+        ver = rng.integers(0, V // 2, (int(rng.integers(1, 5)), 3))
+        policy.observe_ids(torch.tensor(draft), torch.tensor(ver))
+        ref.step(_py_unique(draft) + _py_unique(ver.reshape(-1)))
+        _check_head(policy, ref.active(), weight)
+    if mode == "eq4_exact":
+        assert policy.stats()["stream_len"] == len(ref.S)
+
+
 def _step(tree_tokens, parents, logits, accepted):
     tree = DraftTree(torch.tensor(tree_tokens), torch.tensor(parents))
     acc = torch.tensor(accepted)
@@ -187,6 +226,24 @@ def test_replay_equals_the_offline_stream(sources, order, drafts):
         assert live == offline
 
 
+@pytest.mark.parametrize("sources", ["ctx+ext", "ctx", "ext"])
+def test_engine_order_replay_equals_the_offline_stream(sources):
+    rng = np.random.default_rng(3)
+    for w_max in (5, 16, 60):
+        trace = _synthetic_trace(int(w_max), L=14, T=30, drafts=False)
+        sizes = [1]
+        while sum(sizes) < 30:
+            sizes.append(int(rng.integers(1, 5)))
+        trace.draft_tokens = [np.zeros(0, np.int64)] + [rng.integers(0, V, int(rng.integers(0, 12))) for _ in sizes[1:]]
+        trace.meta["step_sizes"] = sizes
+        cfg = _cfg(w_max=w_max, sources=sources, k_pre=3, k_ver=2)
+        live = [set(a.tolist()) for a in replay_trace(MicroSpecVocab(_weight(), cfg), trace, "engine")]
+        stream = candidate_stream([trace], k_pre=3, k_ver=2, sources=sources, event_order="engine")
+        s = stream.trace_stream(0)
+        assert live == [set(s[max(0, n - w_max):n].tolist()) for n in stream.query_pos.tolist()]
+        assert len(live) == 29                                 # every token but the prefill's
+
+
 def test_replay_of_a_recorded_trace_equals_the_offline_stream():
     model, _, _ = load_model("random-qwen3", vocab_size=V * 5, hidden_size=32, num_layers=2, seed=1)
     prompt = torch.randint(0, V * 5, (30,), generator=torch.Generator().manual_seed(0))
@@ -198,10 +255,37 @@ def test_replay_of_a_recorded_trace_equals_the_offline_stream():
 
 # --- the policy inside the drafter ---------------------------------------------------------------------------
 
+LAYERSKIP, EAGLE = ("layerskip", dict(drafter_layers="skip:1")), ("eagle", dict(eagle_head="random"))
+
+
+@pytest.mark.parametrize("drafter,w_max,variant", [(LAYERSKIP, 8, {}), (LAYERSKIP, 200, {}),
+                                                   (LAYERSKIP, 24, dict(prefill_order="last")),
+                                                   (EAGLE, 24, dict(sources="ext"))])
+def test_locality_reproduces_the_live_coverage_of_a_recorded_run(drafter, w_max, variant):
+    """The coverage, bonus coverage and mean active vocab `locality` computes from a recorded MicroSpec run
+    (event order "engine") equal what the live drafter reported, exactly: small windows whose steps bring
+    more entries than w_max, multi-token steps, and a last step cut at max_new_tokens (36 here)."""
+    model, _, _ = load_model("random-llama", vocab_size=300, hidden_size=32, num_layers=3, seed=2)
+    untie_head(model, seed=5)                                     # varied text, so the window matters
+    prompt = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(4))
+    method, extra = drafter
+    res = generate(model, prompt, method=method, vocab="microspec", w_max=w_max, max_new_tokens=36, eos_ids=[],
+                   record=True, record_topk=4, eagle_depth=3, eagle_topk=4, draft_size=12, **extra, **variant)
+    trace = res.to_trace()
+    assert len(trace.draft_tokens) == res.steps and trace.meta["step_sizes"][0] == 1
+    assert sum(trace.meta["step_sizes"]) == len(trace.generated) == 36
+    live = res.drafter_stats
+    f = coverage([trace], [w_max], k_pre=3, k_ver=3, event_order="engine", **variant).row(0, named=True)
+    assert (f["tokens"], f["steps"]) == (35, res.steps - 1)        # the prefill's token was not drafted
+    assert f["coverage"] == live["coverage"] and f["bonus_coverage"] == live["bonus_coverage"]
+    assert f["mean_active_vocab"] == live["mean_active_vocab"]
+
+
+
 def test_draft_tokens_come_from_the_active_vocab():
     """Spec section 2.1: every non-root draft token was chosen from I_t."""
     model, _, _ = load_model("random-llama", vocab_size=300, hidden_size=32, num_layers=3, seed=2)
-    drafter = make_drafter(model, _cfg(w_max=48, drafter_layers="skip:1", eagle_depth=3, eagle_total_tokens=16))
+    drafter = make_drafter(model, _cfg(w_max=48, drafter_layers="skip:1", eagle_depth=3, draft_size=15))
     prompt = torch.randint(0, 300, (30,), generator=torch.Generator().manual_seed(3))
     steps = 0
     for ids, tree, _ in _drive(model, drafter, prompt, steps=5):
@@ -228,8 +312,9 @@ def test_full_and_frspec_policies(tmp_path):
     torch.testing.assert_close(logits, h @ weight[m].T)
     logp, tok = fr.head_topk(h, 3)
     assert set(tok.reshape(-1).tolist()) <= set(ids.tolist())
-    big = FrSpecVocab(weight, _cfg(vocab="frspec", frspec_k=32768, frequency_file=str(path)))
-    assert big.k == V                                         # K clipped to V
+    with pytest.warns(UserWarning, match="true size is 20"):
+        big = FrSpecVocab(weight, _cfg(vocab="frspec", frspec_k=32768, frequency_file=str(path)))
+    assert big.k == 20                          # K clipped to the 20 ids the corpus showed, not padded by id
     np.save(tmp_path / "rank.npy", ids)
     assert FrSpecVocab(weight, _cfg(vocab="frspec", frspec_k=4, frequency_file=str(tmp_path / "rank.npy"))) \
         .ids.tolist() == ids[:4].tolist()

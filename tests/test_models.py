@@ -282,3 +282,44 @@ def test_local_folder_loads_through_from_pretrained(smollm2, tmp_path):
     ids = torch.tensor([tok("hello there").input_ids])
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_dtype_and_device_defaults_come_from_kernels_hardware(monkeypatch):
+    """Real models load with `kernels.hardware`'s device and dtype unless told otherwise; strings are parsed
+    by the one dtype parser every CLI uses."""
+    from kernels import hardware
+
+    seen = []
+    def spy(name, *, dtype, device, source, **kw):
+        seen.append((dtype, device))
+        raise ModelError("stop")                              # the loader's arguments are all this test needs
+
+    monkeypatch.setattr(models, "_load_pretrained", spy)
+    monkeypatch.setattr(hardware, "DEFAULT_DTYPE", torch.bfloat16)
+    for dtype, device, expect in ((None, None, (torch.bfloat16, hardware.DEVICE)),
+                                  ("fp16", "cpu", (torch.float16, torch.device("cpu"))),
+                                  (torch.float32, None, (torch.float32, hardware.DEVICE))):
+        with pytest.raises(ModelError, match="stop"):
+            load_model("some-org/some-model", dtype=dtype, device=device)
+        assert seen[-1] == expect
+    # random models are test fixtures: fp32 on the CPU unless asked
+    model, _, _ = load_model("random-llama", vocab_size=50, hidden_size=16, num_layers=1)
+    assert model.dtype == torch.float32 and model.device.type == "cpu"
+    bf16, _, _ = load_model("random-llama", vocab_size=50, hidden_size=16, num_layers=1, dtype="bf16")
+    assert bf16.dtype == torch.bfloat16
+
+
+def test_one_dtype_parser_for_every_cli():
+    from kernels.hardware import DEFAULT_DTYPE, DEVICE, HardwareError, parse_device, parse_dtype
+
+    assert parse_dtype(None) == DEFAULT_DTYPE and parse_device(None) == DEVICE
+    for names, dtype in ((("fp32", "float32", "torch.float32", "FP32"), torch.float32),
+                         (("fp16", "float16", "half"), torch.float16), (("bf16", "bfloat16"), torch.bfloat16)):
+        assert all(parse_dtype(n) == dtype for n in names)
+    with pytest.raises(HardwareError, match="unknown dtype 'int8'.*bf16"):
+        parse_dtype("int8")
+    with pytest.raises(HardwareError, match="unknown device"):
+        parse_device("gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(HardwareError, match="no CUDA"):
+            parse_device("cuda")

@@ -1,59 +1,182 @@
-"""The figure notebooks run end to end on traces and bench results from a tiny random model, and write their
-PNGs. Every notebook gets every parameter below; each uses the ones its parameters cell names."""
+"""The figure notebooks: a small sweep of every kind on a tiny random model (a real local Ray, 2 CPUs on
+127.0.0.1), then `sweeps.render` executes every notebook on it, and each must write its named figures as
+PNG and self-contained HTML. Also: the tables the figures draw agree with the raw results, a sweep missing
+a kind still renders what it can, and a folder without results is refused with a clear error."""
 
+from __future__ import annotations
+
+import shutil
 from pathlib import Path
 
+import polars as pl
 import pytest
+import ray
 
-NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("[0-9][0-9]_*.py"))
+# the notebooks extra (papermill, jupytext, altair, vl-convert): skip before importing what needs it
+pytest.importorskip("papermill", reason="the notebooks extra (pip install -e '.[notebooks]') is not installed")
+
+from sweeps import figures as fig  # noqa: E402
+from sweeps.cell import SweepError  # noqa: E402
+from sweeps.cluster import start_local  # noqa: E402
+from sweeps.config import load_sweep  # noqa: E402
+from sweeps.render import main as render_main, notebooks, render  # noqa: E402
+from sweeps.run import run_sweep  # noqa: E402
+from tests.sweeps_testing import TINY_MODEL, write_toml  # noqa: E402
+
+# every figure each notebook must write (name.png + name.html)
+FIGURES = {
+    "01_coverage": ["coverage_vs_vocab", "lru_vs_fifo"],
+    "02_sensitivity": ["wmax_sensitivity", "kpre_kver_sensitivity"],
+    "03_methods": ["methods_table", "methods_speed", "draft_time_by_phase"],
+    "04_unispec": ["acceptance_vs_confidence", "calibration_fits", "g_star_by_device", "speedup_by_language"],
+    "05_languages": ["reuse_distance_by_language", "coverage_by_language"],
+}
+
+# the smallest sweep that gives every figure its data: both prompt sets (categories; languages), the
+# coverage grid over several w_max, k_pre and k_ver, ar + speculative methods + the layer-skip drafter with
+# the full vocabulary and MicroSpec's window at two w_max, and a calibration
+SWEEP = f'''
+[sweep]
+name = "notebooks"
+kinds = ["record", "coverage", "bench", "calibrate"]
+max_new_tokens = 8
+warmup = 0
+
+[[models]]
+{TINY_MODEL}
+
+[[prompts]]
+set = "spec_bench"
+per_category = 1
+categories = ["qa", "writing"]
+
+[[prompts]]
+set = "multilingual"
+per_category = 1
+categories = ["qa"]
+languages = ["de", "ja"]
+split = "language"
+
+[record]
+topk = 8
+
+[coverage]
+w_max = [64, 256, 1024]
+k_pre = [1, 3]
+k_ver = [1, 3]
+shortlist_k = [64, 256]
+capacities = [64, 256]
+
+[[bench]]
+methods = ["ar", "pld", "unispec"]
+
+[[bench]]
+methods = ["layerskip"]
+policies = ["full", "microspec"]
+vocab_sizes = [64, 256]
+params = {{ drafter_layers = "first:1" }}
+
+[[calibrate]]
+methods = ["unispec"]
+grid = [1, 2, 4]
+prompts = 2
+warmup = 1
+'''
 
 
 @pytest.fixture(scope="module")
-def traces_path(tmp_path_factory):
-    from locality.record import main
-
-    out = tmp_path_factory.mktemp("nb_traces")
-    return main(model="random-llama", prompts="spec_bench", per_category=1, categories=["writing", "coding", "qa", "math_reasoning"],
-                max_new_tokens=24, out=str(out), progress=False)
-
-
-@pytest.fixture(scope="module")
-def bench_results(tmp_path_factory):
-    """A bench table (methods and a drafter with two vocabs) and a calibration cache, from a tiny model."""
-    import json
-
-    import torch
-
-    from engine import calibrate as cal
-    from engine.bench import RESULTS_FILE, run_bench
-    from engine.config import SpecConfig
-    from engine.models import load_model
-
-    out = tmp_path_factory.mktemp("nb_bench")
-    loaded = load_model("random-llama", vocab_size=512, num_layers=2, seed=2)
-    run_bench(methods="ar,pld,unispec", drafter="layerskip", vocab="full,microspec", prompts="spec_bench",
-              per_category=1, categories=["writing", "qa"], max_new_tokens=12, loaded=loaded, warmup=0,
-              out=out, progress=False, show=False,
-              config={"drafter_layers": "first:1", "w_max": 64, "eagle_total_tokens": 10, "draft_size": 4})
-    prompts = [torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    rec = cal.calibrate(loaded[0], prompts, "unispec", grid=[1, 2, 4, 8], cfg=SpecConfig.preset("unispec", max_new_tokens=12),
-                        eos_ids=[], save=False, progress=False)
-    (out / "calibration.json").write_text(json.dumps({rec["key"]: rec}))
-    return {"results_path": str(out / RESULTS_FILE), "calibration_file": str(out / "calibration.json")}
+def results(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("nb_sweep")
+    sweep = load_sweep(write_toml(folder, SWEEP, "notebooks.toml"))
+    start_local(num_cpus=2)
+    try:
+        summary = run_sweep(sweep, folder / "out", progress=False, show=False)
+    finally:
+        ray.shutdown()
+    assert summary.ok, summary.lines()
+    return folder / "out"
 
 
-@pytest.mark.parametrize("nb", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(nb, traces_path, bench_results, tmp_path):
-    jupytext = pytest.importorskip("jupytext", reason="the notebooks extra is not installed")
-    papermill = pytest.importorskip("papermill", reason="the notebooks extra is not installed")
-    ipynb = tmp_path / f"{nb.stem}.ipynb"
-    jupytext.write(jupytext.read(nb), ipynb)
-    figures = tmp_path / "figures"
-    papermill.execute_notebook(str(ipynb), str(tmp_path / f"{nb.stem}.out.ipynb"), kernel_name="python3",
-                               language="python", cwd=str(Path(__file__).parent.parent), progress_bar=False,
-                               parameters={"traces_path": str(traces_path), "out_dir": str(figures), **bench_results})
-    pngs = sorted(figures.glob("*.png"))
-    assert pngs, "the notebook wrote no figure"
-    for p in pngs:
-        assert p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG"
-        assert (figures / f"{p.stem}.html").exists()
+def test_every_notebook_is_listed():
+    assert [p.stem for p in notebooks()] == list(FIGURES)
+
+
+@pytest.mark.timeout(300)
+def test_every_notebook_writes_its_figures(results, capsys):
+    out = results / "figures"
+    assert render_main([str(results)]) == 0
+    printed = capsys.readouterr().out
+    for stem, names in FIGURES.items():
+        assert (out / "notebooks" / f"{stem}.ipynb").is_file()
+        for name in names:
+            png, html = out / f"{name}.png", out / f"{name}.html"
+            data = png.read_bytes()
+            assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000, png
+            page = html.read_text()
+            assert "vega" in page and "cdn.jsdelivr" not in page, f"{html} is not self-contained"
+            assert str(png) in printed
+    assert sorted(p.stem for p in out.glob("*.png")) == sorted(n for ns in FIGURES.values() for n in ns)
+    table = pl.read_csv(out / "methods_table.csv")
+    assert {"run", "avg tokens/s", "speedup", "avg tau"} <= set(table.columns)
+
+
+def test_tables_agree_with_the_raw_results(results):
+    bench = fig.read(results, "bench")
+    coverage = fig.read(results, "coverage")
+    summary = fig.method_summary(bench)
+    # speedup is tokens/s over ar's on the same task; ar's is 1; tau = sum new tokens / sum steps
+    assert summary.filter(pl.col("method") == "ar")["speedup"].to_list() == pytest.approx([1.0] * 6)
+    pld = bench.filter((pl.col("method") == "pld") & (pl.col("category") == "writing"))
+    row = summary.filter((pl.col("run") == "pld") & (pl.col("task") == "writing")).row(0, named=True)
+    ar = bench.filter((pl.col("method") == "ar") & (pl.col("category") == "writing"))
+    assert row["tau"] == pytest.approx(pld["new_tokens"].sum() / pld["steps"].sum())
+    assert row["speedup"] == pytest.approx(pld["tokens_per_s"].mean() / ar["tokens_per_s"].mean())
+    avg = summary.filter((pl.col("run") == "pld") & (pl.col("task") == fig.AVG) & (pl.col("prompt_set") == "spec_bench"))
+    tasks = summary.filter((pl.col("run") == "pld") & (pl.col("prompt_set") == "spec_bench") & (pl.col("task") != fig.AVG))
+    assert avg["tokens_per_s"][0] == pytest.approx(tasks["tokens_per_s"].mean())
+    assert set(summary["run"]) == {"ar", "pld", "unispec", "layerskip · full", "layerskip · microspec 64",
+                                   "layerskip · microspec 256"}
+    # languages are the multilingual set's tasks
+    assert set(summary.filter(pl.col("prompt_set") == "multilingual")["task"]) == {"de", "ja", fig.AVG}
+
+    # acceptance by confidence: every drafted node of the method counted once
+    conf = fig.confidence_bins(bench)
+    uni = bench.filter(pl.col("method") == "unispec")
+    got = conf.filter(pl.col("method") == "unispec")
+    assert got["proposed"].sum() == uni["score_bins_proposed"].list.sum().sum() > 0
+    assert got["accepted"].sum() == uni["score_bins_accepted"].list.sum().sum()
+    assert got["density"].sum() == pytest.approx(1.0)
+    assert "pld" not in set(conf["method"])                   # no confidence score: every node in one bin
+
+    # Fig. 1(b): one window point per w_max and one static point per K, per task
+    vocab = fig.coverage_vs_vocab(coverage)
+    per = vocab.group_by("task", "series").len()
+    assert set(per.filter(pl.col("series") == fig.WINDOW)["len"]) == {3}
+    assert set(per.filter(pl.col("series") == fig.STATIC)["len"]) == {2}
+    assert set(vocab["task"]) == {"qa", "writing", "de", "ja"}
+    sweep = fig.wmax_sweep(bench)
+    assert sweep.group_by("prompt_set").len()["len"].to_list() == [2, 2]
+    grid = fig.window_coverage(coverage, at_default=False)
+    assert grid.select("k_pre", "k_ver").unique().height == 4
+
+
+def test_a_sweep_without_bench_or_calibrate_cells_still_renders(results, tmp_path):
+    partial = tmp_path / "partial"
+    shutil.copytree(results, partial, ignore=shutil.ignore_patterns("figures"))
+    for kind in ("bench", "calibrate"):
+        shutil.rmtree(partial / f"kind={kind}")
+    done = render(partial, only=["02", "04"], show=False)
+    assert [r.error for r in done] == [None, None]
+    assert sorted(p.stem for p in done[0].figures) == ["kpre_kver_sensitivity", "wmax_sensitivity"]
+    assert done[1].figures == []
+    text = done[1].executed.read_text()
+    assert "no 'bench' results" in text and "no 'calibrate' results" in text
+
+
+def test_a_folder_without_results_is_refused(tmp_path, capsys):
+    with pytest.raises(SweepError, match="holds no sweep results"):
+        render(tmp_path)
+    assert render_main([str(tmp_path / "nowhere")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+    with pytest.raises(SweepError, match="no such notebook"):
+        notebooks(only=["99"])

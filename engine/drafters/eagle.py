@@ -158,6 +158,7 @@ class EagleDrafter(LMHeadDrafter):
 
     def __init__(self, target, cfg, head: EagleHead | None = None):
         super().__init__(target, cfg)
+        cfg.require_draft_size()                     # fail before loading a head: the harness resolves it
         if head is None:
             if cfg.eagle_head is None:
                 raise DrafterError("method 'eagle' needs a draft head: pass eagle_head=<hub id or local EAGLE-1/2 "

@@ -8,7 +8,7 @@ layer type: Gemma 3's local layers use the local RoPE) and its own attention mas
 layers see only the last `sliding_window` positions).
 
 `drafter_layers` forms (target layer indices, 0-based):
-    skip:12,14,16,18   every layer but these (the default; shared/FACTS.md: top-1 agreement 0.62 on SmolLM2)
+    skip:12,14,16,18   every layer but these (the default, for SmolLM2-135M's 30 layers)
     first:15           layers 0..14
     every:2            layers 0, 2, 4, ...
     keep:0,1,5         exactly these
@@ -94,6 +94,7 @@ class LayerSkipDrafter(LMHeadDrafter):
 
     def __init__(self, target, cfg):
         super().__init__(target, cfg)
+        cfg.require_draft_size()                     # fail before building: the harness resolves it
         dec = decoder_of(target)
         tcfg = text_config(target)
         n = len(dec.layers)

@@ -33,63 +33,26 @@ tokens + tree forwards + cache compaction), `lm_head` (policy head + log-softmax
 (selection and tree build), `gather` (the policy's stream update, window step and row gather; on CUDA
 the gather itself runs on a copy stream and only the wait lands in `lm_head`), `draft_prefill` (the
 drafter's pass over the prompt in `begin`, not part of any step), `oracle_uncharged` (oracle policy only:
-its full head, already subtracted from `lm_head`). `stats()`: steps drafted, mean/max active vocab,
-coverage of the committed tokens by the vocab the drafter had.
+its full head, already subtracted from `lm_head`), `router` (dynaspec policy only: its router, called
+through `policy.route` before the backbone runs each level; on CUDA it runs on a side stream). `stats()`:
+steps drafted, mean/max active vocab, coverage of the committed tokens by the vocab the drafter had.
 """
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
-from collections import defaultdict
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
+from engine.timing import PhaseTimer
 from engine.tree import DraftTree, Drafter, StepResult
+from engine.vocab import make_policy
 
 
 class DrafterError(ValueError):
     """A drafter cannot be built for this target/config; the message names the mismatch and the fix."""
-
-
-# --- timing --------------------------------------------------------------------------------------------
-
-class PhaseTimer:
-    """Accumulated time per named phase. On CUDA, pairs of events are recorded and resolved only in
-    `totals()` (one synchronize at the end, none in the decode loop); on CPU every op is synchronous and
-    `time.perf_counter` is exact."""
-
-    def __init__(self, device: torch.device | str = "cpu"):
-        self.cuda = torch.device(device).type == "cuda"
-        self.reset()
-
-    def reset(self) -> None:
-        self._cpu: dict[str, float] = defaultdict(float)
-        self._events: dict[str, list] = defaultdict(list)
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self._events[name].append((start, end))
-        else:
-            t0 = time.perf_counter()
-            yield
-            self._cpu[name] += time.perf_counter() - t0
-
-    def totals(self) -> dict[str, float]:
-        out = dict(self._cpu)
-        if self._events:
-            torch.cuda.synchronize()   # once, when results are read; never inside a step
-            for name, pairs in self._events.items():
-                out[name] = out.get(name, 0.0) + sum(s.elapsed_time(e) for s, e in pairs) / 1e3
-        return out
 
 
 # --- tree expansion (pure: a backbone callable and a head callable in, a tree out) ----------------------
@@ -108,19 +71,6 @@ class Expansion:
     tried_tokens: torch.Tensor     # [n_tried] every candidate scored, in creation order (A2 all_expanded)
     tree_row: torch.Tensor         # [n] per tree node: row of the step's tree forwards that ran it, -1 = none
     num_tree_rows: int             # rows the backbone ran for this tree (its cache holds them until rollback)
-
-
-def head_topk(logits: torch.Tensor, slot_to_token: torch.Tensor | None, k: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [r, m] -> (log-probs [r, k'], full-vocabulary token ids [r, k']), k' = min(k, m).
-    The log-softmax renormalises over the m slots (empty slots are -inf and get probability 0)."""
-    logp = torch.log_softmax(logits.float(), dim=-1).clamp(max=0.0)   # [r, m]; <= 0 keeps scores monotone
-    top = logp.topk(min(k, logp.shape[-1]), dim=-1)
-    ids = top.indices if slot_to_token is None else slot_to_token[top.indices]
-    # a -inf candidate (fewer live slots than k) may map to an empty slot (-1): give it a harmless id;
-    # it is dropped from the tree, and so are its descendants (their scores are -inf too)
-    ids = torch.where(torch.isfinite(top.values), ids.long(), torch.zeros_like(ids, dtype=torch.long))
-    return top.values, ids
 
 
 def expand_tree(root: int | torch.Tensor, h_root: torch.Tensor, forward: ForwardFn, head: HeadFn, *,
@@ -214,7 +164,6 @@ class LMHeadDrafter(Drafter, ABC):
         self.steps = 0
 
     def _make_policy(self):
-        from engine.vocab import make_policy     # late import: engine.vocab imports kernels
         self.policy = make_policy(self.cfg, self.head_weight, softcap=self.softcap, timer=self.timer)
 
     # Drafter hooks ------------------------------------------------------------------------------------
@@ -231,9 +180,10 @@ class LMHeadDrafter(Drafter, ABC):
         ids = torch.as_tensor(ids, device=self.device).reshape(-1)
         with self.timer.phase("backbone"):
             h_root = self._catch_up(ids)                                # [1, d]
+        self.policy.route(ids[-1:], h_root, 0)                          # the root row of draft step 0
         self._last = expand_tree(ids[-1], h_root, self._timed_forward, self.policy.head_topk,
                                  depth=self.cfg.eagle_depth, topk=self.cfg.eagle_topk,
-                                 total_tokens=self.cfg.eagle_total_tokens, timer=self.timer)
+                                 total_tokens=self.cfg.require_draft_size() + 1, timer=self.timer)
         self.policy.record_step()
         self.steps += 1
         return self._last.tree
@@ -256,6 +206,7 @@ class LMHeadDrafter(Drafter, ABC):
         return {"steps": float(self.steps), **self.policy.stats()}
 
     def _timed_forward(self, tokens, parent_h, tree_mask, depth):
+        self.policy.route(tokens, parent_h, depth)      # before the backbone, so a router can overlap it
         with self.timer.phase("backbone"):
             return self._forward_tree(tokens, parent_h, tree_mask, depth)
 

@@ -3,9 +3,10 @@ last n committed tokens.
 
 For n = pld_max_ngram down to pld_min_ngram: find earlier occurrences of the last n committed tokens
 (root included) in prompt + output; the first n with a match wins and the tokens that followed the match
-form a chain draft of up to pld_num_draft tokens. Which occurrence: the most recent one that is followed
-by a full pld_num_draft tokens, else (all matches run into the end, as in a run of repeats) the earliest
-one, whose continuation is the longest. No match: a root-only tree (the step is plain decoding).
+form a chain draft of up to `draft_size` tokens (default 10, transformers' prompt_lookup_num_tokens).
+Which occurrence: the most recent one that is followed by a full `draft_size` tokens, else (all matches
+run into the end, as in a run of repeats) the earliest one, whose continuation is the longest. No match:
+a root-only tree (the step is plain decoding).
 """
 
 from __future__ import annotations
@@ -47,8 +48,12 @@ def prompt_lookup(ids: torch.Tensor, min_ngram: int, max_ngram: int, num_draft: 
 class PromptLookupDrafter(Drafter):
     uses_prefill_logits = False                                  # begin() gets only the last row
 
+    def __init__(self, target, cfg):
+        super().__init__(target, cfg)
+        self.draft_size = cfg.require_draft_size()
+
     def propose(self, ids: torch.Tensor) -> DraftTree:
         cfg = self.cfg
-        draft = prompt_lookup(ids, cfg.pld_min_ngram, cfg.pld_max_ngram, cfg.pld_num_draft)
+        draft = prompt_lookup(ids, cfg.pld_min_ngram, cfg.pld_max_ngram, self.draft_size)
         tokens = torch.cat([ids[-1:], draft]).cpu()              # [1+g] root + chain; trees live on the host
         return DraftTree(tokens, torch.arange(-1, tokens.numel() - 1))

@@ -2,7 +2,8 @@
 
 The store is the same `[V, k]` successor store as UniSpec's (`engine.store`): every verified node's row
 is overwritten with the top-k of its verifier distribution (non-accepted nodes first, accepted path
-last), and the prefill fills it too; hot start = one store per deployment (specs/unispec.md 3.1, 11).
+last), and the prefill fills it too; hot start = one store per deployment (UniSpec App. A: the
+one-to-one store of Luo et al., 2025).
 
 The template ("tr-default") is the imbalanced tree of the Token Recycling paper's Figure 5: 80 draft
 nodes, depth 6, children always taken from the first slots of the parent's row (k = 8 is enough; the
@@ -10,13 +11,15 @@ store may be wider). It is written below as the number of children of every node
 BFS order. Each step fills it top-down: a node's token is `S_tok[token(parent), slot]`.
 
 Choices where the paper is silent [C]:
-- a node whose store slot is empty (confidence 0: the row was never written) is dropped with its
-  subtree, instead of drafting token 0 as a zero-initialised matrix would: it changes no output, only
-  the cost of verifying a useless node;
+- a node whose store slot is empty (confidence 0: the row was never written, or, when sampling, the
+  token lies outside the top-p nucleus and could never be accepted) is dropped with its subtree,
+  instead of drafting token 0 as a zero-initialised matrix would: it changes no output, only the cost
+  of verifying a useless node;
 - `draft_size = g < 80` keeps the g template nodes with the smallest sum of slot indices along their
   path (then shallower, then BFS order): the chains through top-ranked slots first. That order is
-  closed under ancestors. `draft_size = None` keeps the whole template (the paper's baseline; the
-  "+device-aware" variant of UniSpec Table 17 is `draft_size = calibrate(..., method="recycling")`).
+  closed under ancestors. The default (`draft_size=None`, resolved by `engine.harness.resolve_config`)
+  is the whole template, the paper's baseline; the "+device-aware" variant of UniSpec Table 17 is
+  `draft_size = engine.calibrate.calibrate(..., method="recycling")["g_star"]`.
 - `scores` = product of the stored probabilities along the path (for plots; unused for drafting).
 """
 
@@ -27,7 +30,7 @@ import time
 import torch
 
 from engine.drafters.unispec import accepted_last_order
-from engine.store import SuccessorStore, deployment_store, topk_probs
+from engine.store import SuccessorStore, check_token_ids, drafter_store, topk_probs
 from engine.drafters import register_drafter
 from engine.tree import Drafter, DraftTree, StepResult
 
@@ -99,6 +102,13 @@ class Template:
         return out
 
 
+def template_size(name: str) -> int:
+    """Draft nodes of template `name` (root excluded): recycling's draft size when none is given."""
+    if name not in TEMPLATES:
+        raise RecyclingError(f"unknown recycling_tree {name!r}; choose one of {sorted(TEMPLATES)}")
+    return sum(sum(level) for level in TEMPLATES[name])
+
+
 def fill_template(root: int | torch.Tensor, template: Template, store_tok: torch.Tensor,
                   store_con: torch.Tensor) -> DraftTree:
     """Token Recycling's static-tree BFS (its Alg. 1), vectorised per level. Pure.
@@ -134,19 +144,19 @@ class RecyclingDrafter(Drafter):
     name = "recycling"
     store_method = "recycling"
 
-    def __init__(self, target, cfg, *, store: SuccessorStore | None = None, draft_size: int | None = None):
+    def __init__(self, target, cfg, *, store: SuccessorStore | None = None):
         super().__init__(target, cfg)
-        if cfg.recycling_tree not in TEMPLATES:
-            raise RecyclingError(f"unknown recycling_tree {cfg.recycling_tree!r}; choose one of {sorted(TEMPLATES)}")
+        size = template_size(cfg.recycling_tree)
         full = Template(TEMPLATES[cfg.recycling_tree])
-        g = draft_size if draft_size is not None else cfg.draft_size
-        if g is not None and g > full.size:
-            raise RecyclingError(f"draft_size={g} exceeds the {full.size} nodes of template "
-                                 f"{cfg.recycling_tree!r}; pass draft_size <= {full.size} or None (whole template)")
+        g = cfg.require_draft_size()
+        if g > size:
+            raise RecyclingError(f"draft_size={g} exceeds the {size} nodes of template "
+                                 f"{cfg.recycling_tree!r}; pass draft_size <= {size} or None (whole template)")
         if full.max_slot > cfg.store_k:
             raise RecyclingError(f"template {cfg.recycling_tree!r} uses {full.max_slot} store slots per node "
                                  f"but store_k={cfg.store_k}; set store_k >= {full.max_slot}")
-        self.template = full if g is None else full.truncated(g)
+        self.template = full.truncated(g)
+        self._given_store = store                       # checked against the vocabulary in begin()
         self._store = store
         self._t = {"tree": 0.0, "store_update": 0.0}
 
@@ -160,14 +170,20 @@ class RecyclingDrafter(Drafter):
         t0 = time.perf_counter()
         self._t = {"tree": 0.0, "store_update": 0.0}
         vocab = prefill_logits.shape[-1]
-        if self._store is None or self._store.vocab_size != vocab:
-            self._store = deployment_store(self.target, self.store_method, vocab, self.cfg.store_k,
-                                           prefill_logits.device)
+        self._store = drafter_store(self._given_store, self.target, self.store_method, vocab, self.cfg.store_k,
+                                    prefill_logits.device)
+        if self.store.k < self.template.max_slot:
+            raise RecyclingError(f"the given store has k={self.store.k} slots per row but the template reads "
+                                 f"{self.template.max_slot}; build it with k >= {self.template.max_slot}")
         if self.cfg.store_persistence == "per_prompt":
             self.store.reset()
+        prompt_ids = prompt_ids.reshape(-1)
+        # once per prompt (a host sync): every later root and store row descends from these ids
+        check_token_ids(prompt_ids, vocab, "the prompt", fix="encode it with the target's tokenizer")
         rows = prefill_logits.shape[0]
-        ids, probs = topk_probs(prefill_logits, self.store.k, self.cfg.temperature)
-        self.store.update_topk(prompt_ids.reshape(-1)[-rows:], ids, probs)
+        # sampling: the top-k of the distribution the verifier samples from (temperature, top-p)
+        ids, probs = topk_probs(prefill_logits, self.store.k, self.cfg.temperature, self.cfg.top_p)
+        self.store.update_topk(prompt_ids[-rows:], ids, probs, check_ids=False)
         self._t["store_update"] += time.perf_counter() - t0
 
     def propose(self, ids):
@@ -178,9 +194,10 @@ class RecyclingDrafter(Drafter):
 
     def observe(self, step: StepResult):
         t0 = time.perf_counter()
-        ids, probs = topk_probs(step.logits, self.store.k, self.cfg.temperature)
+        ids, probs = topk_probs(step.logits, self.store.k, self.cfg.temperature, self.cfg.top_p)
         order = accepted_last_order(step.tree.size, step.accepted).to(ids.device)
-        self.store.update_topk(step.tree.tokens.to(ids.device)[order], ids[order], probs[order])
+        # in range by construction (this store's tree, the target's top-k): no per-step host sync
+        self.store.update_topk(step.tree.tokens.to(ids.device)[order], ids[order], probs[order], check_ids=False)
         self._t["store_update"] += time.perf_counter() - t0
 
     def timings(self):

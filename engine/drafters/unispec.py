@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from engine.store import SuccessorStore, deployment_store, topk_probs
+from engine.store import SuccessorStore, check_token_ids, drafter_store, topk_probs
 from engine.drafters import register_drafter
 from engine.tree import Drafter, DraftTree, StepResult
 
@@ -72,8 +72,13 @@ def build_unispec_tree(root: int | torch.Tensor, store_tok: torch.Tensor, store_
     g: the most draft tokens (root excluded) to select. cache_exclude_root: drop the root's own token
     from C (under greedy decoding it is C's top-1: a "repeat the root" guess whose confidence is the
     root's own probability, spec 4.3.1 `C_exclude_top1`). Returns a DraftTree with <= 1 + g nodes,
-    `scores` = node confidences (root 1.0).
+    `scores` = node confidences (root 1.0). A root or cache token outside [0, V) raises StoreError (checked
+    for host values only: the drafter's device tensors hold ids checked in `begin`, and checking them
+    here would cost a host sync every step).
     """
+    if store_tok.dim() != 2 or store_con.shape != store_tok.shape:
+        raise UniSpecError(f"store_tok and store_con must both be [V, k]; got {tuple(store_tok.shape)} and "
+                           f"{tuple(store_con.shape)}")
     if confidence not in ("path", "node"):
         raise UniSpecError(f"confidence must be 'path' or 'node', got {confidence!r}")
     if threshold_scope not in ("expand", "expand+select"):
@@ -81,6 +86,10 @@ def build_unispec_tree(root: int | torch.Tensor, store_tok: torch.Tensor, store_
     if g <= 0 or k <= 0 or depth <= 0:
         raise UniSpecError(f"need g > 0, k > 0, depth > 0; got g={g}, k={k}, depth={depth}")
     device = store_tok.device
+    if not isinstance(root, torch.Tensor) or root.device.type == "cpu":
+        check_token_ids(torch.as_tensor(root).reshape(1), store_tok.shape[0], "the root token")
+    if cache_tok is not None and cache_tok.device.type == "cpu":
+        check_token_ids(cache_tok, store_tok.shape[0], "the first-level cache")
     root = torch.as_tensor(root, dtype=torch.long, device=device).reshape(())
 
     # ---- level 1 (broadened) ------------------------------------------------------------------
@@ -188,10 +197,11 @@ class UniSpecDrafter(Drafter):
     name = "unispec"
     store_method = "unispec"
 
-    def __init__(self, target, cfg, *, store: SuccessorStore | None = None, draft_size: int | None = None):
+    def __init__(self, target, cfg, *, store: SuccessorStore | None = None):
         super().__init__(target, cfg)
+        self._given_store = store                       # checked against the vocabulary in begin()
         self._store = store
-        self.draft_size = draft_size if draft_size is not None else cfg.draft_size
+        self.draft_size = cfg.require_draft_size()      # g*, resolved with the config (engine.harness)
         self.cache_tok: torch.Tensor | None = None      # [k] C_tok
         self.cache_con: torch.Tensor | None = None      # [k] C_con
         self._t = {"tree": 0.0, "store_update": 0.0}
@@ -204,14 +214,8 @@ class UniSpecDrafter(Drafter):
         return self._store
 
     def _ensure_store(self, vocab_size: int, device) -> None:
-        if self._store is None or self._store.vocab_size != vocab_size:
-            self._store = deployment_store(self.target, self.store_method, vocab_size, self.cfg.store_k, device)
-
-    def _resolve_g(self) -> int:
-        if self.draft_size is None:
-            from engine.calibrate import resolve_draft_size
-            self.draft_size = resolve_draft_size(self.cfg, self.target, method=self.name)
-        return int(self.draft_size)
+        self._store = drafter_store(self._given_store, self.target, self.store_method, vocab_size,
+                                    self.cfg.store_k, device)
 
     # -- Drafter hooks ---------------------------------------------------------------------------------
     def begin(self, prompt_ids, prefill_logits, prefill_hidden):
@@ -221,11 +225,14 @@ class UniSpecDrafter(Drafter):
         if self.cfg.store_persistence == "per_prompt":
             self.store.reset()
         prompt_ids = prompt_ids.reshape(-1)
+        # once per prompt (a host sync): every later root and store row descends from these ids
+        check_token_ids(prompt_ids, self.store.vocab_size, "the prompt",
+                        fix="encode it with the target's tokenizer")
         rows = prefill_logits.shape[0]                    # the harness may pass fewer rows than the prompt
-        ids, probs = topk_probs(prefill_logits, self.store.k, self.cfg.temperature)
-        self.store.update_topk(prompt_ids[-rows:], ids, probs)   # later positions win on repeats
+        # sampling: confidences from the distribution the verifier samples from (temperature, top-p)
+        ids, probs = topk_probs(prefill_logits, self.store.k, self.cfg.temperature, self.cfg.top_p)
+        self.store.update_topk(prompt_ids[-rows:], ids, probs, check_ids=False)   # later positions win on repeats
         self.cache_tok, self.cache_con = ids[-1], probs[-1]
-        self._resolve_g()
         self._t["store_update"] += time.perf_counter() - t0
 
     def propose(self, ids):
@@ -233,7 +240,7 @@ class UniSpecDrafter(Drafter):
         cfg = self.cfg
         cache = (self.cache_tok, self.cache_con) if cfg.broaden_first_level else (None, None)
         tree = build_unispec_tree(ids[-1], self.store.tok, self.store.con, *cache, k=cfg.store_k,
-                                  depth=cfg.tree_depth, r=cfg.threshold_r, g=self._resolve_g(),
+                                  depth=cfg.tree_depth, r=cfg.threshold_r, g=self.draft_size,
                                   confidence=cfg.confidence, threshold_scope=cfg.threshold_scope,
                                   cache_exclude_root=cfg.cache_exclude_root)
         self._t["tree"] += time.perf_counter() - t0
@@ -241,9 +248,10 @@ class UniSpecDrafter(Drafter):
 
     def observe(self, step: StepResult):
         t0 = time.perf_counter()
-        ids, probs = topk_probs(step.logits, self.store.k, self.cfg.temperature)     # [n, k] each
+        ids, probs = topk_probs(step.logits, self.store.k, self.cfg.temperature, self.cfg.top_p)   # [n, k] each
         order = accepted_last_order(step.tree.size, step.accepted).to(ids.device)
-        self.store.update_topk(step.tree.tokens.to(ids.device)[order], ids[order], probs[order])
+        # in range by construction (this store's tree, the target's top-k): no per-step host sync
+        self.store.update_topk(step.tree.tokens.to(ids.device)[order], ids[order], probs[order], check_ids=False)
         last = step.accepted.reshape(-1)[-1]
         self.cache_tok, self.cache_con = ids[last], probs[last]
         self._t["store_update"] += time.perf_counter() - t0

@@ -1,0 +1,134 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 03 · Method comparison per task: tokens/s, speedup over ar, tau; draft time by phase
+# Reads a sweep's `bench` cells with `sweeps.load` and draws, for every method and vocabulary policy the
+# sweep ran (a *run*: "layerskip · microspec 3072" is the layer-skip drafter with MicroSpec's window of
+# w_max 3072):
+#
+# * **methods_table** — MicroSpec Table 2's layout: tokens/s per task, the average over tasks with its
+#   speedup over ar, and the average tau (also written as `methods_table.csv`).
+# * **methods_speed** — the same as bars: tokens/s, speedup over ar and tau per task.
+# * **draft_time_by_phase** — MicroSpec Fig. 4: draft time per drafted step, split into the drafter's phases
+#   (backbone layers, weight gather, LM head, tree building), per task.
+#
+# tokens/s = new tokens / wall time of a turn (prefill included), averaged over prompts, turns, repeats and
+# seeds; tau = new tokens / steps (bonus included, ar = 1.00); speedup = tokens/s over ar's on the same task.
+
+# %% tags=["parameters"]
+results_dir = "results/quick"
+out_dir = ""                     # default: {results_dir}/figures
+
+# %%
+# %load_ext autoreload
+# %autoreload 2
+from pathlib import Path
+
+import altair as alt
+import polars as pl
+
+from sweeps import figures as fig
+
+out_dir = out_dir or f"{results_dir}/figures"
+bench = fig.read(results_dir, "bench")
+summary = fig.method_summary(bench)
+
+# %% [markdown]
+# ## Table 2: tokens/s per task, average speedup and tau
+
+# %%
+if summary is not None:
+    wide = fig.methods_wide(summary)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    wide.write_csv(f"{out_dir}/methods_table.csv")
+    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=250, fmt_str_lengths=40):
+        print(wide)
+
+# %%
+if summary is not None:
+    cells = fig.table_cells(summary)
+    runs, columns = fig.run_order(summary), [t for t in fig.task_order(summary) if t != fig.AVG]
+    columns += ["avg tokens/s (× ar)", "avg tau"]
+    base = alt.Chart(cells).encode(
+        x=alt.X("column:N", sort=columns, title=None, axis=alt.Axis(orient="top", labelAngle=-40)),
+        y=alt.Y("run:N", sort=runs, title=None))
+    rect = base.mark_rect().encode(color=alt.Color(
+        "speedup:Q", title="speedup over ar",
+        scale=alt.Scale(scheme="redyellowgreen", domainMid=1.0), legend=alt.Legend(format=".2f")))
+    text = base.mark_text(fontSize=11).encode(text="text:N")
+    # one table per prompt set (Vega-Lite cannot facet layers with independent axes)
+    chart = (alt.vconcat(*[alt.layer(rect, text).transform_filter(alt.datum.prompt_set == s)
+                           .properties(width=alt.Step(62), height=alt.Step(22), title=s)
+                           for s in summary["prompt_set"].unique(maintain_order=True).to_list()])
+             .properties(title=fig.title(
+                 "Tokens/s per task, average speedup over ar and average tau (MicroSpec Table 2's layout)", bench,
+                 notes=["cell colour: speedup over ar on that task; avg: the mean over tasks (tokens/s, tau)"])))
+    fig.save_chart(chart, out_dir, "methods_table")
+    display(chart)  # noqa: F821 (IPython)
+
+# %% [markdown]
+# ## The same as bars: tokens/s, speedup over ar and tau per task
+
+# %%
+if summary is not None:
+    long = summary.unpivot(index=["prompt_set", "task", "run"], on=["tokens_per_s", "speedup", "tau"],
+                           variable_name="measure").with_columns(pl.col("measure").replace_strict(
+        {"tokens_per_s": "tokens/s", "speedup": "speedup over ar (×)", "tau": "tau (tokens per step)"}))
+    runs = fig.run_order(summary)
+    bars = alt.Chart(long).mark_bar().encode(
+        x=alt.X("task:N", sort=fig.task_order(summary), title="task", axis=alt.Axis(labelAngle=-40)),
+        xOffset=alt.XOffset("run:N", sort=runs),
+        y=alt.Y("value:Q", title=None),
+        color=alt.Color("run:N", sort=runs, title="method · vocabulary", scale=fig.color_scale(len(runs))),
+        tooltip=["prompt_set", "task", "run", "measure", alt.Tooltip("value:Q", format=".2f")])
+    one = alt.Chart(pl.DataFrame({"measure": ["speedup over ar (×)", "tau (tokens per step)"], "y": [1.0, 1.0]})
+                    ).mark_rule(strokeDash=[4, 3], color="#333").encode(y="y:Q")
+    rows = []
+    for s in summary["prompt_set"].unique(maintain_order=True).to_list():
+        rows.append(alt.vconcat(*[
+            alt.layer(bars.transform_filter((alt.datum.prompt_set == s) & (alt.datum.measure == m)),
+                      one.transform_filter(alt.datum.measure == m))
+            .properties(width=alt.Step(7), height=150, title=f"{s}: {m}")
+            for m in ("tokens/s", "speedup over ar (×)", "tau (tokens per step)")]))
+    chart = alt.hconcat(*rows).properties(title=fig.title(
+        "Method comparison per task: tokens/s, speedup over ar, tau", bench,
+        notes=["dashed: 1.0 (ar's speed; one token per step); avg: the mean over tasks"]))
+    fig.save_chart(chart, out_dir, "methods_speed")
+    display(chart)  # noqa: F821 (IPython)
+
+# %% [markdown]
+# ## Draft time per drafted step by phase (MicroSpec Fig. 4)
+
+# %%
+phases = fig.phase_times(summary)
+if phases is not None:
+    runs = phases["run"].unique(maintain_order=True).to_list()
+    bars = alt.Chart(phases).mark_bar().encode(
+        x=alt.X("task:N", sort=fig.task_order(phases), title=None, axis=alt.Axis(labelAngle=-40)),
+        y=alt.Y("ms:Q", title="ms per drafted step", stack=True),
+        color=alt.Color("phase:N", sort=list(fig.PHASES), title="phase", scale=alt.Scale(scheme="set2")),
+        order=alt.Order("phase_order:Q"),
+        tooltip=["prompt_set", "task", "run", "phase", alt.Tooltip("ms:Q", format=".2f"),
+                 alt.Tooltip("draft_ms:Q", format=".2f", title="draft ms (all)")])
+    chart = (bars.transform_calculate(phase_order=f"indexof({list(fig.PHASES)}, datum.phase)")
+             .properties(width=alt.Step(18), height=110)
+             .facet(column=alt.Column("prompt_set:N", title=None, header=alt.Header(labelFontWeight="bold")),
+                    row=alt.Row("run:N", sort=runs, title=None,
+                                header=alt.Header(labelFontWeight="bold", labelAngle=0, labelAlign="left")))
+             .resolve_scale(x="independent")
+             .properties(title=fig.title(
+                 "Draft time per drafted step by drafter phase, per task (MicroSpec Fig. 4)", bench,
+                 notes=["backbone: the drafter's layers; gather: copying the window's LM-head rows; lm_head: the "
+                        "(restricted) head; tree: building the draft tree"])))
+    fig.save_chart(chart, out_dir, "draft_time_by_phase")
+    display(chart)  # noqa: F821 (IPython)

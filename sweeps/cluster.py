@@ -1,0 +1,95 @@
+"""Connecting to Ray: a local cluster bound to 127.0.0.1, or an existing cluster at an address.
+
+Loopback: Ray turns a node address of 127.0.0.1 into the machine's reachable IP
+(`ray._private.services.resolve_ip_for_localhost`) unless multi-node clusters are switched off, which
+`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` does - then the GCS, the raylet and every worker listen on 127.0.0.1
+only. Ray reads the variable when it is imported, so `start_local` sets it for the processes Ray starts
+and, for a `ray` already imported, the constant it was read into. `ray start --head` needs the same
+variable in its environment (`loopback_env`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from urllib.parse import urlparse
+
+import ray
+from ray._private import ray_constants
+
+from sweeps.cell import SweepError
+
+LOOPBACK = "127.0.0.1"
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+STARTS = 3                      # a raylet that misses Ray's fixed 30 s start deadline on a loaded machine
+
+
+def loopback_env() -> dict[str, str]:
+    """Environment variables that keep a Ray started from this process (or by `ray start`) on 127.0.0.1."""
+    return dict(LOOPBACK_ENV)
+
+
+def start_local(num_cpus: int | None = None, **kwargs) -> None:
+    """ray.init a new local cluster of `num_cpus` CPUs (default os.cpu_count()) bound to 127.0.0.1."""
+    os.environ.update(LOOPBACK_ENV)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    for attempt in range(STARTS):
+        try:
+            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), _node_ip_address=LOOPBACK,
+                     include_dashboard=False, log_to_driver=False, **kwargs)
+            break
+        except Exception as e:  # Ray raises a bare Exception when its raylet misses the 30 s start deadline
+            ray.shutdown()
+            if "timed out during startup" not in str(e) or attempt == STARTS - 1:
+                raise SweepError(f"could not start a local Ray ({e}); on a loaded machine try again") from e
+    nodes = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+    if nodes != {LOOPBACK}:
+        ray.shutdown()
+        raise SweepError(f"the local Ray cluster came up on {sorted(nodes)}, not {LOOPBACK} only; stopped it")
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of `ray://host:port` or `host:port`; None for `auto` (resolved by Ray itself)."""
+    if address == "auto":
+        return None
+    parsed = urlparse(address if "://" in address else f"gcs://{address}")
+    if not parsed.hostname or not parsed.port:
+        raise SweepError(f"--address {address!r} is not `auto`, `host:port` or `ray://host:port`")
+    return parsed.hostname, parsed.port
+
+
+def attach(address: str, timeout_s: float = 5.0) -> None:
+    """Connect to an existing cluster; SweepError naming the address when nothing answers there."""
+    hp = _host_port(address)
+    if hp is not None:
+        try:
+            with socket.create_connection(hp, timeout=timeout_s):
+                pass
+        except OSError as e:
+            raise SweepError(f"cannot reach the Ray cluster at {address} ({e}); start one with "
+                             f"`ray start --head`, check the address, or leave --address out to run on a "
+                             f"local Ray") from None
+    try:
+        ray.init(address=address, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise SweepError(f"cannot connect to the Ray cluster at {address!r} ({type(e).__name__}: {e}); with "
+                         f"`auto`, run inside the cluster (`ray job submit ... --address auto`) or pass its "
+                         f"host:port") from None
+
+
+def connect(address: str | None, num_cpus: int | None = None) -> bool:
+    """Use the Ray this process already joined, else attach to `address`, else start a local one.
+    Returns True when this call started or joined a cluster (the caller shuts it down)."""
+    if ray.is_initialized():
+        return False
+    if address is None:
+        start_local(num_cpus)
+    else:
+        attach(address)
+    return True
+
+
+def resources() -> tuple[int, int]:
+    """(CPUs, GPUs) of the cluster."""
+    res = ray.cluster_resources()
+    return int(res.get("CPU", 0)), int(res.get("GPU", 0))

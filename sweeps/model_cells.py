@@ -1,0 +1,155 @@
+"""The cells that need a loaded model - record, bench, calibrate - and `ModelWorker`, which loads a model once
+and serves many of them (the Ray actor in `sweeps.run` wraps it; tests and `sweeps.bench` call it directly).
+
+Each cell function takes the cell's parameters (`sweeps.config.Cell.params`) and `(model, tokenizer, info)`
+and returns a polars frame; writing it is the driver's job.
+
+- record: `engine.record.record_traces` (ar, greedy) on the cell's prompts -> the trace table (`locality.trace`).
+- bench: `engine.bench.run_bench` for one method x vocabulary policy x parameters on the cell's prompts -> one
+  row per prompt, turn and repeat. Its untimed warm-up runs once per actor process and configuration.
+- calibrate: `engine.calibrate.calibrate` (UniSpec §3, App. F) -> the measured tau(g), s(g), the fitted curves
+  and g* (`engine.calibration.calibration_curves`), with g*, the device and dtype on every row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import polars as pl
+import torch
+
+from engine.bench import REQUESTED_SIZE, run_bench
+from engine.calibrate import calibrate, calibration_prompts
+from engine.calibration import calibration_curves
+from engine.config import SpecConfig
+from engine.frequency import default_frequency_file
+from engine.models import eos_token_ids, load_model
+from engine.prompts import load_prompts
+from engine.record import record_traces
+from kernels.hardware import DEFAULT_DTYPE, DEVICE
+from locality.shortlist import load_ranking
+from locality.trace import traces_to_frame
+from sweeps.cell import canonical_json
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the run's settings that run_bench takes as its own arguments, never through `config`
+_BENCH_ARGS = ("temperature", "top_p")
+
+_LOADS = 0          # models loaded by this process (one per actor process: tested)
+
+
+def select_prompts(p: dict) -> list:
+    return load_prompts(p["prompt_set"], per_category=p["per_category"], categories=p["categories"],
+                        languages=p["languages"])
+
+
+def record_cell(p: dict, loaded) -> pl.DataFrame:
+    model, tokenizer, info = loaded
+    traces = record_traces(model, tokenizer, info, select_prompts(p), max_new_tokens=p["max_new_tokens"],
+                           topk=p["topk"], progress=False)
+    return traces_to_frame(traces)
+
+
+def bench_config(p: dict) -> dict:
+    """The SpecConfig fields of a bench cell: its grid point, its policy and the policy's size."""
+    fields = {**p["config"], "vocab": p["policy"]}
+    size_field = REQUESTED_SIZE.get(p["policy"])
+    if size_field is not None and p["vocab_size"] is not None:
+        fields[size_field] = p["vocab_size"]
+    return fields
+
+
+def bench_cell(p: dict, loaded, method: str, threads: int | None, warmup: int | None = None) -> pl.DataFrame:
+    """`warmup`: untimed warm-up runs (default the cell's own `warmup`)."""
+    config = bench_config(p)
+    args = {k: config.pop(k) for k in _BENCH_ARGS if k in config}
+    return run_bench(model=p["model_name"], methods=[method], prompts=p["prompt_set"], per_category=p["per_category"],
+                     categories=p["categories"], languages=p["languages"], max_new_tokens=p["max_new_tokens"],
+                     repeats=p["repeats"], warmup=p["warmup"] if warmup is None else warmup, seed=p["seed"],
+                     threads=threads, config=config, loaded=loaded, progress=False, show=False, **args)
+
+
+def calibrate_cell(p: dict, loaded, method: str) -> pl.DataFrame:
+    model, tokenizer, info = loaded
+    cal, warm = calibration_prompts(tokenizer, info, n=p["prompts"], warmup=p["warmup"],
+                                    max_new_tokens=p["max_new_tokens"])
+    cfg = SpecConfig.preset(method, max_new_tokens=p["max_new_tokens"], **p["config"])
+    rec = calibrate(model, cal, method, grid=p["grid"], cfg=cfg, warmup_prompts=warm,
+                    eos_ids=eos_token_ids(model, tokenizer), save=False, progress=False)
+    scalars = {k: rec.get(k) for k in ("g_star", "g_star_grid", "g_continuous", "device", "dtype", "threads",
+                                       "predicted_tokens_per_s", "wallclock_s")}
+    measured = pl.DataFrame(rec["rows"]).select(pl.col("g").cast(pl.Float64), *[
+        pl.col(c).alias(f"measured_{c}") for c in ("s_forward", "steps", "new_tokens") if c in rec["rows"][0]])
+    # the curve's own `kind` (measured | fit | g_star) and `model` (engine.calibration.model_id) would clash
+    # with the sweep's kind and model label
+    curves = (calibration_curves(rec).rename({"kind": "curve", "model": "model_id"}, strict=False)
+              .join(measured, on="g", how="left"))
+    return curves.with_columns([pl.lit(v).alias(k) for k, v in scalars.items() if k not in curves.columns])
+
+
+def model_ranking(loaded) -> pl.DataFrame:
+    """The token-frequency ranking FR-Spec's shortlists take (`engine.frequency.default_frequency_file`:
+    counted on the training corpus with this model's tokenizer, never on the traces it is scored on)."""
+    model, tokenizer, info = loaded
+    path = Path(default_frequency_file(tokenizer, info.tokenizer_name, info.vocab_size, verbose=False))
+    meta = json.loads(path.with_name(path.name + ".json").read_text())
+    return load_ranking(path.with_name(meta["ranking"]))
+
+
+class ModelWorker:
+    """One loaded model serving many cells. `threads`: torch threads (1 on CPU, so that timed cells on
+    different cores do not share one). Tests only: `crash_once`, a marker file - the first cell to create it
+    kills this process (the Ray actor restarts and the cell is retried); `delay_s`, a sleep before each cell
+    (so a test can interrupt a sweep between cells)."""
+
+    def __init__(self, name: str, options: dict, dtype: str | None, threads: int | None,
+                 crash_once: str | None = None, delay_s: float = 0.0):
+        global _LOADS
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.threads = threads
+        self.crash_once = crash_once
+        self.delay_s = delay_s
+        self.warmed: set[str] = set()      # bench configurations this process has warmed up
+        t0 = time.perf_counter()
+        self.loaded = load_model(name, dtype=DTYPES[dtype] if dtype else DEFAULT_DTYPE, device=DEVICE, **options)
+        self.load_s = time.perf_counter() - t0
+        _LOADS += 1
+
+    def stats(self) -> dict:
+        return {"pid": os.getpid(), "loads": _LOADS, "load_s": self.load_s}
+
+    def _maybe_crash(self) -> None:
+        if self.crash_once is None:
+            return
+        try:
+            fd = os.open(self.crash_once, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        os._exit(1)                    # a hard death, as a segfault or the OOM killer would cause
+
+    def run(self, kind: str, method: str, params: dict) -> tuple[pl.DataFrame, dict]:
+        self._maybe_crash()
+        time.sleep(self.delay_s)
+        t0 = time.perf_counter()
+        if kind == "record":
+            frame = record_cell(params, self.loaded)
+        elif kind == "bench":
+            # warm-up runs allocate and compile once per process and configuration; later cells of the same
+            # configuration on this actor start warm, so they skip theirs
+            key = canonical_json([method, bench_config(params), params["max_new_tokens"]])
+            frame = bench_cell(params, self.loaded, method, self.threads, 0 if key in self.warmed else None)
+            self.warmed.add(key)
+        elif kind == "calibrate":
+            frame = calibrate_cell(params, self.loaded, method)
+        else:
+            raise ValueError(f"ModelWorker runs record, bench and calibrate cells, not {kind!r}")
+        return frame, {**self.stats(), "seconds": time.perf_counter() - t0}
+
+    def ranking(self) -> pl.DataFrame:
+        return model_ranking(self.loaded)

@@ -1,0 +1,128 @@
+"""Draw every figure of a sweep: `python -m sweeps.render DIR [--out FIGURES] [--only 01,04]`.
+
+    python -m sweeps.run sweeps/configs/quick.toml --out results/quick
+    python -m sweeps.render results/quick                  # -> results/quick/figures/*.png, *.html
+
+Each figure notebook `notebooks/NN_*.py` (jupytext percent format) is converted to a notebook in a temporary
+folder and executed with papermill, its parameters cell given `results_dir = DIR` and `out_dir = FIGURES`
+(default DIR/figures). Every notebook writes its figures there as PNG and self-contained HTML; the executed
+notebooks are kept as FIGURES/notebooks/NN_*.ipynb (open them in JupyterLab to explore, or re-run them
+there). The PNGs each notebook wrote are printed. A notebook that fails does not stop the others; the exit
+status is 1 if any failed, 2 when DIR holds no sweep results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from sweeps.cell import SweepError
+from sweeps.results import MANIFEST, result_files
+
+try:            # the notebooks extra (jupytext, papermill, ipykernel); named in the error when missing
+    import jupytext
+    import papermill
+except ImportError as e:                                        # pragma: no cover - an install without it
+    jupytext = papermill = None
+    _IMPORT_ERROR = e
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+KERNEL = "python3"
+
+
+@dataclass
+class Rendered:
+    notebook: Path
+    executed: Path
+    seconds: float
+    figures: list[Path] = field(default_factory=list)           # PNGs written by this notebook
+    error: str | None = None
+
+
+def notebooks(folder: str | Path = NOTEBOOKS, only: Sequence[str] | None = None) -> list[Path]:
+    """The figure notebooks `NN_*.py` in `folder`, in order; `only`: their numbers or stems ("01", "03_methods")."""
+    found = sorted(Path(folder).glob("[0-9][0-9]_*.py"))
+    if not found:
+        raise SweepError(f"no figure notebooks (NN_*.py) in {folder}; sweeps.render runs from a checkout of the "
+                         f"repository (pip install -e .)")
+    if only:
+        want = [str(o).strip() for o in only if str(o).strip()]
+        picked = [p for p in found if p.stem[:2] in want or p.stem in want]
+        unknown = [w for w in want if not any(p.stem[:2] == w or p.stem == w for p in found)]
+        if unknown:
+            raise SweepError(f"--only {unknown}: no such notebook; have {[p.stem for p in found]}")
+        found = picked
+    return found
+
+
+def check_results(results_dir: str | Path) -> Path:
+    """`results_dir` resolved, or SweepError when it holds no sweep results."""
+    path = Path(results_dir).expanduser().resolve()
+    if not path.is_dir():
+        raise SweepError(f"{path} is not a folder; pass the --out folder of `python -m sweeps.run CONFIG --out DIR`")
+    if not result_files(path):
+        what = "an unfinished sweep (no cell finished yet)" if (path / MANIFEST).is_file() else "not a sweep's output"
+        raise SweepError(f"{path} holds no sweep results ({what}); run `python -m sweeps.run CONFIG --out {path}` "
+                         f"first, then render")
+    return path
+
+
+def render(results_dir: str | Path, out_dir: str | Path | None = None, only: Sequence[str] | None = None,
+           folder: str | Path = NOTEBOOKS, show: bool = True) -> list[Rendered]:
+    """Execute every figure notebook on `results_dir`; returns what each wrote (see the module docstring)."""
+    if papermill is None:
+        raise SweepError(f"rendering needs the notebooks extra ({_IMPORT_ERROR}); pip install -e '.[notebooks]'")
+    results = check_results(results_dir)
+    out = Path(out_dir).expanduser().resolve() if out_dir else results / "figures"
+    executed_dir = out / "notebooks"
+    executed_dir.mkdir(parents=True, exist_ok=True)
+    done = []
+    with tempfile.TemporaryDirectory(prefix="sweeps-render-") as tmp:
+        for nb in notebooks(folder, only):
+            ipynb = Path(tmp) / f"{nb.stem}.ipynb"
+            jupytext.write(jupytext.read(nb), ipynb)
+            before = {p: p.stat().st_mtime_ns for p in out.glob("*.png")}
+            item = Rendered(nb, executed_dir / f"{nb.stem}.ipynb", 0.0)
+            t0 = time.perf_counter()
+            try:
+                papermill.execute_notebook(str(ipynb), str(item.executed), kernel_name=KERNEL, language="python",
+                                           cwd=tmp, progress_bar=False, log_output=False,
+                                           parameters={"results_dir": str(results), "out_dir": str(out)})
+            except papermill.PapermillExecutionError as e:
+                item.error = f"{e.ename}: {e.evalue}"
+            item.seconds = time.perf_counter() - t0
+            item.figures = sorted(p for p in out.glob("*.png") if before.get(p) != p.stat().st_mtime_ns)
+            done.append(item)
+            if show:
+                status = f"FAILED ({item.error}; see {item.executed})" if item.error else \
+                    f"{len(item.figures)} figures in {item.seconds:.1f} s"
+                print(f"{nb.name}: {status}", flush=True)
+                for p in item.figures:
+                    print(f"  {p}", flush=True)
+    if show:
+        n = sum(len(r.figures) for r in done)
+        print(f"figures: {out}  ({n} PNG + HTML; executed notebooks in {executed_dir})", flush=True)
+    return done
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sweeps.render", description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", help="a sweep's output folder (`python -m sweeps.run CONFIG --out DIR`)")
+    ap.add_argument("--out", default=None, help="where figures go (default: RESULTS/figures)")
+    ap.add_argument("--only", default=None, help="comma list of notebook numbers or names, e.g. 01,04")
+    a = ap.parse_args(argv)
+    try:
+        done = render(a.results, a.out, a.only.split(",") if a.only else None)
+    except SweepError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 1 if any(r.error for r in done) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

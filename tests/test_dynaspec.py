@@ -1,0 +1,402 @@
+"""DynaSpec (`engine.dynaspec`, `engine.vocab.DynaSpecVocab`).
+
+- spherical k-means recovers well-separated, unbalanced clusters exactly (up to a permutation), re-seeds an
+  empty cluster, and is deterministic in its seed;
+- the router learns a known cluster mapping (BCE falls, held-out recall high), and an interrupted training
+  run resumes from its checkpoint to the same weights;
+- the position-aware budget k_c(t) and the fixed one;
+- option B (one head over the union, each row masked to its own shortlist) equals a per-row reference;
+- the policy: every row gets k_c(t) clusters, greedy decoding with the layerskip drafter is lossless
+  (== ar), all clusters reproduce the full head's drafts, stats report per-row and union sizes;
+- save/load round trip, a torn or foreign file, another model's head -> clear errors; `find_fitted`;
+- `fit` end to end on a random model (logging, resume, a file the policy loads).
+"""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import dynaspec as ds
+from engine.config import SpecConfig
+from engine.dynaspec import (ClusterLayout, DynaSpecError, FitConfig, FittedDynaSpec, Router, cluster_budget,
+                             cluster_targets, find_fitted, head_fingerprint, load_dynaspec, per_row_reference_logits,
+                             router_metrics, save_dynaspec, select_clusters, shortlist_logits, spherical_kmeans,
+                             train_router, union_shortlist)
+from engine.harness import generate
+from engine.models import load_model
+from engine.vocab import DynaSpecVocab, head_topk, make_policy
+from tests.engine_testing import untie_head
+
+V = 384
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls: one thread is faster than two on this shared machine (no BLAS fan-out to wait on)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# --- spherical k-means ---------------------------------------------------------------------------------------
+
+def _separated(sizes, d=32, noise=0.003, seed=0):
+    """Rows around len(sizes) orthonormal directions, cluster i holding sizes[i] rows at random norms."""
+    g = torch.Generator().manual_seed(seed)
+    dirs = torch.linalg.qr(torch.randn(d, len(sizes), generator=g, dtype=torch.float64))[0].T.float()  # [M, d]
+    truth = torch.cat([torch.full((s,), i) for i, s in enumerate(sizes)])
+    x = dirs[truth] + noise * torch.randn(truth.numel(), d, generator=g)
+    x = x * (0.5 + 3 * torch.rand(truth.numel(), 1, generator=g))          # norms must not matter
+    perm = torch.randperm(truth.numel(), generator=g)
+    return x[perm], truth[perm], dirs
+
+
+def _same_partition(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b split the rows identically (labels may be permuted)."""
+    pairs = set(zip(a.tolist(), b.tolist()))
+    return len(pairs) == len(set(a.tolist())) == len(set(b.tolist()))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kmeans_recovers_separated_unbalanced_clusters(seed):
+    sizes = [1, 60, 3, 25, 2, 40, 9, 14]
+    x, truth, _ = _separated(sizes, seed=seed)
+    km = spherical_kmeans(x, len(sizes), seed=seed)
+    assert _same_partition(km.assign, truth)
+    assert sorted(torch.bincount(km.assign).tolist()) == sorted(sizes)
+    assert km.converged and km.mean_cosine > 0.99
+    assert torch.allclose(km.centroids.norm(dim=1), torch.ones(len(sizes)), atol=1e-5)
+
+
+def test_kmeans_reseeds_an_empty_cluster():
+    sizes = [30, 20, 25, 15]
+    x, truth, dirs = _separated(sizes, seed=3)
+    bad = -F.normalize(dirs.sum(0), dim=0)                                # negative cosine with every row
+    init = torch.cat([dirs[:3], bad[None]])                               # cluster 3 has no centroid near it
+    first, _ = ds._nearest(F.normalize(x, dim=1), init)
+    assert (first == 3).sum() == 0                                        # the bad centroid starts empty
+    km = spherical_kmeans(x, 4, init=init)
+    assert _same_partition(km.assign, truth)
+    # random init on the same data: still a partition into 4 non-empty clusters, deterministic in the seed
+    r1, r2 = spherical_kmeans(x, 4, init="random", seed=7), spherical_kmeans(x, 4, init="random", seed=7)
+    assert torch.equal(r1.assign, r2.assign) and torch.bincount(r1.assign, minlength=4).min() >= 1
+
+
+def test_kmeans_one_row_per_cluster_and_errors():
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
+    km = spherical_kmeans(x, 6, iters=3)
+    assert sorted(km.assign.tolist()) == list(range(6))                   # every cluster non-empty
+    with pytest.raises(DynaSpecError, match="num_clusters"):
+        spherical_kmeans(x, 7)
+    with pytest.raises(DynaSpecError, match="unknown k-means init"):
+        spherical_kmeans(x, 2, init="kmeans")
+    with pytest.raises(DynaSpecError, match="init centroids"):
+        spherical_kmeans(x, 2, init=torch.randn(3, 5))
+
+
+# --- budget ------------------------------------------------------------------------------------------------
+
+def test_cluster_budget_schedule():
+    # DynaSpec-PA (§4.2): k_max at t = 0, 1, then floor(k_max / ((t + 1) * 2))
+    assert [cluster_budget(t, 60) for t in range(6)] == [60, 60, 10, 7, 6, 5]
+    assert [cluster_budget(t, 256) for t in range(6)] == [256, 256, 42, 32, 25, 21]
+    assert [cluster_budget(t, 60, "fixed") for t in range(6)] == [60] * 6          # DynaSpec-F
+    assert [cluster_budget(t, 4) for t in range(4)] == [4, 4, 1, 1]                 # floor 0 -> k_min = 1
+    assert [cluster_budget(t, 24, k_min=3) for t in range(6)] == [24, 24, 4, 3, 3, 3]
+    assert cluster_budget(0, 300, num_clusters=128) == 128
+    with pytest.raises(DynaSpecError, match="unknown budget"):
+        cluster_budget(0, 8, "decay")
+    with pytest.raises(DynaSpecError, match="k_max >= 1"):
+        cluster_budget(2, 0)
+
+
+# --- router ------------------------------------------------------------------------------------------------
+
+def _mapping_rows(n, d=16, m=8, vocab=48, seed=0):
+    """Rows whose positive clusters follow a known rule: the cluster of (5 x) mod vocab for the token x, and
+    argmax of P h. top ids are one token from each (token v sits in cluster v mod m)."""
+    g = torch.Generator().manual_seed(seed)
+    P = torch.randn(m, d, generator=torch.Generator().manual_seed(99))
+    h = torch.randn(n, d, generator=g)
+    tok = torch.randint(0, vocab, (n,), generator=g)
+    c1 = ((5 * tok) % vocab) % m
+    c2 = (h @ P.T).argmax(1)
+    top = torch.stack([c1 + m * torch.randint(0, vocab // m, (n,), generator=g),
+                       c2 + m * torch.randint(0, vocab // m, (n,), generator=g)], 1)
+    return {"tokens": tok.int(), "parent_h": h.half(), "t": torch.zeros(n, dtype=torch.int8), "top": top.int()}
+
+
+def test_router_learns_a_known_mapping(tmp_path):
+    d, m, vocab = 16, 8, 48
+    weight = torch.randn(vocab, d, generator=torch.Generator().manual_seed(1))
+    assign = torch.arange(vocab) % m
+    train, held = _mapping_rows(8000, seed=0), _mapping_rows(500, seed=1)
+    cfg = FitConfig(model="synthetic", router_width=256, epochs=6, batch_size=64, lr=1e-2, progress=False)
+    router, losses = train_router(cfg, train, weight, assign, tmp_path)
+    assert np.mean(losses[-20:]) < 0.15 * np.mean(losses[:5])
+    layout = ClusterLayout.from_assign(assign, m)
+    got = router_metrics(router, held, weight, layout, k_max=2, budget="fixed")["overall"]
+    assert got["cluster_recall"] > 0.93 and got["top1_hit"] > 0.97
+    assert got["mean_row_vocab"] == pytest.approx(2 * vocab / m)          # two clusters of 6 tokens per row
+    static = router_metrics(router, held, weight, layout, k_max=2, budget="fixed",
+                            scores_fn=lambda tok, h: torch.arange(m, dtype=torch.float32).expand(tok.numel(), -1))
+    assert static["overall"]["cluster_recall"] < 0.4                      # a fixed guess cannot do this
+
+
+def test_router_training_resumes_after_an_interruption(tmp_path, monkeypatch):
+    d, m, vocab = 16, 8, 48
+    weight = torch.randn(vocab, d, generator=torch.Generator().manual_seed(1))
+    assign = torch.arange(vocab) % m
+    train = _mapping_rows(1000, seed=0)
+    cfg = FitConfig(model="synthetic", router_width=32, epochs=2, batch_size=32, lr=1e-2, progress=False)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    router, losses = train_router(cfg, train, weight, assign, tmp_path / "a")
+    calls = {"n": 0}
+    real_loss = ds.router_loss
+
+    def crashing_loss(scores, targets):
+        calls["n"] += 1
+        if calls["n"] == 41:
+            raise KeyboardInterrupt
+        return real_loss(scores, targets)
+
+    monkeypatch.setattr(ds, "router_loss", crashing_loss)
+    with pytest.raises(KeyboardInterrupt):
+        train_router(cfg, train, weight, assign, tmp_path / "b")
+    monkeypatch.setattr(ds, "router_loss", real_loss)
+    # checkpoints every 100 batches and at each epoch's end (32 batches): the last before the crash is 32
+    assert torch.load(tmp_path / "b" / "router.pt", weights_only=True)["step"] == 32
+    resumed, losses_b = train_router(cfg, train, weight, assign, tmp_path / "b")
+    for (k, a), b in zip(router.state_dict().items(), resumed.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), k
+    assert losses_b == pytest.approx(losses)
+
+
+def test_cluster_targets_and_selection():
+    assign = torch.tensor([0, 1, 1, 2, 3, 3])
+    y = cluster_targets(torch.tensor([[1, 2], [0, 5]]), assign, 4)
+    assert y.tolist() == [[0, 1, 0, 0], [1, 0, 0, 1]]
+    sel = select_clusters(torch.tensor([[0.1, 0.9, 0.5, -1.0], [3.0, 2.0, 1.0, 0.0]]), 2)
+    assert sel.tolist() == [[False, True, True, False], [True, True, False, False]]
+
+
+# --- option B vs a per-row reference -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_union_head_masked_per_row_equals_per_row_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    vocab, d, m, r = 301, 24, 19, 7
+    weight = torch.randn(vocab, d, generator=g)
+    assign = torch.randint(0, m, (vocab,), generator=g)                  # unbalanced, some maybe empty
+    layout = ClusterLayout.from_assign(assign, m)
+    h = torch.randn(r, d, generator=g)
+    ks = [1, 2, 3, 5, 8, 13, 19]                                          # a different budget per row
+    mask = torch.stack([select_clusters(torch.randn(1, m, generator=g), k)[0] for k in ks])   # [r, M]
+    idx, row_ok = union_shortlist(mask, layout)
+    assert sorted(idx.tolist()) == sorted(torch.nonzero(mask.any(0)[assign]).flatten().tolist())
+    logits = shortlist_logits(h, weight, idx, row_ok)                     # [r, u]
+    ref = per_row_reference_logits(h, weight, assign, mask)               # [r, V]
+    scattered = torch.full((r, vocab), float("-inf")).scatter(1, idx.expand(r, -1), logits)
+    assert torch.equal(torch.isfinite(scattered), torch.isfinite(ref))
+    fin = torch.isfinite(ref)
+    assert torch.allclose(scattered[fin], ref[fin], rtol=1e-5, atol=1e-5)
+    lp, ids = head_topk(logits, idx, 10)                                  # what the drafter proposes
+    lp_ref, ids_ref = head_topk(ref, None, 10)
+    assert torch.equal(ids, ids_ref) and torch.allclose(lp, lp_ref, atol=1e-5)
+    assert row_ok.sum(1).tolist() == (mask.long() * layout.sizes).sum(1).tolist()
+
+
+# --- the policy -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, _, _ = load_model("random-llama", vocab_size=V, hidden_size=48, num_layers=4, seed=5)
+    untie_head(model, seed=3)
+    weight = model.get_output_embeddings().weight.detach()
+    m = 32
+    km = spherical_kmeans(weight, m, seed=0)
+    torch.manual_seed(0)
+    fitted = FittedDynaSpec(assign=km.assign, router=Router(48, m, 32).eval(),
+                            meta={"model": "random-llama-seed5", "head_fingerprint": head_fingerprint(weight),
+                                  "drafter_config": {"drafter": "layerskip", "drafter_layers": "skip:1"}})
+    return model, weight, fitted
+
+
+def _prompt(seed, n=40):
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, V, n // 3)
+    return torch.tensor(np.concatenate([base, rng.integers(0, V, n - 2 * base.size), base]))
+
+
+def test_policy_routes_each_row_to_its_budget(tiny):
+    _, weight, fitted = tiny
+    cfg = SpecConfig.preset("layerskip", vocab="dynaspec", dynaspec_k_max=12)
+    pol = DynaSpecVocab(weight, cfg, fitted=fitted)
+    pol.begin(torch.tensor([1, 2, 3]), None)
+    g = torch.Generator().manual_seed(0)
+    for t, r in enumerate([1, 10, 10, 10, 10]):
+        tokens = torch.randint(0, V, (r,), generator=g)
+        parent_h, h = torch.randn(r, 48, generator=g), torch.randn(r, 48, generator=g)
+        pol.route(tokens, parent_h, t)
+        mask = pol.head._pending.clone()
+        assert mask.sum(1).tolist() == [cluster_budget(t, 12)] * r
+        logits, idx = pol.logits(h)
+        ref = per_row_reference_logits(h, weight, fitted.assign, mask)
+        assert torch.equal(torch.isfinite(logits).sum(1), torch.isfinite(ref).sum(1))
+        with pytest.raises(DynaSpecError, match="route"):                 # one head call per routing
+            pol.logits(h)
+    pol.record_step()
+    st = pol.stats()
+    assert 0 < st["mean_row_vocab"] <= st["mean_union_vocab"] <= st["max_union_vocab"] < V
+    assert st["mean_active_vocab"] == pytest.approx(st["mean_row_vocab"])
+
+
+def test_policy_lossless_greedy_and_reports_sizes(tiny, tmp_path):
+    model, weight, fitted = tiny
+    path = save_dynaspec(fitted, tmp_path / "tiny.safetensors")
+    common = dict(max_new_tokens=24, eos_ids=[], drafter_layers="skip:1", eagle_depth=4, draft_size=19)
+    for i, extra in enumerate([dict(dynaspec_k_max=8), dict(dynaspec_k_max=4, dynaspec_budget="fixed"),
+                               dict(dynaspec_k_max=1)]):
+        ar = generate(model, _prompt(i), method="ar", max_new_tokens=24, eos_ids=[]).output_ids.tolist()
+        out = generate(model, _prompt(i), method="layerskip", vocab="dynaspec", dynaspec_file=str(path),
+                       **common, **extra)
+        assert out.output_ids.tolist() == ar, extra
+        st, tm = out.drafter_stats, out.drafter_timings
+        assert 0 < st["mean_row_vocab"] <= st["mean_union_vocab"] <= st["max_union_vocab"] <= V
+        assert st["mean_row_vocab"] < V / 2 and tm["router"] > 0 and tm["lm_head"] > 0
+        assert 0 <= st["coverage"] <= 1
+    # every cluster at every step: the union is the whole vocabulary and the drafts are the full head's
+    full = generate(model, _prompt(5), method="layerskip", vocab="full", **common)
+    every = generate(model, _prompt(5), method="layerskip", vocab="dynaspec", dynaspec_file=str(path),
+                     dynaspec_k_max=32, dynaspec_budget="fixed", **common)
+    assert every.output_ids.tolist() == full.output_ids.tolist() and every.steps == full.steps
+    assert every.drafter_stats["mean_row_vocab"] == every.drafter_stats["mean_union_vocab"] == V
+
+
+# --- save / load -----------------------------------------------------------------------------------------------
+
+def test_save_load_round_trip_and_wrong_model(tiny, tmp_path):
+    _, weight, fitted = tiny
+    path = save_dynaspec(fitted, tmp_path / "a.safetensors")
+    meta = json.loads((tmp_path / "a.safetensors.json").read_text())
+    assert (meta["model"], meta["vocab_size"], meta["hidden_size"], meta["num_clusters"], meta["router_width"]) \
+        == ("random-llama-seed5", V, 48, 32, 32)
+    back = load_dynaspec(path, weight)
+    assert torch.equal(back.assign, fitted.assign)
+    for (k, a), b in zip(fitted.router.state_dict().items(), back.router.state_dict().values()):
+        assert torch.equal(a, b), k
+
+    other, _, _ = load_model("random-llama", vocab_size=V, hidden_size=48, num_layers=4, seed=6)
+    with pytest.raises(DynaSpecError, match="fitted for model 'random-llama-seed5'.*other weights"):
+        load_dynaspec(path, other.get_output_embeddings().weight)
+    bigger, _, _ = load_model("random-llama", vocab_size=V + 8, hidden_size=48, num_layers=1)
+    with pytest.raises(DynaSpecError, match="vocabulary 384"):
+        load_dynaspec(path, bigger.get_output_embeddings().weight)
+    with pytest.raises(DynaSpecError, match="vocabulary 384"):            # through the policy, too
+        make_policy(SpecConfig.preset("layerskip", vocab="dynaspec", dynaspec_file=str(path)),
+                    bigger.get_output_embeddings().weight)
+
+    save_dynaspec(fitted, tmp_path / "b.safetensors")                     # a torn pair: b's tensors, a's sidecar
+    (tmp_path / "b.safetensors.json").write_text((tmp_path / "a.safetensors.json").read_text())
+    with pytest.raises(DynaSpecError, match="different fits"):
+        load_dynaspec(tmp_path / "b.safetensors")
+    (tmp_path / "b.safetensors.json").unlink()
+    with pytest.raises(DynaSpecError, match="sidecar"):
+        load_dynaspec(tmp_path / "b.safetensors")
+    with pytest.raises(DynaSpecError, match="does not exist"):
+        load_dynaspec(tmp_path / "none.safetensors")
+    with pytest.raises(DynaSpecError, match="needs meta"):                # no model name / fingerprint to check
+        save_dynaspec(FittedDynaSpec(fitted.assign, fitted.router, {}), tmp_path / "c.safetensors")
+
+
+def test_find_fitted_matches_head_and_drafter(tiny, tmp_path):
+    _, weight, fitted = tiny
+    cfg = SpecConfig.preset("layerskip", vocab="dynaspec", drafter_layers="skip:1")
+    with pytest.raises(DynaSpecError, match="none is in"):
+        find_fitted(weight, cfg, tmp_path)
+    path = save_dynaspec(fitted, tmp_path / "x.safetensors")
+    assert find_fitted(weight, cfg, tmp_path) == path
+    with pytest.raises(DynaSpecError, match="none is in"):                # another drafter's states
+        find_fitted(weight, cfg.replace(drafter_layers="skip:2"), tmp_path)
+
+
+def test_policy_without_a_file_names_the_fit_command(tiny, tmp_path, monkeypatch):
+    _, weight, _ = tiny
+    monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path))
+    with pytest.raises(DynaSpecError, match="python -m engine.dynaspec fit"):
+        make_policy(SpecConfig.preset("layerskip", vocab="dynaspec"), weight)
+
+
+# --- fit end to end ------------------------------------------------------------------------------------------------
+
+def test_fit_end_to_end_on_a_random_model(tmp_path, monkeypatch):
+    prompts = tmp_path / "prompts.jsonl"
+    with open(prompts, "w") as f:
+        for i in range(5):
+            f.write(json.dumps({"question_id": f"p{i}", "category": "chat",
+                                "turns": [f"Tell me about topic {i} and then topic {i + 1}. " * 2]}) + "\n")
+    out = tmp_path / "fitted.safetensors"
+    cfg = FitConfig(model="random-llama", spec=(("drafter_layers", "skip:1"), ("eagle_depth", 3)),
+                    prompts=str(prompts), num_prompts=4, heldout=0.25, max_new_tokens=12, num_clusters=16,
+                    kmeans_iters=5, router_width=16, top_l=4, epochs=2, batch_size=32, k_max=4, out=str(out),
+                    threads=None, progress=False)
+    assert ds.fit(cfg) == out
+    meta = json.loads((tmp_path / "fitted.safetensors.json").read_text())
+    assert len(meta["training"]["prompt_ids"]) == 4 and meta["training"]["heldout_prompts"] == 1
+    assert meta["training"]["train_rows"] > 0 and meta["heldout"]["router"]["overall"]["rows"] > 0
+    assert set(meta["heldout"]["router"]["by_t"]) == {"0", "1", "2"}
+    work = tmp_path / "fitted.safetensors.work"
+    shards = sorted(work.glob("log-*.safetensors"))
+    assert len(shards) == 4
+    rows = ds._load_rows(shards[:1])
+    assert rows["top"].shape[1] == 4 and rows["parent_h"].shape[1] == 64
+    n_steps = int((rows["t"] == 0).sum())
+    assert n_steps >= 1 and int((rows["t"] == 1).sum()) == 10 * n_steps  # EAGLE-2 frontier: eagle_topk rows
+    model, _, _ = load_model("random-llama")
+    load_dynaspec(out, model.get_output_embeddings().weight)
+
+    # a rerun resumes: shards and clusters are reused (generation is not run again)
+    monkeypatch.setattr(ds, "RouterDataLogger", None)                      # would fail if logging ran
+    before = {p.name: p.stat().st_mtime_ns for p in shards}
+    ds.fit(cfg)
+    assert {p.name: p.stat().st_mtime_ns for p in sorted(work.glob("log-*.safetensors"))} == before
+    with pytest.raises(DynaSpecError, match="other settings"):
+        ds.fit(dataclasses.replace(cfg, num_clusters=8))
+
+
+# --- CUDA: the router on its own stream -------------------------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the router's side stream)")
+def test_side_stream_router_matches_cpu(tiny):
+    _, weight, fitted = tiny
+    cfg = SpecConfig.preset("layerskip", vocab="dynaspec", dynaspec_k_max=8)
+    cpu = DynaSpecVocab(weight, cfg, fitted=fitted)
+    gpu = DynaSpecVocab(weight.cuda(), cfg, fitted=FittedDynaSpec(fitted.assign, Router(48, 32, 32), fitted.meta))
+    gpu.head.router.load_state_dict(fitted.router.state_dict())
+    assert gpu.head.stream is not None
+    g = torch.Generator().manual_seed(0)
+    for t, r in enumerate([1, 10, 10]):
+        tokens = torch.randint(0, V, (r,), generator=g)
+        parent_h, h = torch.randn(r, 48, generator=g), torch.randn(r, 48, generator=g)
+        cpu.route(tokens, parent_h, t)
+        gpu.route(tokens.cuda(), parent_h.cuda(), t)
+        lc, ic = cpu.logits(h)
+        lg, ig = gpu.logits(h.cuda())
+        assert torch.equal(ic, ig.cpu()) and torch.allclose(lc, lg.cpu(), atol=1e-4, equal_nan=True)
+
+
+def test_cli_builds_the_fit_config(monkeypatch):
+    seen = []
+    monkeypatch.setattr(ds, "fit", seen.append)
+    ds.main(["fit", "--model", "smollm2-135m-instruct", "--num-clusters", "256", "--heldout", "0.2",
+             "--set", "drafter_layers=skip:12,14", "--set", "eagle_depth=4", "--no-progress"])
+    (cfg,) = seen
+    assert (cfg.model, cfg.num_clusters, cfg.heldout, cfg.progress) == ("smollm2-135m-instruct", 256, 0.2, False)
+    assert cfg.spec == (("drafter_layers", "skip:12,14"), ("eagle_depth", 4))
+    assert cfg.spec_config().drafter_layers == "skip:12,14" and cfg.spec_config().vocab == "full"

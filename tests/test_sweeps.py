@@ -1,0 +1,269 @@
+"""Sweeps: config validation and expansion, the results layout and `sweeps.load`, and whole sweeps on a real
+local Ray (2 CPUs, 127.0.0.1) with a tiny random model: every kind of cell, a model loaded once per actor,
+an actor killed mid-sweep, and a rerun that skips what is finished."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tomllib
+
+import polars as pl
+import pytest
+import ray
+
+import sweeps
+from locality.trace import read_traces
+from sweeps.cell import Cell, SweepError
+from sweeps.cluster import attach, start_local
+from sweeps.config import load_sweep, parse_sweep
+from sweeps import model_cells
+from sweeps.model_cells import ModelWorker
+from sweeps.results import cell_path, prepare_output, result_files, write_cell
+from sweeps.run import run_sweep
+from tests.sweeps_testing import tiny_toml, write_toml
+
+
+def _sweep(text: str):
+    return parse_sweep(tomllib.loads(text), default_name="tiny")
+
+
+# ---- config ----------------------------------------------------------------------------------------------
+
+def test_cells_are_deterministic_and_ids_follow_parameters(tmp_path):
+    a = load_sweep(write_toml(tmp_path, tiny_toml()))
+    b = load_sweep(write_toml(tmp_path, tiny_toml(), "again.toml"))
+    assert [c.id for c in a.cells] == [c.id for c in b.cells]
+    assert a.config_hash == b.config_hash
+    kinds = [c.kind for c in a.cells]
+    # 2 categories: record 2; bench (ar, pld, unispec, layerskip x 3 policies) x 2; calibrate 1; coverage 4
+    assert {k: kinds.count(k) for k in set(kinds)} == {"record": 2, "bench": 12, "calibrate": 1, "coverage": 4}
+    assert len({c.id for c in a.cells}) == len(a.cells)
+    # one more token changes every model cell's id (and the config hash), nothing else about the layout
+    c = _sweep(tiny_toml(max_new_tokens=9))
+    assert c.config_hash != a.config_hash
+    assert not {x.id for x in c.cells if x.kind == "bench"} & {x.id for x in a.cells if x.kind == "bench"}
+    sized = [x for x in a.cells if x.kind == "bench" and x.params["policy"] == "microspec"]
+    assert {x.params["vocab_size"] for x in sized} == {128}
+    full = [x for x in a.cells if x.kind == "bench" and x.params["policy"] == "full"]
+    assert {x.params["vocab_size"] for x in full} == {None}
+    coverage = [x for x in a.cells if x.kind == "coverage"]
+    records = {x.id for x in a.cells if x.kind == "record"}
+    assert all(set(x.needs) == records for x in coverage)
+
+
+def test_defaults_fill_grid_axes():
+    s = _sweep(tiny_toml(bench='[[bench]]\nmethods = ["unispec"]\nparams = { threshold_r = [0.05, 0.1], '
+                               'draft_size = [2, 4] }\n'))
+    bench = [c for c in s.cells if c.kind == "bench"]
+    assert len(bench) == 2 * 2 * 2                          # categories x threshold_r x draft_size
+    assert {(c.params["config"]["threshold_r"], c.params["config"]["draft_size"]) for c in bench} == \
+        {(0.05, 2), (0.05, 4), (0.1, 2), (0.1, 4)}
+
+
+BAD = [
+    ('name = "random-llama"', 'name = "no-such-model"', "unknown model 'no-such-model'"),
+    ('methods = ["ar", "pld", "unispec"]', 'methods = ["ar", "pdl"]', "unknown method 'pdl'"),
+    ('drafter_layers = "first:1"', 'drafter_layer = "first:1"', "'drafter_layer' is not a SpecConfig field"),
+    ('set = "spec_bench"', 'set = "spec_bnech"', "unknown prompt set 'spec_bnech'"),
+    ('categories = ["qa", "writing"]', 'categories = ["qa", "poetry"]', "poetry"),
+    ('per_category = 1', 'per_category = 1\nlanguages = ["xx"]', "languages ['xx']"),
+    ('policies = ["full", "frspec", "microspec"]', 'policies = ["full", "frsepc"]', "unknown vocabulary policy"),
+    ('methods = ["ar", "pld", "unispec"]', 'methods = ["ar"]\npolicies = ["microspec"]', "has none"),
+    ('params = { drafter_layers = "first:1" }', 'prompt_sets = ["humaneval"]', "not the set of any [[prompts]]"),
+    ('num_layers = 2 }', 'num_layers = 2 }\nparams = { w_max = [1, 2] }', "a model's params are single values"),
+    ('warmup = 0', 'warmup = 0\nrepeat = 2', "unknown key 'repeat'"),
+    ('kinds = ["record", "coverage", "bench", "calibrate"]', 'kinds = ["coverage"]', "without 'record'"),
+    ('kinds = ["record", "coverage", "bench", "calibrate"]', 'kinds = ["record", "timing"]', "unknown kind 'timing'"),
+    ('topk = 8', 'topk = 2', "exceeds the recorded top-K"),
+    ('drafter_layers = "first:1"', 'drafter_layers = "first:1", w_max = 0', "w_max must be > 0"),
+    ('options = { vocab_size = 512', 'options = { vocab_sise = 512', "unknown key 'vocab_sise'"),
+]
+
+
+@pytest.mark.parametrize("old,new,message", BAD, ids=[b[2][:30] for b in BAD])
+def test_bad_config_names_the_problem(old, new, message):
+    text = tiny_toml()
+    assert old in text
+    with pytest.raises(SweepError) as err:
+        _sweep(text.replace(old, new, 1))
+    assert message in str(err.value)
+
+
+def test_model_params_and_prompt_sets():
+    text = tiny_toml(kinds=("record", "bench"),
+                     bench='[[bench]]\nmethods = ["layerskip"]\nprompt_sets = ["spec_bench"]\n'
+                           '[[bench]]\nmethods = ["ar"]\nprompt_sets = ["multilingual"]\n',
+                     extra='[[prompts]]\nset = "multilingual"\nper_category = 1\ncategories = ["qa"]\n'
+                           'languages = ["de", "fr"]\nsplit = "language"\n')
+    text = text.replace("num_layers = 2 }", 'num_layers = 2 }\nparams = { drafter_layers = "first:1" }', 1)
+    bench = [c for c in _sweep(text).cells if c.kind == "bench"]
+    assert {(c.method, c.params["prompt_set"], c.params["split_value"]) for c in bench} == {
+        ("layerskip", "spec_bench", "qa"), ("layerskip", "spec_bench", "writing"),
+        ("ar", "multilingual", "de"), ("ar", "multilingual", "fr")}
+    # the model's params reach every grid point of every method
+    assert all(c.params["config"] == {"drafter_layers": "first:1"} for c in bench)
+
+
+def test_hub_ids_and_offline_names_are_accepted_without_loading():
+    text = tiny_toml(kinds=("record",)).replace(
+        "[[models]]", '[[models]]\nname = "meta-llama/Llama-3.1-8B-Instruct"\n\n[[models]]', 1)
+    s = _sweep(text)
+    assert {m.name for m in s.models} == {"meta-llama/Llama-3.1-8B-Instruct", "random-llama"}
+
+
+def test_output_folder_of_another_config_is_refused_and_kept(tmp_path):
+    a, b = _sweep(tiny_toml()), _sweep(tiny_toml(max_new_tokens=9))
+    out = prepare_output(tmp_path / "out", a)
+    cell = a.cells[0]
+    write_cell(out, cell, pl.DataFrame({"x": [1]}), a.name)
+    with pytest.raises(SweepError, match="different sweep config"):
+        prepare_output(out, b)
+    assert cell_path(out, cell).is_file()                                   # nothing deleted
+    assert prepare_output(out, a) == out                                    # the same config resumes
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(SweepError, match="not a sweep output folder"):
+        prepare_output(tmp_path / "other", a)
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_address_is_named():
+    port = _free_port()
+    with pytest.raises(SweepError, match=f"cannot reach the Ray cluster at 127.0.0.1:{port}"):
+        attach(f"127.0.0.1:{port}")
+    with pytest.raises(SweepError, match="not `auto`"):
+        attach("127.0.0.1")
+
+
+# ---- results layout and load -----------------------------------------------------------------------------
+
+def test_load_unions_cells_with_different_columns(tmp_path):
+    cells = [Cell("bench", "meta-llama/Llama-3.1-8B-Instruct", "ar", {"seed": 0}),
+             Cell("bench", "tiny", "layerskip", {"seed": 1, "config": {"w_max": 1024}}),
+             Cell("bench", "tiny", "pld", {"seed": 2})]
+    write_cell(tmp_path, cells[0], pl.DataFrame({"tau": [1], "wall_s": [0.5]}), "s")       # int tau
+    write_cell(tmp_path, cells[1], pl.DataFrame({"tau": [2.5], "gather_s": [0.1]}), "s")   # float tau, new column
+    write_cell(tmp_path, cells[2], pl.DataFrame({"tau": [1.5], "gather_s": [None]}), "s")  # all-null column
+    files = result_files(tmp_path, "bench")
+    assert len(files) == 3 and all("%2F" in str(f) or "model=tiny" in str(f) for f in files)
+    with pytest.raises(Exception):                           # what a plain hive scan does with these files
+        pl.scan_parquet(files, hive_partitioning=True).collect()
+    got = sweeps.load(tmp_path, "bench").sort("seed").collect()
+    assert got["model"].to_list() == ["meta-llama/Llama-3.1-8B-Instruct", "tiny", "tiny"]
+    assert got["method"].to_list() == ["ar", "layerskip", "pld"]
+    assert got["tau"].to_list() == [1.0, 2.5, 1.5]
+    assert got["gather_s"].to_list() == [None, 0.1, None]
+    assert got["w_max"].to_list() == [None, 1024, None]     # a grid point's fields are columns
+    assert got["cell_id"].to_list() == [c.id for c in cells]
+    only = sweeps.load(tmp_path, "bench").filter(pl.col("model") == "tiny").collect()
+    assert only.height == 2
+    with pytest.raises(SweepError, match="no 'coverage' results"):
+        sweeps.load(tmp_path, "coverage")
+
+
+def test_load_survives_a_column_changing_type(tmp_path):
+    a, b = Cell("coverage", "m", "-", {"i": 0}), Cell("coverage", "m", "-", {"i": 1})
+    write_cell(tmp_path, a, pl.DataFrame({"group": [1]}), "s")
+    write_cell(tmp_path, b, pl.DataFrame({"group": ["x"]}), "s")
+    got = sweeps.load(tmp_path, "coverage").sort("i").collect()
+    assert got["group"].to_list() == ["1", "x"]
+
+
+# ---- the worker ------------------------------------------------------------------------------------------
+
+def test_worker_loads_once_and_warms_up_once_per_configuration(monkeypatch):
+    sweep = _sweep(tiny_toml(kinds=("bench",), bench='[[bench]]\nmethods = ["ar", "pld"]\n'))
+    before = model_cells._LOADS
+    spec = sweep.models[0]
+    worker = ModelWorker(spec.name, spec.options, None, 1)
+    assert model_cells._LOADS == before + 1
+    warmups = []
+    monkeypatch.setattr(model_cells, "bench_cell", lambda p, loaded, method, threads, warmup=None:
+                        warmups.append((method, p["split_value"], warmup)) or pl.DataFrame({"x": [1]}))
+    for c in sweep.cells:
+        frame, stats = worker.run(c.kind, c.method, c.params)
+        assert stats["loads"] == before + 1 and stats["pid"] == os.getpid()
+    # ar on qa warms up (the cell's own warmup), ar on writing does not; pld is another configuration
+    assert warmups == [("ar", "qa", None), ("ar", "writing", 0), ("pld", "qa", None), ("pld", "writing", 0)]
+
+
+# ---- whole sweeps on a local Ray -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A real local Ray: 2 CPUs, every process on 127.0.0.1, no dashboard."""
+    start_local(num_cpus=2)
+    assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.timeout(600)
+def test_sweep_end_to_end_and_rerun_skips(local_ray, tmp_path):
+    sweep = load_sweep(write_toml(tmp_path, tiny_toml()))
+    out = tmp_path / "out"
+    s = run_sweep(sweep, out, progress=False)
+    assert s.ok, s.lines()
+    assert s.files == len(sweep.cells) == len(result_files(out))
+    assert dict(s.ran) == {"record": 2, "bench": 12, "calibrate": 1, "coverage": 4}
+    # one model load per actor process, and each actor served several cells
+    assert s.actors == 2 and s.restarts == 0
+    assert sorted(s.loads.values()) == [1, 1]
+    assert sum(len(v) for v in s.cell_s.values()) > s.actors
+
+    record = sweeps.load(out, "record").collect()
+    traces = read_traces(result_files(out, "record"))
+    assert record.height == len(traces) == 3                 # qa: 1 turn, writing: 2 turns
+    assert set(record["split_value"]) == {"qa", "writing"} and set(record["model"]) == {"tiny"}
+    bench = sweeps.load(out, "bench").collect()
+    assert set(zip(bench["method"], bench["policy"])) == {
+        ("ar", "full"), ("pld", "full"), ("unispec", "full"), ("layerskip", "full"), ("layerskip", "frspec"),
+        ("layerskip", "microspec")}
+    assert bench.filter(pl.col("policy") == "microspec")["vocab_size"].to_list() == [128] * 3
+    assert set(bench.filter(pl.col("method") == "layerskip")["drafter_layers"]) == {"first:1"}
+    assert (bench["turn"].min(), bench["turn"].max()) == (1, 2)
+    cov = sweeps.load(out, "coverage").collect()
+    assert set(cov["analysis"]) == {"window", "shortlist", "distances", "miss_ratio"}
+    window = cov.filter(pl.col("analysis") == "window")
+    assert sorted(set(window["w_max"])) == [64, 256, 1024]
+    assert window["coverage"].is_between(0, 1).all()
+    # a window's coverage never falls as it grows (MicroSpec Eq. 4: a longer suffix holds every shorter one)
+    for _, g in window.group_by("category"):
+        assert g.sort("w_max")["coverage"].diff().drop_nulls().min() >= 0
+    shortlist = cov.filter(pl.col("analysis") == "shortlist")
+    assert sorted(set(shortlist["k"])) == [64, 256] and set(shortlist["policy"]) == {"frspec"}
+    cal = sweeps.load(out, "calibrate").collect()
+    assert set(cal["curve"]) == {"measured", "fit", "g_star"} and cal["g_star"].is_in([1, 2, 3, 4]).all()
+    # unispec's bench cells ran at the g* this sweep calibrated, and say so
+    uni = bench.filter(pl.col("method") == "unispec")
+    assert set(uni["draft_size"]) == {cal["g_star"][0]}
+    assert set(uni["draft_size_from"]) == {f"calibrate:{cal['cell_id'][0]}"}
+    assert bench.filter(pl.col("method") != "unispec")["draft_size_from"].is_null().all()
+
+    stamps = {f: f.stat().st_mtime_ns for f in result_files(out)}
+    again = run_sweep(sweep, out, progress=False)
+    assert again.ok and again.skipped == len(sweep.cells) and sum(again.ran.values()) == 0
+    assert {f: f.stat().st_mtime_ns for f in result_files(out)} == stamps       # nothing recomputed
+
+
+@pytest.mark.timeout(600)
+def test_killed_actor_is_restarted_and_every_cell_finishes(local_ray, tmp_path):
+    marker = tmp_path / "crashed"
+    text = tiny_toml(kinds=("record", "bench"), testing=f'crash_once = "{marker}"',
+                     bench='[[bench]]\nmethods = ["ar", "pld"]\n')
+    sweep = load_sweep(write_toml(tmp_path, text))
+    s = run_sweep(sweep, tmp_path / "out", progress=False)
+    assert marker.is_file(), "no actor was killed"
+    dead = int(marker.read_text())
+    assert s.ok, s.lines()
+    assert s.files == len(sweep.cells) == 6
+    assert s.restarts >= 1
+    assert all(dead not in pids for pids in s.actor_pids.values())     # its cell finished on the restarted actor
+    assert set(s.loads.values()) == {1}                                 # the restarted process loaded once too

@@ -47,7 +47,8 @@ SCORE_BINS = 20
 
 
 class ContextError(ValueError):
-    """Prompt + new tokens + draft tree do not fit the model's context; the message says by how much."""
+    """The prompt is empty or holds ids outside the vocabulary, or prompt + new tokens + draft tree do not fit
+    the model's context; the message says which and by how much."""
 
 
 class HarnessError(RuntimeError):
@@ -249,6 +250,11 @@ def generate(model, prompt_ids, cfg: SpecConfig | None = None, *, method: str | 
     L, T = prompt.numel(), cfg.max_new_tokens
     if L == 0:
         raise ContextError("the prompt is empty; give at least one token (e.g. the BOS token)")
+    rows = model.get_input_embeddings().num_embeddings
+    lo, hi = torch.stack([prompt.min(), prompt.max()]).tolist()             # one host sync per prompt
+    if lo < 0 or hi >= rows:
+        raise ContextError(f"the prompt holds token ids outside the model's vocabulary [0, {rows}) (min {lo}, "
+                           f"max {hi}); encode it with the model's own tokenizer")
     ctx = max_context(model, info)
     if L + T > ctx:
         raise ContextError(f"prompt ({L}) + max_new_tokens ({T}) = {L + T} exceeds the model's context of "

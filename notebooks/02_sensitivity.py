@@ -52,15 +52,17 @@ if window is not None:
         cov_long = pl.concat([cov_long, sweep.select("prompt_set", "w_max", pl.col("draft_coverage").alias("coverage"),
                                                      source=pl.lit("bench drafts"))], how="vertical_relaxed")
     panels.append(alt.Chart(cov_long).mark_line(point=True).encode(
-        x=fig.log2_axis("w_max:Q", "w_max (candidate-stream entries)"),
+        x=fig.log2_axis("w_max:Q", "w_max (candidate-stream entries)", ticks=fig.POW2),
         y=alt.Y("coverage:Q", title="coverage of generated tokens", axis=alt.Axis(format="%"),
                 scale=alt.Scale(zero=False)),
         color=alt.Color("prompt_set:N", title="prompt set", scale=fig.color_scale(cov_long["prompt_set"].n_unique())),
-        strokeDash=alt.StrokeDash("source:N", title="measured on", legend=alt.Legend(symbolType="stroke", symbolStrokeColor="#333", symbolStrokeWidth=2, symbolSize=400)),
+        strokeDash=alt.StrokeDash("source:N", title="measured on", scale=alt.Scale(
+            domain=["traces (coverage cells)", "bench drafts"], range=[[1, 0], [6, 4]]), legend=fig.stroke_legend()),
         tooltip=["prompt_set", "source", "w_max", alt.Tooltip("coverage:Q", format=".1%")])
         .properties(width=300, height=220, title="window coverage"))
 if sweep is not None:
-    base = alt.Chart(sweep).encode(x=fig.log2_axis("w_max:Q", "w_max (candidate-stream entries)"))
+    base = alt.Chart(sweep).encode(x=fig.log2_axis("w_max:Q", "w_max (candidate-stream entries)",
+                                                   ticks=sorted(sweep["w_max"].unique())))
     tip = ["prompt_set", "drafter", "w_max", alt.Tooltip("tokens_per_s:Q", format=".1f"),
            alt.Tooltip("tau:Q", format=".2f"), alt.Tooltip("full_tokens_per_s:Q", format=".1f"), "rows"]
     speed = base.mark_line(color="#2ca02c", strokeWidth=2.5, point=alt.OverlayMarkDef(color="#2ca02c")).encode(
@@ -72,7 +74,7 @@ if sweep is not None:
         y="mean(full_tokens_per_s):Q")
     tau = base.mark_line(color="#1f77b4", strokeDash=[6, 4], strokeWidth=2.5,
                          point=alt.OverlayMarkDef(color="#1f77b4")).encode(
-        y=alt.Y("tau:Q", title="tau, tokens per step (dashed)", scale=alt.Scale(zero=False),
+        y=alt.Y("tau:Q", title="tau, tokens per step (dashed)", scale=alt.Scale(domainMin=1),
                 axis=alt.Axis(titleColor="#1f77b4", orient="right")), tooltip=tip)
     # one panel per prompt set and drafter: Vega-Lite cannot facet layers with independent y axes
     keys = sweep.select("prompt_set", "drafter").unique().sort("prompt_set", "drafter").rows()
@@ -98,9 +100,9 @@ if sweep is not None:
 # %%
 grid = fig.window_coverage(coverage, at_default=False)
 if grid is not None:
-    enc = dict(x=fig.log2_axis("w_max:Q", "w_max (candidate-stream entries)"),
+    enc = dict(x=fig.log2_axis("w_max:Q", "w_max (candidate-stream entries)", ticks=fig.POW2),
                color=alt.Color("k_pre:O", title="k_pre", scale=alt.Scale(scheme="dark2")),
-               strokeDash=alt.StrokeDash("k_ver:O", title="k_ver", legend=alt.Legend(symbolType="stroke", symbolStrokeColor="#333", symbolStrokeWidth=2, symbolSize=400)),
+               strokeDash=alt.StrokeDash("k_ver:O", title="k_ver", legend=fig.stroke_legend()),
                detail="stream:N",
                tooltip=["prompt_set", "stream", "w_max", alt.Tooltip("coverage:Q", format=".1%"),
                         alt.Tooltip("mean_active_vocab:Q", format=".0f")])

@@ -120,12 +120,13 @@ if phases is not None:
         order=alt.Order("phase_order:Q"),
         tooltip=["prompt_set", "task", "run", "phase", alt.Tooltip("ms:Q", format=".2f"),
                  alt.Tooltip("draft_ms:Q", format=".2f", title="draft ms (all)")])
-    chart = (bars.transform_calculate(phase_order=f"indexof({list(fig.PHASES)}, datum.phase)")
-             .properties(width=alt.Step(18), height=110)
-             .facet(column=alt.Column("prompt_set:N", title=None, header=alt.Header(labelFontWeight="bold")),
-                    row=alt.Row("run:N", sort=runs, title=None,
-                                header=alt.Header(labelFontWeight="bold", labelAngle=0, labelAlign="left")))
-             .resolve_scale(x="independent")
+    bars = bars.transform_calculate(phase_order=f"indexof({list(fig.PHASES)}, datum.phase)")
+    sets = phases["prompt_set"].unique(maintain_order=True).to_list()
+    chart = (alt.hconcat(*[
+        bars.transform_filter(alt.datum.prompt_set == s).properties(width=alt.Step(18), height=110)
+        .facet(row=alt.Row("run:N", sort=runs, title=None,
+                           header=alt.Header(labelFontWeight="bold", labelAngle=0, labelAlign="left")))
+        .properties(title=s) for s in sets])
              .properties(title=fig.title(
                  "Draft time per drafted step by drafter phase, per task (MicroSpec Fig. 4)", bench,
                  notes=["backbone: the drafter's layers; gather: copying the window's LM-head rows; lm_head: the "

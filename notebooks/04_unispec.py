@@ -125,7 +125,8 @@ if langs is not None:
         x=alt.X("task:N", sort=fig.task_order(langs), title="language", axis=alt.Axis(labelAngle=0)),
         xOffset=alt.XOffset("run:N", sort=runs),
         color=alt.Color("run:N", sort=runs, title="method · vocabulary", scale=fig.color_scale(len(runs))),
-        tooltip=["prompt_set", "task", "run", alt.Tooltip("speedup:Q", format=".2f"), alt.Tooltip("tau:Q", format=".2f"),
+        tooltip=["prompt_set", "task", "run", alt.Tooltip("speedup:Q", format=".2f"),
+                 alt.Tooltip("tau:Q", format=".2f"),
                  alt.Tooltip("tokens_per_s:Q", format=".1f"), "rows"])
     one = alt.Chart(pl.DataFrame({"y": [1.0]})).mark_rule(strokeDash=[4, 3], color="#333").encode(y="y:Q")
     speed = alt.layer(base.mark_bar().encode(y=alt.Y("speedup:Q", title="speedup over ar (×)")), one)

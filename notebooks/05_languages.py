@@ -50,7 +50,7 @@ if dist is not None:
         stream=pl.col("stream").replace({"generated": "generated tokens only",
                                          "candidate": "MicroSpec candidate stream"}))
     langs = reuse["panel"].unique().sort().to_list()
-    enc = dict(x=fig.log2_axis("bin_hi:Q", "reuse distance (stream entries; bin upper edge)"),
+    enc = dict(x=fig.log2_axis("bin_hi:Q", "reuse distance (stream entries; bin upper edge)", ticks=fig.POW2),
                color=alt.Color("panel:N", title="language", sort=langs, scale=fig.color_scale(len(langs))),
                tooltip=["panel", "stream", "bin_lo", "bin_hi", "count", alt.Tooltip("fraction:Q", format=".1%"),
                         alt.Tooltip("cum_fraction:Q", format=".1%"),
@@ -69,8 +69,8 @@ if dist is not None:
                "bin; bottom: cumulative (never-seen tokens keep it below 100 %)"]))
     fig.save_chart(chart, out_dir, "reuse_distance_by_language")
     display(chart)  # noqa: F821 (IPython)
-    display(reuse.group_by("panel", "stream").agg(pl.col("new_fraction").first().alias("never seen before"))  # noqa: F821
-            .sort("stream", "panel"))
+    never = reuse.group_by("panel", "stream").agg(pl.col("new_fraction").first().alias("never seen before"))
+    display(never.sort("stream", "panel"))  # noqa: F821 (IPython)
 
 # %% [markdown]
 # ## Coverage per language: against w_max, and against vocabulary size beside static shortlists
@@ -82,7 +82,7 @@ if by_lang is not None and vocab is not None:
     langs = by_lang["task"].unique().sort().to_list()
     color = alt.Color("task:N", title="language", sort=langs, scale=fig.color_scale(len(langs)))
     left = alt.Chart(by_lang).mark_line(point=True).encode(
-        x=fig.log2_axis("w_max:Q", "w_max (candidate-stream entries)"),
+        x=fig.log2_axis("w_max:Q", "w_max (candidate-stream entries)", ticks=fig.POW2),
         y=alt.Y("coverage:Q", title="coverage of generated tokens", axis=alt.Axis(format="%"),
                 scale=alt.Scale(zero=False)),
         color=color, tooltip=["task", "w_max", alt.Tooltip("coverage:Q", format=".1%"),
@@ -93,7 +93,7 @@ if by_lang is not None and vocab is not None:
         y=alt.Y("coverage:Q", title="coverage of generated tokens", axis=alt.Axis(format="%"),
                 scale=alt.Scale(domain=[0, 1])),
         color=color,
-        strokeDash=alt.StrokeDash("series:N", title=None, legend=alt.Legend(symbolType="stroke", symbolStrokeColor="#333", symbolStrokeWidth=2, symbolSize=400),
+        strokeDash=alt.StrokeDash("series:N", title=None, legend=fig.stroke_legend(),
                                   scale=alt.Scale(domain=[fig.WINDOW, fig.STATIC], range=[[1, 0], [6, 4]])),
         detail="series:N",
         tooltip=["task", "series", "w_max", "k", alt.Tooltip("vocab:Q", format=".0f"),

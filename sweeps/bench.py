@@ -36,13 +36,14 @@ from sweeps.run import run_sweep
 SOURCES = ("ctx+ext", "ctx", "ext")
 
 
-def bench_sweep(k: int = 4, per_category: int = 1, max_new_tokens: int = 96, vocab_size: int = 4096) -> Sweep:
+def bench_sweep(k: int = 4, per_category: int = 4, max_new_tokens: int = 256, vocab_size: int = 4096) -> Sweep:
     """Record cells (a random Llama on Spec-Bench, one cell per category) and k x k x 3 window-coverage cells."""
     ks = list(range(1, k + 1))
     return parse_sweep({
         "sweep": {"name": "machinery", "kinds": ["record", "coverage"], "max_new_tokens": max_new_tokens},
         "models": [{"name": "random-llama", "label": "tiny",
-                    "options": {"vocab_size": vocab_size, "hidden_size": 64, "num_layers": 2}}],
+                    "options": {"vocab_size": vocab_size, "hidden_size": 64, "num_layers": 2,
+                                "max_context": 8192}}],
         "prompts": [{"set": "spec_bench", "per_category": per_category}],
         "record": {"topk": max(8, k)},
         "coverage": {"analyses": ["window"], "w_max": [256, 512, 1024, 2048, 3072, 4096, 8192], "k_pre": ks,
@@ -67,11 +68,12 @@ def _timed_run(sweep: Sweep, out: Path, workers: int) -> float:
     return secs
 
 
-def main(out: str | Path | None = None, typical: str | Path | None = None, k: int = 4, repeats: int = 1) -> dict:
+def main(out: str | Path | None = None, typical: str | Path | None = None, k: int = 4, repeats: int = 1,
+         per_category: int = 4, max_new_tokens: int = 256) -> dict:
     root = Path(out) if out else Path(tempfile.mkdtemp(prefix="sweeps-bench-"))
     if root.exists() and any(root.iterdir()):
         raise SystemExit(f"{root} is not empty; pass a new folder to --out")
-    sweep = bench_sweep(k)
+    sweep = bench_sweep(k, per_category, max_new_tokens)
     coverage = sweep.by_kind("coverage")
     n = len(coverage)
     own_ray = not ray.is_initialized()
@@ -135,8 +137,11 @@ def cli(argv=None) -> dict:
                                                     "seconds are the 'typical bench cell'")
     ap.add_argument("--k", type=int, default=4, help="k_pre and k_ver run over 1..k (k*k*3 cells)")
     ap.add_argument("--repeats", type=int, default=1, help="timed passes (the best is reported)")
+    ap.add_argument("--per-category", type=int, default=4, help="Spec-Bench prompts per category to record")
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="tokens per recorded turn (cell cost)")
     a = ap.parse_args(argv)
-    return main(out=a.out, typical=a.typical, k=a.k, repeats=a.repeats)
+    return main(out=a.out, typical=a.typical, k=a.k, repeats=a.repeats, per_category=a.per_category,
+                max_new_tokens=a.max_new_tokens)
 
 
 if __name__ == "__main__":

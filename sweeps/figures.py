@@ -10,8 +10,9 @@ in the draft vocabulary; tau = tokens committed per step (bonus included, ar = 1
 
 `task` names what a paper calls a task: the Spec-Bench category, or the language for a prompt set split by
 language (the multilingual set), or both when a set has several of each; `panel` adds the prompt set and
-the model when a sweep holds several. Figures are written as PNG (`vl-convert-python`, offline) and self-contained HTML
-(`inline=True`: altair's default HTML loads JavaScript from a CDN an offline machine cannot reach).
+the model when a sweep holds several. Figures are written as PNG (`vl-convert-python`, offline) and
+self-contained HTML (`inline=True`: altair's default HTML loads JavaScript from a CDN an offline machine
+cannot reach).
 """
 
 from __future__ import annotations
@@ -23,22 +24,22 @@ from typing import Sequence
 import altair as alt
 import polars as pl
 
-from engine.bench import DRAFTERS
-from engine.config import SpecConfig
+from engine.bench import DRAFTERS, PHASES
+from engine.config import POLICIES, SpecConfig
 from sweeps.cell import SweepError
+from sweeps.config import KINDS
 from sweeps.results import load
 
-KINDS = ("record", "coverage", "bench", "calibrate")
 # a record cell's scalar columns: enough to say what was recorded without reading the traces' token lists
 RECORD_COLUMNS = ("model", "model_name", "prompt_set", "category", "language", "prompt_id", "turn",
                   "max_new_tokens", "topk", "dtype")
-PHASES = ("backbone", "gather", "lm_head", "tree")          # a drafter's phases (MicroSpec Fig. 4)
 DEFAULTS = SpecConfig()                                     # the papers' defaults: w_max 3072, k_pre = k_ver = 3
 WINDOW = "MicroSpec window"
 STATIC = "static top-K (FR-Spec)"
 LRU = "LRU vocabulary"
 FIFO = "FIFO window (MicroSpec)"
 AVG = "avg"                                                 # the across-tasks column of MicroSpec's Table 2
+FIGURE_LINE = "figure: "                                    # how save_chart announces a written PNG
 TEN = "tableau10"
 TWENTY = "category20"
 
@@ -167,24 +168,37 @@ def with_task(frame: pl.DataFrame) -> pl.DataFrame:
     return frame.with_columns(panel=panel)
 
 
+def stroke_legend(**kwargs) -> alt.Legend:
+    """A legend that draws line dashes (a strokeDash encoding), visible also on lines with point markers."""
+    return alt.Legend(symbolType="stroke", symbolStrokeColor="#333", symbolStrokeWidth=2,
+                      symbolFillColor="transparent", **kwargs)
+
+
 def color_scale(n: int, **kwargs) -> alt.Scale:
     """10 distinguishable colours, or 20 when there are more series (13 Spec-Bench categories)."""
     return alt.Scale(scheme=TEN if n <= 10 else TWENTY, **kwargs)
 
 
-def log2_axis(field: str, title_: str, **kwargs) -> alt.X:
-    """A log-2 x axis (window and vocabulary sizes)."""
-    return alt.X(field, title=title_, scale=alt.Scale(type="log", base=2), axis=alt.Axis(tickCount=8), **kwargs)
+POW4 = [4 ** k for k in range(1, 10)]                       # 4 ... 262144: log-2 axis ticks that do not crowd
+POW2 = [2 ** k for k in range(1, 19)]                       # 2 ... 262144: for short ranges (w_max 64 ... 8192)
+
+
+def log2_axis(field: str, title_: str, ticks: Sequence[int] = POW4, **kwargs) -> alt.X:
+    """A log-2 x axis (window and vocabulary sizes), ticks at `ticks`, labelled 64, 256, 1k, 4k, 16k."""
+    label = "datum.value >= 1024 ? format(datum.value / 1024, '~g') + 'k' : format(datum.value, '~g')"
+    return alt.X(field, title=title_, scale=alt.Scale(type="log", base=2),
+                 axis=alt.Axis(values=list(ticks), labelExpr=label), **kwargs)
 
 
 def save_chart(chart, out_dir: str | Path, name: str, scale: float = 2.0) -> dict[str, Path]:
     """Write `out_dir/name.png` (vl-convert, offline) and `out_dir/name.html` (self-contained: the
-    JavaScript inline, no CDN); returns both paths."""
+    JavaScript inline, no CDN), print the PNG's path; returns both paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     png, html = out / f"{name}.png", out / f"{name}.html"
     chart.save(str(png), scale_factor=scale)
     chart.save(str(html), inline=True)
+    print(f"{FIGURE_LINE}{png}")                    # `sweeps.render` lists what each notebook wrote from these
     return {"png": png, "html": html}
 
 
@@ -341,13 +355,14 @@ def _config_fields(text) -> dict:
 
 def with_run(bench: pl.DataFrame) -> pl.DataFrame:
     """Add `run`: one label per benched configuration - the method, and for a drafter with an LM head its
-    vocabulary policy and requested size ("layerskip · full", "layerskip · microspec 3072"), and the grid fields that vary between the method's cells ("k_pre=1").
+    vocabulary policy and requested size ("layerskip · full", "layerskip · microspec 3072"), and the grid
+    fields that vary between the method's cells ("k_pre=1").
     Also `task` and `panel` (`with_task`)."""
     frame = bench.drop("run", strict=False)
     size = pl.when(pl.col("vocab_size").is_not_null()).then(" " + pl.col("vocab_size").cast(pl.String)).otherwise(
         pl.lit(""))
-    base = (pl.when(pl.col("method").is_in(DRAFTERS)).then(pl.col("method") + " · " + pl.col("policy").fill_null("full")
-                                                           + size).otherwise(pl.col("method")))
+    policy = pl.col("method") + " · " + pl.col("policy").fill_null("full") + size
+    base = pl.when(pl.col("method").is_in(DRAFTERS)).then(policy).otherwise(pl.col("method"))
     frame = frame.with_columns(run=base)
     if "config" in frame.columns:
         pairs = frame.select("method", "config").unique().to_dicts()
@@ -415,10 +430,12 @@ def method_summary(bench: pl.DataFrame | None) -> pl.DataFrame | None:
             .with_columns(speedup=pl.col("tokens_per_s") / pl.col("ar_tokens_per_s")).drop("ar_tokens_per_s"))
     order = {m: i for i, m in enumerate(("ar", "pld", "hf-prompt-lookup", "recycling", "unispec", "dynaspec",
                                          "layerskip", "eagle"))}
+    policies = {p: i for i, p in enumerate(POLICIES)}
     both = both.with_columns(_m=pl.col("method").replace_strict(order, default=len(order), return_dtype=pl.Int64),
+                             _p=pl.col("policy").replace_strict(policies, default=len(policies), return_dtype=pl.Int64),
                              _avg=pl.col("task") == AVG)
-    return (both.sort("model", "prompt_set", "_avg", "task", "_m", "policy", "vocab_size", "run", nulls_last=True)
-            .drop("_m", "_avg"))
+    return (both.sort("model", "prompt_set", "_avg", "task", "_m", "_p", "vocab_size", "run", nulls_last=True)
+            .drop("_m", "_p", "_avg"))
 
 
 def run_order(summary: pl.DataFrame) -> list[str]:
@@ -468,7 +485,8 @@ def phase_times(summary: pl.DataFrame | None) -> pl.DataFrame | None:
     if summary is None:
         return None
     cols = [f"{p}_ms" for p in PHASES]
-    rows = summary.filter(pl.sum_horizontal(*cols) > 0)       # drafters that time their phases
+    # drafters with a backbone and an LM head (a tree-only drafter such as unispec has nothing to split)
+    rows = summary.filter((pl.col("backbone_ms").fill_null(0) + pl.col("lm_head_ms").fill_null(0)) > 0)
     if rows.is_empty():
         print("skipped the draft-time breakdown: no drafter with phase timings ran (bench layerskip or eagle)")
         return None
@@ -527,7 +545,8 @@ def k_sweep(bench: pl.DataFrame | None) -> pl.DataFrame | None:
 
 def language_speedup(summary: pl.DataFrame | None) -> pl.DataFrame | None:
     """UniSpec Fig. 4: `method_summary`'s rows of the prompt sets with several languages (task = the
-    language), speedup over ar and tau per run, the AVG rows included."""
+    language), speedup over ar and tau per run, the AVG rows included; a vocabulary policy benched at several
+    sizes shows its default size only (the paper's w_max 3072, FR-Spec's K 32768) when that ran."""
     if summary is None:
         return None
     langs = summary.filter(pl.col("task") != AVG).group_by("prompt_set").agg(n=pl.col("task").n_unique())
@@ -538,7 +557,12 @@ def language_speedup(summary: pl.DataFrame | None) -> pl.DataFrame | None:
     if rows.is_empty():
         print("skipped speedup per language: no bench cells on a prompt set with several languages")
         return None
-    return rows
+    # a policy benched at several sizes (the w_max sweep, drawn in 02): only its default size, if it ran
+    default = pl.col("policy").replace_strict({"frspec": DEFAULTS.frspec_k, "microspec": DEFAULTS.w_max,
+                                               "oracle": DEFAULTS.w_max}, default=None, return_dtype=pl.Int64)
+    group = ["model", "method", "policy"]
+    swept = (pl.col("vocab_size").n_unique().over(group) > 1) & (default == pl.col("vocab_size")).any().over(group)
+    return rows.filter(~swept | (pl.col("vocab_size") == default))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -547,9 +571,9 @@ def language_speedup(summary: pl.DataFrame | None) -> pl.DataFrame | None:
 
 def confidence_bins(bench: pl.DataFrame | None) -> pl.DataFrame | None:
     """UniSpec Fig. 3: per model and method, draft nodes proposed and accepted per confidence-score bin
-    (`engine.harness.SCORE_BINS` equal bins over [0, 1], as many as the rows' lists hold) summed over every bench row: acceptance_rate =
-    accepted / proposed, density = proposed / all proposed. Methods whose every node sits in one bin (no
-    confidence score: pld, recycling) are left out (printed)."""
+    (`engine.harness.SCORE_BINS` equal bins over [0, 1], as many as the rows' lists hold) summed over every
+    bench row: acceptance_rate = accepted / proposed, density = proposed / all proposed. Methods whose every
+    node sits in one bin (no confidence score, e.g. pld) are left out (printed)."""
     if not _present(bench, "acceptance vs confidence", "score_bins_proposed", "score_bins_accepted"):
         return None
     rows = bench.filter(pl.col("score_bins_proposed").is_not_null())

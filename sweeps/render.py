@@ -5,18 +5,22 @@
 
 Each figure notebook `notebooks/NN_*.py` (jupytext percent format) is converted to a notebook in a temporary
 folder and executed with papermill, its parameters cell given `results_dir = DIR` and `out_dir = FIGURES`
-(default DIR/figures). Every notebook writes its figures there as PNG and self-contained HTML; the executed
-notebooks are kept as FIGURES/notebooks/NN_*.ipynb (open them in JupyterLab to explore, or re-run them
-there). The PNGs each notebook wrote are printed. A notebook that fails does not stop the others; the exit
+(default DIR/figures); notebooks run in parallel, one kernel process each (`--jobs`, default one per CPU).
+Every notebook writes its figures there as PNG and self-contained HTML; the executed notebooks are kept as
+FIGURES/notebooks/NN_*.ipynb (open them in JupyterLab to explore, or re-run them there). The PNGs each
+notebook wrote are printed. A notebook that fails does not stop the others; the exit
 status is 1 if any failed, 2 when DIR holds no sweep results.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -24,9 +28,11 @@ from typing import Sequence
 from sweeps.cell import SweepError
 from sweeps.results import MANIFEST, result_files
 
-try:            # the notebooks extra (jupytext, papermill, ipykernel); named in the error when missing
+try:            # the notebooks extra (jupytext, papermill, altair, vl-convert); named in the error when missing
     import jupytext
     import papermill
+
+    from sweeps.figures import FIGURE_LINE
 except ImportError as e:                                        # pragma: no cover - an install without it
     jupytext = papermill = None
     _IMPORT_ERROR = e
@@ -72,36 +78,60 @@ def check_results(results_dir: str | Path) -> Path:
     return path
 
 
+def _figures(executed: Path) -> list[Path]:
+    """The PNGs a notebook announced (`sweeps.figures.save_chart` prints FIGURE_LINE + path) in its outputs."""
+    if not executed.is_file():
+        return []
+    out = []
+    for cell in json.loads(executed.read_text()).get("cells", []):
+        for output in cell.get("outputs", []):
+            text = output.get("text", "")
+            for line in (text if isinstance(text, str) else "".join(text)).splitlines():
+                if line.startswith(FIGURE_LINE):
+                    out.append(Path(line[len(FIGURE_LINE):].strip()))
+    return sorted(set(out))
+
+
+def _execute(nb: Path, tmp: Path, executed: Path, parameters: dict) -> Rendered:
+    ipynb = tmp / f"{nb.stem}.ipynb"
+    jupytext.write(jupytext.read(nb), ipynb)
+    item = Rendered(nb, executed, 0.0)
+    t0 = time.perf_counter()
+    try:
+        papermill.execute_notebook(str(ipynb), str(executed), kernel_name=KERNEL, language="python", cwd=str(tmp),
+                                   progress_bar=False, log_output=False, parameters=parameters)
+    except papermill.PapermillExecutionError as e:
+        item.error = f"{e.ename}: {e.evalue}".strip().splitlines()[0]
+    item.seconds = time.perf_counter() - t0
+    item.figures = _figures(executed)
+    return item
+
+
 def render(results_dir: str | Path, out_dir: str | Path | None = None, only: Sequence[str] | None = None,
-           folder: str | Path = NOTEBOOKS, show: bool = True) -> list[Rendered]:
-    """Execute every figure notebook on `results_dir`; returns what each wrote (see the module docstring)."""
+           folder: str | Path = NOTEBOOKS, jobs: int | None = None, show: bool = True) -> list[Rendered]:
+    """Execute every figure notebook on `results_dir`, `jobs` at a time (default: one per CPU, at most one
+    per notebook); returns what each wrote, in notebook order (see the module docstring)."""
     if papermill is None:
         raise SweepError(f"rendering needs the notebooks extra ({_IMPORT_ERROR}); pip install -e '.[notebooks]'")
     results = check_results(results_dir)
     out = Path(out_dir).expanduser().resolve() if out_dir else results / "figures"
     executed_dir = out / "notebooks"
     executed_dir.mkdir(parents=True, exist_ok=True)
-    done = []
-    with tempfile.TemporaryDirectory(prefix="sweeps-render-") as tmp:
-        for nb in notebooks(folder, only):
-            ipynb = Path(tmp) / f"{nb.stem}.ipynb"
-            jupytext.write(jupytext.read(nb), ipynb)
-            before = {p: p.stat().st_mtime_ns for p in out.glob("*.png")}
-            item = Rendered(nb, executed_dir / f"{nb.stem}.ipynb", 0.0)
-            t0 = time.perf_counter()
-            try:
-                papermill.execute_notebook(str(ipynb), str(item.executed), kernel_name=KERNEL, language="python",
-                                           cwd=tmp, progress_bar=False, log_output=False,
-                                           parameters={"results_dir": str(results), "out_dir": str(out)})
-            except papermill.PapermillExecutionError as e:
-                item.error = f"{e.ename}: {e.evalue}"
-            item.seconds = time.perf_counter() - t0
-            item.figures = sorted(p for p in out.glob("*.png") if before.get(p) != p.stat().st_mtime_ns)
+    todo = notebooks(folder, only)
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo)))
+    parameters = {"results_dir": str(results), "out_dir": str(out)}
+    with tempfile.TemporaryDirectory(prefix="sweeps-render-") as tmp, ThreadPoolExecutor(jobs) as pool:
+        # each notebook runs in its own kernel process; the threads only wait on them
+        futures = [pool.submit(_execute, nb, Path(tmp), executed_dir / f"{nb.stem}.ipynb", parameters)
+                   for nb in todo]
+        done = []
+        for future in futures:
+            item = future.result()
             done.append(item)
             if show:
                 status = f"FAILED ({item.error}; see {item.executed})" if item.error else \
                     f"{len(item.figures)} figures in {item.seconds:.1f} s"
-                print(f"{nb.name}: {status}", flush=True)
+                print(f"{item.notebook.name}: {status}", flush=True)
                 for p in item.figures:
                     print(f"  {p}", flush=True)
     if show:
@@ -115,9 +145,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("results", help="a sweep's output folder (`python -m sweeps.run CONFIG --out DIR`)")
     ap.add_argument("--out", default=None, help="where figures go (default: RESULTS/figures)")
     ap.add_argument("--only", default=None, help="comma list of notebook numbers or names, e.g. 01,04")
+    ap.add_argument("--jobs", type=int, default=None, help="notebooks executed at once (default: one per CPU)")
     a = ap.parse_args(argv)
     try:
-        done = render(a.results, a.out, a.only.split(",") if a.only else None)
+        done = render(a.results, a.out, a.only.split(",") if a.only else None, jobs=a.jobs)
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -2,7 +2,8 @@
 
 Tiny random models of all three architectures with many random prompts and configurations (draft sizes,
 both confidence variants, with and without the broadened first level, both threshold scopes, store per
-deployment and per prompt); then SmolLM2 on two Spec-Bench prompts (slow)."""
+deployment and per prompt); a store given by the user is used or refused, never replaced; prompt ids outside
+the vocabulary are refused by name; then SmolLM2 on two Spec-Bench prompts (slow)."""
 
 import itertools
 
@@ -14,9 +15,10 @@ from engine.config import SpecConfig
 from engine.drafters import make_drafter
 from engine.drafters.recycling import RecyclingDrafter
 from engine.drafters.unispec import UniSpecDrafter
-from engine.harness import generate
+from engine.harness import ContextError, generate
 from engine.models import load_model
 from engine.prompts import encode_prompt, load_prompts
+from engine.store import StoreError, SuccessorStore
 
 ARCHS = ("random-llama", "random-gemma3", "random-qwen3")
 
@@ -96,6 +98,32 @@ def test_scores_reach_the_harness_records(random_model):
         assert all(0 < s <= 1 for s in rec.tree_scores)
 
 
+def test_a_given_store_is_used_or_refused(random_model):
+    """A store passed to the drafter is the one it fills (and output stays lossless); one of another
+    vocabulary is refused with the reason instead of being silently swapped for the deployment store."""
+    model, info = random_model
+    prompt = torch.arange(40, 70)
+    ar = generate(model, prompt, method="ar", max_new_tokens=16, eos_ids=[])
+    for method, cls in (("unispec", UniSpecDrafter), ("recycling", RecyclingDrafter)):
+        cfg = SpecConfig.preset(method, draft_size=8, max_new_tokens=16)
+        mine = SuccessorStore(info.vocab_size, cfg.store_k)
+        d = cls(model, cfg, store=mine)
+        out = generate(model, prompt, cfg, drafter=d, eos_ids=[])
+        assert out.output_ids.tolist() == ar.output_ids.tolist(), method
+        assert d.store is mine and mine.num_filled() > 0
+        other = cls(model, cfg, store=SuccessorStore(info.vocab_size + 7, cfg.store_k))
+        with pytest.raises(StoreError, match=f"vocabulary has {info.vocab_size} tokens"):
+            generate(model, prompt, cfg, drafter=other, eos_ids=[])
+
+
+def test_prompt_ids_outside_the_vocabulary_are_refused(random_model):
+    model, info = random_model
+    for method, g in (("ar", None), ("unispec", 4), ("recycling", 4)):
+        for bad in (info.vocab_size, -1):
+            with pytest.raises(ContextError, match=rf"outside the model's vocabulary \[0, {info.vocab_size}\)"):
+                generate(model, [5, 6, bad, 7], method=method, max_new_tokens=4, eos_ids=[], draft_size=g)
+
+
 @pytest.mark.slow
 def test_lossless_on_smollm2(smollm2):
     model, tok, info = smollm2
@@ -106,4 +134,4 @@ def test_lossless_on_smollm2(smollm2):
         # the whole 80-node template on the first prompt (slow on a CPU), a truncated one on the second
         for method, g in (("unispec", 10), ("recycling", None if i == 0 else 16)):
             out = generate(model, ids, method=method, max_new_tokens=24, eos_ids=[], draft_size=g)
-            assert out.output_ids.tolist() == ar.output_ids.tolist(), (p.question_id, method)
+            assert out.output_ids.tolist() == ar.output_ids.tolist(), (p.prompt_id, method)

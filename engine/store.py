@@ -1,4 +1,4 @@
-"""The `[V, k]` successor store of Token Recycling and UniSpec (specs/unispec.md section 3.1).
+"""The `[V, k]` successor store of Token Recycling and UniSpec (UniSpec §3.1, Token Recycling).
 
 For every vocabulary token `v`, row `v` holds the `k` tokens the target itself ranked most probable
 right after `v` the last time `v` went through a forward pass (as a prompt position, a draft-tree node,

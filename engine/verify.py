@@ -18,7 +18,7 @@ Sampling (`verify_sampling`) preserves the target distribution `P = warp(logits)
   examined in a fixed order (descending score); child x is accepted with probability P(x); on rejection
   P <- normalise(P with x removed) and the next child is tried. If every child is rejected (or the node is
   a leaf), the bonus token is sampled from the current P - a *recovered token* after a rejection.
-  (SpecInfer / Lookahead multi-candidate sampling with point-mass drafts; specs/unispec.md section 4.7.)
+  (SpecInfer / Lookahead multi-candidate sampling with point-mass drafts; UniSpec §3.3.)
 - sampled proposals (`draft_probs[i]` = q, the children of node i are i.i.d. draws from q): child x is
   accepted with probability min(1, P(x)/q(x)); on rejection P <- normalise(max(P - q, 0)); the recovered
   token is sampled from the final residual. (Recursive rejection sampling, SpecInfer's MSS.)

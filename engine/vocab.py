@@ -14,7 +14,7 @@ Policies (`cfg.vocab`):
               whose `default_frequency_file` counts one on the training corpus for a tokenizer), K =
               `frspec_k` clipped to the ids the list ranks (never-seen ids are not ranked); the K rows are
               packed once.
-- `microspec` MicroSpec (specs/microspec.md section 2): the active vocab is the distinct tokens among the
+- `microspec` MicroSpec (§3.2): the active vocab is the distinct tokens among the
               last `w_max` entries of the candidate stream S (Eq. 4), fed live:
                 begin:      S_init = prompt ⊕ union of the target's top-k_pre at every prompt position (Eq. 2)
                 each step:  S ⊕= C_draft (the draft tree's tokens) ⊕ C_ver (the target's top-k_ver at the
@@ -91,7 +91,7 @@ def prefill_entries(prompt_ids: torch.Tensor, prefill_topk: torch.Tensor, source
     if sources == "ext":
         return ordered_unique(prefill_topk[-1])
     if sources not in ("ctx+ext", "ctx"):
-        raise VocabError(f"unknown sources {sources!r}; choose ctx+ext, ctx or ext (specs/microspec.md 4.5)")
+        raise VocabError(f"unknown sources {sources!r}; choose ctx+ext, ctx or ext (MicroSpec §4.5, Table 3)")
     return torch.cat([prompt_ids, ordered_unique(prefill_topk.reshape(-1), keep=order)])
 
 
@@ -109,7 +109,7 @@ def ver_row_index(accepted: torch.Tensor, n: int, ver_rows: str) -> torch.Tensor
         return accepted[-1:]
     if ver_rows == "all_tree":
         return torch.arange(n, device=accepted.device)
-    raise VocabError(f"unknown ver_rows {ver_rows!r}; choose accepted_path, last or all_tree (specs/microspec.md A1)")
+    raise VocabError(f"unknown ver_rows {ver_rows!r}; choose accepted_path, last or all_tree (the paper does not say which verify rows; accepted_path is our default)")
 
 
 # --- the drafter's LM-head step ----------------------------------------------------------------------------

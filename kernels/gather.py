@@ -1,7 +1,7 @@
 """Row gather into the packed LM-head buffer: packed[slots[i], :] = weight[tokens[i], :].
 
 MicroSpec keeps a pre-allocated contiguous buffer `packed [W_max, d]` and, after every step, copies
-in only the rows of the tokens that entered the active vocab (specs/microspec.md section 4.3 item 5).
+in only the rows of the tokens that entered the active vocab (MicroSpec §3.3).
 The gather list comes from `kernels.window.window_step`: fixed size, padded with -1, plus a device
 count, so the launch needs no host sync.
 

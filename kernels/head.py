@@ -2,13 +2,12 @@
 
 `packed_head(h, packed, tok_of_slot)`: logits [r, W] = h [r, d] @ packed [W, d].T with fp32 accumulation;
 slots whose `tok_of_slot` is negative are set to -inf, so a softmax renormalises over the active vocab
-(specs/microspec.md A8: a fixed W_max-row GEMM, unused slots masked). Rows are contiguous: this is what
+(MicroSpec §3.3: a fixed W_max-row GEMM, unused slots masked). Rows are contiguous: this is what
 MicroSpec runs after gathering the active rows into the packed buffer.
 Bytes moved: W*d*itemsize (weights) + r*d*itemsize + r*W*4 (logits).
 
 `indexed_head(h, weight, idx)`: logits [r, m] = h @ weight[idx].T, reading the rows of the full head
-through the index on every call (no packed buffer): the "Indexed GEMM" ablation (specs/microspec.md
-section 4.7). idx < 0 gives -inf, so `indexed_head(h, weight, tok_of_slot)` equals
+through the index on every call (no packed buffer): the "Indexed GEMM" ablation (MicroSpec §4.5). idx < 0 gives -inf, so `indexed_head(h, weight, tok_of_slot)` equals
 `packed_head(h, packed, tok_of_slot)` for a consistent packed buffer. Bytes moved: m*d*itemsize + m*8 + r*m*4.
 
 `dense_head(h, weight, bias)`: the full LM head (the target's, for verification), h @ weight.T in the
@@ -66,7 +65,7 @@ def _head_kernel(h_ptr, w_ptr, idx_ptr, out_ptr, r, n_cols, d, stride_h, stride_
                     mask=(rows < r)[:, None] & k_ok[None, :], other=0.0)          # [BLOCK_R, BLOCK_D]
         b = tl.load(w_ptr + w_rows[None, :] * stride_w + ks[:, None],
                     mask=live[None, :] & k_ok[:, None], other=0.0)                # [BLOCK_D, BLOCK_C]
-        if UPCAST:   # the interpreter's bf16 tl.dot is wrong (shared/FACTS.md): multiply in fp32
+        if UPCAST:   # the interpreter's bf16 tl.dot is wrong (measured with Triton 3.7's interpreter): multiply in fp32
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         if IEEE:     # fp32 inputs: exact fp32 products, not TF32

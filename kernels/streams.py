@@ -1,6 +1,6 @@
 """`PackedLMHead`: MicroSpec's draft LM head over the active vocab, with the gather on a copy stream.
 
-Per step (specs/microspec.md section 4.3-4.4):
+Per step (MicroSpec §3.3):
 
     head.update(entries)   # compute stream: window_step (Eq. 3/4, no host sync) -> event E_state
                            # copy stream:    wait(E_state) -> gather_rows of the entered tokens -> E_gather
@@ -32,7 +32,7 @@ class PackedLMHead:
     weight: [V, d] the full LM head (W_head of the drafter; often the tied embedding), not copied.
     w_max:  rows of the packed buffer = maximum |I_t| (the window length, paper default 3072).
     dtype:  of the packed buffer (default: weight's); rows are cast while gathered.
-    mode:   "eq4_exact" | "fifo_unique" (specs/microspec.md A4).
+    mode:   "eq4_exact" | "fifo_unique" (Eq. 4 exactly, or a FIFO of unique tokens: a reading where MicroSpec §3.2 is ambiguous).
     """
 
     def __init__(self, weight: torch.Tensor, w_max: int, dtype: torch.dtype | None = None,

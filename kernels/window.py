@@ -1,6 +1,6 @@
 """MicroSpec's window state on the device: the active vocab I_t = Unique(Suffix(S, w_max)) (Eq. 4).
 
-Device data structures (specs/microspec.md section 4.2), all tensors:
+Device data structures (MicroSpec §3.3), all tensors:
 
     ring         [w_max] int32   the last w_max entries of the candidate stream S; -1 = empty
     ring_head    0-d int64       entries pushed into the ring so far (ring position = ring_head % w_max)
@@ -20,7 +20,7 @@ then tokens that were not active enter (they pop rows, in stream order). It retu
 no `.item()`, no Python branch on device values, so the step can be enqueued (or graph-captured) with
 no host sync. Negative entries are padding and are skipped, so a fixed-size append buffer works as is.
 
-Window modes (specs/microspec.md A4):
+Window modes (two readings of MicroSpec §3.2 Eq. 4):
   "eq4_exact"   Eq. 4 literally: every entry is pushed; re-appending a token refreshes its recency.
   "fifo_unique" a step pushes only Unique(entries) minus I_t (keep-first order), so the ring holds
                 distinct tokens; a token active at the start of the step is not refreshed.
@@ -108,7 +108,7 @@ def new_window_state(vocab_size: int, w_max: int, device: torch.device | str | N
                      mode: str = "eq4_exact") -> WindowState:
     """An empty window over a vocabulary of `vocab_size` tokens holding the last `w_max` stream entries."""
     if mode not in MODES:
-        raise WindowError(f"unknown window mode {mode!r}; choose one of {list(MODES)} (specs/microspec.md A4)")
+        raise WindowError(f"unknown window mode {mode!r}; choose one of {list(MODES)} (MicroSpec §3.2 Eq. 4)")
     if vocab_size <= 0 or w_max <= 0:
         raise WindowError(f"vocab_size and w_max must be > 0, got {vocab_size} and {w_max}")
     device = torch.device(device) if device is not None else hardware.DEVICE

@@ -98,7 +98,8 @@ class Summary:
         if self.actors:
             per = sorted(set(self.loads.values()))
             out.append(f"  actors: {self.actors} started, {self.restarts} restarted; models loaded per actor "
-                       f"process: {per} ({sum(self.loads.values())} loads in {len(self.loads)} processes)")
+                       f"process: {per} ({sum(self.loads.values())} loads in the {len(self.loads)} processes that "
+                       f"finished cells)")
         for f in self.failed:
             out.append(f"  FAILED {f.cell.id} ({f.cell.describe()}): {f.error}")
         if self.missing and not self.failed:

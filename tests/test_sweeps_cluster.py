@@ -120,8 +120,8 @@ def test_ray_job_submit_to_a_local_head(tmp_path):
         # the job runs in a copy of the working dir, away from the checkout's ../shared/data: name the data root
         runtime_env = json.dumps({"env_vars": {"SPECVOCAB_DATA": str(data_root())}})
         submit = ["ray", "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--working-dir", str(REPO),
-                  "--runtime-env-json", runtime_env, "--", "python", "-m", "sweeps.run", str(config), "--out", str(out), "--address", "auto",
-                  "--no-progress"]
+                  "--runtime-env-json", runtime_env, "--", "python", "-m", "sweeps.run", str(config), "--out", str(out),
+                  "--address", "auto", "--no-progress"]
         deadline = time.monotonic() + 300
         while True:                                           # the dashboard takes a while to come up
             assert head.poll() is None, (tmp_path / "head.log").read_text()[-3000:]

@@ -1,6 +1,6 @@
 """EAGLE-2 dynamic draft trees for drafters that end in an LM head (`layerskip`, `eagle`).
 
-Words as in the glossary (`locality.__doc__`). One step of drafting (specs/microspec.md section 4.5,
+Words as in the glossary (`locality.__doc__`). One step of drafting (MicroSpec §4.1,
 FR-Spec's EAGLE-2 with `--eagle-num-iter 5 --eagle-tree-size 60`, per-node top-k 10):
 
 - depth 1: the backbone's hidden state at the root -> LM head -> log-softmax -> top-k: k candidates,
@@ -19,7 +19,7 @@ The LM head goes through a vocabulary policy (`engine.vocab`): `policy.logits(h 
 `(logits [r, m], slot_to_token [m] or None)` and `policy.head_topk(h, k)` takes the log-softmax over the
 m slots and the top-k, mapped back to full-vocabulary ids, so draft token ids are always full-vocabulary
 ids. Slots outside the active vocab are -inf and never proposed (a candidate with score -inf is dropped;
-specs/microspec.md A7).
+a choice where the MicroSpec paper is silent).
 
 Sampling mode: the children of a node are the deterministic top-k of the draft distribution, so the
 tree carries no `draft_probs` (one-hot q). `engine.verify.verify_sampling` then examines siblings in

@@ -1,6 +1,6 @@
 """UniSpec: confidence-scored trees from the successor store, a broadened first level, top-g* selection.
 
-Implements specs/unispec.md sections 4.3, 4.9 and 4.10 (paper: Alg. 1 l.16-30, 38-47, App. A):
+Implements UniSpec Alg. 1 l.16-30 and 38-47 and App. A:
 
 - level 1 = S[root] (+) C, where C is the cached top-k of the verifier distribution at the token
   before the root (the distribution that produced the root: "next-next" candidates); empty slots

@@ -11,7 +11,7 @@ accepted or not), and their probabilities:
 where `u` is the latest processed position whose token is `v`. Updates overwrite whole rows (no
 averaging, Alg. 1 l.41-43). When one update holds the same token several times, the LAST occurrence
 wins, deterministically; the drafters pass non-accepted nodes first and the accepted path last, so the
-rows of tokens on the true context win (spec section 3.1 [C]).
+rows of tokens on the true context win ([C]: UniSpec Alg. 1 l.41-43 does not say which write wins).
 
 Pure tensors: no model inside. `deployment_store` keeps one store per (target, method, k) for the life
 of the target object - the paper's hot start (Alg. 1 initialises the store before calibration and all

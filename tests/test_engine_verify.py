@@ -21,7 +21,7 @@ def _logits_with_argmax(argmax: list[int], vocab: int) -> torch.Tensor:
 # --- greedy ---------------------------------------------------------------------------------------------
 
 def test_greedy_hand_made_tree():
-    # R->A, R->B, A->C, B->D, C->E (specs/unispec.md section 4.4); tokens R=0 A=1 B=2 C=3 D=4 E=5
+    # R->A, R->B, A->C, B->D, C->E; tokens R=0 A=1 B=2 C=3 D=4 E=5
     tokens = torch.tensor([0, 1, 2, 3, 4, 5])
     parents = torch.tensor([-1, 0, 0, 1, 2, 3])
     # target: after R -> B, after B -> D, after D -> 7 (bonus); A's and C's rows are never reached
@@ -46,7 +46,7 @@ def test_greedy_duplicate_siblings_take_the_lowest_index():
 
 
 def _naive_greedy_walk(tokens, parents, logits):
-    """specs/unispec.md section 4.6 as a tree walk that follows every matching child (siblings may repeat a
+    """UniSpec Alg. 2 (greedy verification of multiple guesses) as a tree walk that follows every matching child (siblings may repeat a
     token); the longest accepted path wins, then the lowest index of its last node."""
     paths, stack = [], [[0]]
     while stack:

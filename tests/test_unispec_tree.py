@@ -2,7 +2,7 @@
 
 - the successor store update vs a loop that writes rows one by one (later rows win);
 - node confidences (both variants) on a hand-built store;
-- the vectorised tree construction vs a node-by-node reference of specs/unispec.md 4.3 on random stores;
+- the vectorised tree construction vs a node-by-node reference of UniSpec Alg. 1 l.16-30 on random stores;
 - ancestor closure and size of the top-g selection;
 - Token Recycling's template (80 nodes, depth 6) and its truncation;
 - sampling-mode confidences come from the verifier's warped distribution; ids outside the vocabulary and
@@ -172,7 +172,7 @@ def test_deployment_store_is_shared_per_target():
     assert deployment_store(m1, "recycling", 30, 4) is not a
 
 
-# ---- plain reference of specs/unispec.md 4.3 -------------------------------------------------------
+# ---- plain reference of UniSpec Alg. 1 l.16-30 ----------------------------------------------------
 
 def reference_tree(root, S_tok, S_con, C_tok, C_con, k, d, r, g, confidence, scope):
     """Node-by-node reference. Returns a set of root->node token paths with their scores."""

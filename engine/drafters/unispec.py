@@ -64,14 +64,14 @@ def build_unispec_tree(root: int | torch.Tensor, store_tok: torch.Tensor, store_
                        cache_tok: torch.Tensor | None, cache_con: torch.Tensor | None, *,
                        k: int, depth: int, r: float, g: int, confidence: str = "path",
                        threshold_scope: str = "expand", cache_exclude_root: bool = False) -> DraftTree:
-    """One UniSpec draft tree (spec section 4.3). Pure.
+    """One UniSpec draft tree (UniSpec Alg. 1 l.16-30). Pure.
 
     root: the root token id. store_tok / store_con: [V, k_s] successor store (k_s >= 1; every stored
     slot of a frontier node becomes a child). cache_tok / cache_con: [k_c] first-level cache, or None
     (no broadening). k: frontier width per level. depth: d, the deepest level. r: expansion threshold.
     g: the most draft tokens (root excluded) to select. cache_exclude_root: drop the root's own token
     from C (under greedy decoding it is C's top-1: a "repeat the root" guess whose confidence is the
-    root's own probability, spec 4.3.1 `C_exclude_top1`). Returns a DraftTree with <= 1 + g nodes,
+    root's own probability; a [C] choice, the paper keeps it). Returns a DraftTree with <= 1 + g nodes,
     `scores` = node confidences (root 1.0). A root or cache token outside [0, V) raises StoreError (checked
     for host values only: the drafter's device tensors hold ids checked in `begin`, and checking them
     here would cost a host sync every step).
@@ -131,7 +131,7 @@ def build_unispec_tree(root: int | torch.Tensor, store_tok: torch.Tensor, store_
 def select_top_g(root: torch.Tensor, level_tok: list[torch.Tensor], level_score: list[torch.Tensor],
                  level_parent: list[torch.Tensor], level_start: list[int], *, g: int,
                  min_score: float = 0.0) -> DraftTree:
-    """Top-g pool nodes, closed under ancestors, re-indexed level by level (spec section 4.3.5).
+    """Top-g pool nodes, closed under ancestors, re-indexed level by level (UniSpec §3, Alg. 1 l.30).
 
     The pool is given per level (level i's nodes have pool indices level_start[i] + j; parents point to
     pool indices of the level above, -1 = root). Selection is best-first growth: repeatedly take the

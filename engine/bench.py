@@ -4,42 +4,68 @@
         --prompts spec_bench --per-category 1 --max-new-tokens 64 --repeats 1 --out runs/bench
     python -m engine.bench --model gemma-3-270m --methods ar --drafter layerskip \\
         --vocab full,frspec,frspec:1024,microspec,oracle --set drafter_layers=first:4 --threads 1 --out runs/microspec
+    python -m engine.bench --model gemma-3-270m --drafter eagle --vocab full,frspec,dynaspec,microspec \\
+        --set eagle_head=<EAGLE-1/2 head dir> --per-category 1 --max-new-tokens 64 --threads 1 --out runs/table2
 
 A *run* is one (method, vocabulary policy) pair: every `--methods` entry (policy "full" for methods without
 an LM head), plus, with `--drafter layerskip|eagle`, the drafter once per `--vocab` entry (`engine.vocab`;
-`ar` is added as the speed and lossless reference). A policy may carry a size: `frspec:1024` (K) or
-`microspec:1024` (w_max). Columns: `policy` (full | frspec | microspec | oracle | dynaspec), `vocab_size`
-(the requested size - frspec's K, microspec's and oracle's w_max; null for full and dynaspec) and `run`,
-the `--vocab` label as given (`frspec:1024`), so several sizes of one policy bench side by side.
+`ar` is added as the speed and lossless reference). Every run of the drafter uses the same head: eagle's
+`eagle_head` (`--set eagle_head=DIR|hub id|random`; None = the drafter's own default) or layerskip's
+`drafter_layers`. A policy may carry a size, `name:N`:
+
+    frspec:K      K = the FR-Spec shortlist (top-K of the frequency list)
+    microspec:W   W = w_max, the window over the candidate stream
+    dynaspec:N    N = a token budget: the shortlist of a row at draft steps 0-1 holds about N tokens. DynaSpec's
+                  own knob is k_max, a number of clusters (§4.2); N sets k_max = round(N * M / V), the clusters
+                  of the mean size V / M that hold N tokens (at least 1, at most all M; M and V read from the
+                  fitted file, `engine.dynaspec.k_max_for_tokens`), and the position-aware budget shrinks it
+                  after step 1. So dynaspec:N is to the first draft steps what frspec:N is to every step; the
+                  shortlist it really had is `mean_active_vocab`. `--set dynaspec_k_max=K` sets clusters directly.
+
+Columns: `policy` (full | frspec | microspec | oracle | dynaspec), `vocab_size` (the requested size - frspec's
+K, microspec's and oracle's w_max, dynaspec's N, or for an unsized dynaspec the tokens its k_max stands for,
+round(k_max * V / M); null for full) and `run`, the `--vocab` label as given (`frspec:1024`), so several sizes
+of one policy bench side by side. `dynaspec_k_max` is the k_max a dynaspec run used (null otherwise),
+`vocab_file` the frspec ranking or fitted DynaSpec it read, `draft_head` the drafter's head (eagle: the head's
+source - `drafter.head_source` where the drafter resolves one, else `eagle_head`; layerskip: `drafter_layers`).
 `draft_size` is the run's resolved draft size (`engine.harness.resolve_config`), `g` the mean draft tokens
 per step it actually proposed. `frspec` without `--set frequency_file=...` counts a default ranking on
-the training corpus (`engine.frequency.default_frequency_file`, cached) and says which.
+the training corpus (`engine.frequency.default_frequency_file`, cached) and says which; `dynaspec` without
+`--set dynaspec_file=...` takes the newest fit for this head and drafter (`engine.dynaspec.find_fitted`).
 
 Writes `OUT/results.parquet`, one row per (method, run, prompt, turn, repeat) - `prompt_id` is the prompt
 set's id, `turn` counts from 1 (MT-Bench prompts have two turns, each run answering the second turn after
 its own first answer) - rewritten after every finished prompt so a crash loses nothing finished (`--resume`
 skips the runs there: key `RUN_KEY`; a file in an older column layout is refused). Per row, besides the
-harness' timings: the drafter's phases `backbone_s, gather_s, lm_head_s, tree_s` (summed over the
-prompt, null for drafters without phases), `draft_prefill_s` (the drafter's pass over the prompt, no step's),
-`uncharged_s` (the oracle policy's full head, which it does not charge), and the policy's
-`mean_active_vocab`, `max_active_vocab`, `draft_coverage`, `bonus_coverage` (`VocabPolicy.stats`), and
-`score_bins_proposed`, `score_bins_accepted`: draft nodes proposed and accepted per confidence-score bin
+harness' timings: the drafter's phases `backbone_s, router_s, gather_s, lm_head_s, tree_s` (summed over the
+prompt, null for drafters without phases; `router` is DynaSpec's router, 0 for other policies),
+`draft_prefill_s` (the drafter's pass over the prompt, no step's), `uncharged_s` (the oracle policy's full
+head, which it does not charge), and the policy's `mean_active_vocab`, `max_active_vocab`, `draft_coverage`,
+`bonus_coverage` (`VocabPolicy.stats`), `mean_union_vocab` (dynaspec: rows of the head read per call, the
+union of a level's shortlists; its `mean_active_vocab` is the per-row shortlist, the paper's "vocab size"),
+and `score_bins_proposed`, `score_bins_accepted`: draft nodes proposed and accepted per confidence-score bin
 (`engine.harness.SCORE_BINS` equal bins over [0, 1], bin b = [b/20, (b+1)/20), 1.0 in the last; UniSpec Fig. 3).
+What was compared rides on every row too: `model`, `device`, `dtype`, `threads`, `max_new_tokens`, `temperature`.
 
 `tokens_per_s` = new_tokens / (wall_s - uncharged_s) (= new_tokens / wall_s except for oracle rows).
 
-Then prints, per category and overall, per run: rows, tokens/s (mean over rows), speedup (that mean over
-`ar`'s), tau (sum new_tokens / sum steps; ar = 1.00) and `lossless` (every output equals `ar`'s; greedy
-only); overall also mean_active_vocab (mean over drafted steps: sum of row mean x drafted steps / sum of
-drafted steps) and the draft time per drafted step in ms,
+Then prints (`print_summary`) what was compared (model, device, dtype, threads, prompts, tokens, each
+drafter's head and runs), MicroSpec Table 2's layout (a row per run: tokens/s per category, then overall
+tokens/s with its speedup over ar, tau and lossless), a compact table per category and the overall block,
+per run: tokens/s (mean over rows), speedup (that mean over `ar`'s), tau (sum new_tokens / sum steps; ar =
+1.00), mean_active_vocab (mean over drafted steps: sum of row mean x drafted steps / sum of drafted steps),
+the draft time per drafted step in ms and its split by phase, and `lossless` (every output equals `ar`'s;
+greedy only),
 
     draft_ms   = sum over rows (draft_s - draft_prefill_s - uncharged_s) / sum over rows (steps - 1)
-    <phase>_ms = sum over rows <phase>_s / sum over rows (steps - 1),  phase = backbone | gather | lm_head | tree
+    <phase>_ms = sum over rows <phase>_s / sum over rows (steps - 1)
+                 phase = backbone | router | gather | lm_head | tree
 
 (steps - 1: the prefill, step 0, drafts nothing; draft_s includes the drafter's `begin`, so the per-prompt
-set-up of the policy - microspec's Eq. 2 window - is spread over the steps). Last, for a drafter benched
-with several policies, one line per non-full run against `full` (and microspec against frspec): draft-time
-ratio, tau ratio and tokens/s ratio, measured in this run, with MicroSpec's claims as targets.
+set-up of the policy - microspec's Eq. 2 window - is spread over the steps; a phase column is printed when
+some run spent time in it). Last, for a drafter benched with several policies, one line per pair measured in
+this run (`compare_vocabs`): every other policy against `full`, microspec against frspec and dynaspec, and
+dynaspec against frspec: draft-time ratio, tau ratio and tokens/s ratio, with the papers' claims as targets.
 
 `run_bench(**kwargs)` is what the CLI calls and what a Ray sweep cell calls: one call per cell.
 """
@@ -48,7 +74,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -57,7 +83,8 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.config import POLICIES, ConfigError, SpecConfig, parse_overrides
-from engine.drafters import available_methods
+from engine.drafters import available_methods, make_drafter
+from engine.dynaspec import find_fitted, fitted_sizes, k_max_for_tokens, tokens_for_k_max
 from engine.harness import generate, resolve_config
 from engine.models import eos_token_ids, load_model
 from engine.prompts import decode_answer, encode_prompt, load_prompts
@@ -66,17 +93,20 @@ from kernels.hardware import HardwareError, parse_device, parse_dtype
 
 RESULTS_FILE = "results.parquet"
 DRAFTERS = ("layerskip", "eagle")              # drafters with an LM head behind a vocabulary policy
-PHASES = ("backbone", "gather", "lm_head", "tree")
+PHASES = ("backbone", "router", "gather", "lm_head", "tree")   # drafter phases (engine.drafters.lmhead)
 ROW_SCHEMA = {
-    "model": pl.String, "device": pl.String, "method": pl.String, "run": pl.String, "policy": pl.String,
-    "vocab_size": pl.Int64, "draft_size": pl.Int64, "prompt_set": pl.String, "prompt_id": pl.String,
+    "model": pl.String, "device": pl.String, "dtype": pl.String, "method": pl.String, "run": pl.String,
+    "policy": pl.String, "vocab_size": pl.Int64, "dynaspec_k_max": pl.Int64, "draft_head": pl.String,
+    "vocab_file": pl.String, "draft_size": pl.Int64, "max_new_tokens": pl.Int64, "prompt_set": pl.String,
+    "prompt_id": pl.String,
     "category": pl.String, "language": pl.String, "turn": pl.Int32,
     "repeat": pl.Int32, "prompt_tokens": pl.Int64, "new_tokens": pl.Int64, "steps": pl.Int64,
     "tau": pl.Float64, "g": pl.Float64, "wall_s": pl.Float64, "prefill_s": pl.Float64, "draft_s": pl.Float64,
     "verify_s": pl.Float64, "tokens_per_s": pl.Float64,
     **{f"{p}_s": pl.Float64 for p in PHASES}, "draft_prefill_s": pl.Float64, "uncharged_s": pl.Float64,
-    "mean_active_vocab": pl.Float64, "max_active_vocab": pl.Float64, "draft_coverage": pl.Float64,
-    "bonus_coverage": pl.Float64, "threads": pl.Int32, "stop_reason": pl.String, "temperature": pl.Float64,
+    "mean_active_vocab": pl.Float64, "max_active_vocab": pl.Float64, "mean_union_vocab": pl.Float64,
+    "draft_coverage": pl.Float64, "bonus_coverage": pl.Float64, "threads": pl.Int32, "stop_reason": pl.String,
+    "temperature": pl.Float64,
     "seed": pl.Int64, "output_ids": pl.List(pl.Int64),
     "score_bins_proposed": pl.List(pl.Int64), "score_bins_accepted": pl.List(pl.Int64),
 }
@@ -85,8 +115,12 @@ RUN = ["method", "run"]                         # one benched configuration
 # MicroSpec's claims against full of the same drafter, as targets: draft time per step cut several-fold
 # (MicroSpec §4.4, Fig. 4), tau kept (§4.3), faster end to end (§4.2)
 TARGET_DRAFT_RATIO, TARGET_TAU_RATIO, TARGET_SPEED_RATIO = 3.0, 0.95, 1.0
-REQUESTED_SIZE = {"frspec": "frspec_k", "microspec": "w_max", "oracle": "w_max"}   # the vocab_size column
-LABEL_SIZE = {"frspec": "frspec_k", "microspec": "w_max"}  # what N in `--vocab name:N` sets
+# the SpecConfig field that is a policy's size, read into the vocab_size column (and set by a sweep's
+# `vocab_sizes`); dynaspec's size is a token budget with no field of its own (module docstring, `Run.size`)
+REQUESTED_SIZE = {"frspec": "frspec_k", "microspec": "w_max", "oracle": "w_max"}
+LABEL_SIZE = {"frspec": "frspec_k", "microspec": "w_max"}  # the field N in `--vocab name:N` sets
+SIZED = (*LABEL_SIZE, "dynaspec")                          # policies that take `name:N`
+BUDGET_WORDS = {"position": "position-aware budget (DynaSpec-PA)", "fixed": "fixed budget (DynaSpec-F)"}
 
 
 class BenchError(ValueError):
@@ -96,11 +130,15 @@ class BenchError(ValueError):
 @dataclass(frozen=True)
 class Run:
     """One benched configuration: a method with one draft vocabulary policy ("full" for methods without a
-    head). `label`: the `--vocab` entry as given ("frspec:1024"), the `run` column."""
+    head). `label`: the `--vocab` entry as given ("frspec:1024"), the `run` column. `size`: dynaspec's token
+    budget - N of `dynaspec:N`, or once the model is loaded (`_resolve_dynaspec`) the tokens its k_max stands
+    for. `draft_head`: the drafter's head, known once a drafter was built (`_check_drafter`)."""
 
     method: str
     label: str
     cfg: SpecConfig
+    size: int | None = None
+    draft_head: str | None = None
 
     @property
     def policy(self) -> str:
@@ -108,9 +146,17 @@ class Run:
 
     @property
     def vocab_size(self) -> int | None:
-        """The requested vocabulary size (frspec's K, microspec's / oracle's w_max); None for full."""
+        """The requested vocabulary size (frspec's K, microspec's / oracle's w_max, dynaspec's token budget);
+        None for full."""
+        if self.policy == "dynaspec":
+            return self.size
         field = REQUESTED_SIZE.get(self.policy)
         return None if field is None else int(getattr(self.cfg, field))
+
+    @property
+    def vocab_file(self) -> str | None:
+        """The file the policy reads: frspec's ranking, dynaspec's fit (None until resolved)."""
+        return {"frspec": self.cfg.frequency_file, "dynaspec": self.cfg.dynaspec_file}.get(self.policy)
 
 
 def _names(value: str | Sequence[str] | None) -> list[str]:
@@ -130,18 +176,22 @@ def _methods(methods: str | Sequence[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def vocab_fields(label: str) -> dict:
-    """SpecConfig fields of a --vocab entry: "microspec" -> {vocab: microspec}; a sized variant
-    "frspec:1024" -> {vocab: frspec, frspec_k: 1024}, "microspec:1024" -> {vocab: microspec, w_max: 1024}.
+def parse_vocab(label: str) -> tuple[dict, int | None]:
+    """A --vocab entry -> (SpecConfig fields, dynaspec's token budget or None): "microspec" ->
+    ({vocab: microspec}, None); sized variants "frspec:1024" -> ({vocab: frspec, frspec_k: 1024}, None),
+    "microspec:1024" -> ({vocab: microspec, w_max: 1024}, None), "dynaspec:4096" -> ({vocab: dynaspec},
+    4096) - N tokens at draft steps 0-1, turned into k_max once the fitted file is known (module docstring).
     The label stays the run's `run` column, so several sizes of one policy bench side by side."""
     name, sep, size = label.partition(":")
     if not sep:
-        return {"vocab": name}
-    if name not in LABEL_SIZE:
-        raise BenchError(f"--vocab {label!r}: only {sorted(LABEL_SIZE)} take a size (name:N)")
+        return {"vocab": name}, None
+    if name not in SIZED:
+        raise BenchError(f"--vocab {label!r}: only {list(SIZED)} take a size (name:N)")
     if not size.isdigit() or int(size) <= 0:
         raise BenchError(f"--vocab {label!r}: the size after ':' must be a positive integer, e.g. {name}:1024")
-    return {"vocab": name, LABEL_SIZE[name]: int(size)}
+    if name == "dynaspec":
+        return {"vocab": name}, int(size)
+    return {"vocab": name, LABEL_SIZE[name]: int(size)}, None
 
 
 def policy(label: str) -> str:
@@ -165,10 +215,10 @@ def plan_runs(methods: str | Sequence[str] | None, drafter: str | None = None,
     bad = [v for v in vocabs if policy(v) not in POLICIES]
     if bad:
         raise BenchError(f"unknown vocab(s) {bad}; --vocab takes a comma list of {list(POLICIES)}, "
-                         f"optionally sized: frspec:K (top-K shortlist) or microspec:W (w_max)")
-    if drafter == "eagle" and not config.get("eagle_head"):
-        raise BenchError("--drafter eagle needs a draft head: --set eagle_head=<local EAGLE-1/2 checkpoint dir> "
-                         "(or eagle_head=random for an untrained head in tests)")
+                         f"optionally sized: frspec:K (top-K shortlist), microspec:W (w_max) or dynaspec:N "
+                         f"(about N tokens per row at draft steps 0-1)")
+    # eagle's head (`eagle_head`, None = the drafter's default) is checked by building the drafter once the
+    # model is loaded (`_check_drafter`): the drafter knows which heads it has, not the plan
     if methods is None or (isinstance(methods, str) and not methods.strip() and drafter is not None):
         methods = "ar" if drafter is not None else "ar,pld,hf-prompt-lookup"
     names = _methods(methods)
@@ -180,7 +230,8 @@ def plan_runs(methods: str | Sequence[str] | None, drafter: str | None = None,
             cfg = SpecConfig.preset(m, **config)
             runs.append(Run(m, cfg.vocab if m in DRAFTERS else "full", cfg))
         for v in (vocabs or ["full"]) if drafter is not None else []:
-            runs.append(Run(drafter, v, SpecConfig.preset(drafter, **{**config, **vocab_fields(v)})))
+            fields, tokens = parse_vocab(v)
+            runs.append(Run(drafter, v, SpecConfig.preset(drafter, **{**config, **fields}), size=tokens))
     except ConfigError as e:
         raise BenchError(f"bad configuration: {e}") from e
     unique: dict[tuple[str, str], Run] = {}
@@ -206,8 +257,46 @@ def _drafter_columns(res) -> dict:
     out["draft_prefill_s"] = float(t.get("draft_prefill", 0.0)) if t else None
     out["uncharged_s"] = float(t.get("oracle_uncharged", 0.0))
     out.update(mean_active_vocab=st.get("mean_active_vocab"), max_active_vocab=st.get("max_active_vocab"),
-               draft_coverage=st.get("coverage"), bonus_coverage=st.get("bonus_coverage"))
+               mean_union_vocab=st.get("mean_union_vocab"), draft_coverage=st.get("coverage"),
+               bonus_coverage=st.get("bonus_coverage"))
     return out
+
+
+def _resolve_dynaspec(run: Run, head: torch.Tensor, show: bool) -> Run:
+    """A dynaspec run with its fitted file fixed (`dynaspec_file`, else the newest fit for this head and
+    drafter) and its size in both units: `dynaspec:N` sets k_max = round(N * M / V); an unsized run keeps
+    its k_max and reports the tokens it stands for, round(k_max * V / M) (module docstring)."""
+    cfg = run.cfg
+    try:
+        path = Path(cfg.dynaspec_file).expanduser() if cfg.dynaspec_file else find_fitted(head, cfg)
+        m, v = fitted_sizes(path)
+        if run.size is not None:
+            cfg = cfg.replace(dynaspec_k_max=k_max_for_tokens(run.size, m, v))
+    except ValueError as e:                                      # DynaSpecError, ConfigError: the message says
+        raise BenchError(f"{run.method} {run.label}: {e}") from e
+    size = run.size if run.size is not None else tokens_for_k_max(cfg.dynaspec_k_max, m, v)
+    if show:
+        print(f"[specvocab] {run.method} {run.label}: DynaSpec {path} (M = {m} clusters, {v / m:.0f} tokens each "
+              f"on average): k_max = {cfg.dynaspec_k_max} clusters per row at draft steps 0-1 (~{size} tokens), "
+              f"{BUDGET_WORDS.get(cfg.dynaspec_budget, cfg.dynaspec_budget + ' budget')}", flush=True)
+    return replace(run, cfg=cfg.replace(dynaspec_file=str(path)), size=size)
+
+
+def _check_drafter(run: Run, target) -> Run:
+    """Build the run's drafter once before any prompt runs - a missing or mismatched head, ranking or fit
+    fails here, named, not after the first prompts - and record its head: eagle's source (the drafter's
+    `head_source` where it resolves one, e.g. a default head for `eagle_head=None`, else `eagle_head`),
+    layerskip's `drafter_layers`. Each prompt still builds its own drafter, as `generate` does."""
+    try:
+        drafter = make_drafter(target, run.cfg)
+    except ValueError as e:                                      # DrafterError, VocabError, DynaSpecError, ...
+        raise BenchError(f"{run.method} {run.label}: {e}") from e
+    if run.method == "eagle":
+        source = getattr(drafter, "head_source", None) or run.cfg.eagle_head
+        head = None if source is None else str(source)
+    else:
+        head = run.cfg.drafter_layers
+    return replace(run, draft_head=head)
 
 
 def run_bench(model: str = "smollm2-135m-instruct", methods: str | Sequence[str] | None = None,
@@ -223,7 +312,9 @@ def run_bench(model: str = "smollm2-135m-instruct", methods: str | Sequence[str]
 
     model: a name for `load_model`, or pass `loaded=(model, tokenizer, info)` to reuse a loaded one.
     methods: default ar,pld,hf-prompt-lookup, or just ar with a drafter. drafter: layerskip | eagle, benched
-    once per `vocab` (comma list of full, frspec, microspec, oracle; default full).
+    once per `vocab` (comma list of full, frspec, microspec, oracle, dynaspec, sized as frspec:K, microspec:W,
+    dynaspec:N - module docstring; default full), every run on the same head (config's eagle_head or
+    drafter_layers).
     threads: torch.set_num_threads for the bench (restored afterwards); recorded per row.
     device / dtype: for `load_model` (None: `kernels.hardware`'s defaults; strings as `--dtype`).
     config: further SpecConfig fields for every run (e.g. {"draft_size": 5, "drafter_layers": "first:4"}).
@@ -256,17 +347,21 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
         loaded = load_model(model, device=device, dtype=dtype)
     target, tokenizer, info = loaded
     # each run's draft size decided once, here (unispec: its calibrated g*; see engine.harness)
-    runs = [Run(r.method, r.label, resolve_config(r.cfg, model=target)) for r in runs]
-    dev = str(next(target.parameters()).device)
+    runs = [replace(r, cfg=resolve_config(r.cfg, model=target)) for r in runs]
+    param = next(target.parameters())
+    dev, dtype_name = str(param.device), str(param.dtype).removeprefix("torch.")
     eos = eos_token_ids(target, tokenizer)
     prompt_list = load_prompts(prompts, per_category=per_category, categories=categories, languages=languages)
     if not prompt_list:
         raise BenchError(f"prompt set {prompts!r} with these filters is empty")
-    if any(r.cfg.vocab == "frspec" and r.cfg.frequency_file is None for r in runs):
+    if any(r.policy == "frspec" and r.cfg.frequency_file is None for r in runs):
         ranking = str(default_frequency_file(tokenizer, info.tokenizer_name, info.vocab_size,   # says which corpus
                                              eos_ids=eos))
-        runs = [Run(r.method, r.label, r.cfg.replace(frequency_file=ranking)) if r.cfg.vocab == "frspec"
+        runs = [replace(r, cfg=r.cfg.replace(frequency_file=ranking)) if r.policy == "frspec"
                 and r.cfg.frequency_file is None else r for r in runs]
+    head = target.get_output_embeddings().weight                 # [V, d] what a draft policy restricts
+    runs = [_resolve_dynaspec(r, head, show) if r.policy == "dynaspec" else r for r in runs]
+    runs = [_check_drafter(r, target) if r.method in DRAFTERS else r for r in runs]
 
     path = None if out is None else Path(out) / RESULTS_FILE
     rows: list[dict] = []
@@ -293,10 +388,13 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
             answers.append(decode_answer(tokenizer, res.output_ids.tolist(), eos))
             extra = _drafter_columns(res)
             got.append({
-                "model": info.name, "device": dev, "method": run.method, "run": run.label,
-                "policy": run.policy, "vocab_size": run.vocab_size, "draft_size": cfg.draft_size,
-                "prompt_set": p.prompt_set, "prompt_id": str(p.prompt_id), "category": p.category,
-                "language": p.language, "turn": turn, "repeat": repeat, "prompt_tokens": len(ids),
+                "model": info.name, "device": dev, "dtype": dtype_name, "method": run.method, "run": run.label,
+                "policy": run.policy, "vocab_size": run.vocab_size,
+                "dynaspec_k_max": cfg.dynaspec_k_max if run.policy == "dynaspec" else None,
+                "draft_head": run.draft_head, "vocab_file": run.vocab_file, "draft_size": cfg.draft_size,
+                "max_new_tokens": cfg.max_new_tokens, "prompt_set": p.prompt_set, "prompt_id": str(p.prompt_id),
+                "category": p.category, "language": p.language, "turn": turn, "repeat": repeat,
+                "prompt_tokens": len(ids),
                 "new_tokens": res.new_tokens, "steps": res.steps, "tau": res.tau, "g": res.g, "wall_s": res.wall_s,
                 "prefill_s": res.prefill_s, "draft_s": res.draft_s, "verify_s": res.verify_s,
                 "tokens_per_s": res.new_tokens / (res.wall_s - extra["uncharged_s"]), **extra,
@@ -327,9 +425,10 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
 # --- summaries ------------------------------------------------------------------------------------------
 
 def summarize(frame: pl.DataFrame) -> pl.DataFrame:
-    """Per (category incl. "all", method, run): policy, vocab_size, rows, tokens_per_s (mean over rows),
-    speedup over ar, tau, g, mean_active_vocab, draft_ms and the per-phase ms per drafted step (module
-    docstring), draft and bonus coverage, lossless."""
+    """Per (category incl. "all", method, run): policy, vocab_size, dynaspec_k_max, draft_head, rows,
+    tokens_per_s (mean over rows), speedup over ar, tau, g, mean_active_vocab and mean_union_vocab (means over
+    drafted steps), draft_ms and the per-phase ms per drafted step (module docstring), draft and bonus
+    coverage, lossless."""
     missing = [c for c in (*RUN, "prompt_id", "turn", "repeat", "category") if c not in frame.columns]
     if missing:
         raise BenchError(f"summarize needs engine.bench's columns; missing {missing} (a results file from an "
@@ -337,15 +436,16 @@ def summarize(frame: pl.DataFrame) -> pl.DataFrame:
     for col, dt in ROW_SCHEMA.items():                           # optional columns a hand-made frame lacks
         if col not in frame.columns:
             frame = frame.with_columns(pl.lit(None, dtype=dt).alias(col))
-    both = pl.concat([frame, frame.with_columns(category=pl.lit("all"))])
+    both = pl.concat([frame, frame.with_columns(category=pl.lit("all"))], how="vertical_relaxed")
     drafted = (pl.col("steps") - 1).clip(lower_bound=0)
     per_step = (lambda e: pl.when(drafted.sum() > 0).then(e.sum() / drafted.sum() * 1e3))
+    step_mean = (lambda c: (pl.col(c) * drafted).sum() / drafted.filter(pl.col(c).is_not_null()).sum())
     agg = (both.group_by("category", *RUN)
-           .agg(policy=pl.col("policy").first(), vocab_size=pl.col("vocab_size").first(), rows=pl.len(),
-                tokens_per_s=pl.col("tokens_per_s").mean(),
+           .agg(policy=pl.col("policy").first(), vocab_size=pl.col("vocab_size").first(),
+                dynaspec_k_max=pl.col("dynaspec_k_max").first(), draft_head=pl.col("draft_head").first(),
+                rows=pl.len(), tokens_per_s=pl.col("tokens_per_s").mean(),
                 tau=pl.col("new_tokens").sum() / pl.col("steps").sum(), g=pl.col("g").mean(),
-                mean_active_vocab=(pl.col("mean_active_vocab") * drafted).sum()
-                / drafted.filter(pl.col("mean_active_vocab").is_not_null()).sum(),
+                mean_active_vocab=step_mean("mean_active_vocab"), mean_union_vocab=step_mean("mean_union_vocab"),
                 draft_ms=per_step(pl.col("draft_s") - pl.col("draft_prefill_s").fill_null(0.0)
                                   - pl.col("uncharged_s").fill_null(0.0)),
                 **{f"{p}_ms": per_step(pl.col(f"{p}_s")) for p in PHASES},
@@ -354,8 +454,8 @@ def summarize(frame: pl.DataFrame) -> pl.DataFrame:
                 has_phases=pl.col("backbone_s").is_not_null().any()))
     agg = agg.with_columns([pl.when(pl.col("has_phases")).then(pl.col(f"{p}_ms")).alias(f"{p}_ms")
                             for p in PHASES]).drop("has_phases")
-    agg = agg.with_columns(pl.when(pl.col("mean_active_vocab").is_finite()).then(pl.col("mean_active_vocab")),
-                           pl.when(pl.col("coverage").is_finite()).then(pl.col("coverage")))
+    agg = agg.with_columns([pl.when(pl.col(c).is_finite()).then(pl.col(c)).alias(c)
+                            for c in ("mean_active_vocab", "mean_union_vocab", "coverage")])
     ar_speed = (agg.filter(pl.col("method") == "ar").group_by("category")
                 .agg(ar_tokens_per_s=pl.col("tokens_per_s").first()))
     agg = (agg.join(ar_speed, on="category", how="left")
@@ -374,35 +474,48 @@ def summarize(frame: pl.DataFrame) -> pl.DataFrame:
     runs = frame.select(RUN).unique(maintain_order=True).with_row_index("_r")
     return (agg.join(runs, on=RUN, how="left").with_columns(_cat_all=pl.col("category") == "all")
             .sort("_cat_all", "category", "_r").drop("_cat_all", "_r")
-            .select("category", *RUN, "policy", "vocab_size", "rows", "tokens_per_s", "speedup", "tau", "g",
-                    "mean_active_vocab",
+            .select("category", *RUN, "policy", "vocab_size", "dynaspec_k_max", "draft_head", "rows",
+                    "tokens_per_s", "speedup", "tau", "g", "mean_active_vocab", "mean_union_vocab",
                     "draft_ms", *[f"{p}_ms" for p in PHASES], "coverage", "lossless"))
 
 
+def _policy_of(row: dict) -> str:
+    """A summary row's policy: its `policy` column, else read from the run label ("frspec:1024")."""
+    return row.get("policy") or policy(row["run"])
+
+
+# pairs compared per drafter: (policy, base policy); `full` is every other policy's base
+PAIRS = (("microspec", "frspec"), ("microspec", "dynaspec"), ("dynaspec", "frspec"))
+
+
 def compare_vocabs(table: pl.DataFrame) -> pl.DataFrame:
-    """From `summarize`'s "all" rows: per drafter, each non-full run against `full` of the same drafter,
-    and every microspec run against every frspec run (e.g. frspec and frspec:1024, to compare tau at an equal
-    or smaller mean vocabulary). Ratios: draft_ratio = base draft_ms / draft_ms (how many times less draft
-    time per step), tau_ratio = tau / base tau, speed_ratio = tokens_per_s / base tokens_per_s."""
+    """From `summarize`'s "all" rows: per drafter, each non-full run against every `full` run of the same
+    drafter, then every microspec run against every frspec and dynaspec run, and every dynaspec run against
+    every frspec run (e.g. frspec and frspec:1024, to compare tau at an equal or smaller mean vocabulary).
+    Policies come from the `policy` column (else the run label). Ratios: draft_ratio = base draft_ms /
+    draft_ms (how many times less draft time per step), tau_ratio = tau / base tau, speed_ratio =
+    tokens_per_s / base tokens_per_s; `speedup` is the run's own over ar."""
     allrows = table.filter(pl.col("category") == "all")
     out = []
     for method in allrows["method"].unique(maintain_order=True).to_list():
         mine = {r["run"]: r for r in allrows.filter(pl.col("method") == method).iter_rows(named=True)}
-        pairs = [(v, "full") for v in mine if v != "full" and "full" in mine]
-        pairs += [(v, b) for v in mine if policy(v) == "microspec" for b in mine if policy(b) == "frspec"]
+        of = (lambda name: [v for v, r in mine.items() if _policy_of(r) == name])
+        pairs = [(v, b) for b in of("full") for v, r in mine.items() if _policy_of(r) != "full"]
+        pairs += [(v, b) for a, base in PAIRS for v in of(a) for b in of(base)]
         for v, base in pairs:
             a, b = mine[v], mine[base]
             ratio = (lambda x, y: x / y if x is not None and y else None)
-            out.append({"method": method, "run": v, "base": base, "draft_ms": a["draft_ms"],
+            out.append({"method": method, "run": v, "base": base, "policy": _policy_of(a),
+                        "base_policy": _policy_of(b), "draft_ms": a["draft_ms"],
                         "base_draft_ms": b["draft_ms"], "draft_ratio": ratio(b["draft_ms"], a["draft_ms"]),
                         "tau": a["tau"], "base_tau": b["tau"], "tau_ratio": ratio(a["tau"], b["tau"]),
                         "tokens_per_s": a["tokens_per_s"], "base_tokens_per_s": b["tokens_per_s"],
-                        "speed_ratio": ratio(a["tokens_per_s"], b["tokens_per_s"]),
+                        "speed_ratio": ratio(a["tokens_per_s"], b["tokens_per_s"]), "speedup": a.get("speedup"),
                         "mean_active_vocab": a["mean_active_vocab"], "base_mean_active_vocab": b["mean_active_vocab"]})
-    schema = {"method": pl.String, "run": pl.String, "base": pl.String,
+    schema = {"method": pl.String, "run": pl.String, "base": pl.String, "policy": pl.String, "base_policy": pl.String,
               **{c: pl.Float64 for c in ("draft_ms", "base_draft_ms", "draft_ratio", "tau", "base_tau", "tau_ratio",
-                                         "tokens_per_s", "base_tokens_per_s", "speed_ratio", "mean_active_vocab",
-                                         "base_mean_active_vocab")}}
+                                         "tokens_per_s", "base_tokens_per_s", "speed_ratio", "speedup",
+                                         "mean_active_vocab", "base_mean_active_vocab")}}
     return pl.DataFrame(out, schema=schema)
 
 
@@ -411,45 +524,134 @@ def _fmt(x, spec: str = ".2f") -> str:
 
 
 def comparison_lines(cmp: pl.DataFrame) -> list[str]:
-    """One line per `compare_vocabs` row; microspec rows say whether MicroSpec's claims (TARGET_*) hold."""
+    """One line per `compare_vocabs` row, with the papers' claims as targets where one applies:
+    microspec vs full (MicroSpec §4.2-4.4: draft time TARGET_DRAFT_RATIO x less, tau kept within
+    TARGET_TAU_RATIO, faster than full and than ar), microspec vs frspec (higher tau at no larger vocab,
+    faster; MicroSpec Table 2), microspec vs dynaspec (faster; MicroSpec Table 2), dynaspec vs frspec (higher
+    tau at no larger vocab; DynaSpec Table 1)."""
+    met = (lambda ok: "n/a" if ok is None else ("met" if ok else "MISSED"))
+    ge = (lambda x, t: None if x is None else x >= t)
+    gt = (lambda x, t: None if x is None else x > t)
     lines = []
     for r in cmp.iter_rows(named=True):
-        line = (f"{r['method']} {r['run']} vs {r['base']}: draft {_fmt(r['draft_ms'])} vs "
+        who = r["run"] if r["run"].startswith(r["method"]) else f"{r['method']} {r['run']}"   # sweep labels
+        line = (f"{who} vs {r['base']}: draft {_fmt(r['draft_ms'])} vs "
                 f"{_fmt(r['base_draft_ms'])} ms/step = {_fmt(r['draft_ratio'])}x less; tau {_fmt(r['tau'])} vs "
                 f"{_fmt(r['base_tau'])} = {_fmt(r['tau_ratio'], '.3f')}x; tokens/s {_fmt(r['tokens_per_s'])} vs "
                 f"{_fmt(r['base_tokens_per_s'])} = {_fmt(r['speed_ratio'], '.3f')}x; mean active vocab "
                 f"{_fmt(r['mean_active_vocab'], '.0f')} vs {_fmt(r['base_mean_active_vocab'], '.0f')}")
-        if policy(r["run"]) == "microspec":
-            met = (lambda ok: "n/a" if ok is None else ("met" if ok else "MISSED"))
-            ge = (lambda x, t: None if x is None else x >= t)
-            gt = (lambda x, t: None if x is None else x > t)
-            if r["base"] == "full":
-                line += (f"  | targets: draft >= {TARGET_DRAFT_RATIO:g}x less {met(ge(r['draft_ratio'], TARGET_DRAFT_RATIO))}"
-                         f", tau >= {TARGET_TAU_RATIO:g}x {met(ge(r['tau_ratio'], TARGET_TAU_RATIO))}"
-                         f", tokens/s > full {met(gt(r['speed_ratio'], TARGET_SPEED_RATIO))}")
-            else:
-                smaller = (None if r["mean_active_vocab"] is None or r["base_mean_active_vocab"] is None
-                           else r["mean_active_vocab"] <= r["base_mean_active_vocab"])
-                better = gt(r["tau_ratio"], 1.0)
-                line += (f"  | targets: tau > frspec at <= its vocab "
-                         f"{met(None if better is None or smaller is None else better and smaller)}"
-                         f", tokens/s > frspec {met(gt(r['speed_ratio'], TARGET_SPEED_RATIO))}")
+        pol = r.get("policy") or policy(r["run"])
+        base = r.get("base_policy") or policy(r["base"])
+        smaller = (None if r["mean_active_vocab"] is None or r["base_mean_active_vocab"] is None
+                   else r["mean_active_vocab"] <= r["base_mean_active_vocab"])
+        better = gt(r["tau_ratio"], 1.0)
+        tau_at_vocab = met(None if better is None or smaller is None else better and smaller)
+        if (pol, base) == ("microspec", "full"):
+            line += (f"  | targets: draft >= {TARGET_DRAFT_RATIO:g}x less "
+                     f"{met(ge(r['draft_ratio'], TARGET_DRAFT_RATIO))}"
+                     f", tau >= {TARGET_TAU_RATIO:g}x {met(ge(r['tau_ratio'], TARGET_TAU_RATIO))}"
+                     f", tokens/s > full {met(gt(r['speed_ratio'], TARGET_SPEED_RATIO))}"
+                     f", tokens/s > ar {met(gt(r.get('speedup'), 1.0))}")
+        elif (pol, base) == ("microspec", "frspec"):
+            line += (f"  | targets: tau > frspec at <= its vocab {tau_at_vocab}"
+                     f", tokens/s > frspec {met(gt(r['speed_ratio'], TARGET_SPEED_RATIO))}")
+        elif (pol, base) == ("microspec", "dynaspec"):
+            line += f"  | target: tokens/s > dynaspec {met(gt(r['speed_ratio'], TARGET_SPEED_RATIO))}"
+        elif (pol, base) == ("dynaspec", "frspec"):
+            line += f"  | target (DynaSpec Table 1): tau > frspec at <= its vocab {tau_at_vocab}"
         lines.append(line)
     return lines
 
 
+def _values(frame: pl.DataFrame, col: str) -> list:
+    return [] if col not in frame.columns else [v for v in frame[col].unique(maintain_order=True).to_list()
+                                                 if v is not None]
+
+
+def describe(frame: pl.DataFrame) -> list[str]:
+    """What a bench compared, from its rows: model, device, dtype, threads; the prompts (set, prompts, turns,
+    categories, languages, repeats); the tokens (max_new_tokens, generated, greedy or sampled); each drafter's
+    head and the runs benched on it, with their sizes and files; the other methods."""
+    join = (lambda col, sep="/": sep.join(str(v) for v in _values(frame, col)))
+    where = [join("device"), join("dtype")]
+    if _values(frame, "threads"):
+        where.append(f"{join('threads')} torch thread(s)")
+    lines = [f"bench: {join('model', ', ') or '?'} on {', '.join(w for w in where if w) or '?'}"]
+    for name in _values(frame, "prompt_set"):
+        part = frame.filter(pl.col("prompt_set") == name)
+        bits = [f"{part['prompt_id'].n_unique()} prompts", f"{part.select('prompt_id', 'turn').unique().height} turns"]
+        bits += [f"{len(_values(part, c))} {w}" for c, w in (("category", "categories"), ("language", "languages"))
+                 if len(_values(part, c)) > 1]
+        bits.append(f"{part['repeat'].n_unique()} repeat(s)")
+        lines.append(f"prompts: {name} ({', '.join(bits)})")
+    temps = _values(frame, "temperature")
+    mode = "greedy" if set(temps) <= {0.0} else f"sampling at temperature {'/'.join(map(str, temps))}"
+    lines.append(f"tokens: max_new_tokens {join('max_new_tokens') or '?'} per turn, {int(frame['new_tokens'].sum())} "
+                 f"generated in all; {mode}")
+    others = []
+    for method in _values(frame, "method"):
+        rows = frame.filter(pl.col("method") == method)
+        if method not in DRAFTERS:
+            g = _values(rows, "draft_size") if method != "ar" else []
+            others.append(method + (f" (draft_size {'/'.join(map(str, g))})" if g else ""))
+            continue
+        heads = "/".join(map(str, _values(rows, "draft_head"))) or "?"
+        sizes = "/".join(map(str, _values(rows, "draft_size"))) or "?"
+        lines.append(f"drafter: {method}, {'layers' if method == 'layerskip' else 'head'} {heads}, "
+                     f"draft_size {sizes}; runs:")
+        for run in _values(rows, "run"):
+            r = rows.filter(pl.col("run") == run).row(0, named=True)
+            bits = [f"policy {r['policy']}"] if r.get("policy") not in (None, policy(run)) else []
+            if r.get("vocab_size") is not None:
+                bits.append(f"vocab_size {r['vocab_size']}")
+            if r.get("dynaspec_k_max") is not None:
+                bits.append(f"k_max {r['dynaspec_k_max']} clusters")
+            if r.get("vocab_file"):
+                bits.append(str(r["vocab_file"]))
+            lines.append(f"  {run}" + (f": {', '.join(bits)}" if bits else ""))
+    if others:
+        lines.append("methods: " + ", ".join(others))
+    return lines
+
+
+def table2(table: pl.DataFrame) -> pl.DataFrame:
+    """MicroSpec Table 2's layout from `summarize`: a row per run, tokens/s per category, then over all rows
+    ("all") tokens/s, its speedup over ar, tau and lossless."""
+    keep = pl.col("category") != "all"
+    wide = table.filter(keep).pivot("category", index=RUN, values="tokens_per_s", aggregate_function="first")
+    total = table.filter(~keep).select(*RUN, all=pl.col("tokens_per_s"), speedup=pl.col("speedup"),
+                                       tau=pl.col("tau"), lossless=pl.col("lossless"))
+    order = table.select(RUN).unique(maintain_order=True).with_row_index("_r")
+    return (order.join(wide, on=RUN, how="left").join(total, on=RUN, how="left").sort("_r").drop("_r"))
+
+
 def print_summary(frame: pl.DataFrame) -> pl.DataFrame:
-    """Prints the per-category table (speed, tau, lossless), the overall table with active vocab and draft
-    ms per step split by phase, and the vocab comparisons. Returns the full `summarize` table."""
+    """Prints what was compared (`describe`), MicroSpec Table 2's layout (`table2`), a compact table per
+    category (a row per run: tokens/s, speedup, tau, mean active vocab, draft ms per drafted step and its
+    phases, lossless), the overall block with every column, and the policy comparisons (`compare_vocabs`).
+    Phase columns no run spent time in, and columns no run has, are left out. Returns `summarize`'s table."""
     full = summarize(frame)
     num = ["tokens_per_s", "speedup", "tau", "g", "draft_ms", *[f"{p}_ms" for p in PHASES]]
-    table = full.with_columns(pl.col(num).round(2), pl.col("mean_active_vocab").round(0),
+    table = full.with_columns(pl.col(num).round(2), pl.col("mean_active_vocab", "mean_union_vocab").round(0),
                               pl.col("coverage").round(3))
+    phases = [f"{p}_ms" for p in PHASES if (full[f"{p}_ms"].fill_null(0.0) > 0).any()]
+    shown = (lambda cols: [c for c in cols if full[c].null_count() < full.height])
+    per_cat = shown(["tokens_per_s", "speedup", "tau", "mean_active_vocab", "draft_ms", *phases, "lossless"])
+    overall = shown(["policy", "vocab_size", "dynaspec_k_max", "rows", "tokens_per_s", "speedup", "tau", "g",
+                     "mean_active_vocab", "mean_union_vocab", "draft_ms", *phases, "coverage", "lossless"])
+    for line in describe(frame):
+        print(line)
     with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True,
-                   tbl_width_chars=200):
-        print(table.select("category", *RUN, "rows", "tokens_per_s", "speedup", "tau", "g", "lossless"))
-        print("overall; draft time in ms per drafted step (steps - 1), split by drafter phase:")
-        print(table.filter(pl.col("category") == "all").drop("category", "g"))
+                   tbl_width_chars=250, fmt_str_lengths=60):
+        print("MicroSpec Table 2's layout: tokens/s per category; all: over every row, with its speedup over ar, "
+              "tau and lossless")
+        print(table2(table))
+        print("per category; draft time in ms per drafted step (steps - 1), split by drafter phase:")
+        for cat in table.filter(pl.col("category") != "all")["category"].unique(maintain_order=True).to_list():
+            print(f"{cat}:")
+            print(table.filter(pl.col("category") == cat).select(*RUN, *per_cat))
+        print("overall:")
+        print(table.filter(pl.col("category") == "all").select(*RUN, *overall))
     for line in comparison_lines(compare_vocabs(full)):
         print(line)
     return full
@@ -464,7 +666,8 @@ def main(argv: Sequence[str] | None = None) -> pl.DataFrame:
                     help=f"a drafter with an LM head ({' | '.join(DRAFTERS)}), benched once per --vocab")
     ap.add_argument("--vocab", default=None,
                     help=f"with --drafter: comma list of draft vocabularies ({','.join(POLICIES)}; default full); "
-                         f"frspec:K and microspec:W set the shortlist size / w_max")
+                         f"frspec:K sets the shortlist, microspec:W w_max, dynaspec:N about N tokens per row at "
+                         f"draft steps 0-1 (k_max = round(N * clusters / V))")
     ap.add_argument("--prompts", default="spec_bench", help="a prompt set name or a .jsonl path")
     ap.add_argument("--per-category", type=int, default=None)
     ap.add_argument("--categories", default=None, help="comma-separated categories (default: all)")
@@ -479,7 +682,8 @@ def main(argv: Sequence[str] | None = None) -> pl.DataFrame:
     ap.add_argument("--dtype", default=None, help="fp32 | fp16 | bf16 (default: kernels.hardware)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the bench")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="a further SpecConfig field for every run, e.g. --set drafter_layers=first:4")
+                    help="a further SpecConfig field for every run, e.g. --set drafter_layers=first:4, "
+                         "--set eagle_head=DIR (the eagle drafter's head), --set dynaspec_file=PATH")
     ap.add_argument("--out", default=None, help="folder for results.parquet")
     ap.add_argument("--resume", action="store_true", help="keep the runs already in OUT/results.parquet")
     a = ap.parse_args(argv)

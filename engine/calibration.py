@@ -45,6 +45,7 @@ measuring it; `python -m engine.calibrate` reports its choice next to g*.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import math
@@ -372,15 +373,18 @@ def load_calibrations(path: str | Path | None = None) -> dict:
                                f"again") from e
 
 
-def save_calibration(key: str, record: dict) -> Path:
-    """Add or replace one record in the JSON cache (atomic rename)."""
-    path = cache_file()
+def save_calibration(key: str, record: dict, path: str | Path | None = None) -> Path:
+    """Add or replace one record in the JSON cache (default `cache_file()`; atomic rename). Writers on one
+    machine take turns (a lock file beside it), so two processes calibrating at once keep both records."""
+    path = cache_file() if path is None else Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = load_calibrations()
-    data[key] = record
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True, default=str))
-    os.replace(tmp, path)
+    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)               # released when the file closes
+        data = load_calibrations(path)
+        data[key] = record
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True, default=str))
+        os.replace(tmp, path)
     return path
 
 

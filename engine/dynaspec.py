@@ -448,14 +448,21 @@ def default_dynaspec_path(model: str, cfg: SpecConfig) -> Path:
     return cache_root() / "dynaspec" / f"{safe}-{key['drafter']}-{digest}.safetensors"
 
 
+SHIPPED_FITS = Path(__file__).resolve().parent / "heads"    # engine/heads/<model>/dynaspec-*.safetensors
+
+
 def find_fitted(weight: torch.Tensor, cfg: SpecConfig, folder: str | Path | None = None) -> Path:
-    """The newest fitted DynaSpec in `folder` (default: the cache's dynaspec/) made for this LM head and
-    this drafter (`drafter_key`); a clear error when there is none."""
-    folder = Path(folder) if folder is not None else cache_root() / "dynaspec"
+    """The newest fitted DynaSpec in `folder` (default: the cache's dynaspec/, then the fits shipped beside
+    the trained EAGLE heads in engine/heads/<model>/) made for this LM head and this drafter (`drafter_key`);
+    a clear error when there is none."""
+    folders = [Path(folder)] if folder is not None else [cache_root() / "dynaspec",
+                                                         *sorted(SHIPPED_FITS.glob("*/"))]
     key = drafter_key(cfg)
     fingerprint = head_fingerprint(weight)
     found = []
-    for side in sorted(folder.glob("*.safetensors.json")) if folder.is_dir() else []:
+    sides = [side for f in folders if f.is_dir() for side in sorted(f.glob("*.safetensors.json"))]
+    folder = folders[0]
+    for side in sides:
         path = side.with_name(side.name[: -len(".json")])
         try:
             meta = read_sidecar(path)
@@ -469,6 +476,33 @@ def find_fitted(weight: torch.Tensor, cfg: SpecConfig, folder: str | Path | None
                             f"in {folder}; fit one with `python -m engine.dynaspec fit --model <name> --drafter "
                             f"{key['drafter']}` or pass dynaspec_file=<path>")
     return max(found)[2]
+
+
+# --- sizing in tokens (what `engine.bench`'s `dynaspec:N` means) ---------------------------------------------
+# The paper's budget knob is k_max, a number of *clusters* (§4.2); a vocabulary sweep is read in *tokens*
+# (frspec:K keeps K tokens, microspec:W a window of W). A token budget N maps to the k_max whose clusters
+# hold N tokens when each has the mean size V / M: the shortlist of a row at draft steps 0-1 then holds
+# about N tokens (exactly N only if the router picked clusters of mean size; the measured per-row size is
+# the bench's `mean_active_vocab`), and fewer at later steps under the position-aware budget.
+
+def fitted_sizes(path: str | Path) -> tuple[int, int]:
+    """(M clusters, V vocabulary) of a fitted DynaSpec, read from its sidecar (no tensors loaded)."""
+    meta = read_sidecar(path)
+    return int(meta["num_clusters"]), int(meta["vocab_size"])
+
+
+def k_max_for_tokens(tokens: int, num_clusters: int, vocab_size: int) -> int:
+    """k_max for a token budget at draft steps 0-1: round(tokens * M / V) clusters of the mean size V / M,
+    at least 1 and at most M. `tokens` must be in [1, V]."""
+    if isinstance(tokens, bool) or not 1 <= int(tokens) <= vocab_size:
+        raise DynaSpecError(f"a DynaSpec token budget must be in [1, V={vocab_size}], got {tokens!r}")
+    return min(num_clusters, max(1, round(int(tokens) * num_clusters / vocab_size)))
+
+
+def tokens_for_k_max(k_max: int, num_clusters: int, vocab_size: int) -> int:
+    """The token budget k_max clusters stand for: round(min(k_max, M) * V / M) (the inverse of
+    `k_max_for_tokens` up to rounding)."""
+    return round(min(int(k_max), num_clusters) * vocab_size / num_clusters)
 
 
 # --- the runtime: router on its own stream, option-B head, sizes ---------------------------------------------
@@ -834,10 +868,14 @@ def train_router(cfg: FitConfig, train: dict[str, torch.Tensor], weight: torch.T
 def fit(cfg: FitConfig) -> Path:
     """Clusters, logged rows, router; writes the fitted DynaSpec and returns its path. Resumable: the work
     dir keeps the clusters, one log shard per prompt and the router checkpoint."""
+    from engine.harness import resolve_config   # late: the harness sits above engine.vocab, which imports us
+
     t_start = time.perf_counter()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    spec = cfg.spec_config()
+    model, tokenizer, info = load_model(cfg.model)
+    # resolved as a run resolves it, so the key names the drafter a run will use (eagle: the shipped head)
+    spec = resolve_config(cfg.spec_config(), model=model)
     out = Path(cfg.out).expanduser() if cfg.out else default_dynaspec_path(cfg.model, spec)
     work = Path(cfg.work_dir).expanduser() if cfg.work_dir else out.with_name(out.name + ".work")
     work.mkdir(parents=True, exist_ok=True)
@@ -848,7 +886,6 @@ def fit(cfg: FitConfig) -> Path:
                             f"another --work-dir")
     key_file.write_text(json.dumps(key, indent=1, sort_keys=True))
 
-    model, tokenizer, info = load_model(cfg.model)
     weight = model.get_output_embeddings().weight.detach()                    # [V, d]
     clusters = work / "clusters.safetensors"
     if clusters.is_file():

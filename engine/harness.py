@@ -34,6 +34,7 @@ from engine import kv
 from engine.calibration import resolve_draft_size
 from engine.config import DEFAULT_DRAFT_SIZE, SpecConfig
 from engine.drafters import HF_METHODS, make_drafter
+from engine.drafters.eagle import default_eagle_head
 from engine.drafters.recycling import template_size
 from engine.models import eos_token_ids
 from engine.tree import DraftTree, Drafter, StepResult
@@ -200,7 +201,9 @@ def resolve_config(cfg: SpecConfig | None, method: str | None = None, overrides:
                    model=None) -> SpecConfig:
     """The run's config: cfg (default `SpecConfig.preset(method or "ar")`) with `method` and `overrides`
     applied, validated; with `model`, `draft_size=None` is replaced by the method's default
-    (`default_draft_size`). The one place a run's draft size is decided."""
+    (`default_draft_size`) and, for `eagle`, `eagle_head=None` by the head shipped for this model
+    (`engine.drafters.eagle.default_eagle_head`, left None when none ships). The one place a run's draft size
+    and head are decided."""
     overrides = dict(overrides or {})
     if cfg is None:
         cfg = SpecConfig.preset(method or "ar", **overrides)
@@ -212,6 +215,10 @@ def resolve_config(cfg: SpecConfig | None, method: str | None = None, overrides:
         g = default_draft_size(cfg, model)
         if g is not None:
             cfg = cfg.replace(draft_size=g)
+    if model is not None and cfg.method == "eagle" and cfg.eagle_head is None:
+        head = default_eagle_head(model)
+        if head is not None:
+            cfg = cfg.replace(eagle_head=head)
     return cfg
 
 

@@ -83,12 +83,15 @@ if sweep is not None:
                .resolve_scale(y="independent").properties(width=300, height=220, title=f"{d} on {s}")
                for s, d in keys]
 if panels:
+    notes = "left: the window's coverage"
+    if sweep is not None:
+        notes += ("; right: tokens/s (solid green, left axis) and tau (dashed blue, right axis) of the drafter with "
+                  "MicroSpec's window; diamond: the paper's default w_max 3072")
+        if sweep["full_tokens_per_s"].is_not_null().any():
+            notes += "; dotted green: the same drafter, full vocabulary"
     chart = alt.hconcat(*panels).resolve_scale(color="independent", strokeDash="independent").properties(
         title=fig.title("Sensitivity to the window size w_max (MicroSpec Fig. 5)",
-                        bench if sweep is not None else coverage, record,
-                        notes=["left: the window's coverage; right: tokens/s (solid green, left axis) and tau "
-                               "(dashed blue, right axis) of the drafter with MicroSpec's window; diamond: the "
-                               "paper's default w_max 3072; dotted green: the same drafter, full vocabulary"]))
+                        bench if sweep is not None else coverage, record, notes=[notes]))
     fig.save_chart(chart, out_dir, "wmax_sensitivity")
     display(chart)  # noqa: F821 (IPython)
 if sweep is not None:

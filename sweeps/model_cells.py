@@ -8,7 +8,9 @@ and returns a polars frame; writing it is the driver's job.
 - bench: `engine.bench.run_bench` for one method x vocabulary policy x parameters on the cell's prompts -> one
   row per prompt, turn and repeat. Its untimed warm-up runs once per actor process and configuration.
 - calibrate: `engine.calibrate.calibrate` (UniSpec §3, App. F) -> the measured tau(g), s(g), the fitted curves
-  and g* (`engine.calibration.calibration_curves`), with g*, the device and dtype on every row.
+  and g* (`engine.calibration.calibration_curves`), with g*, the device and dtype on every row; the record
+  also goes into the calibration cache of the machine it ran on (`[sweep] calibration_cache`), as
+  `python -m engine.calibrate` does.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from engine.bench import REQUESTED_SIZE, run_bench
 from engine.calibrate import calibrate, calibration_prompts
-from engine.calibration import calibration_curves
+from engine.calibration import cache_file, calibration_curves, save_calibration
 from engine.config import SpecConfig
 from engine.frequency import default_frequency_file
 from engine.models import eos_token_ids, load_model
@@ -72,7 +74,20 @@ def bench_cell(p: dict, loaded, method: str, threads: int | None, warmup: int | 
                      threads=threads, config=config, loaded=loaded, progress=False, show=False, **args)
 
 
-def calibrate_cell(p: dict, loaded, method: str) -> pl.DataFrame:
+def calibration_file(cache: bool | str | None) -> Path | None:
+    """Where a calibrate cell also saves its record (`[sweep] calibration_cache`): None for false (results
+    only), this machine's calibration cache for true (`engine.calibration.cache_file`: $SPECVOCAB_CACHE,
+    default ~/.cache/specvocab), or calibration.json in the folder given."""
+    if cache is None or cache is False:
+        return None
+    return cache_file() if cache is True else Path(cache) / cache_file().name
+
+
+def calibrate_cell(p: dict, loaded, method: str, cache: bool | str | None = None) -> pl.DataFrame:
+    """The calibration's curves and g* (results); with `cache` (see `calibration_file`) the record is also
+    saved in the calibration cache, as `python -m engine.calibrate` does, so that later runs on this device,
+    model, dtype and config take this g* as unispec's default draft size (`resolve_draft_size`). The rows
+    say where in `calibration_cache` (null: not saved)."""
     model, tokenizer, info = loaded
     cal, warm = calibration_prompts(tokenizer, info, n=p["prompts"], warmup=p["warmup"],
                                     max_new_tokens=p["max_new_tokens"])
@@ -87,7 +102,11 @@ def calibrate_cell(p: dict, loaded, method: str) -> pl.DataFrame:
     # with the sweep's kind and model label
     curves = (calibration_curves(rec).rename({"kind": "curve", "model": "model_id"}, strict=False)
               .join(measured, on="g", how="left"))
-    return curves.with_columns([pl.lit(v).alias(k) for k, v in scalars.items() if k not in curves.columns])
+    target = calibration_file(cache)
+    saved = None if target is None else str(save_calibration(rec["key"], rec, target))
+    scalars["calibration_cache"] = saved
+    return curves.with_columns([pl.lit(v, dtype=pl.String if v is None else None).alias(k)
+                                for k, v in scalars.items() if k not in curves.columns])
 
 
 def model_ranking(loaded) -> pl.DataFrame:
@@ -101,16 +120,18 @@ def model_ranking(loaded) -> pl.DataFrame:
 
 class ModelWorker:
     """One loaded model serving many cells. `threads`: torch threads (1 on CPU, so that timed cells on
-    different cores do not share one). Tests only: `crash_once`, a marker file - the first cell to create it
+    different cores do not share one). `calibration_cache`: where calibrate cells also save g*
+    (`calibration_file`). Tests only: `crash_once`, a marker file - the first cell to create it
     kills this process (the Ray actor restarts and the cell is retried); `delay_s`, a sleep before each cell
     (so a test can interrupt a sweep between cells)."""
 
     def __init__(self, name: str, options: dict, dtype: str | None, threads: int | None,
-                 crash_once: str | None = None, delay_s: float = 0.0):
+                 crash_once: str | None = None, delay_s: float = 0.0, calibration_cache: bool | str = False):
         global _LOADS
         if threads is not None:
             torch.set_num_threads(threads)
         self.threads = threads
+        self.calibration_cache = calibration_cache
         self.crash_once = crash_once
         self.delay_s = delay_s
         self.warmed: set[str] = set()      # bench configurations this process has warmed up
@@ -146,10 +167,13 @@ class ModelWorker:
             frame = bench_cell(params, self.loaded, method, self.threads, 0 if key in self.warmed else None)
             self.warmed.add(key)
         elif kind == "calibrate":
-            frame = calibrate_cell(params, self.loaded, method)
+            frame = calibrate_cell(params, self.loaded, method, self.calibration_cache)
         else:
             raise ValueError(f"ModelWorker runs record, bench and calibrate cells, not {kind!r}")
-        return frame, {**self.stats(), "seconds": time.perf_counter() - t0}
+        stats = {**self.stats(), "seconds": time.perf_counter() - t0}
+        if kind == "calibrate" and frame["calibration_cache"][0] is not None:
+            stats["calibration_cache"] = frame["calibration_cache"][0]
+        return frame, stats
 
     def ranking(self) -> pl.DataFrame:
         return model_ranking(self.loaded)

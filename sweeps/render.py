@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -37,7 +38,8 @@ except ImportError as e:                                        # pragma: no cov
     jupytext = papermill = None
     _IMPORT_ERROR = e
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = REPO / "notebooks"
 KERNEL = "python3"
 
 
@@ -92,13 +94,31 @@ def _figures(executed: Path) -> list[Path]:
     return sorted(set(out))
 
 
+@contextmanager
+def _this_checkout_first():
+    """PYTHONPATH starts with this checkout while notebook kernels start: they import the package whose
+    notebooks they run, whichever checkout an editable install points at (or with none)."""
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *([before] if before else [])])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
 def _execute(nb: Path, tmp: Path, executed: Path, parameters: dict) -> Rendered:
     ipynb = tmp / f"{nb.stem}.ipynb"
     jupytext.write(jupytext.read(nb), ipynb)
     item = Rendered(nb, executed, 0.0)
     t0 = time.perf_counter()
     try:
-        papermill.execute_notebook(str(ipynb), str(executed), kernel_name=KERNEL, language="python", cwd=str(tmp),
+        # no cwd=: papermill would os.chdir this whole process from each thread, and the threads' restores
+        # interleave - the process was left in the deleted temporary folder (the next render then failed on
+        # os.getcwd()); the notebooks take absolute paths and write nothing relative
+        papermill.execute_notebook(str(ipynb), str(executed), kernel_name=KERNEL, language="python",
                                    progress_bar=False, log_output=False, parameters=parameters)
     except papermill.PapermillExecutionError as e:
         item.error = f"{e.ename}: {e.evalue}".strip().splitlines()[0]
@@ -120,7 +140,8 @@ def render(results_dir: str | Path, out_dir: str | Path | None = None, only: Seq
     todo = notebooks(folder, only)
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo)))
     parameters = {"results_dir": str(results), "out_dir": str(out)}
-    with tempfile.TemporaryDirectory(prefix="sweeps-render-") as tmp, ThreadPoolExecutor(jobs) as pool:
+    with _this_checkout_first(), tempfile.TemporaryDirectory(prefix="sweeps-render-") as tmp, \
+            ThreadPoolExecutor(jobs) as pool:
         # each notebook runs in its own kernel process; the threads only wait on them
         futures = [pool.submit(_execute, nb, Path(tmp), executed_dir / f"{nb.stem}.ipynb", parameters)
                    for nb in todo]

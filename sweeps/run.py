@@ -8,10 +8,11 @@ Order: per model, one pool of actors (`ModelWorker`: the model loaded once per a
 record and calibrate cells, then its bench cells - a bench cell of a calibrated method without a draft size
 of its own runs at the g* just measured (`draft_size_from` names the calibrate cell); the actors are then
 released and the next model's pool starts. Last, the coverage cells run as plain Ray tasks (no model) on
-the record cells' traces. On a cluster with GPUs each actor takes one GPU; on CPUs each actor takes one
-core and runs torch on one thread, so timed cells never share a core. Actors restart up to twice
-(`max_restarts=2`) and a cell whose actor died is retried on the restarted actor (`max_task_retries=2`);
-an actor that fails to load its model fails that model's cells.
+the record cells' traces, several cells to a task (they take milliseconds each). On a cluster with GPUs
+each actor takes one GPU; on CPUs each actor takes one core and runs torch on one thread, so timed cells
+never share a core. Actors restart up to twice (`max_restarts=2`) and a cell whose actor died is retried
+on the restarted actor (`max_task_retries=2`); an actor that fails to load its model fails that model's
+cells.
 
 The driver writes every finished cell's frame to `DIR/kind=.../model=.../method=.../<id>.parquet`
 (`sweeps.results`), so results need no shared file system; a rerun of the same command skips cells whose
@@ -41,11 +42,12 @@ from locality.trace import read_traces
 from sweeps.cluster import connect, resources
 from sweeps.cell import Cell, SweepError
 from sweeps.config import MODEL_KINDS, Sweep, load_sweep, plan
-from sweeps.coverage_cells import timed_coverage_cell
+from sweeps.coverage_cells import timed_coverage_cells
 from sweeps.model_cells import ModelWorker, bench_config
 from sweeps.results import atomic_write, cell_path, finished, prepare_output, ranking_path, write_cell
 
 WAIT_S = 1.0                      # how often the driver wakes to refresh the progress bar
+BATCHES_PER_SLOT = 4              # coverage: tasks per worker slot and group of cells sharing traces
 
 
 class _RayModelWorker(ModelWorker):
@@ -74,6 +76,7 @@ class Summary:
     restarted: set = field(default_factory=set)                         # actor processes Ray restarted
     loads: dict = field(default_factory=dict)                           # actor process id -> models loaded
     cell_s: dict = field(default_factory=lambda: defaultdict(list))     # kind -> seconds per cell
+    calibration_saved: set = field(default_factory=set)                 # calibration caches written
     wall_s: float = 0.0
 
     @property
@@ -95,6 +98,9 @@ class Summary:
                f"failed {len(self.failed)}; {self.files}/{self.total} result files in {self.wall_s:.1f} s"]
         for kind, secs in sorted(self.cell_s.items()):
             out.append(f"  {kind}: {len(secs)} cells, {sum(secs) / len(secs):.2f} s per cell on its worker")
+        if self.calibration_saved:
+            out.append(f"  calibrate: g* also saved in {', '.join(sorted(self.calibration_saved))} (later runs of "
+                       f"that model, device and config there take it as the default draft size)")
         if self.actors:
             per = sorted(set(self.loads.values()))
             out.append(f"  actors: {self.actors} started, {self.restarts} restarted; models loaded per actor "
@@ -148,6 +154,8 @@ class _Driver:
         write_cell(self.out, cell, frame, self.sweep.name, stats.get("seconds"))
         self.summary.ran[cell.kind] += 1
         self.summary.cell_s[cell.kind].append(stats.get("seconds", 0.0))
+        if stats.get("calibration_cache"):
+            self.summary.calibration_saved.add(stats["calibration_cache"])
         self.bar.update(1)
 
     def _tick(self) -> None:
@@ -167,7 +175,8 @@ class _Driver:
             opts["num_gpus"] = 1          # only when the cluster has GPUs: an actor asking for one waits forever
         threads = None if self.gpus else 1
         handle = ray.remote(_RayModelWorker).options(**opts).remote(
-            spec.name, spec.options, self.sweep.dtype, threads, self.sweep.crash_once, self.sweep.delay_s)
+            spec.name, spec.options, self.sweep.dtype, threads, self.sweep.crash_once, self.sweep.delay_s,
+            calibration_cache=self.sweep.calibration_cache)
         self.summary.actors += 1
         return self.summary.actors, handle
 
@@ -245,43 +254,66 @@ class _Driver:
 
     # --- coverage cells as tasks ----------------------------------------------------------------------
     def run_coverage(self, cells: list[Cell]) -> None:
+        """Coverage cells as plain Ray tasks, several cells per task (`_batches`); the traces of a model and
+        prompt entry are read once and shared through the object store by every task that needs them."""
         by_id = {c.id: c for c in self.sweep.cells}
-        task = ray.remote(timed_coverage_cell).options(num_cpus=1, max_retries=2)
+        task = ray.remote(timed_coverage_cells).options(num_cpus=1, max_retries=2)
+        runnable = []
+        for cell in cells:
+            missing = [i for i in cell.needs if not cell_path(self.out, by_id[i]).is_file()]
+            if missing:
+                self._fail(cell, f"{len(missing)} of its {len(cell.needs)} record cells have no traces "
+                                 f"(failed or not run): {missing[:3]}")
+            elif cell.params["analysis"] == "shortlist" and not ranking_path(self.out, cell.model).is_file():
+                self._fail(cell, f"no token ranking for {cell.model} ({ranking_path(self.out, cell.model)}); its "
+                                 f"model actor could not count one - see the messages above")
+            else:
+                runnable.append(cell)
         traces: dict[tuple[str, ...], object] = {}
         rankings: dict[str, object] = {}
-        queue = deque(cells)
+        queue = deque(self._batches(runnable))
         inflight: dict = {}
         while queue or inflight:
             while queue and len(inflight) < self.task_slots:
-                cell = queue.popleft()
-                missing = [i for i in cell.needs if not cell_path(self.out, by_id[i]).is_file()]
-                if missing:
-                    self._fail(cell, f"{len(missing)} of its {len(cell.needs)} record cells have no traces "
-                                     f"(failed or not run): {missing[:3]}")
-                    continue
+                batch = queue.popleft()
+                needs, model = batch[0].needs, batch[0].model
+                if needs not in traces:           # read once per (model, prompt entry), shared by its cells
+                    traces[needs] = ray.put(read_traces([cell_path(self.out, by_id[i]) for i in needs]))
                 ranking = None
-                if cell.params["analysis"] == "shortlist":
-                    path = ranking_path(self.out, cell.model)
-                    if not path.is_file():
-                        self._fail(cell, f"no token ranking for {cell.model} ({path}); its model actor could not "
-                                         f"count one - see the messages above")
-                        continue
-                    if cell.model not in rankings:
-                        rankings[cell.model] = ray.put(pl.read_parquet(path))
-                    ranking = rankings[cell.model]
-                if cell.needs not in traces:      # read once per (model, prompt entry), shared by its cells
-                    traces[cell.needs] = ray.put(read_traces([cell_path(self.out, by_id[i]) for i in cell.needs]))
-                inflight[task.remote(cell.params, traces[cell.needs], ranking)] = cell
+                if any(c.params["analysis"] == "shortlist" for c in batch):
+                    if model not in rankings:
+                        rankings[model] = ray.put(pl.read_parquet(ranking_path(self.out, model)))
+                    ranking = rankings[model]
+                inflight[task.remote([c.params for c in batch], traces[needs], ranking)] = batch
             ready, _ = ray.wait(list(inflight), num_returns=1, timeout=WAIT_S)
             self._tick()
             for ref in ready:
-                cell = inflight.pop(ref)
+                batch = inflight.pop(ref)
                 try:
-                    frame, stats = ray.get(ref)
+                    results = ray.get(ref)
                 except (RayTaskError, RayActorError) as e:
-                    self._fail(cell, _error_text(e))
+                    for cell in batch:
+                        self._fail(cell, _error_text(e))
                     continue
-                self._done(cell, frame, stats)
+                for cell, (frame, stats) in zip(batch, results):
+                    if frame is None:
+                        self._fail(cell, stats["error"])
+                    else:
+                        self._done(cell, frame, stats)
+
+    def _batches(self, cells: list[Cell]) -> list[list[Cell]]:
+        """The cells of each (model, record cells read), cut into about BATCHES_PER_SLOT tasks per slot. A
+        coverage cell takes tens of milliseconds: one task per cell left each worker idle while the driver
+        wrote the previous result and started the next task (2 workers ran 1.6x one, not 2x); a few tasks per
+        slot still share the work out evenly."""
+        groups: dict[tuple, list[Cell]] = {}
+        for c in cells:
+            groups.setdefault((c.model, c.needs), []).append(c)
+        out = []
+        for group in groups.values():
+            size = -(-len(group) // min(len(group), BATCHES_PER_SLOT * self.task_slots))
+            out += [group[i:i + size] for i in range(0, len(group), size)]
+        return out
 
 
 def run_sweep(sweep: Sweep, out: str | Path, *, address: str | None = None, max_workers: int | None = None,

@@ -8,8 +8,11 @@ from pathlib import Path
 TINY_MODEL = 'name = "random-llama"\nlabel = "tiny"\noptions = { vocab_size = 512, hidden_size = 64, num_layers = 2 }'
 
 
-def tiny_toml(*, kinds=("record", "coverage", "bench", "calibrate"), categories=("qa", "writing"),
-              max_new_tokens: int = 8, testing: str = "", bench: str | None = None, extra: str = "") -> str:
+def tiny_toml(*, name: str = "tiny", kinds=("record", "coverage", "bench", "calibrate"), categories=("qa", "writing"),
+              max_new_tokens: int = 8, testing: str = "", bench: str | None = None, coverage: str = "",
+              extra: str = "", calibration_cache: bool | str = False) -> str:
+    """`coverage`: more [coverage] lines; `extra`: more tables at the end. `calibration_cache` defaults to
+    false: a test's calibrate cells must not write into the user's calibration cache."""
     bench = bench if bench is not None else '''
 [[bench]]
 methods = ["ar", "pld", "unispec"]
@@ -21,12 +24,14 @@ vocab_sizes = [128]
 params = { drafter_layers = "first:1" }
 '''
     cats = ", ".join(f'"{c}"' for c in categories)
+    cache = f'"{calibration_cache}"' if isinstance(calibration_cache, str) else str(calibration_cache).lower()
     text = f'''
 [sweep]
-name = "tiny"
+name = "{name}"
 kinds = [{", ".join(f'"{k}"' for k in kinds)}]
 max_new_tokens = {max_new_tokens}
 warmup = 0
+calibration_cache = {cache}
 
 [[models]]
 {TINY_MODEL}
@@ -43,6 +48,7 @@ topk = 8
 w_max = [64, 256, 1024]
 shortlist_k = [64, 256]
 capacities = [64, 256]
+{coverage}
 {bench}
 [[calibrate]]
 methods = ["unispec"]

@@ -1,8 +1,9 @@
 """`engine.bench` on a tiny random model (byte-level prompts): rows, Parquet file, summary table, crash
 safety and resume (and refusing an old-format file), clear errors for methods that cannot run; drafter x
 vocab runs (policy / vocab_size / run columns, phase columns that add up, policy statistics, lossless
-against ar, run keys with the run label, comparisons); and (slow) the same on SmolLM2 with its real
-tokenizer."""
+against ar, run keys with the run label, comparisons); Table 2 on one eagle head (full, frspec, dynaspec
+- unsized and dynaspec:N, sized in tokens - and microspec: the router phase, the head and what was compared
+in the printout, the comparison pairs); and (slow) the same on SmolLM2 with its real tokenizer."""
 
 import json
 from collections import Counter
@@ -14,6 +15,8 @@ import torch
 
 import engine.bench as bench
 from engine.bench import (BenchError, PHASES, RESULTS_FILE, compare_vocabs, plan_runs, run_bench, summarize)
+from engine.dynaspec import (DynaSpecError, FittedDynaSpec, Router, head_fingerprint, k_max_for_tokens, save_dynaspec,
+                             spherical_kmeans, tokens_for_k_max)
 from engine.models import load_model
 from engine.frequency import corpus_texts
 from locality.shortlist import load_ranking
@@ -250,6 +253,126 @@ def test_eagle_vocabs_lossless(loaded, prompt_file, cache):
     _check_drafter_rows(df, ["full", "microspec", "oracle"], "eagle")
 
 
+# --- Table 2 on one head: eagle with full, frspec, dynaspec (unsized, and sized in tokens), microspec ---------
+
+M = 32                                        # clusters of the test DynaSpec: 16 tokens each on average (V = 512)
+
+
+def _save_random_dynaspec(model, folder, drafter_config: dict):
+    """A DynaSpec for the random model's LM head, where `find_fitted` looks: spherical k-means clusters and
+    an untrained router (the bench needs a file the policy loads; routing quality is test_dynaspec's)."""
+    weight = model.get_output_embeddings().weight.detach()
+    km = spherical_kmeans(weight, M, seed=0)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        router = Router(weight.shape[1], M, 16).eval()
+    meta = {"model": "random-llama", "head_fingerprint": head_fingerprint(weight), "drafter_config": drafter_config,
+            "created": 1.0}
+    return save_dynaspec(FittedDynaSpec(assign=km.assign, router=router, meta=meta), folder / "random.safetensors")
+
+
+def test_dynaspec_token_budget_sets_k_max():
+    assert k_max_for_tokens(4096, 1024, 49152) == 85           # SmolLM2: 48 tokens a cluster, 4096 / 48 = 85.3
+    assert k_max_for_tokens(32768, 1024, 131072) == 256        # the default k_max = FR-Spec's 32k of Llama-3's 128k
+    assert tokens_for_k_max(256, 1024, 131072) == 32768
+    assert tokens_for_k_max(85, 1024, 49152) == 4080
+    assert k_max_for_tokens(1, 1024, 262144) == 1              # at least one cluster
+    assert k_max_for_tokens(262144, 1024, 262144) == 1024      # the whole vocabulary: every cluster
+    assert tokens_for_k_max(5000, 1024, 262144) == 262144      # more clusters than M: all of them
+    for bad in (0, 513, True):
+        with pytest.raises(DynaSpecError, match="token budget"):
+            k_max_for_tokens(bad, M, 512)
+
+
+def test_table2_on_one_eagle_head(loaded, prompt_file, cache, capsys):
+    fit = _save_random_dynaspec(loaded[0], cache / "dynaspec", {"drafter": "eagle", "eagle_head": "random"})
+    vocabs = ["full", "frspec", "dynaspec", "dynaspec:64", "microspec"]
+    df = run_bench(prompts=str(prompt_file), drafter="eagle", vocab=",".join(vocabs), max_new_tokens=8,
+                   loaded=loaded, progress=False, warmup=0, threads=1,
+                   config={**DRAFT_CFG, "eagle_head": "random", "dynaspec_k_max": 8})
+    printed = capsys.readouterr().out
+    assert df.select("method", "run").unique(maintain_order=True).rows() == [("ar", "full")] + [
+        ("eagle", v) for v in vocabs]
+    _check_drafter_rows(df.filter(~pl.col("run").str.starts_with("dynaspec")), ["full", "frspec", "microspec"], "eagle")
+    ar = df.filter(pl.col("method") == "ar")["output_ids"].to_list()
+    # unsized: the configured k_max = 8 of 32 clusters stands for 8 x 16 = 128 tokens; dynaspec:64 -> k_max 4
+    for label, k_max, size in (("dynaspec", 8, 128), ("dynaspec:64", 4, 64)):
+        rows = df.filter(pl.col("run") == label)
+        assert rows["output_ids"].to_list() == ar, label                   # lossless
+        assert (rows["policy"] == "dynaspec").all() and rows["vocab_size"].to_list() == [size] * rows.height
+        assert (rows["dynaspec_k_max"] == k_max).all() and (rows["vocab_file"] == str(fit)).all()
+        for r in rows.iter_rows(named=True):
+            assert r["router_s"] > 0 and r["lm_head_s"] > 0 and r["backbone_s"] > 0
+            assert sum(r[f"{p}_s"] for p in PHASES) + r["draft_prefill_s"] <= r["draft_s"] + 1e-6
+            assert 0 < r["mean_active_vocab"] < 512 and 0 < r["mean_union_vocab"] <= 512
+    others = df.filter(~pl.col("run").str.starts_with("dynaspec") & (pl.col("method") == "eagle"))
+    assert (others["router_s"] == 0).all() and others["dynaspec_k_max"].is_null().all()
+    assert others["mean_union_vocab"].is_null().all()
+    assert (df.filter(pl.col("method") == "eagle")["draft_head"] == "random").all()
+    assert df.filter(pl.col("method") == "ar")["draft_head"].is_null().all()
+    assert (df["dtype"] == "float32").all() and (df["max_new_tokens"] == 8).all()
+
+    table = summarize(df)
+    assert table["lossless"].all()
+    allrows = {r["run"]: r for r in table.filter((pl.col("category") == "all") & (pl.col("method") == "eagle"))
+               .iter_rows(named=True)}
+    rows = df.filter(pl.col("run") == "dynaspec:64")
+    drafted = (rows["steps"] - 1).sum()
+    assert allrows["dynaspec:64"]["router_ms"] == pytest.approx(rows["router_s"].sum() / drafted * 1e3)
+    assert allrows["dynaspec:64"]["router_ms"] > 0 and allrows["full"]["router_ms"] == 0.0
+    assert (allrows["dynaspec"]["vocab_size"], allrows["dynaspec"]["dynaspec_k_max"]) == (128, 8)
+    assert allrows["dynaspec"]["mean_union_vocab"] > 0 and allrows["full"]["mean_union_vocab"] is None
+    cmp = compare_vocabs(table)
+    assert cmp.select("run", "base").rows() == [
+        ("frspec", "full"), ("dynaspec", "full"), ("dynaspec:64", "full"), ("microspec", "full"),
+        ("microspec", "frspec"), ("microspec", "dynaspec"), ("microspec", "dynaspec:64"),
+        ("dynaspec", "frspec"), ("dynaspec:64", "frspec")]
+
+    # what was compared, then Table 2's layout, a table per category, the overall block, the ratio lines
+    assert f"DynaSpec {fit}" in printed and "k_max = 4 clusters per row at draft steps 0-1 (~64 tokens)" in printed
+    assert "bench: random-llama on cpu, float32, 1 torch thread(s)" in printed
+    assert "prompts: " in printed and "(3 prompts, 4 turns, 2 categories, 1 repeat(s))" in printed
+    assert "tokens: max_new_tokens 8 per turn" in printed and "greedy" in printed
+    assert "drafter: eagle, head random, draft_size 9; runs:" in printed
+    assert "  dynaspec:64: vocab_size 64, k_max 4 clusters, " + str(fit) in printed
+    assert "MicroSpec Table 2's layout" in printed and "\nmath:\n" in printed and "\nwriting:\n" in printed
+    assert "router_ms" in printed and "lm_head_ms" in printed and "mean_union_vocab" in printed
+    for line in ("eagle dynaspec:64 vs full", "eagle microspec vs dynaspec:64", "eagle dynaspec vs frspec"):
+        assert line in printed
+    assert "target: tokens/s > dynaspec" in printed and "target (DynaSpec Table 1)" in printed
+
+
+def test_eagle_head_the_drafter_resolves_is_printed(loaded, prompt_file, monkeypatch, capsys):
+    # a drafter that resolves its own head (a shipped default for eagle_head=None) says which in head_source
+    real = bench.make_drafter
+
+    def resolving(target, cfg):
+        drafter = real(target, cfg)
+        drafter.head_source = "heads/random-llama-eagle"
+        return drafter
+
+    monkeypatch.setattr(bench, "make_drafter", resolving)
+    df = run_bench(prompts=str(prompt_file), drafter="eagle", vocab="full", max_new_tokens=4, loaded=loaded,
+                   progress=False, warmup=0, config={**DRAFT_CFG, "eagle_head": "random"})
+    assert (df.filter(pl.col("method") == "eagle")["draft_head"] == "heads/random-llama-eagle").all()
+    assert "drafter: eagle, head heads/random-llama-eagle" in capsys.readouterr().out
+
+
+def test_drafter_problems_fail_before_any_prompt(loaded, prompt_file, cache, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("a prompt ran before the runs were checked")
+
+    monkeypatch.setattr(bench, "generate", never)
+    common = dict(prompts=str(prompt_file), loaded=loaded, progress=False, warmup=0)
+    with pytest.raises(BenchError, match="eagle full: .*eagle_head"):               # no head for this model
+        run_bench(drafter="eagle", vocab="full", config=DRAFT_CFG, **common)
+    with pytest.raises(BenchError, match="eagle dynaspec: .*python -m engine.dynaspec fit"):   # nothing fitted
+        run_bench(drafter="eagle", vocab="dynaspec", config={**DRAFT_CFG, "eagle_head": "random"}, **common)
+    _save_random_dynaspec(loaded[0], cache / "dynaspec", {"drafter": "eagle", "eagle_head": "random"})
+    with pytest.raises(BenchError, match="dynaspec:513: .*token budget must be in \\[1, V=512\\]"):
+        run_bench(drafter="eagle", vocab="dynaspec:513", config={**DRAFT_CFG, "eagle_head": "random"}, **common)
+
+
 def test_plan_runs_adds_ar_and_refuses_bad_flags(loaded, prompt_file):
     plan = [(r.method, r.label) for r in plan_runs(None, "layerskip", "full,microspec")]
     assert plan == [("ar", "full"), ("layerskip", "full"), ("layerskip", "microspec")]
@@ -265,18 +388,19 @@ def test_plan_runs_adds_ar_and_refuses_bad_flags(loaded, prompt_file):
         plan_runs("ar", "layerskip", "full,tiny")
     with pytest.raises(BenchError, match="--vocab full,microspec needs --drafter"):
         plan_runs("ar", None, "full,microspec")
-    with pytest.raises(BenchError, match="eagle_head"):
-        plan_runs("ar", "eagle", "full")
+    assert [r.cfg.eagle_head for r in plan_runs("ar", "eagle", "full")] == [None, None]   # the drafter decides
     with pytest.raises(BenchError, match="w_max"):
         plan_runs("ar", "layerskip", "microspec", {"w_max": 0})
     with pytest.raises(BenchError, match="needs --drafter"):
         bench.main(["--model", "random-llama", "--vocab", "microspec"])
-    sized = plan_runs(None, "layerskip", "frspec,frspec:1024,microspec:512")
-    assert [r.label for r in sized] == ["full", "frspec", "frspec:1024", "microspec:512"]
+    sized = plan_runs(None, "layerskip", "frspec,frspec:1024,microspec:512,dynaspec,dynaspec:4096")
+    assert [r.label for r in sized] == ["full", "frspec", "frspec:1024", "microspec:512", "dynaspec", "dynaspec:4096"]
+    # dynaspec's size is a token budget, known once the fitted file is (None until then when unsized)
     assert [(r.policy, r.vocab_size) for r in sized] == [("full", None), ("frspec", 32768), ("frspec", 1024),
-                                                         ("microspec", 512)]
-    assert [(r.cfg.vocab, r.cfg.frspec_k, r.cfg.w_max) for r in sized[1:]] == [
+                                                         ("microspec", 512), ("dynaspec", None), ("dynaspec", 4096)]
+    assert [(r.cfg.vocab, r.cfg.frspec_k, r.cfg.w_max) for r in sized[1:4]] == [
         ("frspec", 32768, 3072), ("frspec", 1024, 3072), ("microspec", 32768, 512)]
+    assert [r.cfg.dynaspec_k_max for r in sized[4:]] == [256, 256]      # k_max is set from N after loading
     with pytest.raises(BenchError, match="positive integer"):
         plan_runs(None, "layerskip", "frspec:0")
     with pytest.raises(BenchError, match="take a size"):
@@ -294,6 +418,10 @@ def test_cli_passes_drafter_vocab_and_threads(monkeypatch):
                 "--set", "drafter_layers=first:4"])
     assert got["drafter"] == "layerskip" and got["vocab"] == "full,microspec" and got["threads"] == 1
     assert got["config"] == {"drafter_layers": "first:4"}
+    bench.main(["--drafter", "eagle", "--vocab", "full,frspec,dynaspec:4096,microspec", "--set", "eagle_head=/x/head",
+                "--set", "dynaspec_file=/x/fit.safetensors"])
+    assert got["drafter"] == "eagle" and got["vocab"] == "full,frspec,dynaspec:4096,microspec"
+    assert got["config"] == {"eagle_head": "/x/head", "dynaspec_file": "/x/fit.safetensors"}
 
 
 # --- a real model (slow) -----------------------------------------------------------------------------------

@@ -327,6 +327,37 @@ def test_property_one_pass_equals_reference(seed, w, k_pre, k_ver, sources, orde
     assert (idx.coverage_counts([w])[0], idx.active_vocab_sums([w])[0], idx.tokens) == (c, a, n)
 
 
+def test_trace_files_read_column_wise_as_row_by_row(tmp_path, monkeypatch):
+    """read_traces builds traces from whole columns; what it returns equals Trace.from_row on every row (empty
+    prefills and generations, with and without draft tokens, extra meta), and a malformed file still gets
+    the row-by-row error that names the row."""
+    from locality import read_traces, write_traces
+    from locality.trace import traces_to_frame
+
+    rng = np.random.default_rng(5)
+    trs = [random_trace(rng, L=1, T=0), random_trace(rng, draft=True, T=5), random_trace(rng, draft=False),
+           *random_traces(6, n=5), *spec_traces(7)]
+    path = write_traces(trs, tmp_path / "t.parquet")
+    rows = [Trace.from_row(r) for r in pl.read_parquet(path).iter_rows(named=True)]
+    with monkeypatch.context() as m:                   # a well-formed file never goes row by row
+        m.setattr(Trace, "from_row", classmethod(lambda cls, row: pytest.fail("read row by row")))
+        got = read_traces(path)
+    assert len(got) == len(rows) == len(trs)
+    for a, b in zip(got, rows):
+        for name in ("prompt", "prefill_topk", "generated", "step_topk"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y), name
+        assert (a.draft_tokens is None) == (b.draft_tokens is None) and a.meta == b.meta
+        if a.draft_tokens is not None:
+            assert [d.tolist() for d in a.draft_tokens] == [d.tolist() for d in b.draft_tokens]
+    bad = traces_to_frame(trs[:3]).with_row_index().with_columns(
+        step_topk=pl.when(pl.col("index") == 1).then(pl.lit([[1, 2]])).otherwise(pl.col("step_topk"))
+    ).drop("index")
+    bad.write_parquet(tmp_path / "bad.parquet")
+    with pytest.raises(TraceError, match="bad.parquet, row 1"):
+        read_traces(tmp_path / "bad.parquet")
+
+
 def test_cli_and_bench_run(tmp_path, capsys):
     from locality import bench, write_traces
     from locality.__main__ import main

@@ -21,7 +21,7 @@ from sweeps.cluster import start_local  # noqa: E402
 from sweeps.config import load_sweep  # noqa: E402
 from sweeps.render import main as render_main, notebooks, render  # noqa: E402
 from sweeps.run import run_sweep  # noqa: E402
-from tests.sweeps_testing import TINY_MODEL, write_toml  # noqa: E402
+from tests.sweeps_testing import tiny_toml, write_toml  # noqa: E402
 
 # every figure each notebook must write (name.png + name.html)
 FIGURES = {
@@ -35,38 +35,7 @@ FIGURES = {
 # the smallest sweep that gives every figure its data: both prompt sets (categories; languages), the
 # coverage grid over several w_max, k_pre and k_ver, ar + speculative methods + the layer-skip drafter with
 # the full vocabulary and MicroSpec's window at two w_max, and a calibration
-SWEEP = f'''
-[sweep]
-name = "notebooks"
-kinds = ["record", "coverage", "bench", "calibrate"]
-max_new_tokens = 8
-warmup = 0
-
-[[models]]
-{TINY_MODEL}
-
-[[prompts]]
-set = "spec_bench"
-per_category = 1
-categories = ["qa", "writing"]
-
-[[prompts]]
-set = "multilingual"
-per_category = 1
-categories = ["qa"]
-languages = ["de", "ja"]
-split = "language"
-
-[record]
-topk = 8
-
-[coverage]
-w_max = [64, 256, 1024]
-k_pre = [1, 3]
-k_ver = [1, 3]
-shortlist_k = [64, 256]
-capacities = [64, 256]
-
+SWEEP = tiny_toml(name="notebooks", coverage="k_pre = [1, 3]\nk_ver = [1, 3]", bench='''
 [[bench]]
 methods = ["ar", "pld", "unispec"]
 
@@ -74,14 +43,15 @@ methods = ["ar", "pld", "unispec"]
 methods = ["layerskip"]
 policies = ["full", "microspec"]
 vocab_sizes = [64, 256]
-params = {{ drafter_layers = "first:1" }}
-
-[[calibrate]]
-methods = ["unispec"]
-grid = [1, 2, 4]
-prompts = 2
-warmup = 1
-'''
+params = { drafter_layers = "first:1" }
+''', extra='''
+[[prompts]]
+set = "multilingual"
+per_category = 1
+categories = ["qa"]
+languages = ["de", "ja"]
+split = "language"
+''')
 
 
 @pytest.fixture(scope="module")

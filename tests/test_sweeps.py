@@ -13,6 +13,8 @@ import pytest
 import ray
 
 import sweeps
+from engine.calibration import load_calibrations, model_key, resolve_draft_size
+from engine.config import SpecConfig
 from locality.trace import read_traces
 from sweeps.cell import Cell, SweepError
 from sweeps.cluster import attach, start_local
@@ -20,7 +22,7 @@ from sweeps.config import load_sweep, parse_sweep
 from sweeps import model_cells
 from sweeps.model_cells import ModelWorker
 from sweeps.results import cell_path, prepare_output, result_files, write_cell
-from sweeps.run import run_sweep
+from sweeps.run import main as run_main, run_sweep
 from tests.sweeps_testing import tiny_toml, write_toml
 
 
@@ -66,8 +68,12 @@ BAD = [
     ('methods = ["ar", "pld", "unispec"]', 'methods = ["ar", "pdl"]', "unknown method 'pdl'"),
     ('drafter_layers = "first:1"', 'drafter_layer = "first:1"', "'drafter_layer' is not a SpecConfig field"),
     ('set = "spec_bench"', 'set = "spec_bnech"', "unknown prompt set 'spec_bnech'"),
-    ('categories = ["qa", "writing"]', 'categories = ["qa", "poetry"]', "poetry"),
+    ('categories = ["qa", "writing"]', 'categories = ["qa", "poetry"]',
+     "(prompt set 'spec_bench'): spec_bench has no categories ['poetry']"),
+    ('categories = ["qa", "writing"]', 'categories = ["qa", "poetry"]', "correct `categories` / `languages`"),
     ('per_category = 1', 'per_category = 1\nlanguages = ["xx"]', "languages ['xx']"),
+    ('capacities = [64, 256]', 'capacities = [64, 256]\nby = ["categroy"]', "'categroy' is not a recorded trace field"),
+    ('calibration_cache = false', 'calibration_cache = 3', "[sweep].calibration_cache: 3 is not true"),
     ('policies = ["full", "frspec", "microspec"]', 'policies = ["full", "frsepc"]', "unknown vocabulary policy"),
     ('methods = ["ar", "pld", "unispec"]', 'methods = ["ar"]\npolicies = ["microspec"]', "has none"),
     ('params = { drafter_layers = "first:1" }', 'prompt_sets = ["humaneval"]', "not the set of any [[prompts]]"),
@@ -88,6 +94,26 @@ def test_bad_config_names_the_problem(old, new, message):
     with pytest.raises(SweepError) as err:
         _sweep(text.replace(old, new, 1))
     assert message in str(err.value)
+
+
+def test_prompts_longer_than_the_context_fail_the_config_check(tmp_path, capsys):
+    """Before any cell runs: a random model of 1024 positions cannot hold Spec-Bench's summarization prompts
+    (byte-level); the error names the prompt set, what does not fit and the fixes."""
+    small = tiny_toml(categories=("qa", "summarization")).replace(
+        "num_layers = 2 }", "num_layers = 2, max_context = 1024 }", 1)
+    with pytest.raises(SweepError) as err:
+        _sweep(small)
+    msg = str(err.value)
+    assert "[[prompts]] #1 (prompt set 'spec_bench') does not fit the context of tiny" in msg
+    assert "categories ['summarization']" in msg and "(categories = ['qa'])" in msg
+    assert "lower max_new_tokens" in msg and "options.max_context" in msg
+    # a run stops there, exit status 2, nothing written
+    assert run_main([str(write_toml(tmp_path, small)), "--out", str(tmp_path / "out")]) == 2
+    assert "does not fit the context" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    # the answers of earlier turns count: qa fits at 8 new tokens, not at 1000 (prompt + 1000 > 1024)
+    assert _sweep(small.replace('"qa", "summarization"', '"qa"'))
+    with pytest.raises(SweepError, match=r"categories \['qa'\] need up to"):
+        _sweep(small.replace('"qa", "summarization"', '"qa"').replace("max_new_tokens = 8", "max_new_tokens = 1000"))
 
 
 def test_model_params_and_prompt_sets():
@@ -194,6 +220,31 @@ def test_worker_loads_once_and_warms_up_once_per_configuration(monkeypatch):
     assert warmups == [("ar", "qa", None), ("ar", "writing", 0), ("pld", "qa", None), ("pld", "writing", 0)]
 
 
+def test_calibrate_cell_saves_g_star_where_generate_finds_it(tmp_path, monkeypatch):
+    """A calibrate cell writes its record to the results and, as `python -m engine.calibrate` does, to the
+    calibration cache ($SPECVOCAB_CACHE here), where `resolve_draft_size` - unispec's default draft size in
+    `generate` - takes it."""
+    monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path / "cache"))
+    sweep = _sweep(tiny_toml(kinds=("calibrate",)))
+    (cell,) = sweep.cells
+    spec = sweep.models[0]
+    worker = ModelWorker(spec.name, spec.options, None, None, calibration_cache=True)
+    model = worker.loaded[0]
+    cfg = SpecConfig.preset("unispec", **cell.params["config"])
+    assert load_calibrations() == {}
+    frame, stats = worker.run(cell.kind, cell.method, cell.params)
+    path = tmp_path / "cache" / "calibration.json"
+    assert stats["calibration_cache"] == str(path) and set(frame["calibration_cache"]) == {str(path)}
+    (key, record), = load_calibrations(path).items()
+    assert key == model_key(model, cfg) and record["g_star"] == frame["g_star"][0]
+    assert resolve_draft_size(cfg, model, on_missing="error") == frame["g_star"][0]
+    # where the sweep says: a folder's calibration.json, or nowhere (results only)
+    assert model_cells.calibration_file(str(tmp_path / "elsewhere")) == tmp_path / "elsewhere" / "calibration.json"
+    assert model_cells.calibration_file(False) is None and model_cells.calibration_file(True) == path
+    assert _sweep(tiny_toml()).calibration_cache is False
+    assert _sweep(tiny_toml().replace("calibration_cache = false\n", "")).calibration_cache is True
+
+
 # ---- whole sweeps on a local Ray -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -207,7 +258,8 @@ def local_ray():
 
 @pytest.mark.timeout(600)
 def test_sweep_end_to_end_and_rerun_skips(local_ray, tmp_path):
-    sweep = load_sweep(write_toml(tmp_path, tiny_toml()))
+    cache = tmp_path / "calibrations"
+    sweep = load_sweep(write_toml(tmp_path, tiny_toml(calibration_cache=str(cache))))
     out = tmp_path / "out"
     s = run_sweep(sweep, out, progress=False)
     assert s.ok, s.lines()
@@ -246,6 +298,9 @@ def test_sweep_end_to_end_and_rerun_skips(local_ray, tmp_path):
     assert set(uni["draft_size"]) == {cal["g_star"][0]}
     assert set(uni["draft_size_from"]) == {f"calibrate:{cal['cell_id'][0]}"}
     assert bench.filter(pl.col("method") != "unispec")["draft_size_from"].is_null().all()
+    # the calibrate cell's actor also saved its record in the calibration cache the sweep named
+    (record,) = load_calibrations(cache / "calibration.json").values()
+    assert record["g_star"] == cal["g_star"][0] and s.calibration_saved == {str(cache / "calibration.json")}
 
     stamps = {f: f.stat().st_mtime_ns for f in result_files(out)}
     again = run_sweep(sweep, out, progress=False)

@@ -19,17 +19,27 @@ Llama-style `config.json` (num_hidden_layers 1; optional `bias`, `qkv_bias`) and
 releases, `embed_tokens.weight` (used when present; else the target's input embedding). `"random"` builds
 a randomly initialised head shaped after the target (tests). EAGLE-3 heads (three-layer features,
 their own small vocabulary) are a different layout and are rejected.
+
+Shipped heads: `engine/heads/<model>/` holds a head trained by `python -m engine.train` for each offline model
+(its model card says on what, how long and with which tau). `eagle_head=None` resolves to the shipped head
+whose target LM head matches the model's (`default_eagle_head`, called where the run's config is resolved);
+`"specvocab:<model>"` names one explicitly. A head saved by `save_eagle_head` records its target's name and
+LM-head fingerprint in config.json (`specvocab` block), so loading it for another model fails clearly.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+import numpy as np
 
 import torch
 from torch import nn
 
 from engine.drafters import register_drafter
+from engine.dynaspec import head_fingerprint
 from engine.drafters.lmhead import DraftKVCache, DrafterError, Expansion, LMHeadDrafter, attention_bias
 from engine.drafters.layerskip import text_config
 from engine.tree import StepResult
@@ -101,7 +111,54 @@ def random_eagle_head(target, seed: int = 0) -> EagleHead:
     return head
 
 
+SHIPPED_HEADS = Path(__file__).resolve().parents[1] / "heads"     # engine/heads/<model>/
+SHIPPED_PREFIX = "specvocab:"
+
+
+def shipped_heads() -> dict[str, Path]:
+    """The heads that ship with the package: {model name: checkpoint folder}."""
+    if not SHIPPED_HEADS.is_dir():
+        return {}
+    return {d.name: d for d in sorted(SHIPPED_HEADS.iterdir()) if (d / "config.json").is_file()}
+
+
+def _target_block(path: Path) -> dict | None:
+    try:
+        return json.loads((path / "config.json").read_text()).get("specvocab")
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _matches(block: dict | None, weight: torch.Tensor, fingerprint: list[float] | None = None) -> bool:
+    if not block or "target_fingerprint" not in block:
+        return False
+    if (block.get("vocab_size"), block.get("hidden_size")) != tuple(weight.shape):
+        return False
+    have = fingerprint if fingerprint is not None else head_fingerprint(weight)
+    return len(have) == len(block["target_fingerprint"]) and bool(
+        np.allclose(have, block["target_fingerprint"], rtol=2e-2, atol=1e-6))
+
+
+def default_eagle_head(target) -> str | None:
+    """`specvocab:<model>` of the shipped head trained for this target (matched by its LM head), else None."""
+    weight = target.get_output_embeddings().weight.detach()
+    fingerprint = None
+    for name, path in shipped_heads().items():
+        block = _target_block(path)
+        if block and (block.get("vocab_size"), block.get("hidden_size")) == tuple(weight.shape):
+            fingerprint = fingerprint or head_fingerprint(weight)
+            if _matches(block, weight, fingerprint):
+                return SHIPPED_PREFIX + name
+    return None
+
+
 def _resolve_dir(source: str) -> Path:
+    if source.startswith(SHIPPED_PREFIX):
+        name = source[len(SHIPPED_PREFIX):]
+        if name not in shipped_heads():
+            raise DrafterError(f"eagle_head={source!r}: no head ships for {name!r}; shipped: "
+                               f"{[SHIPPED_PREFIX + n for n in shipped_heads()] or 'none'}")
+        return shipped_heads()[name]
     path = Path(source).expanduser()
     if path.is_dir():
         return path
@@ -114,11 +171,18 @@ def _resolve_dir(source: str) -> Path:
                            f"and pass its local directory") from None
 
 
+_STATE_CACHE: dict[tuple, dict[str, torch.Tensor]] = {}    # the last checkpoint read: a bench builds a drafter
+                                                           # per prompt, and a GPU-sized head is ~1 GB of reads
+
+
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
     if not files:
         raise DrafterError(f"{path} holds no *.safetensors or pytorch_model*.bin; an EAGLE-1/2 checkpoint "
                            f"directory has config.json plus pytorch_model.bin or model.safetensors")
+    key = tuple((str(f.resolve()), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
+    if key in _STATE_CACHE:
+        return dict(_STATE_CACHE[key])
     state = {}
     for f in files:
         if f.suffix == ".safetensors":
@@ -126,11 +190,65 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
             state.update(load_file(str(f)))
         else:
             state.update(torch.load(f, map_location="cpu", weights_only=True))
-    return state
+    _STATE_CACHE.clear()
+    _STATE_CACHE[key] = state
+    return dict(state)
+
+
+def eagle_config_dict(head: EagleHead) -> dict:
+    """The Llama-style config.json of a head, as the official EAGLE-1/2 checkpoints write it."""
+    c = head.config
+    rope = getattr(c, "rope_parameters", None) or {}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+            "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+            "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": getattr(c, "rope_theta", None) or rope.get("rope_theta", 10000.0),
+            "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size,
+            "hidden_act": c.hidden_act, "bias": head.fc.bias is not None, "torch_dtype": "float32"}
+
+
+def save_eagle_head(head: EagleHead, folder: str | Path, *, target_name: str, target_weight: torch.Tensor,
+                    training: dict | None = None, dtype: torch.dtype = torch.float32) -> Path:
+    """Write `folder/config.json` + `folder/model.safetensors` in the EAGLE-1/2 layout (official tensor names:
+    fc.*, layers.0.*; the target's embedding is not stored), each atomically. config.json carries a
+    `specvocab` block: the target's name, vocabulary, hidden size and LM-head fingerprint, and `training`."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in head.state_dict().items()
+             if not k.startswith("rotary_emb.") and not k.startswith("embed_tokens.")}
+    config = eagle_config_dict(head)
+    config["torch_dtype"] = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    config["specvocab"] = {"target": target_name, "vocab_size": int(target_weight.shape[0]),
+                           "hidden_size": int(target_weight.shape[1]),
+                           "target_fingerprint": head_fingerprint(target_weight), "training": training or {}}
+    tmp = folder / f".model.safetensors.{os.getpid()}.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, folder / "model.safetensors")
+    tmp = folder / f".config.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(config, indent=1))
+    os.replace(tmp, folder / "config.json")
+    return folder
+
+
+def check_head_target(head_source: str, block: dict | None, target) -> None:
+    """Raise unless a head whose config.json has `specvocab` block `block` was trained for `target`."""
+    if not block:
+        return                                  # an official checkpoint: only the shapes can be checked
+    weight = target.get_output_embeddings().weight.detach()
+    if not _matches(block, weight):
+        shipped = default_eagle_head(target)
+        raise DrafterError(f"eagle_head={head_source!r} was trained for {block.get('target')!r} (vocabulary "
+                           f"{block.get('vocab_size')}, hidden {block.get('hidden_size')}), not for this target "
+                           f"(LM head {tuple(weight.shape)}, other weights); "
+                           + (f"use {shipped!r} (shipped for this target) or " if shipped else "")
+                           + "train one with `python -m engine.train eagle --model <name>`")
 
 
 def load_eagle_head(source: str) -> EagleHead:
-    """An EAGLE-1/2 head from a local directory or hub id (see the module docstring)."""
+    """An EAGLE-1/2 head from a local directory, `specvocab:<model>` or a hub id (see the module docstring)."""
     path = _resolve_dir(source)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
@@ -146,6 +264,7 @@ def load_eagle_head(source: str) -> EagleHead:
     head = EagleHead(_llama_config(values), bias="fc.bias" in state, qkv_bias=bool(values.get("qkv_bias", False))
                      or "layers.0.self_attn.q_proj.bias" in state, with_embedding="embed_tokens.weight" in state)
     result = head.load_state_dict(state, strict=False)
+    head.target_block = values.get("specvocab")
     if result.missing_keys or result.unexpected_keys:
         raise DrafterError(f"{source} does not match the EAGLE-1/2 layout: missing {result.missing_keys}, "
                            f"unexpected {result.unexpected_keys}")
@@ -159,11 +278,17 @@ class EagleDrafter(LMHeadDrafter):
     def __init__(self, target, cfg, head: EagleHead | None = None):
         super().__init__(target, cfg)
         cfg.require_draft_size()                     # fail before loading a head: the harness resolves it
+        self.head_source = "(passed in)" if head is not None else cfg.eagle_head
         if head is None:
-            if cfg.eagle_head is None:
-                raise DrafterError("method 'eagle' needs a draft head: pass eagle_head=<hub id or local EAGLE-1/2 "
-                                   "checkpoint directory>, or eagle_head='random' for an untrained head (tests)")
-            head = random_eagle_head(target, cfg.seed) if cfg.eagle_head == "random" else load_eagle_head(cfg.eagle_head)
+            source = cfg.eagle_head if cfg.eagle_head is not None else default_eagle_head(target)
+            if source is None:
+                raise DrafterError("method 'eagle' needs a draft head and none ships for this target: pass "
+                                   "eagle_head=<hub id or local EAGLE-1/2 checkpoint directory>, train one with "
+                                   "`python -m engine.train eagle --model <name>`, or eagle_head='random' for an "
+                                   "untrained head (tests)")
+            self.head_source = source
+            head = random_eagle_head(target, cfg.seed) if source == "random" else load_eagle_head(source)
+            check_head_target(source, getattr(head, "target_block", None), target)
         t = text_config(target)
         out_emb = target.get_output_embeddings().weight                # [V, d]
         if head.hidden_size != t.hidden_size or head.fc.in_features != 2 * t.hidden_size:

@@ -1,0 +1,226 @@
+"""Training data and EAGLE-2 heads (`engine.train`) on random models; the shipped heads on the real ones.
+
+- the chunked LM-head cross-entropy equals its plain reference (loss and gradient, with soft-capping);
+- a data folder: shards with the target's features and top-k equal to the harness' own prefill, greedy
+  continuations equal to the harness' AR decoding, the held-out split by prompt, resume after a lost shard
+  (finished shards untouched), and clear errors for other settings, a damaged shard, an empty corpus;
+- a head trained a few steps lowers its loss, saves in the EAGLE-1/2 layout with the official tensor names,
+  loads back through the `eagle` drafter, decodes losslessly, resumes after an interruption, and refuses a
+  target it was not trained for;
+- the shipped heads: found by default for both offline models, lossless, and better than an untrained head.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from engine.config import SpecConfig
+from engine.drafters.eagle import (EagleDrafter, default_eagle_head, load_eagle_head, random_eagle_head,
+                                   save_eagle_head, shipped_heads)
+from engine.drafters.lmhead import DrafterError
+from engine.harness import generate, lm_logits, prefill
+from engine.kv import new_cache
+from engine.models import load_model
+from engine import train as tr
+
+OFFICIAL_KEYS = {"fc.weight", "fc.bias", "layers.0.post_attention_layernorm.weight",
+                 *(f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
+                 *(f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))}
+
+
+# --- the chunked head loss --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_head_ce_equals_reference(chunk, softcap):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(23, 16, generator=g, dtype=torch.float64)
+    w = torch.randn(50, 16, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 50, (23, 4), generator=g)
+    p = torch.softmax(torch.randn(23, 4, generator=g, dtype=torch.float64), -1)
+    loss, grad = tr.chunked_head_ce(h, w, ids, p, chunk, softcap)
+    hr = h.clone().requires_grad_(True)
+    ref = tr.reference_head_ce(hr, w, ids, p, softcap)
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref.detach().double(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, hr.grad)
+    no_grad_loss, none = tr.chunked_head_ce(h, w, ids, p, chunk, softcap, with_grad=False)
+    assert none is None and torch.isclose(no_grad_loss.double(), ref.detach().double())
+
+
+def test_block_causal_bias_keeps_sequences_apart():
+    bias = tr._block_causal_bias([2, 3], torch.float32)[0, 0]
+    seen = bias == 0
+    expect = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]],
+                          dtype=torch.bool)
+    assert torch.equal(seen, expect)
+
+
+# --- data ----------------------------------------------------------------------------------------------------
+
+DATA = dict(model="random-llama", num_prompts=6, heldout_prompts=2, max_tokens=160, max_prompt_tokens=120,
+            greedy_new_tokens=12, greedy_batch=3, prompts_per_shard=2, topk=8, progress=False)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train") / "data"
+    return tr.make_data(tr.DataConfig(**DATA, sources=("teacher", "greedy"), eagle3_features=True,
+                                      feature_dtype="fp32", out=str(out)))
+
+
+def test_data_shards_hold_the_targets_own_features(data_dir):
+    model, _, info = load_model("random-llama")
+    manifest = tr.read_manifest(data_dir)
+    assert manifest["vocab_size"] == info.vocab_size and manifest["settings"]["sources"] == ["teacher", "greedy"]
+    held, train = tr.load_split(data_dir, "heldout"), tr.load_split(data_dir, "train")
+    assert len({s.prompt_id for s in held}) == 2 and len({s.prompt_id for s in train}) == 4
+    assert not {s.prompt_id for s in held} & {s.prompt_id for s in train}          # split by prompt
+    assert {s.source for s in train} == {"teacher", "greedy"}
+    s = train[0]
+    cache = new_cache(model)
+    hidden, logits = prefill(model, s.input_ids, cache)
+    torch.testing.assert_close(s.hidden, hidden, rtol=1e-4, atol=1e-4)
+    assert torch.equal(s.topk_ids[:, 0], logits.argmax(-1))
+    torch.testing.assert_close(s.topk_logits, logits.topk(8, -1).values, rtol=1e-4, atol=1e-4)
+    assert s.loss_mask.any() and not s.loss_mask[0]
+    assert set(s.extra) == {"hidden_low", "hidden_mid", "hidden_high"}
+    assert all(v.shape == s.hidden.shape for v in s.extra.values())
+
+
+def test_greedy_samples_are_the_targets_greedy_continuation(data_dir):
+    model, tok, info = load_model("random-llama")
+    for s in tr.load_split(data_dir, "train"):
+        if s.source != "greedy":
+            continue
+        prompt_len = int((~s.loss_mask).sum())
+        ar = generate(model, s.input_ids[:prompt_len], method="ar", max_new_tokens=12, eos_ids=[], info=info)
+        cont = s.input_ids[prompt_len:].tolist()
+        assert cont == ar.output_ids.tolist()[: len(cont)]
+
+
+def test_data_resumes_and_refuses_other_settings(tmp_path):
+    out = tmp_path / "d"
+    cfg = tr.DataConfig(**DATA, out=str(out))
+    tr.make_data(cfg)
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) == 3
+    stamps = {p.name: p.stat().st_mtime_ns for p in shards}
+    shards[1].unlink()                                   # a shard lost mid-run
+    tr.make_data(cfg)
+    again = {p.name: p.stat().st_mtime_ns for p in sorted(out.glob("*.safetensors"))}
+    assert set(again) == set(stamps)
+    assert [n for n in again if again[n] != stamps[n]] == [shards[1].name]       # only the lost one rewritten
+    with pytest.raises(tr.TrainError, match="other settings"):
+        tr.make_data(tr.DataConfig(**{**DATA, "topk": 4}, out=str(out)))
+    shards[0].write_bytes(shards[0].read_bytes()[:100])                           # a torn shard
+    with pytest.raises(tr.TrainError, match=f"{shards[0].name}.*not readable.*delete"):
+        tr.load_split(out, shards[0].name.split("-")[0])
+
+
+def test_bad_corpora_and_settings_name_the_problem(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(tr.TrainError, match="empty"):
+        tr.make_data(tr.DataConfig(**{**DATA, "prompts": str(empty)}, out=str(tmp_path / "x")))
+    with pytest.raises(tr.TrainError, match="unknown data source"):
+        tr.DataConfig(model="random-llama", sources=("beam",)).validate()
+    with pytest.raises(tr.TrainError, match="no training data"):
+        tr.read_manifest(tmp_path)
+
+
+# --- heads ----------------------------------------------------------------------------------------------------
+
+TRAIN = dict(model="random-llama", tokens=3000, batch_tokens=400, warmup_steps=2, eval_every=10 ** 9,
+             eval_prompts=1, eval_new_tokens=8, save_every=2, progress=False)
+
+
+def test_training_lowers_the_loss_and_saves_the_eagle_layout(data_dir, tmp_path):
+    out = tr.train_eagle(tr.TrainConfig(**TRAIN, data=str(data_dir), out=str(tmp_path / "head"), lr=3e-3))
+    curve = json.loads((out / "config.json").read_text())["specvocab"]["training"]
+    assert curve["steps"] >= 6
+    import polars as pl
+    lc = pl.read_parquet(out / "learning_curve.parquet")
+    assert lc["heldout_loss"][-1] < lc["heldout_loss"][0]                 # it learned something
+    from safetensors.torch import load_file
+    assert set(load_file(str(out / "model.safetensors"))) == OFFICIAL_KEYS
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["architectures"] == ["LlamaForCausalLM"]
+    assert "tau" in (out / "README.md").read_text()
+    # loads back through the drafter and decodes losslessly
+    model, _, _ = load_model("random-llama")
+    prompt = torch.arange(3, 40)
+    ar = generate(model, prompt, method="ar", max_new_tokens=20, eos_ids=[])
+    for vocab in ("full", "microspec"):
+        res = generate(model, prompt, method="eagle", eagle_head=str(out), vocab=vocab, w_max=64,
+                       max_new_tokens=20, eos_ids=[])
+        assert res.output_ids.tolist() == ar.output_ids.tolist()
+
+
+def test_interrupted_training_resumes(data_dir, tmp_path, monkeypatch):
+    out = tmp_path / "head"
+    real, calls = tr.eagle_loss, {"n": 0}
+
+    def dies_at_step_5(*a, **k):
+        if k.get("gen") is not None:                      # training steps only, not the held-out evaluation
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(tr, "eagle_loss", dies_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        tr.train_eagle(tr.TrainConfig(**TRAIN, data=str(data_dir), out=str(out)))
+    state = torch.load(out / "train_state.pt", weights_only=False)
+    assert state["step"] == 4                             # the checkpoint before the crash
+    monkeypatch.setattr(tr, "eagle_loss", real)
+    tr.train_eagle(tr.TrainConfig(**TRAIN, data=str(data_dir), out=str(out)))
+    final = torch.load(out / "train_state.pt", weights_only=False)
+    assert final["step"] > 4 and (out / "model.safetensors").is_file()
+    with pytest.raises(tr.TrainError, match="other settings"):
+        tr.train_eagle(tr.TrainConfig(**{**TRAIN, "lr": 0.5}, data=str(data_dir), out=str(out)))
+
+
+def test_a_head_for_another_target_is_refused(tmp_path):
+    model, _, _ = load_model("random-llama", seed=0)
+    other, _, _ = load_model("random-llama", seed=1)              # same shapes, other weights
+    save_eagle_head(random_eagle_head(model), tmp_path, target_name="random-llama",
+                    target_weight=model.get_output_embeddings().weight)
+    cfg = SpecConfig.preset("eagle", eagle_head=str(tmp_path), draft_size=8)
+    EagleDrafter(model, cfg)                                        # its own target: fine
+    with pytest.raises(DrafterError, match="trained for 'random-llama'.*not for this target"):
+        EagleDrafter(other, cfg)
+    with pytest.raises(tr.TrainError, match="made for model"):
+        data = tmp_path / "d"
+        tr.make_data(tr.DataConfig(**{**DATA, "num_prompts": 3, "heldout_prompts": 1}, out=str(data)))
+        tr.train_eagle(tr.TrainConfig(**{**TRAIN, "model": "random-gemma3"}, data=str(data), out=str(tmp_path / "h")))
+
+
+# --- the shipped heads ------------------------------------------------------------------------------------------
+
+def test_every_offline_model_ships_a_head():
+    assert set(shipped_heads()) >= {"smollm2-135m-instruct", "gemma-3-270m"}
+    for name, path in shipped_heads().items():
+        cfg = json.loads((path / "config.json").read_text())
+        assert cfg["specvocab"]["target"] == name
+        assert (path / "README.md").is_file() and (path / "model.safetensors").stat().st_size < 40 << 20
+        head = load_eagle_head(f"specvocab:{name}")
+        assert head.embed_tokens is None                           # the target's embedding, not a copy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2", "gemma"])
+def test_shipped_head_is_the_default_and_lossless(name, request):
+    model, tok, info = request.getfixturevalue(name)
+    source = default_eagle_head(model)
+    assert source == f"specvocab:{info.name}"
+    from engine.prompts import encode_prompt, load_prompts
+    p = load_prompts("spec_bench", categories=["summarization"], per_category=1)[0]
+    ids = torch.as_tensor(encode_prompt(tok, info, p.turns[:1], [], max_new_tokens=24))
+    ar = generate(model, ids, method="ar", max_new_tokens=24, tokenizer=tok, info=info)
+    trained = generate(model, ids, method="eagle", max_new_tokens=24, tokenizer=tok, info=info)
+    untrained = generate(model, ids, method="eagle", eagle_head="random", max_new_tokens=24, tokenizer=tok, info=info)
+    assert trained.output_ids.tolist() == ar.output_ids.tolist()
+    assert trained.tau > untrained.tau + 0.3, (trained.tau, untrained.tau)

@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -647,8 +648,13 @@ def train_eagle(cfg: TrainConfig) -> Path:
     head = random_eagle_head(model, cfg.seed).float().train()
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    def schedule():
+        """Every optimiser step's samples: epoch e packs a permutation seeded by seed + e."""
+        for epoch in range(cfg.max_epochs):
+            yield from _pack(train, np.random.default_rng(cfg.seed + epoch).permutation(len(train)), cfg.batch_tokens)
+
     steps_per_epoch = len(_pack(train, range(len(train)), cfg.batch_tokens))
-    total_steps = max(1, min(cfg.max_epochs * steps_per_epoch,
+    total_steps = max(1, min(sum(1 for _ in schedule()),
                              math.ceil(cfg.tokens / max(1, sum(s.input_ids.numel() for s in train) / steps_per_epoch))))
 
     def lr_at(step):
@@ -706,35 +712,29 @@ def train_eagle(cfg: TrainConfig) -> Path:
                disable=not cfg.progress)
     t0 = time.perf_counter()
     recent: list[float] = []
-    while step < total_steps:
-        epoch, within = divmod(step, steps_per_epoch)
-        order = np.random.default_rng(cfg.seed + epoch).permutation(len(train))
-        batches = _pack(train, order, cfg.batch_tokens)
-        for b in batches[within:]:
-            if step >= total_steps:
-                break
-            if tokens_seen >= next_eval:
-                point = evaluate()
-                curve.append(point)
-                tqdm.write(f"[train eagle] {tokens_seen:>10,} tokens: held-out top-1 {point['heldout_top1']:.3f}, "
-                           f"tau {point['heldout_tau']:.2f}, loss {point['heldout_loss']:.3f}")
-                next_eval = tokens_seen + cfg.eval_every
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step)
-            batch = make_batch([train[i] for i in b], loss_on=cfg.loss_on)
-            opt.zero_grad(set_to_none=True)
-            r = eagle_loss(head, embed, loss_weight, batch, feature_rms=feature_rms, noise=cfg.noise,
-                           w_reg=cfg.w_reg, w_cls=cfg.w_cls, chunk=cfg.head_chunk, softcap=softcap, gen=gen,
-                           cls_rows=cfg.cls_rows)
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
-            step += 1
-            tokens_seen += int(batch.tokens.numel())
-            recent = (recent + [r["loss"]])[-20:]
-            bar.update(1)
-            bar.set_postfix(loss=f"{np.mean(recent):.3f}", tokens=f"{tokens_seen:,}")
-            if step % cfg.save_every == 0:
-                save_state()
+    for b in itertools.islice(schedule(), step, total_steps):      # a resumed run skips the steps it made
+        if tokens_seen >= next_eval:
+            point = evaluate()
+            curve.append(point)
+            tqdm.write(f"[train eagle] {tokens_seen:>10,} tokens: held-out top-1 {point['heldout_top1']:.3f}, "
+                       f"tau {point['heldout_tau']:.2f}, loss {point['heldout_loss']:.3f}")
+            next_eval = tokens_seen + cfg.eval_every
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        batch = make_batch([train[i] for i in b], loss_on=cfg.loss_on)
+        opt.zero_grad(set_to_none=True)
+        r = eagle_loss(head, embed, loss_weight, batch, feature_rms=feature_rms, noise=cfg.noise,
+                       w_reg=cfg.w_reg, w_cls=cfg.w_cls, chunk=cfg.head_chunk, softcap=softcap, gen=gen,
+                       cls_rows=cfg.cls_rows)
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        step += 1
+        tokens_seen += int(batch.tokens.numel())
+        recent = (recent + [r["loss"]])[-20:]
+        bar.update(1)
+        bar.set_postfix(loss=f"{np.mean(recent):.3f}", tokens=f"{tokens_seen:,}")
+        if step % cfg.save_every == 0:
+            save_state()
     bar.close()
     point = evaluate()
     curve.append(point)

@@ -78,6 +78,7 @@ from pathlib import Path
 from engine.bench import DRAFTERS, REQUESTED_SIZE
 from engine.config import POLICIES, ConfigError, SpecConfig
 from engine.drafters import available_methods
+from engine.drafters.eagle import shipped_heads
 from engine.models import RANDOM_MODELS, ModelInfo, known_models, load_model, load_random_model, model_cache_dir
 from engine.prompts import PromptError, encode_prompt, load_prompts
 from sweeps.cell import NO_METHOD, Cell, SweepError, canonical_json, digest
@@ -556,9 +557,11 @@ def _bench_cells(config, m: ModelSpec, base: dict, entries, max_new, repeats, wa
                     for point in _grid(axes):
                         fields = {**point, "vocab": policy, **({size_field: size} if size is not None else {})}
                         cfg = _spec_config(method, {**fields, "max_new_tokens": new}, where)
-                        if method == "eagle" and not cfg.eagle_head:
-                            raise SweepError(f"{where}: eagle needs a draft head: params.eagle_head = a local "
-                                             f"EAGLE checkpoint folder (or \"random\" in tests)")
+                        if method == "eagle" and not cfg.eagle_head and m.name not in shipped_heads():
+                            raise SweepError(f"{where}: eagle needs a draft head for {m.name!r}: params.eagle_head = "
+                                             f"a local EAGLE checkpoint folder or hub id (heads ship for "
+                                             f"{sorted(shipped_heads())} only; train one with `python -m "
+                                             f"engine.train eagle`)")
                         vocab_size = None if size_field is None else int(getattr(cfg, size_field))
                         for seed in seeds:
                             for e in (e for e in entries if e.set in sets):

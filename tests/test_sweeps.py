@@ -84,6 +84,7 @@ BAD = [
     ('topk = 8', 'topk = 2', "exceeds the recorded top-K"),
     ('drafter_layers = "first:1"', 'drafter_layers = "first:1", w_max = 0', "w_max must be > 0"),
     ('options = { vocab_size = 512', 'options = { vocab_sise = 512', "unknown key 'vocab_sise'"),
+    ('methods = ["ar", "pld", "unispec"]', 'methods = ["eagle"]', "eagle needs a draft head for 'random-llama'"),
 ]
 
 
@@ -129,6 +130,16 @@ def test_model_params_and_prompt_sets():
         ("ar", "multilingual", "de"), ("ar", "multilingual", "fr")}
     # the model's params reach every grid point of every method
     assert all(c.params["config"] == {"drafter_layers": "first:1"} for c in bench)
+
+
+def test_eagle_on_an_offline_model_uses_its_shipped_head():
+    """No params.eagle_head: the offline models have a head in engine/heads/, so the cells are made."""
+    text = tiny_toml(kinds=("bench",), bench='[[bench]]\nmethods = ["eagle"]\npolicies = ["full", "microspec"]\n')
+    text = text.replace('name = "random-llama"', 'name = "smollm2-135m-instruct"', 1)
+    text = "\n".join(line for line in text.splitlines() if not line.startswith("options ="))
+    bench = [c for c in _sweep(text).cells if c.kind == "bench"]
+    assert bench and {c.method for c in bench} == {"eagle"}
+    assert "eagle_head" not in bench[0].params["config"]
 
 
 def test_hub_ids_and_offline_names_are_accepted_without_loading():

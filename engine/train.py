@@ -768,17 +768,21 @@ def model_card(cfg: TrainConfig, summary: dict, curve: list[dict]) -> str:
              f"- prompts: `{d['prompts']}` (the training corpus of the data root; disjoint from every benchmark), "
              f"shuffled with seed {d['seed']}; used: {u['train_prompts']} prompts / {u['train_tokens']:,} tokens "
              f"for training, {u['heldout_prompts']} prompts / {u['heldout_tokens']:,} tokens held out",
-             f"- sources: {', '.join(d['sources'])} (teacher = the corpus's reference response; greedy = the "
-             f"target's own greedy continuation, {d['greedy_new_tokens']} tokens)",
+             f"- sources: {', '.join(d['sources'])} ("
+             + "; ".join(x for x in ("teacher = the prompt + the corpus's reference response" if "teacher" in d["sources"] else "",
+                                     f"greedy = the prompt + the target's own greedy continuation, {d['greedy_new_tokens']} "
+                                     f"tokens" if "greedy" in d["sources"] else "") if x) + ")",
              f"- sequences cut at {d['max_tokens']} tokens; prompts over {d['max_prompt_tokens']} tokens skipped", "",
              "## Command", "", "```",
              f"python -m engine.train data --model {cfg.model} --source {','.join(d['sources'])} "
-             f"--num-prompts {d['num_prompts']} --heldout-prompts {d['heldout_prompts']}",
+             f"--num-prompts {d['num_prompts']} --heldout-prompts {d['heldout_prompts']}"
+             + (f" --dtype {d['dtype']}" if d.get("dtype") else ""),
              f"python -m engine.train eagle --model {cfg.model} --tokens {cfg.tokens} --batch-tokens "
              f"{cfg.batch_tokens} --lr {cfg.lr} --out <dir>", "```", "",
              "## Budget", "",
              f"- {summary['tokens_seen']:,} training tokens in {summary['steps']} steps of ~{cfg.batch_tokens} tokens; "
-             f"{summary['train_seconds_this_run']:.0f} s of training (last run), 2 CPU threads unless said otherwise",
+             f"{summary['train_seconds_this_run']:.0f} s of wall time in the run that finished it"
+             + (f" ({cfg.threads} CPU threads)" if cfg.threads else ""),
              f"- loss: SmoothL1 on features / RMS x {cfg.w_reg} + cross-entropy on the target's top-k x {cfg.w_cls}; "
              f"AdamW lr {cfg.lr}, betas {list(cfg.betas)}, warmup {cfg.warmup_steps} steps, cosine; "
              f"feature noise U(-0.5, 0.5) x {cfg.noise} x RMS",
@@ -794,9 +798,9 @@ def model_card(cfg: TrainConfig, summary: dict, curve: list[dict]) -> str:
     lines += [f"| {p['tokens']:,} | {p['heldout_top1']:.3f} | {p['heldout_tau']:.2f} | {p['heldout_loss']:.3f} |"
               for p in curve]
     lines += ["", "## Reproducing", "",
-              "Training again with the same commands gives the same data (greedy decoding, fixed seeds) and a head "
-              "whose held-out top-1 and tau fall within the noise stated in the package README (CPU matmul "
-              "reductions are not bit-reproducible across thread counts).", ""]
+              "The same commands make the same data (fixed seeds, greedy decoding) and the same schedule; the head "
+              "is not bit-identical across machines or thread counts (CPU matmul reductions), so held-out top-1 "
+              "and tau are the figures to compare.", ""]
     return "\n".join(lines)
 
 

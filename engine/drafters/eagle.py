@@ -176,7 +176,10 @@ _STATE_CACHE: dict[tuple, dict[str, torch.Tensor]] = {}    # the last checkpoint
 
 
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+    # model*.safetensors (sharded or not); other .safetensors beside a head (a DynaSpec fit for it) are not its weights
+    files = (sorted(path.glob("model*.safetensors"))
+             or [f for f in sorted(path.glob("*.safetensors")) if not f.name.startswith("dynaspec")]
+             or sorted(path.glob("pytorch_model*.bin")))
     if not files:
         raise DrafterError(f"{path} holds no *.safetensors or pytorch_model*.bin; an EAGLE-1/2 checkpoint "
                            f"directory has config.json plus pytorch_model.bin or model.safetensors")

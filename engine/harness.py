@@ -34,9 +34,9 @@ from engine import kv
 from engine.calibration import resolve_draft_size
 from engine.config import DEFAULT_DRAFT_SIZE, SpecConfig
 from engine.drafters import HF_METHODS, make_drafter
-from engine.drafters.eagle import default_eagle_head
 from engine.drafters.recycling import template_size
 from engine.models import eos_token_ids
+from engine.shipped import default_eagle_head
 from engine.tree import DraftTree, Drafter, StepResult
 from engine.verify import sample_token, tree_layout, verify_greedy, verify_sampling, warp_probs
 from kernels.head import dense_head
@@ -202,7 +202,7 @@ def resolve_config(cfg: SpecConfig | None, method: str | None = None, overrides:
     """The run's config: cfg (default `SpecConfig.preset(method or "ar")`) with `method` and `overrides`
     applied, validated; with `model`, `draft_size=None` is replaced by the method's default
     (`default_draft_size`) and, for `eagle`, `eagle_head=None` by the head shipped for this model
-    (`engine.drafters.eagle.default_eagle_head`, left None when none ships). The one place a run's draft size
+    (`engine.shipped.default_eagle_head`, left None when none ships). The one place a run's draft size
     and head are decided."""
     overrides = dict(overrides or {})
     if cfg is None:

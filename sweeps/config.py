@@ -78,9 +78,9 @@ from pathlib import Path
 from engine.bench import DRAFTERS, REQUESTED_SIZE
 from engine.config import POLICIES, ConfigError, SpecConfig
 from engine.drafters import available_methods
-from engine.drafters.eagle import shipped_heads
 from engine.models import RANDOM_MODELS, ModelInfo, known_models, load_model, load_random_model, model_cache_dir
 from engine.prompts import PromptError, encode_prompt, load_prompts
+from engine.shipped import shipped_heads
 from sweeps.cell import NO_METHOD, Cell, SweepError, canonical_json, digest
 
 KINDS = ("record", "coverage", "bench", "calibrate")

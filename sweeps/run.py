@@ -204,7 +204,7 @@ class _Driver:
                 except (RayTaskError, RayActorError) as e:
                     self.bar.write(f"could not count the token ranking of {spec.label}: {_error_text(e)}")
         finally:
-            for _, handle in idle + [a for a, _ in inflight.values()]:
+            for _, handle in idle + [v[0] for v in inflight.values()]:      # (actor, cell, source)
                 ray.kill(handle)
 
     def _run_phase(self, spec, queue: deque, idle: list, inflight: dict, calibrated: dict) -> None:

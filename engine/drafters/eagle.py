@@ -40,6 +40,7 @@ from torch import nn
 
 from engine.drafters import register_drafter
 from engine.dynaspec import head_fingerprint
+from engine.shipped import SHIPPED_HEADS, SHIPPED_PREFIX, _matches, default_eagle_head, shipped_heads  # noqa: F401
 from engine.drafters.lmhead import DraftKVCache, DrafterError, Expansion, LMHeadDrafter, attention_bias
 from engine.drafters.layerskip import text_config
 from engine.tree import StepResult
@@ -109,47 +110,6 @@ def random_eagle_head(target, seed: int = 0) -> EagleHead:
             elif "norm" not in name:
                 nn.init.zeros_(p)
     return head
-
-
-SHIPPED_HEADS = Path(__file__).resolve().parents[1] / "heads"     # engine/heads/<model>/
-SHIPPED_PREFIX = "specvocab:"
-
-
-def shipped_heads() -> dict[str, Path]:
-    """The heads that ship with the package: {model name: checkpoint folder}."""
-    if not SHIPPED_HEADS.is_dir():
-        return {}
-    return {d.name: d for d in sorted(SHIPPED_HEADS.iterdir()) if (d / "config.json").is_file()}
-
-
-def _target_block(path: Path) -> dict | None:
-    try:
-        return json.loads((path / "config.json").read_text()).get("specvocab")
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def _matches(block: dict | None, weight: torch.Tensor, fingerprint: list[float] | None = None) -> bool:
-    if not block or "target_fingerprint" not in block:
-        return False
-    if (block.get("vocab_size"), block.get("hidden_size")) != tuple(weight.shape):
-        return False
-    have = fingerprint if fingerprint is not None else head_fingerprint(weight)
-    return len(have) == len(block["target_fingerprint"]) and bool(
-        np.allclose(have, block["target_fingerprint"], rtol=2e-2, atol=1e-6))
-
-
-def default_eagle_head(target) -> str | None:
-    """`specvocab:<model>` of the shipped head trained for this target (matched by its LM head), else None."""
-    weight = target.get_output_embeddings().weight.detach()
-    fingerprint = None
-    for name, path in shipped_heads().items():
-        block = _target_block(path)
-        if block and (block.get("vocab_size"), block.get("hidden_size")) == tuple(weight.shape):
-            fingerprint = fingerprint or head_fingerprint(weight)
-            if _matches(block, weight, fingerprint):
-                return SHIPPED_PREFIX + name
-    return None
 
 
 def _resolve_dir(source: str) -> Path:

@@ -53,7 +53,6 @@ import itertools
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -65,12 +64,12 @@ import polars as pl
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from engine.config import SpecConfig
-from engine.drafters.eagle import (EagleDrafter, EagleHead, eagle_config_dict, head_fingerprint, random_eagle_head,
-                                   save_eagle_head)
+from engine.drafters.eagle import EagleDrafter, EagleHead, head_fingerprint, random_eagle_head, save_eagle_head
+from engine.dynaspec import _atomic_save_file, _atomic_torch_save
 from engine.harness import _decoder, generate, lm_logits, resolve_config
 from engine.models import cache_root, eos_token_ids, load_model
 from engine.prompts import Prompt, PromptError, encode_prompt, load_prompts
@@ -256,9 +255,7 @@ def _save_shard(samples: list[Sample], path: Path, feature_dtype: torch.dtype, m
     for name in samples[0].extra:
         tensors[name] = torch.cat([s.extra[name] for s in samples]).to(feature_dtype).contiguous()
     meta = {**meta, "prompt_ids": [s.prompt_id for s in samples], "sources": [s.source for s in samples]}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(tmp), metadata={"specvocab": json.dumps(meta)})
-    os.replace(tmp, path)
+    _atomic_save_file(tensors, path, metadata={"specvocab": json.dumps(meta)})
 
 
 def load_shard(path: str | Path) -> list[Sample]:
@@ -604,12 +601,6 @@ def heldout_tau(model, tokenizer, info, head: EagleHead, prompts: Sequence[Seque
         steps += res.steps
     head.train(was_training)
     return tokens / max(steps, 1)
-
-
-def _atomic_torch_save(obj, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def default_head_dir(model: str) -> Path:

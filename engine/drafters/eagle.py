@@ -33,14 +33,13 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 
 import torch
 from torch import nn
 
 from engine.drafters import register_drafter
 from engine.dynaspec import head_fingerprint
-from engine.shipped import SHIPPED_HEADS, SHIPPED_PREFIX, _matches, default_eagle_head, shipped_heads  # noqa: F401
+from engine.shipped import SHIPPED_PREFIX, _matches, default_eagle_head, shipped_heads
 from engine.drafters.lmhead import DraftKVCache, DrafterError, Expansion, LMHeadDrafter, attention_bias
 from engine.drafters.layerskip import text_config
 from engine.tree import StepResult

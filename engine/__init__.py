@@ -1,7 +1,23 @@
 """Decoders, harness, models and prompts. `generate(model, prompt_ids, method=...)` is the entry point:
-one lossless draft-verify loop for every method (see `engine.harness`)."""
+one lossless draft-verify loop for every method (see `engine.harness`).
 
-from engine.config import METHODS, SpecConfig
-from engine.harness import ContextError, GenerateResult, HarnessError, forward_tree, generate
+The names below are imported on first use, so `python -m engine.<module>` runs that module once (an eager
+import of the harness here would load `engine.dynaspec` and the others before runpy executes them)."""
 
-__all__ = ["METHODS", "ContextError", "GenerateResult", "HarnessError", "SpecConfig", "forward_tree", "generate"]
+import importlib
+
+_EXPORTS = {"METHODS": "engine.config", "SpecConfig": "engine.config", "ContextError": "engine.harness",
+            "GenerateResult": "engine.harness", "HarnessError": "engine.harness", "forward_tree": "engine.harness",
+            "generate": "engine.harness"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

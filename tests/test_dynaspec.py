@@ -9,13 +9,15 @@
 - the policy: every row gets k_c(t) clusters, greedy decoding with the layerskip drafter is lossless
   (== ar), all clusters reproduce the full head's drafts, stats report per-row and union sizes;
 - save/load round trip, a torn or foreign file, another model's head -> clear errors; `find_fitted`;
-- `fit` end to end on a random model (logging, resume, a file the policy loads).
+- `fit` end to end on a random model (logging, resume, a file the policy loads), and the sweep of the
+  choices the paper leaves open on its logged rows (every cluster picked: recall 1; resume).
 """
 
 import dataclasses
 import json
 
 import numpy as np
+import polars as pl
 import pytest
 import torch
 import torch.nn.functional as F
@@ -368,6 +370,32 @@ def test_fit_end_to_end_on_a_random_model(tmp_path, monkeypatch):
     assert {p.name: p.stat().st_mtime_ns for p in sorted(work.glob("log-*.safetensors"))} == before
     with pytest.raises(DynaSpecError, match="other settings"):
         ds.fit(dataclasses.replace(cfg, num_clusters=8))
+
+    # the sweep of the unstated choices runs on the same logged rows
+    monkeypatch.undo()
+    vocab = model.get_output_embeddings().weight.shape[0]
+    choices = ds.ChoicesConfig(work_dir=str(work), out=str(tmp_path / "choices"), num_clusters=(8, 16),
+                               router_width=(8,), top_l=(1, 4), budget_tokens=(vocab // 8, vocab, vocab + 1),
+                               heldout=0.25, epochs=1, threads=None, progress=False)
+    settings = ds.choice_settings(choices, json.loads((work / "fit.json").read_text()))
+    assert settings == [(16, 512, 4), (8, 512, 4), (16, 8, 4), (16, 512, 1)]        # the fit's own first
+    out = ds.sweep_choices(choices)
+    files = sorted(out.glob("*.parquet"))
+    assert len(files) == 4
+    table = pl.read_parquet(files)
+    assert table.height == 4 * 2 * 3                                 # settings x valid budgets x scorers
+    # every cluster picked at every step (DynaSpec-F at k_max = M): nothing is missed
+    full = table.filter((pl.col("budget_tokens") == vocab) & (pl.col("budget") == "fixed"))
+    assert (full["token_recall"] == 1.0).all() and (full["mean_row_vocab"] == vocab).all()
+    small = table.filter(pl.col("budget_tokens") == vocab // 8)
+    assert (small["mean_row_vocab"] < vocab).all() and (small["k_max"] == small["num_clusters"] // 8).all()
+    before = {p.name: p.stat().st_mtime_ns for p in files}
+    ds.sweep_choices(choices)                                       # resumable: nothing is redone
+    assert {p.name: p.stat().st_mtime_ns for p in sorted(out.glob("*.parquet"))} == before
+    with pytest.raises(DynaSpecError, match="the fit logged"):
+        ds.sweep_choices(dataclasses.replace(choices, top_l=(5,)))
+    with pytest.raises(DynaSpecError, match="not a DynaSpec fit's work dir"):
+        ds.sweep_choices(dataclasses.replace(choices, work_dir=str(tmp_path)))
 
 
 # --- CUDA: the router on its own stream -------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from locality.trace import read_traces
 from sweeps.cell import Cell, SweepError
 from sweeps.cluster import attach, start_local
 from sweeps.config import load_sweep, parse_sweep
-from sweeps import model_cells
+from sweeps import bench as sweeps_bench, model_cells
 from sweeps.model_cells import ModelWorker
 from sweeps.results import cell_path, prepare_output, result_files, write_cell
 from sweeps.run import main as run_main, run_sweep
@@ -333,3 +333,15 @@ def test_killed_actor_is_restarted_and_every_cell_finishes(local_ray, tmp_path):
     assert s.restarts >= 1
     assert all(dead not in pids for pids in s.actor_pids.values())     # its cell finished on the restarted actor
     assert set(s.loads.values()) == {1}                                 # the restarted process loaded once too
+
+
+@pytest.mark.timeout(600)
+def test_machinery_benchmark_runs_and_reports_what_it_compared(local_ray, tmp_path, capsys):
+    res = sweeps_bench.main(out=tmp_path / "bench", k=1, per_category=1, max_new_tokens=16)
+    assert res["cells"] == 3                                  # k_pre = k_ver = 1, three sources
+    assert set(res["loads"].values()) == {1}                  # one model load per actor process
+    for key in ("direct_s", "one_worker_s", "two_workers_s", "plain_two_s"):
+        assert res[key] > 0
+    printed = capsys.readouterr().out
+    for what in ("direct calls", "2 plain processes", "run_sweep, 1 worker", "run_sweep, 2 workers", "target"):
+        assert what in printed

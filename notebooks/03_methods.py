@@ -27,6 +27,13 @@
 # * **draft_time_by_phase** — MicroSpec Fig. 4: draft time per drafted step, split into the drafter's phases
 #   (backbone layers, DynaSpec's router, weight gather, LM head, tree building; a phase no run spent time in
 #   is left out), per task.
+# * **dynaspec_choices** — DynaSpec's unstated choices (`python -m engine.dynaspec choices`, not a sweep kind: read
+#   from `dynaspec_choices`, default `{results_dir}/dynaspec_choices`): held-out token recall against the mean
+#   shortlist per row, one line per setting of the number of clusters M, the router's width and the L of its
+#   top-L training labels, each varied alone around a centre setting (one panel per factor, the centre in black
+#   in each), a point per token budget, DynaSpec-PA; dashed grey: the static baseline (clusters ranked by
+#   training-label frequency) at the centre's M. Also a table at the budget closest to 8192 tokens: token
+#   recall, top-1 hit, mean shortlist and router training seconds per setting.
 #
 # tokens/s = new tokens / wall time of a turn (prefill included), averaged over prompts, turns, repeats and
 # seeds; tau = new tokens / steps (bonus included, ar = 1.00); speedup = tokens/s over ar's on the same task.
@@ -34,6 +41,8 @@
 # %% tags=["parameters"]
 results_dir = "results/quick"
 out_dir = ""                     # default: {results_dir}/figures
+dynaspec_choices = ""            # a folder `python -m engine.dynaspec choices --out` wrote; default:
+                                 # {results_dir}/dynaspec_choices (none there: the figure is skipped)
 
 # %%
 # %load_ext autoreload
@@ -178,3 +187,66 @@ if phases is not None and not phases.is_empty():
                         "tree"])))
     fig.save_chart(chart, out_dir, "draft_time_by_phase")
     display(chart)  # noqa: F821 (IPython)
+
+# %% [markdown]
+# ## DynaSpec's unstated choices: M, router width, L (`python -m engine.dynaspec choices`)
+# Offline, on the held-out prompts of one fit's logged rows: token recall = the share of the full-vocabulary
+# drafter's top-L tokens (the L the fit logged) inside a row's shortlist; a row at recall 1 proposes what the full
+# head proposes. Each factor is varied alone around the centre setting (`fig.choices_centre`: per factor, the
+# value shared by the most settings - with one factor at a time that is the centre's); the centre is drawn in
+# every panel. Lines: DynaSpec-PA (position-aware budget), a point per token budget at draft steps 0-1
+# (k_max = round(budget * M / V)); the x axis is the mean shortlist per row those budgets gave.
+
+# %%
+choices_dir = dynaspec_choices or f"{results_dir}/dynaspec_choices"
+choices = fig.read_choices(choices_dir)
+shaped = fig.dynaspec_choices(choices)
+if shaped is not None:
+    lo, hi = shaped["mean_row_vocab"].min(), shaped["mean_row_vocab"].max()
+    x = fig.log2_axis("mean_row_vocab:Q", "mean shortlist per row (tokens, log)",
+                      fig.POW2 if hi / max(lo, 1.0) <= 2 ** 7 else fig.POW4)
+    y = alt.Y("token_recall:Q", title="held-out token recall", scale=alt.Scale(domain=[0, 1]))
+    tips = ["setting:N", "budget_tokens:Q", "k_max:Q", alt.Tooltip("mean_row_vocab:Q", format=".0f"),
+            alt.Tooltip("token_recall:Q", format=".3f"), alt.Tooltip("top1_hit:Q", format=".3f")]
+    short = {"num_clusters": "M", "router_width": "width", "top_l": "L"}
+    fits, rows, centres = shaped["fit"].unique(maintain_order=True).to_list(), [], []
+    for fit_name in fits:
+        part = shaped.filter(pl.col("fit") == fit_name)
+        c = part.filter(pl.col("centre")).select(*fig.CHOICE_FACTORS).row(0, named=True)
+        centres.append(f"M {c['num_clusters']}, router width {c['router_width']}, L {c['top_l']}"
+                       + (f" ({fit_name})" if len(fits) > 1 else ""))
+        panels = []
+        for factor in fig.CHOICE_FACTORS.values():
+            panel = part.filter(pl.col("factor") == factor)
+            router = panel.filter(pl.col("series") == "router")
+            settings = router.sort("value")["setting"].unique(maintain_order=True).to_list()
+            centre = router.filter(pl.col("centre"))["setting"][0]
+            lines = alt.Chart(router).mark_line(point=True, strokeWidth=2).encode(
+                x=x, y=y, detail="setting:N", tooltip=tips,
+                color=alt.Color("setting:N", sort=settings, title=factor, scale=fig.highlight_scale(settings, centre),
+                                legend=alt.Legend(orient="bottom", direction="vertical")))
+            static = alt.Chart(panel.filter(pl.col("series") == "static")).mark_line(
+                color="#888", strokeDash=[5, 4], point=alt.OverlayMarkDef(color="#888", size=20)).encode(
+                x=x, y=y, tooltip=tips)
+            fixed = ", ".join(f"{short[k]} {c[k]}" for k, name in fig.CHOICE_FACTORS.items() if name != factor)
+            panels.append(alt.layer(static, lines).properties(
+                width=260, height=220, title=alt.TitleParams(
+                    factor + (f" · {fit_name}" if len(fits) > 1 else ""), subtitle=f"{fixed} fixed")))
+        rows.append(alt.hconcat(*panels).resolve_scale(color="independent"))
+    drafters = ", ".join(shaped["drafter"].unique(maintain_order=True).to_list())
+    chart = alt.vconcat(*rows).properties(title=fig.title(
+        f"DynaSpec's unstated choices on {', '.join(shaped['model'].unique(maintain_order=True).to_list())} "
+        f"({drafters}): held-out token recall vs shortlist size, M, router width and L varied one at a time",
+        shaped, notes=[
+            f"centre (black in every panel): {'; '.join(centres)}; lines: DynaSpec-PA, a point per token budget "
+            f"({', '.join(map(str, sorted(shaped['budget_tokens'].unique().to_list())))} tokens at draft steps 0-1)",
+            "dashed grey: the static baseline at the centre M (clusters ranked by their training-label frequency)"]))
+    fig.save_chart(chart, out_dir, "dynaspec_choices")
+    display(chart)  # noqa: F821 (IPython)
+
+    table = fig.choices_table(shaped, near=8192)
+    print("DynaSpec-PA at the token budget closest to 8192 (train_s: seconds to train the router):")
+    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=200, fmt_str_lengths=40,
+                   tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True):
+        print(table.with_columns(pl.col("token_recall", "top1_hit").round(3),
+                                 pl.col("mean_row_vocab", "train_s").round(1)))

@@ -1,10 +1,13 @@
 """The figure notebooks: a small sweep of every kind on a tiny random model (a real local Ray, 2 CPUs on
 127.0.0.1), then `sweeps.render` executes every notebook on it, and each must write its named figures as
 PNG and self-contained HTML. Also: the tables the figures draw agree with the raw results, a sweep missing
-a kind still renders what it can, and a folder without results is refused with a clear error."""
+a kind still renders what it can, and a folder without results is refused with a clear error. Notebook 3
+also draws DynaSpec's unstated choices from `DIR/dynaspec_choices` (a tiny fit + `choices` sweep here), and
+skips them, naming the command, when the folder is missing."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -15,6 +18,8 @@ import ray
 # the notebooks extra (papermill, jupytext, altair, vl-convert): skip before importing what needs it
 pytest.importorskip("papermill", reason="the notebooks extra (pip install -e '.[notebooks]') is not installed")
 
+from engine import dynaspec as ds  # noqa: E402
+from engine.models import load_model  # noqa: E402
 from sweeps import figures as fig  # noqa: E402
 from sweeps.cell import SweepError  # noqa: E402
 from sweeps.cluster import start_local  # noqa: E402
@@ -27,7 +32,7 @@ from tests.sweeps_testing import tiny_toml, write_toml  # noqa: E402
 FIGURES = {
     "01_coverage": ["coverage_vs_vocab", "lru_vs_fifo"],
     "02_sensitivity": ["wmax_sensitivity", "kpre_kver_sensitivity"],
-    "03_methods": ["methods_table", "methods_speed", "draft_time_by_phase"],
+    "03_methods": ["methods_table", "methods_speed", "draft_time_by_phase", "dynaspec_choices"],
     "04_unispec": ["acceptance_vs_confidence", "calibration_fits", "g_star_by_device", "speedup_by_language"],
     "05_languages": ["reuse_distance_by_language", "coverage_by_language"],
 }
@@ -54,6 +59,28 @@ split = "language"
 ''')
 
 
+def dynaspec_choices(folder: Path, out: Path) -> Path:
+    """A tiny DynaSpec fit on the random model and its sweep of M, router width and L into `out` (as
+    `tests/test_dynaspec.py`'s end-to-end test: 4 prompts, 16 clusters; here one epoch): 4 settings, one
+    Parquet file each, every one at 4 token budgets."""
+    prompts = folder / "prompts.jsonl"
+    with open(prompts, "w") as f:
+        for i in range(5):
+            f.write(json.dumps({"question_id": f"p{i}", "category": "chat",
+                                "turns": [f"Tell me about topic {i} and then topic {i + 1}. " * 2]}) + "\n")
+    fitted = folder / "fitted.safetensors"
+    cfg = ds.FitConfig(model="random-llama", spec=(("drafter_layers", "skip:1"), ("eagle_depth", 3)),
+                       prompts=str(prompts), num_prompts=4, heldout=0.25, max_new_tokens=12, num_clusters=16,
+                       kmeans_iters=5, router_width=16, top_l=4, epochs=1, batch_size=32, k_max=4, out=str(fitted),
+                       threads=None, progress=False)
+    ds.fit(cfg)
+    vocab = load_model("random-llama")[0].get_output_embeddings().weight.shape[0]
+    choices = ds.ChoicesConfig(work_dir=f"{fitted}.work", out=str(out), num_clusters=(8, 16), router_width=(8,),
+                               top_l=(1, 4), budget_tokens=(vocab // 8, vocab // 4, vocab // 2, vocab),
+                               heldout=0.25, epochs=1, threads=None, progress=False)
+    return ds.sweep_choices(choices)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("nb_sweep")
@@ -64,6 +91,7 @@ def results(tmp_path_factory) -> Path:
     finally:
         ray.shutdown()
     assert summary.ok, summary.lines()
+    dynaspec_choices(folder, folder / "out" / "dynaspec_choices")     # read by notebook 3 (not a sweep kind)
     return folder / "out"
 
 
@@ -129,17 +157,43 @@ def test_tables_agree_with_the_raw_results(results):
     grid = fig.window_coverage(coverage, at_default=False)
     assert grid.select("k_pre", "k_ver").unique().height == 4
 
+    # DynaSpec's choices: the centre (the fit's M and L, FitConfig's width) in every factor's panel, each
+    # setting's DynaSpec-PA rows, the static baseline of the centre's M in each panel
+    raw = fig.read_choices(results / "dynaspec_choices")
+    assert fig.choices_centre(raw) == (16, ds.FitConfig.router_width, 4)
+    shaped = fig.dynaspec_choices(raw)
+    panels = {f: sorted(set(part.filter(pl.col("series") == "router")["value"]))
+              for (f,), part in shaped.group_by("factor")}
+    assert panels == {"M (clusters)": [8, 16], "router width": [8, ds.FitConfig.router_width],
+                      "L (label top-L)": [1, 4]}
+    assert shaped.filter(pl.col("centre"))["factor"].value_counts().height == 3
+    static = shaped.filter(pl.col("series") == "static")
+    assert set(static["num_clusters"]) == {16} and static.height == 3 * 4           # 3 panels x 4 budgets
+    pa = raw.filter((pl.col("scorer") == "router") & (pl.col("budget") == "position"))
+    small, large = raw["budget_tokens"].min(), raw["budget_tokens"].max()
+    row = shaped.filter((pl.col("factor") == "M (clusters)") & (pl.col("value") == 8)
+                        & (pl.col("budget_tokens") == small)).row(0, named=True)
+    assert row["token_recall"] == pa.filter((pl.col("num_clusters") == 8) & (pl.col("budget_tokens") == small)
+                                            )["token_recall"][0]
+    table = fig.choices_table(shaped, near=8192)                     # V = 512: the largest budget is closest
+    assert table["budget_tokens"].to_list() == [large] * 5 and table["varied"].to_list() == [
+        "centre", "M (clusters)", "router width", "L (label top-L)", "static baseline"]
+
 
 def test_a_sweep_without_bench_or_calibrate_cells_still_renders(results, tmp_path):
     partial = tmp_path / "partial"
     shutil.copytree(results, partial, ignore=shutil.ignore_patterns("figures"))
     for kind in ("bench", "calibrate"):
         shutil.rmtree(partial / f"kind={kind}")
-    done = render(partial, only=["02"], show=False)
-    assert [r.error for r in done] == [None]
+    shutil.rmtree(partial / "dynaspec_choices")
+    done = render(partial, only=["02", "03"], show=False)
+    assert [r.error for r in done] == [None, None]
     # the coverage figures (the window's coverage against w_max; k_pre, k_ver) without the bench's panels
     assert sorted(p.name for p in done[0].figures) == ["kpre_kver_sensitivity.png", "wmax_sensitivity.png"]
     assert "no 'bench' results" in done[0].executed.read_text()
+    # notebook 3 draws nothing, and says how to make the DynaSpec choices
+    assert done[1].figures == []
+    assert "python -m engine.dynaspec choices --work-dir FITWORK" in done[1].executed.read_text()
 
 
 def test_a_folder_without_results_is_refused(tmp_path, capsys):

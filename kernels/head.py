@@ -12,9 +12,12 @@ through the index on every call (no packed buffer): the "Indexed GEMM" ablation 
 
 `dense_head(h, weight, bias)`: the full LM head (the target's, for verification), h @ weight.T in the
 weight's dtype. On CPU with at most `SMALL_ROWS` rows it computes (weight @ h.T).T: one pass over the
-[V, d] weight for all rows, which this machine's fp32 BLAS runs much faster than `F.linear`'s small-M
-GEMM (measured on Gemma-3-270M's 262144 x 640 head, one thread: 2 rows 90 -> 28 ms, 3 rows 135 -> 40 ms,
-4 rows 79 -> 33 ms, 1 row equal; a one-off timing, not a bench flag). Both orders sum the same d
+[V, d] weight for all rows, which this machine's fp32 BLAS (MKL on an AMD EPYC) runs much faster than
+`F.linear`'s small-M GEMM. One-off timings on Gemma-3-270M's 262144 x 640 head, not a bench flag:
+one thread, 2 rows 90 -> 28 ms, 3 rows 135 -> 40 ms, 4 rows 79 -> 33 ms; two threads, 4 rows 123 -> 40 ms,
+5 rows 180 -> 60 ms, 6 rows 244 -> 75 ms, 8 rows 198 -> 66 ms; 1 row equal; from 10 rows on neither order
+wins on both thread counts (one thread, 12 rows: 192 vs 265 ms), so 8 rows (a draft tree of up to 7
+nodes plus its root) is where it stops. Both orders sum the same d
 products per logit; only the accumulation order differs.
 
 One Triton kernel serves both (a constexpr picks the row address); `packed_head_ref` /
@@ -167,7 +170,7 @@ def packed_head(h: torch.Tensor, packed: torch.Tensor, tok_of_slot: torch.Tensor
 
 # --- the full head (verification) ------------------------------------------------------------------------
 
-SMALL_ROWS = 4      # CPU: rows up to this go through weight @ h.T (see the module docstring)
+SMALL_ROWS = 8      # CPU: rows up to this go through weight @ h.T (see the module docstring)
 
 
 def dense_head(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

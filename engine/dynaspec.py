@@ -1072,9 +1072,10 @@ def sweep_choices(cfg: ChoicesConfig) -> Path:
     ref = tokens_for_k_max(256, 1024, vocab)                   # the default budget's head size
     at = min(budgets, key=lambda b: abs(b - ref))
     show = (table.filter((pl.col("budget_tokens") == at) & (pl.col("budget") == "position"))
-            .select("scorer", "num_clusters", "router_width", "top_l", "token_recall", "top1_hit", "mean_row_vocab",
-                    "train_s").sort("scorer", "num_clusters", "router_width", "top_l"))
-    with pl.Config(tbl_rows=-1, tbl_hide_dataframe_shape=True):
+            .select("scorer", "num_clusters", "router_width", "top_l", pl.col("token_recall", "top1_hit").round(3),
+                    pl.col("mean_row_vocab").round(0), pl.col("train_s").round(1))
+            .sort("scorer", "num_clusters", "router_width", "top_l"))
+    with pl.Config(tbl_rows=-1, tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True, tbl_width_chars=160):
         print(f"[dynaspec] choices on {base['model']} ({held_rows['tokens'].numel()} held-out rows), budget {at} tokens "
               f"(k_max = round({at} * M / {vocab})), DynaSpec-PA:\n{show}")
     print(f"[dynaspec] {table.height} rows -> {out} (pl.scan_parquet('{out}/*.parquet'))")

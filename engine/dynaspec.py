@@ -936,7 +936,8 @@ def fit(cfg: FitConfig) -> Path:
                          "weight_decay": cfg.weight_decay, "final_loss": float(np.mean(losses[-20:]))},
             "heldout": metrics, "eval_k_max": cfg.k_max, "fit_seconds": fit_s}
     path = save_dynaspec(FittedDynaSpec(assign=assign, router=router, meta=meta), out)
-    print(f"[dynaspec] fitted in {fit_s:.0f} s -> {path}")
+    print(f"[dynaspec] fitted in {fit_s:.0f} s -> {path} (logged rows, clusters, router checkpoint: {work}; "
+          f"`python -m engine.dynaspec choices --work-dir {work} --out DIR` sweeps M, router width and L on them)")
     if metrics:
         for name, res in metrics.items():
             o = res["overall"]

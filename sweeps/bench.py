@@ -103,7 +103,7 @@ def _timed_run(sweep: Sweep, out: Path, workers: int) -> tuple[float, float]:
     return secs, sum(s.cell_s["coverage"])
 
 
-def main(out: str | Path | None = None, typical: str | Path | None = None, k: int = 4, repeats: int = 1,
+def main(out: str | Path | None = None, typical: str | Path | None = None, k: int = 8, repeats: int = 1,
          per_category: int = 4, max_new_tokens: int = 256) -> dict:
     root = Path(out) if out else Path(tempfile.mkdtemp(prefix="sweeps-bench-"))
     if root.exists() and any(root.iterdir()):
@@ -178,7 +178,7 @@ def cli(argv=None) -> dict:
     ap.add_argument("--out", default=None, help="a new folder for the benchmark's sweeps (default: a temp folder)")
     ap.add_argument("--typical", default=None, help="a finished sweep's --out folder: its bench cells' median "
                                                     "seconds are the 'typical bench cell'")
-    ap.add_argument("--k", type=int, default=4, help="k_pre and k_ver run over 1..k (k*k*3 cells)")
+    ap.add_argument("--k", type=int, default=8, help="k_pre and k_ver run over 1..k (k*k*3 cells)")
     ap.add_argument("--repeats", type=int, default=1, help="timed passes (the best is reported)")
     ap.add_argument("--per-category", type=int, default=4, help="Spec-Bench prompts per category to record")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="tokens per recorded turn (cell cost)")

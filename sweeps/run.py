@@ -48,8 +48,8 @@ from sweeps.results import atomic_write, cell_path, finished, prepare_output, ra
 
 WAIT_S = 1.0                      # how often the driver wakes to refresh the progress bar
 BATCHES_PER_SLOT = 4              # coverage: tasks per worker slot and group of cells sharing traces
-QUEUED_PER_SLOT = 2               # coverage: tasks submitted per worker slot, so a worker that finishes one
-                                  # starts the next at once while the driver writes the results
+QUEUED_PER_SLOT = 2               # coverage: tasks submitted per worker slot when no --max-workers cap binds,
+                                  # so a worker that finishes one starts the next while the driver writes
 
 
 class _RayModelWorker(ModelWorker):
@@ -149,6 +149,9 @@ class _Driver:
         slots = gpus if gpus else max(cpus, 1)
         self.slots = max(1, min(slots, max_workers or slots))
         self.task_slots = max(1, min(max(cpus, 1), max_workers or cpus or 1))
+        # coverage tasks in flight: with every CPU a slot, QUEUED_PER_SLOT per slot (Ray starts a queued one
+        # the moment a slot frees); under a --max-workers cap, one per slot, so the cap holds
+        self.task_queue = QUEUED_PER_SLOT * self.task_slots if self.task_slots >= cpus else self.task_slots
         self.live = sys.stderr.isatty()
 
     # --- bookkeeping ----------------------------------------------------------------------------------
@@ -256,10 +259,9 @@ class _Driver:
 
     # --- coverage cells as tasks ----------------------------------------------------------------------
     def run_coverage(self, cells: list[Cell]) -> None:
-        """Coverage cells as plain Ray tasks, several cells per task (`_batches`), QUEUED_PER_SLOT tasks
-        submitted per worker slot (Ray runs one per slot; the next waits queued beside it); the traces of a
-        model and prompt entry are read once and shared through the object store by every task that needs
-        them."""
+        """Coverage cells as plain Ray tasks, several cells per task (`_batches`), `task_queue` of them
+        submitted at a time (Ray runs one per free CPU; the others wait queued); the traces of a model and
+        prompt entry are read once and shared through the object store by every task that needs them."""
         by_id = {c.id: c for c in self.sweep.cells}
         task = ray.remote(timed_coverage_cells).options(num_cpus=1, max_retries=2)
         runnable = []
@@ -278,7 +280,7 @@ class _Driver:
         queue = deque(self._batches(runnable))
         inflight: dict = {}
         while queue or inflight:
-            while queue and len(inflight) < QUEUED_PER_SLOT * self.task_slots:
+            while queue and len(inflight) < self.task_queue:
                 batch = queue.popleft()
                 needs, model = batch[0].needs, batch[0].model
                 if needs not in traces:           # read once per (model, prompt entry), shared by its cells

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -161,3 +164,19 @@ def greedy_topk_reference(model, prompt_ids, max_new_tokens: int, topk: int, eos
             row, past = out.logits[0, -1], out.past_key_values
     return (prefill.numpy().astype(np.int64), np.array(generated, dtype=np.int64),
             np.array(step, dtype=np.int64).reshape(len(step), topk))
+
+
+def tiny_dynaspec_fit(folder: Path, out: Path, *, epochs: int = 2):
+    """A DynaSpec `FitConfig` on the random Llama: 5 one-turn prompts written to `folder/prompts.jsonl`, 4 of
+    them logged (1 held out) with the layer-skip drafter, 16 clusters, a router of width 16; fits to `out`."""
+    from engine.dynaspec import FitConfig
+
+    prompts = Path(folder) / "prompts.jsonl"
+    with open(prompts, "w") as f:
+        for i in range(5):
+            f.write(json.dumps({"question_id": f"p{i}", "category": "chat",
+                                "turns": [f"Tell me about topic {i} and then topic {i + 1}. " * 2]}) + "\n")
+    return FitConfig(model="random-llama", spec=(("drafter_layers", "skip:1"), ("eagle_depth", 3)),
+                     prompts=str(prompts), num_prompts=4, heldout=0.25, max_new_tokens=12, num_clusters=16,
+                     kmeans_iters=5, router_width=16, top_l=4, epochs=epochs, batch_size=32, k_max=4, out=str(out),
+                     threads=None, progress=False)

@@ -31,7 +31,7 @@ from engine.dynaspec import (ClusterLayout, DynaSpecError, FitConfig, FittedDyna
 from engine.harness import generate
 from engine.models import load_model
 from engine.vocab import DynaSpecVocab, head_topk, make_policy
-from tests.engine_testing import untie_head
+from tests.engine_testing import tiny_dynaspec_fit, untie_head
 
 V = 384
 
@@ -338,16 +338,8 @@ def test_policy_without_a_file_names_the_fit_command(tiny, tmp_path, monkeypatch
 # --- fit end to end ------------------------------------------------------------------------------------------------
 
 def test_fit_end_to_end_on_a_random_model(tmp_path, monkeypatch):
-    prompts = tmp_path / "prompts.jsonl"
-    with open(prompts, "w") as f:
-        for i in range(5):
-            f.write(json.dumps({"question_id": f"p{i}", "category": "chat",
-                                "turns": [f"Tell me about topic {i} and then topic {i + 1}. " * 2]}) + "\n")
     out = tmp_path / "fitted.safetensors"
-    cfg = FitConfig(model="random-llama", spec=(("drafter_layers", "skip:1"), ("eagle_depth", 3)),
-                    prompts=str(prompts), num_prompts=4, heldout=0.25, max_new_tokens=12, num_clusters=16,
-                    kmeans_iters=5, router_width=16, top_l=4, epochs=2, batch_size=32, k_max=4, out=str(out),
-                    threads=None, progress=False)
+    cfg = tiny_dynaspec_fit(tmp_path, out)
     assert ds.fit(cfg) == out
     meta = json.loads((tmp_path / "fitted.safetensors.json").read_text())
     assert len(meta["training"]["prompt_ids"]) == 4 and meta["training"]["heldout_prompts"] == 1

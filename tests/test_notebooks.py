@@ -7,7 +7,6 @@ skips them, naming the command, when the folder is missing."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from sweeps.cluster import start_local  # noqa: E402
 from sweeps.config import load_sweep  # noqa: E402
 from sweeps.render import main as render_main, notebooks, render  # noqa: E402
 from sweeps.run import run_sweep  # noqa: E402
+from tests.engine_testing import tiny_dynaspec_fit  # noqa: E402
 from tests.sweeps_testing import tiny_toml, write_toml  # noqa: E402
 
 # every figure each notebook must write (name.png + name.html)
@@ -63,16 +63,8 @@ def dynaspec_choices(folder: Path, out: Path) -> Path:
     """A tiny DynaSpec fit on the random model and its sweep of M, router width and L into `out` (as
     `tests/test_dynaspec.py`'s end-to-end test: 4 prompts, 16 clusters; here one epoch): 4 settings, one
     Parquet file each, every one at 4 token budgets."""
-    prompts = folder / "prompts.jsonl"
-    with open(prompts, "w") as f:
-        for i in range(5):
-            f.write(json.dumps({"question_id": f"p{i}", "category": "chat",
-                                "turns": [f"Tell me about topic {i} and then topic {i + 1}. " * 2]}) + "\n")
     fitted = folder / "fitted.safetensors"
-    cfg = ds.FitConfig(model="random-llama", spec=(("drafter_layers", "skip:1"), ("eagle_depth", 3)),
-                       prompts=str(prompts), num_prompts=4, heldout=0.25, max_new_tokens=12, num_clusters=16,
-                       kmeans_iters=5, router_width=16, top_l=4, epochs=1, batch_size=32, k_max=4, out=str(fitted),
-                       threads=None, progress=False)
+    cfg = tiny_dynaspec_fit(folder, fitted, epochs=1)
     ds.fit(cfg)
     vocab = load_model("random-llama")[0].get_output_embeddings().weight.shape[0]
     choices = ds.ChoicesConfig(work_dir=f"{fitted}.work", out=str(out), num_clusters=(8, 16), router_width=(8,),

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Method = Literal["ar", "pld", "hf-prompt-lookup", "recycling", "unispec", "layerskip", "eagle"]
+Backend = Literal["auto", "native", "hf"]   # how the target runs (engine.target)
 Policy = Literal["full", "frspec", "microspec", "oracle", "dynaspec"]     # draft vocabulary policies (engine.vocab)
 
 METHODS: tuple[str, ...] = typing.get_args(Method)
@@ -55,6 +56,13 @@ class SpecConfig:
     record_topk: int = 16             # K of recorded top-K rows (locality traces use K=16)
     draft_size: int | None = None     # g: draft tokens per step (root excluded), every method; None = the
                                       # method's default (module docstring), resolved by resolve_config
+
+    # --- the target's forward (engine.target, engine.native) ---------------------------------------------
+    backend: Backend = "auto"         # native where the family is supported, else transformers ("hf")
+    fixed_shape: bool = True          # native: every decode forward at a bucket of rows, keys folded in logical
+                                      # order, so a token's logits are bitwise those of an `ar` step
+    verify_rows: int | None = None    # native + fixed_shape: rows of every decode forward; None = the next
+                                      # bucket (power of two >= 4) of each step's tree
 
     # --- prompt lookup (Saxena 2023; transformers' prompt lookup) ----------------------------------------
     pld_max_ngram: int = 3
@@ -133,6 +141,9 @@ class SpecConfig:
         if self.draft_size is not None and (isinstance(self.draft_size, bool) or self.draft_size <= 0):
             raise ConfigError(f"draft_size must be a positive number of draft tokens (root excluded), got "
                               f"{self.draft_size!r}; pass None for the method's default")
+        if self.verify_rows is not None and (isinstance(self.verify_rows, bool) or self.verify_rows < 4):
+            raise ConfigError(f"verify_rows must be >= 4 (the smallest row count whose GEMMs are row-invariant "
+                              f"in fp32) or None for a bucket per step, got {self.verify_rows!r}")
         if self.w_max <= 0:
             raise ConfigError(f"w_max must be > 0 (the paper uses 3072), got {self.w_max}")
         for name in ("k_pre", "k_ver", "store_k", "tree_depth", "eagle_depth", "eagle_topk", "frspec_k",

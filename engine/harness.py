@@ -9,7 +9,9 @@ Words as in the glossary (`locality.__doc__`). Per prompt:
     step      the drafter proposes a draft tree rooted at the last committed token (the root, not yet in
               the cache); the target forwards root + draft nodes in one pass with a tree attention mask
               and positions P + depth (`forward_tree`); `engine.verify` picks the accepted path and the
-              bonus token; `engine.kv.compact` keeps exactly the root + accepted nodes in the cache.
+              bonus token; the target's `compact` keeps exactly the root + accepted nodes in the cache.
+              The target runs behind `engine.target` (`cfg.backend`: native where it applies, else
+              transformers; fixed-shape verification on the native path, `cfg.fixed_shape`).
     stop      at an eos token (kept) or after max_new_tokens (the last step's tokens are cut to fit).
 
 `ar` runs through the same loop (its drafter proposes root-only trees). `hf-prompt-lookup` is the outside
@@ -30,16 +32,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine import kv
 from engine.calibration import resolve_draft_size
 from engine.config import DEFAULT_DRAFT_SIZE, SpecConfig
 from engine.drafters import HF_METHODS, make_drafter
 from engine.drafters.recycling import template_size
 from engine.models import eos_token_ids
 from engine.shipped import default_eagle_head
+from engine.target import decoder as _decoder, forward_tree, lm_logits, make_target, prefill  # noqa: F401
 from engine.tree import DraftTree, Drafter, StepResult
 from engine.verify import sample_token, tree_layout, verify_greedy, verify_sampling, warp_probs
-from kernels.head import dense_head
 from locality.trace import Trace
 
 # Histogram of the drafted nodes' confidence scores (`DraftTree.scores`, UniSpec §3.2, Fig. 3): SCORE_BINS equal
@@ -136,57 +137,11 @@ class GenerateResult:
                      generated=self.output_ids.numpy(), step_topk=step_topk, draft_tokens=drafts, meta=meta)
 
 
-# --- the target's forward over a tree -------------------------------------------------------------------
-
-def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """The target's logits [.., V] fp32 from final hidden states (LM head + Gemma's soft-capping)."""
-    head = model.get_output_embeddings()
-    if type(head) is torch.nn.Linear:        # a plain head: the small-row CPU path of `kernels.head.dense_head`
-        logits = dense_head(hidden, head.weight, head.bias).float()
-    else:
-        logits = head(hidden).float()
-    cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
-    if cap is not None:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
-
-
-def _decoder(model):
-    return model.model if hasattr(model, "model") else model.get_decoder()
-
-
-def prefill(model, prompt: torch.Tensor, cache, all_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run prompt [L] into an empty cache; returns hidden [L, d] and logits fp32: [L, V], or only the last
-    row [1, V] when not `all_logits` (the LM head over a long prompt is costly: Gemma's 262k rows)."""
-    out = _decoder(model)(input_ids=prompt[None], past_key_values=cache, use_cache=True)
-    hidden = out.last_hidden_state[0]                            # [L, d]
-    kv.compact(cache, 0, prompt.numel(), None)                   # trims sliding-window layers to W-1
-    return hidden, lm_logits(model, hidden if all_logits else hidden[-1:])
-
-
 def prefill_topk(model, hidden: torch.Tensor, k: int, chunk: int = 256) -> np.ndarray:
     """[L, k] the target's top-k token ids at every prompt position, LM head in chunks of rows."""
     k = min(k, model.get_output_embeddings().weight.shape[0])
     rows = [lm_logits(model, hidden[i:i + chunk]).topk(k, dim=-1).indices for i in range(0, hidden.shape[0], chunk)]
     return torch.cat(rows).cpu().numpy()
-
-
-def forward_tree(model, cache, committed: int, tokens: torch.Tensor, parents: torch.Tensor,
-                 depths: torch.Tensor | None = None, anc: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward of a draft tree over a cache holding `committed` tokens.
-
-    tokens [n], parents [n] on the model's device. Appends n entries to the cache (call `kv.compact`
-    next). Returns hidden [n, d] and logits [n, V] fp32; row i = distribution after the path root -> i.
-    """
-    if depths is None or anc is None:
-        depths, anc = (t.to(parents.device) for t in tree_layout(parents.cpu()))
-    mask = kv.tree_attention_masks(model, cache, committed, depths, anc)
-    position_ids = (committed + depths)[None]                    # [1, n] siblings share a position
-    out = _decoder(model)(input_ids=tokens[None], attention_mask=mask, position_ids=position_ids,
-                          past_key_values=cache, use_cache=True)
-    hidden = out.last_hidden_state[0]                            # [n, d]
-    return hidden, lm_logits(model, hidden)
 
 
 # --- generate -------------------------------------------------------------------------------------------
@@ -285,9 +240,10 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
     records: list[StepRecord] | None = [] if cfg.record else None
 
     t_start = _clock(device)
-    cache = kv.new_cache(model)
+    target = make_target(model, cfg.backend, fixed_shape=cfg.fixed_shape, rows=cfg.verify_rows)
+    target.begin(L + T + 1)
     # the drafter sees logits at every prompt position unless it says it does not use them
-    hidden, logits = prefill(model, prompt, cache, all_logits=getattr(drafter, "uses_prefill_logits", True))
+    hidden, logits = target.prefill(prompt, all_logits=getattr(drafter, "uses_prefill_logits", True))
     committed = L
     if cfg.greedy:
         first = logits[-1].argmax()
@@ -320,7 +276,7 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
         parents = tree.parents.to(device, non_blocking=True)   # [n]
         depths, anc = tree_layout(tree.parents)                # on the host, where the tree was built
         depths, anc = depths.to(device, non_blocking=True), anc.to(device, non_blocking=True)
-        hidden, logits = forward_tree(model, cache, committed, tokens, parents, depths, anc)
+        hidden, logits = target.forward_tree(tokens, parents, depths, anc)
         if cfg.greedy:
             accepted, new_tokens = verify_greedy(tokens, parents, logits, anc, depths)
         else:
@@ -330,7 +286,7 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
                 scores=tree.scores)
         acc, new = torch.stack([accepted, new_tokens]).tolist()  # the one sync per step: accept length
                                                                  # and committed tokens (stop test, drafter)
-        committed = kv.compact(cache, committed, n, acc)
+        committed = target.compact(n, acc)
         if n > 1:                                                # acceptance by confidence, on the device
             b = score_bins(tree.scores[1:].to(device, non_blocking=True))
             bins_proposed.scatter_add_(0, b, torch.ones_like(b))

@@ -1,0 +1,419 @@
+"""The target's forward without transformers: packed weights, a static KV cache, fixed-shape verification.
+
+`NativeModel(hf_model)` reads the weights `engine.models.load_model` loaded (no copy: the HF model's q/k/v and
+gate/up parameters are re-pointed at views of the fused matrices this module packs, so both stay usable and
+share memory) and runs the decoder itself for the families below. `engine.target` wraps it as the `native`
+backend; transformers stays the reference (`backend="hf"`) and the path for every other architecture.
+
+Families (`FAMILIES`): llama (SmolLM2, Llama-3), qwen2 (q/k/v bias), qwen3 (q/k RMSNorm on the head dim),
+gemma3_text (sliding-window layers with their own RoPE base, (1 + w) RMSNorms around attention and MLP,
+q/k norms, the sqrt(d) embedding scale, query_pre_attn_scalar, gelu-tanh, final logit soft-capping).
+RoPE tables come from the model's own rotary module (so every rope_scaling variant transformers knows is
+honoured), evaluated once per cache capacity.
+
+KV cache (`StaticKV`): k, v [layers, kv_heads, capacity, head_dim], zero-filled once per prompt; a forward of
+n rows writes slots [P, P + n); `compact` keeps the accepted path in place (one gather per tensor for all
+layers). Sliding-window layers keep every slot too (the window is a mask): compaction stays one rule.
+
+Fixed-shape verification (`exact=True`). A token's logits must not depend on how the step that computed
+them was shaped, or greedy speculative output drifts from `ar` on near-ties (bf16 in particular). Three
+rules make a row's result a function of its own logical context only:
+1. Rows: every decode forward runs at a bucket of `bucket_rows(n)` >= MIN_ROWS rows (padding rows are
+   harmless: they see only themselves). Measured on this CPU (tests/test_native.py checks it): bf16 GEMMs
+   give a row the same bits for every M; fp32 GEMMs do for M >= 4 (M = 1, 2 take a GEMV path). The LM head
+   is `F.linear` in this mode (`weight @ h.T`, the fast small-row order of `kernels.head.dense_head`, changes
+   its bits between 8 and 16 rows in fp32).
+2. Keys in logical order. Attention is computed over blocks of BLOCK logical positions (position = index in
+   the token sequence, not cache slot). Blocks wholly inside the committed prefix are read where they lie,
+   for all rows at once; the last two blocks - those a draft tree can reach - are gathered per row in
+   logical order (committed slots, then the row's ancestors by depth), so an ancestor's key sits at the same
+   place whether an `ar` step or a tree put it in the cache. Each block gives (max, sum, unnormalised
+   output) with the same fixed-shape ops either way (GEMMs with M >= 4: the query heads of a KV group are
+   padded to 4 rows where a model has fewer).
+3. One fold over blocks. Blocks are merged by a running sum in block order (`cumsum`, a sequential fold on
+   CPU): blocks a row cannot see add exact zeros, so an `ar` step (fewer blocks) and a tree (more) fold the
+   same non-zero terms in the same order.
+`exact=False` runs plain `scaled_dot_product_attention` over the cache with a tree mask: fewer ops, but the
+bits then depend on where ancestors sit (what transformers does, and why bf16 trees diverged from `ar`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text")
+MIN_ROWS = 4          # smallest GEMM M that is row-invariant in fp32 on the CPUs measured (module docstring)
+BLOCK = 64            # logical positions per attention block (rule 2); a tree must be shallower than this
+
+
+class NativeError(ValueError):
+    """The native forward cannot run this model or input; the message names the supported families / fix."""
+
+
+def text_config(model):
+    cfg = model.config
+    return cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+
+
+def unsupported_reason(model) -> str | None:
+    """None when `NativeModel(model)` can run it, else why not (one line)."""
+    cfg = text_config(model)
+    fam = getattr(cfg, "model_type", None)
+    if fam not in FAMILIES:
+        return f"architecture {fam!r} is not one the native forward knows (supported: {', '.join(FAMILIES)})"
+    if getattr(cfg, "attn_logit_softcapping", None):
+        return "attention logit soft-capping (Gemma 2) is not implemented natively"
+    types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if types - {"full_attention", "sliding_attention"}:
+        return f"layer types {sorted(types)} include ones the native forward does not know"
+    return None
+
+
+def bucket_rows(n: int) -> int:
+    """Rows a forward of n tree nodes runs at: the next power of two, at least MIN_ROWS."""
+    return max(MIN_ROWS, 1 << max(0, n - 1).bit_length())
+
+
+@dataclass
+class _Layer:
+    kind: str                     # "full_attention" | "sliding_attention"
+    qkv_w: torch.Tensor           # [(H + 2 kvh) hd, d]
+    qkv_b: torch.Tensor | None
+    o_w: torch.Tensor             # [d, H hd]
+    gate_up_w: torch.Tensor       # [2 I, d]
+    down_w: torch.Tensor          # [d, I]
+    in_norm: torch.Tensor
+    post_attn_norm: torch.Tensor | None     # gemma3: after attention; llama/qwen: None
+    pre_mlp_norm: torch.Tensor              # llama/qwen: post_attention_layernorm; gemma3: pre_feedforward
+    post_mlp_norm: torch.Tensor | None      # gemma3 only
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+class StaticKV:
+    """k, v [layers, kv_heads, capacity, head_dim]; `committed` slots hold the committed tokens."""
+
+    def __init__(self, layers: int, kv_heads: int, capacity: int, head_dim: int, dtype, device):
+        self.k = torch.zeros(layers, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.committed = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def grow(self, capacity: int) -> None:
+        """Reallocate to `capacity` slots, keeping the committed ones (a tree beyond the planned size)."""
+        if capacity <= self.capacity:
+            return
+        k = torch.zeros(*self.k.shape[:2], capacity, self.k.shape[3], dtype=self.k.dtype, device=self.k.device)
+        v = torch.zeros_like(k)
+        k[:, :, :self.committed] = self.k[:, :, :self.committed]
+        v[:, :, :self.committed] = self.v[:, :, :self.committed]
+        self.k, self.v = k, v
+
+    def compact(self, num_new: int, keep: list[int] | None) -> int:
+        """Keep new rows `keep` (ascending, the accepted path; None = all) after the committed prefix."""
+        P = self.committed
+        n = num_new if keep is None else len(keep)
+        if keep is not None and keep != list(range(n)):
+            idx = torch.as_tensor(keep, dtype=torch.long, device=self.k.device) + P
+            for t in (self.k, self.v):
+                t[:, :, P:P + n] = t[:, :, idx]          # advanced indexing copies first: no aliasing
+        self.committed = P + n
+        return self.committed
+
+
+class NativeModel:
+    """The decoder of an HF causal LM of a supported family, run with plain torch ops (module docstring)."""
+
+    def __init__(self, model):
+        why = unsupported_reason(model)
+        if why:
+            raise NativeError(f"backend='native': {why}; use backend='hf' (transformers) for this model")
+        cfg = text_config(model)
+        self.config = cfg
+        self.family = cfg.model_type
+        self.gemma = self.family == "gemma3_text"
+        dec = model.model if hasattr(model, "model") else model.get_decoder()
+        self.embed = model.get_input_embeddings()            # Gemma's scaled embedding included
+        head = model.get_output_embeddings()
+        self.head_w, self.head_b = head.weight, getattr(head, "bias", None)
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.eps = float(cfg.rms_norm_eps)
+        self.d = int(cfg.hidden_size)
+        self.heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(cfg.num_key_value_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or self.d // self.heads)
+        self.scale = (float(cfg.query_pre_attn_scalar) ** -0.5 if self.gemma else self.head_dim ** -0.5)
+        self.window = getattr(cfg, "sliding_window", None)
+        types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
+        self.rotary = dec.rotary_emb
+        self.final_norm = self._norm_weight(dec.norm)
+        self.act = dec.layers[0].mlp.act_fn
+        self.dtype = self.head_w.dtype
+        self.device = self.head_w.device
+        self.layers = [self._pack(layer, t) for layer, t in zip(dec.layers, types)]
+        self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_len = 0
+
+    # -- weights -------------------------------------------------------------------------------------
+    def _norm_weight(self, norm) -> torch.Tensor:
+        # Gemma's RMSNorm multiplies by (1 + w) in fp32; Llama's by w in the model dtype (after the cast)
+        return (1.0 + norm.weight.detach().float()) if self.gemma else norm.weight.detach()
+
+    @torch.no_grad()
+    def _pack(self, layer, kind: str) -> _Layer:
+        at, mlp = layer.self_attn, layer.mlp
+        qkv = _fuse([at.q_proj, at.k_proj, at.v_proj])
+        bias = None
+        if at.q_proj.bias is not None:
+            bias = torch.cat([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias])
+        gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
+        qn = getattr(at, "q_norm", None)
+        kn = getattr(at, "k_norm", None)
+        g = self.gemma
+        return _Layer(kind=kind, qkv_w=qkv, qkv_b=bias, o_w=at.o_proj.weight.detach(), gate_up_w=gate_up,
+                      down_w=mlp.down_proj.weight.detach(), in_norm=self._norm_weight(layer.input_layernorm),
+                      post_attn_norm=self._norm_weight(layer.post_attention_layernorm) if g else None,
+                      pre_mlp_norm=self._norm_weight(layer.pre_feedforward_layernorm if g
+                                                     else layer.post_attention_layernorm),
+                      post_mlp_norm=self._norm_weight(layer.post_feedforward_layernorm) if g else None,
+                      q_norm=None if qn is None else self._norm_weight(qn),
+                      k_norm=None if kn is None else self._norm_weight(kn))
+
+    def _rmsnorm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (h * w).to(x.dtype)
+        return w * h.to(x.dtype)
+
+    def rope_tables(self, length: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{layer type: (cos, sin) [length, head_dim]} from the model's own rotary module (grown on demand)."""
+        if length > self._rope_len:
+            length = max(length, 2 * self._rope_len)
+            pos = torch.arange(length, device=self.device)[None]
+            x = torch.zeros(1, 1, self.head_dim, dtype=self.dtype, device=self.device)
+            takes_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
+            self._rope = {}
+            for t in dict.fromkeys(layer.kind for layer in self.layers):
+                cos, sin = self.rotary(x, pos, t) if takes_type else self.rotary(x, pos)
+                self._rope[t] = (cos[0].to(self.dtype), sin[0].to(self.dtype))
+            self._rope_len = length
+        return self._rope
+
+    def new_cache(self, capacity: int, layers: int | None = None) -> StaticKV:
+        self.rope_tables(capacity)
+        return StaticKV(layers or len(self.layers), self.kv_heads, capacity, self.head_dim, self.dtype,
+                        self.device)
+
+    # -- forward -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: StaticKV, visible: torch.Tensor, *,
+                exact: bool = False, tail: tuple[torch.Tensor, torch.Tensor] | None = None,
+                layer_ids: list[int] | None = None, collect: tuple[int, ...] = ()) -> torch.Tensor:
+        """Run n new tokens over `cache` (committed slots [0, P)); they are written to slots [P, P + n).
+
+        ids [n], positions [n] (logical), visible [n, n] bool: which new rows each row attends to (causal for
+        a prefill, ancestor-or-self for a tree). exact: fixed-shape attention (module docstring); then
+        `tail` = (idx [n, 2 BLOCK] cache slot of each logical position of the row's last two blocks,
+        ok [n, 2 BLOCK] which are real) from `tail_index`. layer_ids: run only these layers (the layer-skip
+        drafter's partial stack; its cache has one entry per listed layer). collect: also return the
+        hidden states after these layers (EAGLE-3's low/mid/high features).
+        Returns the final-normed hidden states [n, d] (and the collected ones, [len(collect), n, d]).
+        """
+        P, n = cache.committed, ids.numel()
+        if P + n > cache.capacity:
+            raise NativeError(f"the KV cache holds {cache.capacity} slots, {P} committed; {n} more do not fit "
+                              f"(grow it with cache.grow)")
+        rope = self.rope_tables(P + n)
+        x = self.embed(ids[None])[0]                                   # [n, d]
+        ids_run = range(len(self.layers)) if layer_ids is None else layer_ids
+        feats = []
+        masks = {}
+        for slot, li in enumerate(ids_run):
+            L = self.layers[li]
+            cos, sin = (t[positions] for t in rope[L.kind])            # [n, hd]
+            if not exact and L.kind not in masks:
+                masks[L.kind] = self._sdpa_mask(positions, cache, visible, L.kind)
+            x = self._layer(L, x, cos, sin, cache, slot, P, positions, masks.get(L.kind), exact, tail)
+            if li in collect:
+                feats.append(x)
+        out = self._rmsnorm(x, self.final_norm)
+        return (out, torch.stack(feats)) if collect else out
+
+    def _layer(self, L: _Layer, x, cos, sin, cache, slot, P, positions, mask, exact, tail):
+        n, H, kvh, hd = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        h = self._rmsnorm(x, L.in_norm)
+        qkv = F.linear(h, L.qkv_w, L.qkv_b)
+        q, k, v = qkv.split([H * hd, kvh * hd, kvh * hd], dim=-1)
+        q, k, v = q.view(n, H, hd), k.view(n, kvh, hd), v.view(n, kvh, hd)
+        if L.q_norm is not None:
+            q, k = self._rmsnorm(q, L.q_norm), self._rmsnorm(k, L.k_norm)
+        c, s = cos[:, None], sin[:, None]
+        q = q * c + _rotate_half(q) * s
+        k = k * c + _rotate_half(k) * s
+        kc, vc = cache.k[slot], cache.v[slot]                          # [kvh, C, hd]
+        kc[:, P:P + n] = k.transpose(0, 1)
+        vc[:, P:P + n] = v.transpose(0, 1)
+        if exact:
+            a = self._attention_exact(q, kc, vc, P, positions, tail, L.kind)
+        else:
+            a = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None, :, :P + n], vc[None, :, :P + n],
+                                               attn_mask=mask, scale=self.scale,
+                                               enable_gqa=kvh != H)[0].transpose(0, 1).reshape(n, H * hd)
+        a = F.linear(a, L.o_w)
+        if L.post_attn_norm is not None:
+            a = self._rmsnorm(a, L.post_attn_norm)
+        x = x + a
+        h = self._rmsnorm(x, L.pre_mlp_norm)
+        gate, up = F.linear(h, L.gate_up_w).chunk(2, dim=-1)
+        h = F.linear(self.act(gate) * up, L.down_w)
+        if L.post_mlp_norm is not None:
+            h = self._rmsnorm(h, L.post_mlp_norm)
+        return x + h
+
+    def _sdpa_mask(self, positions, cache, visible, kind) -> torch.Tensor:
+        """[1, 1, n, P + n] bool: committed slots (within the window on sliding layers) + `visible`."""
+        P, n = cache.committed, positions.numel()
+        dev = positions.device
+        committed = torch.ones(n, P, dtype=torch.bool, device=dev)
+        mask = torch.cat([committed, visible], dim=1)
+        if kind == "sliding_attention" and self.window is not None:
+            k_pos = torch.cat([torch.arange(P, device=dev), positions])
+            mask &= (positions[:, None] - k_pos[None, :]) < self.window
+        return mask[None, None]
+
+    def _attention_exact(self, q, kc, vc, P, positions, tail, kind) -> torch.Tensor:
+        """Fixed-shape attention (rules 2 and 3 of the module docstring). q [n, H, hd] -> [n, H hd]."""
+        n, H, hd = q.shape
+        kvh = kc.shape[0]
+        g = H // kvh
+        gp = max(g, MIN_ROWS)                                          # query rows per KV group per token
+        qg = q.view(n, kvh, g, hd).transpose(0, 1)                     # [kvh, n, g, hd]
+        if gp > g:
+            qg = torch.cat([qg, qg.new_zeros(kvh, n, gp - g, hd)], dim=2)
+        window = self.window if kind == "sliding_attention" else None
+        b0 = P // BLOCK
+        ms, ls, os_ = [], [], []
+        if b0:                                                         # committed blocks, shared by all rows
+            keys = b0 * BLOCK
+            s = torch.matmul(qg.reshape(kvh, n * gp, hd), kc[:, :keys].transpose(1, 2))   # [kvh, n gp, keys]
+            s = s.float().mul_(self.scale).view(kvh, n, gp, b0, BLOCK)
+            if window is not None:
+                k_pos = torch.arange(keys, device=q.device)
+                ok = (positions[:, None] - k_pos[None, :] < window).view(1, n, 1, b0, BLOCK)
+                s = s.masked_fill(~ok, float("-inf"))
+            m, l, e = _block_softmax(s)                                 # [kvh, n, gp, b0] x2, e like s
+            e = e.to(vc.dtype).permute(0, 3, 1, 2, 4).reshape(kvh, b0, n * gp, BLOCK)
+            o = torch.matmul(e, vc[:, :keys].view(kvh, b0, BLOCK, hd))  # [kvh, b0, n gp, hd]
+            ms.append(m)
+            ls.append(l)
+            os_.append(o.view(kvh, b0, n, gp, hd).permute(0, 2, 3, 1, 4).float())
+        idx, ok = tail                                                 # [n, 2 BLOCK] each
+        kt = kc[:, idx]                                                # [kvh, n, 2 BLOCK, hd] logical order
+        vt = vc[:, idx]
+        s = torch.matmul(qg, kt.transpose(-1, -2)).float().mul_(self.scale)     # [kvh, n, gp, 2 BLOCK]
+        allowed = ok
+        if window is not None:
+            k_pos = b0 * BLOCK + torch.arange(2 * BLOCK, device=q.device)
+            allowed = allowed & (positions[:, None] - k_pos[None, :] < window)
+        s = s.masked_fill(~allowed[None, :, None, :], float("-inf")).view(kvh, n, gp, 2, BLOCK)
+        m, l, e = _block_softmax(s)
+        e = e.to(vt.dtype).transpose(2, 3)                             # [kvh, n, 2, gp, BLOCK]
+        o = torch.matmul(e, vt.view(kvh, n, 2, BLOCK, hd))             # [kvh, n, 2, gp, hd]
+        ms.append(m)
+        ls.append(l)
+        os_.append(o.transpose(2, 3).float())                          # [kvh, n, gp, 2, hd]
+        m = torch.cat(ms, dim=-1)                                      # [kvh, n, gp, blocks]
+        l = torch.cat(ls, dim=-1)
+        o = torch.cat(os_, dim=-2)                                     # [kvh, n, gp, blocks, hd]
+        top = m.amax(-1, keepdim=True)
+        w = torch.exp(m - top)                                         # 0 for blocks a row cannot see
+        total = torch.cumsum(w * l, dim=-1)[..., -1:]                  # sequential fold (rule 3)
+        out = torch.cumsum(w[..., None] * o, dim=-2)[..., -1, :] / total   # [kvh, n, gp, hd]
+        return out[:, :, :g].permute(1, 0, 2, 3).reshape(n, H * hd).to(q.dtype)
+
+    # -- LM head -------------------------------------------------------------------------------------
+    def logits(self, hidden: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        """fp32 logits [.., V]: the LM head (F.linear in exact mode: row-invariant), then soft-capping."""
+        if exact:
+            out = F.linear(hidden, self.head_w, self.head_b).float()
+        else:
+            from kernels.head import dense_head
+            out = dense_head(hidden, self.head_w, self.head_b).float()
+        if self.softcap is not None:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        return out
+
+
+def tail_index(committed: int, positions: torch.Tensor, anc: torch.Tensor, parents_depth: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the cache slot of every logical position in the last two attention blocks (rule 2).
+
+    committed P; positions [n] = P + depth; anc [n, n] ancestor-or-self mask of the (padded) tree;
+    parents_depth [n] = depth. Returns idx [n, 2 BLOCK] int64 (slot 0 where nothing is there) and
+    ok [n, 2 BLOCK] bool. Logical position p < P lies in slot p; p = P + j is the row's ancestor at depth j,
+    which lies in slot P + (its node index).
+    """
+    n = positions.numel()
+    dev = positions.device
+    base = (committed // BLOCK) * BLOCK
+    logical = base + torch.arange(2 * BLOCK, device=dev)               # [2B]
+    depth = parents_depth
+    if int(depth.max()) + committed - base >= 2 * BLOCK:
+        raise NativeError(f"a draft tree {int(depth.max()) + 1} deep does not fit the exact mode's "
+                          f"{BLOCK}-position blocks; use exact=False or a shallower tree")
+    # node_at[i, j] = the ancestor of row i at depth j (or -1)
+    hit = anc & (depth[None, :] >= 0)                                  # [n, n] ancestors of each row
+    node_at = torch.full((n, n), -1, dtype=torch.long, device=dev)
+    rows, cols = hit.nonzero(as_tuple=True)
+    node_at[rows, depth[cols]] = cols
+    j = (logical - committed)                                           # [2B] depth a tree position has
+    in_tree = (j >= 0)[None, :] & (j[None, :] <= depth[:, None])        # [n, 2B]
+    jj = j.clamp(0, n - 1)
+    tree_slot = committed + node_at[:, jj]                              # [n, 2B]
+    committed_ok = (logical < committed)[None, :].expand(n, -1)
+    ok = committed_ok | in_tree
+    idx = torch.where(in_tree, tree_slot, torch.where(committed_ok, logical[None, :].expand(n, -1), 0))
+    return idx.clamp(min=0), ok
+
+
+def _block_softmax(s: torch.Tensor):
+    """Per block of the last dim: max m, sum l of exp(s - m), and exp(s - m); -inf rows give m=-inf, l=0."""
+    m = s.amax(-1)
+    safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    e = torch.exp(s - safe[..., None])
+    return m, e.sum(-1), e
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+@torch.no_grad()
+def _fuse(linears) -> torch.Tensor:
+    """One [sum out, in] weight for several nn.Linear; the modules' weights become views of it."""
+    fused = torch.cat([m.weight.detach() for m in linears])
+    at = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight.data = fused[at:at + rows]
+        at += rows
+    return fused
+
+
+def weight_bytes(model: NativeModel) -> int:
+    """Bytes of the weight matrices one forward reads (every layer's + the LM head): the bandwidth bound's
+    numerator in `engine.jobs`' forward benchmark."""
+    total = model.head_w.numel()
+    for L in model.layers:
+        total += L.qkv_w.numel() + L.o_w.numel() + L.gate_up_w.numel() + L.down_w.numel()
+    return total * model.head_w.element_size()
+

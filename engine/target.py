@@ -1,0 +1,238 @@
+"""The target model behind one interface: `make_target(model, cfg) -> Target`, the `hf` or `native` backend.
+
+The harness runs the target only through a `Target`:
+
+    begin(capacity)                      a fresh KV cache for one prompt (capacity: slots it will need)
+    prefill(prompt, all_logits)          -> hidden [L, d], logits [L, V] (or the last row) fp32
+    forward_tree(tokens, parents, depths, anc)
+                                         -> hidden [n, d], logits [n, V] fp32 of a draft tree over the cache
+    compact(num_new, keep)               keep the accepted path; returns the committed length
+    committed                            tokens in the cache
+
+Backends (`SpecConfig.backend`):
+- `native` (`engine.native`): packed weights, a static cache compacted in place, and - with
+  `cfg.fixed_shape` (the default) - fixed-shape verification: every decode forward at a bucket of rows and a
+  row's attention folded over its keys in logical order, so a token's logits are bitwise the same whether an
+  `ar` step or any draft tree computed them (`engine.native` says how, tests/test_native.py checks it).
+- `hf`: transformers' own forward with a `DynamicCache` and a 4D tree mask (`engine.kv`): the reference,
+  and the path for every architecture the native forward does not know.
+- `auto` (default): native where it applies, else hf with one line saying why.
+
+`lm_logits`, `prefill` and `forward_tree` are the hf backend's functions, kept as functions (tests and
+`engine.train` call them on a bare HF model).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import torch
+
+from engine import kv
+from engine.native import BLOCK, NativeError, NativeModel, bucket_rows, tail_index, unsupported_reason
+from engine.verify import tree_layout
+from kernels.head import dense_head
+
+BACKENDS = ("auto", "native", "hf")
+
+
+class BackendError(ValueError):
+    """The backend asked for cannot run this model or dtype here; the message says why and what to use."""
+
+
+# --- hf: transformers' forward --------------------------------------------------------------------------
+
+def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The target's logits [.., V] fp32 from final hidden states (LM head + Gemma's soft-capping)."""
+    head = model.get_output_embeddings()
+    if type(head) is torch.nn.Linear:        # a plain head: the small-row CPU path of `kernels.head.dense_head`
+        logits = dense_head(hidden, head.weight, head.bias).float()
+    else:
+        logits = head(hidden).float()
+    cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def decoder(model):
+    """The decoder stack of an HF causal LM (`model.model` or `get_decoder()`)."""
+    return model.model if hasattr(model, "model") else model.get_decoder()
+
+
+def _cache_kw(model) -> str:
+    """The decoder's name for the KV cache argument: `cache` from transformers 5.24 on (`past_key_values` is
+    deprecated there and removed in 5.40), `past_key_values` before."""
+    params = inspect.signature(decoder(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def prefill(model, prompt: torch.Tensor, cache, all_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run prompt [L] into an empty cache; returns hidden [L, d] and logits fp32: [L, V], or only the last
+    row [1, V] when not `all_logits` (the LM head over a long prompt is costly: Gemma's 262k rows)."""
+    out = decoder(model)(input_ids=prompt[None], use_cache=True, **{_cache_kw(model): cache})
+    hidden = out.last_hidden_state[0]                            # [L, d]
+    kv.compact(cache, 0, prompt.numel(), None)                   # trims sliding-window layers to W-1
+    return hidden, lm_logits(model, hidden if all_logits else hidden[-1:])
+
+
+def forward_tree(model, cache, committed: int, tokens: torch.Tensor, parents: torch.Tensor,
+                 depths: torch.Tensor | None = None, anc: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of a draft tree over a cache holding `committed` tokens.
+
+    tokens [n], parents [n] on the model's device. Appends n entries to the cache (call `kv.compact`
+    next). Returns hidden [n, d] and logits [n, V] fp32; row i = distribution after the path root -> i.
+    """
+    if depths is None or anc is None:
+        depths, anc = (t.to(parents.device) for t in tree_layout(parents.cpu()))
+    mask = kv.tree_attention_masks(model, cache, committed, depths, anc)
+    position_ids = (committed + depths)[None]                    # [1, n] siblings share a position
+    out = decoder(model)(input_ids=tokens[None], attention_mask=mask, position_ids=position_ids,
+                         use_cache=True, **{_cache_kw(model): cache})
+    hidden = out.last_hidden_state[0]                            # [n, d]
+    return hidden, lm_logits(model, hidden)
+
+
+class Target:
+    """The interface (module docstring); `name` is the backend, `fixed_shape` whether rows are bucketed."""
+
+    name = "base"
+    fixed_shape = False
+
+    def __init__(self, model):
+        self.model = model
+        self.committed = 0
+
+    def begin(self, capacity: int) -> None:
+        raise NotImplementedError
+
+    def prefill(self, prompt: torch.Tensor, all_logits: bool = True):
+        raise NotImplementedError
+
+    def forward_tree(self, tokens, parents, depths, anc):
+        raise NotImplementedError
+
+    def compact(self, num_new: int, keep: list[int] | None) -> int:
+        raise NotImplementedError
+
+
+class HFTarget(Target):
+    name = "hf"
+
+    def begin(self, capacity: int) -> None:
+        self.cache = kv.new_cache(self.model)
+        self.committed = 0
+
+    def prefill(self, prompt, all_logits=True):
+        out = prefill(self.model, prompt, self.cache, all_logits)
+        self.committed = prompt.numel()
+        return out
+
+    def forward_tree(self, tokens, parents, depths, anc):
+        return forward_tree(self.model, self.cache, self.committed, tokens, parents, depths, anc)
+
+    def compact(self, num_new, keep):
+        self.committed = kv.compact(self.cache, self.committed, num_new, keep)
+        return self.committed
+
+
+class NativeTarget(Target):
+    name = "native"
+
+    def __init__(self, model, fixed_shape: bool = True, rows: int | None = None):
+        super().__init__(model)
+        self.net = native_model(model)
+        self.fixed_shape = fixed_shape
+        self.rows = rows                                         # None: bucket_rows(n) per step
+        self.cache = None
+
+    def begin(self, capacity: int) -> None:
+        self.cache = self.net.new_cache(capacity + (self.rows or 0))
+        self.committed = 0
+
+    def _ensure(self, slots: int) -> None:
+        if slots > self.cache.capacity:
+            self.cache.grow(max(slots, self.cache.capacity + self.cache.capacity // 2))
+
+    def prefill(self, prompt, all_logits=True):
+        L = prompt.numel()
+        self._ensure(L)
+        vis = torch.ones(L, L, dtype=torch.bool, device=prompt.device).tril_()
+        hidden = self.net.forward(prompt, torch.arange(L, device=prompt.device), self.cache, vis)
+        self.committed = self.cache.committed = L
+        return hidden, self.net.logits(hidden if all_logits else hidden[-1:])
+
+    def forward_tree(self, tokens, parents, depths, anc):
+        n, P = tokens.numel(), self.committed
+        if not self.fixed_shape:
+            self._ensure(P + n)
+            hidden = self.net.forward(tokens, P + depths, self.cache, anc)
+            return hidden, self.net.logits(hidden)
+        rows = bucket_rows(n) if self.rows is None else self.rows
+        if n > rows:
+            raise BackendError(f"a draft tree of {n} nodes does not fit the fixed verify_rows={rows}; raise "
+                               f"verify_rows or leave it None (the next bucket per step)")
+        if int(depths.max()) >= BLOCK:
+            raise BackendError(f"a draft tree {int(depths.max()) + 1} deep exceeds fixed-shape verification's "
+                               f"{BLOCK}-position blocks; use fixed_shape=False or a shallower tree")
+        self._ensure(P + rows)
+        dev = tokens.device
+        pad = rows - n                                           # padding rows: token 0 at depth 0, alone
+        tok = torch.cat([tokens, tokens.new_zeros(pad)])
+        dep = torch.cat([depths, depths.new_zeros(pad)])
+        a = torch.eye(rows, dtype=torch.bool, device=dev)
+        a[:n, :n] = anc
+        tail = tail_index(P, P + dep, a, dep)
+        hidden = self.net.forward(tok, P + dep, self.cache, a, exact=True, tail=tail)
+        return hidden[:n], self.net.logits(hidden, exact=True)[:n]
+
+    def compact(self, num_new, keep):
+        self.committed = self.cache.compact(num_new, keep)
+        return self.committed
+
+
+def native_model(model) -> NativeModel:
+    """The `NativeModel` of an HF model, packed once and kept on the model (rebuilt if its weights moved)."""
+    net = getattr(model, "_specvocab_native", None)
+    if net is not None and net.layers and _same_storage(model, net):
+        return net
+    net = NativeModel(model)
+    model._specvocab_native = net
+    return net
+
+
+def _same_storage(model, net: NativeModel) -> bool:
+    q = decoder(model).layers[0].self_attn.q_proj.weight
+    return q.data_ptr() == net.layers[0].qkv_w.data_ptr() and q.dtype == net.dtype and \
+        model.get_output_embeddings().weight.data_ptr() == net.head_w.data_ptr()
+
+
+_warned: set[str] = set()
+
+
+def resolve_backend(model, backend: str = "auto") -> str:
+    """"native" or "hf" for this model: `auto` picks native where it applies (one line when it cannot);
+    `native` on a model it cannot run is an error naming the supported families."""
+    if backend not in BACKENDS:
+        raise BackendError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
+    if backend == "hf":
+        return "hf"
+    why = unsupported_reason(model)
+    if why is None:
+        return "native"
+    if backend == "native":
+        raise NativeError(f"backend='native': {why}; use backend='hf' or 'auto'")
+    if why not in _warned:
+        _warned.add(why)
+        print(f"[specvocab] native forward unavailable ({why}); using transformers (backend='hf')",
+              file=sys.stderr)
+    return "hf"
+
+
+def make_target(model, backend: str = "auto", fixed_shape: bool = True, rows: int | None = None) -> Target:
+    """The Target for one decode (a fresh cache per `begin`)."""
+    if resolve_backend(model, backend) == "native":
+        return NativeTarget(model, fixed_shape=fixed_shape, rows=rows)
+    return HFTarget(model)

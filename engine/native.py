@@ -45,9 +45,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.head import dense_head
+
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text")
 MIN_ROWS = 4          # smallest GEMM M that is row-invariant in fp32 on the CPUs measured (module docstring)
-BLOCK = 64            # logical positions per attention block (rule 2); a tree must be shallower than this
+BLOCK = 32            # logical positions per attention block (rule 2); a tree must be shallower than this
 
 
 class NativeError(ValueError):
@@ -251,13 +253,13 @@ class NativeModel:
         n, H, kvh, hd = x.shape[0], self.heads, self.kv_heads, self.head_dim
         h = self._rmsnorm(x, L.in_norm)
         qkv = F.linear(h, L.qkv_w, L.qkv_b)
-        q, k, v = qkv.split([H * hd, kvh * hd, kvh * hd], dim=-1)
-        q, k, v = q.view(n, H, hd), k.view(n, kvh, hd), v.view(n, kvh, hd)
+        qk, v = qkv.split([(H + kvh) * hd, kvh * hd], dim=-1)
+        qk, v = qk.view(n, H + kvh, hd), v.view(n, kvh, hd)
         if L.q_norm is not None:
-            q, k = self._rmsnorm(q, L.q_norm), self._rmsnorm(k, L.k_norm)
+            qk = torch.cat([self._rmsnorm(qk[:, :H], L.q_norm), self._rmsnorm(qk[:, H:], L.k_norm)], dim=1)
         c, s = cos[:, None], sin[:, None]
-        q = q * c + _rotate_half(q) * s
-        k = k * c + _rotate_half(k) * s
+        qk = qk * c + _rotate_half(qk) * s                             # RoPE on q and k in one pass
+        q, k = qk[:, :H], qk[:, H:]
         kc, vc = cache.k[slot], cache.v[slot]                          # [kvh, C, hd]
         kc[:, P:P + n] = k.transpose(0, 1)
         vc[:, P:P + n] = v.transpose(0, 1)
@@ -316,8 +318,9 @@ class NativeModel:
             ls.append(l)
             os_.append(o.view(kvh, b0, n, gp, hd).permute(0, 2, 3, 1, 4).float())
         idx, ok = tail                                                 # [n, 2 BLOCK] each
-        kt = kc[:, idx]                                                # [kvh, n, 2 BLOCK, hd] logical order
-        vt = vc[:, idx]
+        flat = idx.reshape(-1)
+        kt = kc.index_select(1, flat).view(kvh, n, 2 * BLOCK, hd)      # logical order
+        vt = vc.index_select(1, flat).view(kvh, n, 2 * BLOCK, hd)
         s = torch.matmul(qg, kt.transpose(-1, -2)).float().mul_(self.scale)     # [kvh, n, gp, 2 BLOCK]
         allowed = ok
         if window is not None:
@@ -345,7 +348,6 @@ class NativeModel:
         if exact:
             out = F.linear(hidden, self.head_w, self.head_b).float()
         else:
-            from kernels.head import dense_head
             out = dense_head(hidden, self.head_w, self.head_b).float()
         if self.softcap is not None:
             out = torch.tanh(out / self.softcap) * self.softcap

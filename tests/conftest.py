@@ -28,3 +28,19 @@ def gemma():
     from engine.models import load_model
 
     return load_model("gemma-3-270m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16():
+    """SmolLM2-135M-Instruct in bf16 (fixed-shape verification's bitwise tests)."""
+    from engine.models import load_model
+
+    return load_model("smollm2-135m-instruct", dtype="bf16")
+
+
+@pytest.fixture(scope="session")
+def gemma_bf16():
+    """Gemma-3-270M in bf16."""
+    from engine.models import load_model
+
+    return load_model("gemma-3-270m", dtype="bf16")

@@ -170,14 +170,15 @@ def test_eager_attention_takes_the_same_masks():
 
 @pytest.mark.parametrize("impl", ["flash_attention_2", "flex_attention", "paged|sdpa"])
 def test_attention_that_ignores_the_tree_mask_is_refused_before_any_forward(impl):
-    """Flash-attention builds its own causal mask and would verify a tree as one chain: refuse it."""
+    """Flash-attention builds its own causal mask and would verify a tree as one chain: the hf backend
+    refuses it (the native backend runs its own attention and never reads the implementation)."""
     model, _, _ = load_model("random-gemma3", vocab_size=VOCAB, hidden_size=32, num_layers=2, seed=1)
     model.config._attn_implementation = impl
     forwards = []
     hook = model.register_forward_pre_hook(lambda *a: forwards.append(1))
     try:
         with pytest.raises(kv.AttentionImplementationError, match=rf"{re.escape(impl)}.*4D.*sdpa"):
-            generate(model, list(range(10)), method="pld", max_new_tokens=4, eos_ids=[])
+            generate(model, list(range(10)), method="pld", max_new_tokens=4, eos_ids=[], backend="hf")
         with pytest.raises(kv.AttentionImplementationError, match="set_attn_implementation"):
             kv.new_cache(model)
     finally:

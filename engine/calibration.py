@@ -273,17 +273,18 @@ def eagle_total_token(forward_s: Mapping[int, float], candidates: Sequence[int] 
 _SAMPLING = ("temperature", "top_p")
 _STORE = ("store_k", "store_persistence")
 _TREE = ("eagle_depth", "eagle_topk")
+_TARGET = ("backend", "fixed_shape", "verify_rows")   # how the target runs changes s(g) (engine.target)
 # Config fields that change tau(g) or s(g), per method; the vocabulary policy's own fields follow
 # `POLICY_FIELDS` of the policy in use.
 CALIBRATION_FIELDS: dict[str, tuple[str, ...]] = {
-    "ar": _SAMPLING,
-    "pld": (*_SAMPLING, "pld_max_ngram", "pld_min_ngram"),
+    "ar": (*_SAMPLING, *_TARGET),
+    "pld": (*_SAMPLING, *_TARGET, "pld_max_ngram", "pld_min_ngram"),
     "hf-prompt-lookup": (*_SAMPLING, "pld_max_ngram", "pld_min_ngram"),
-    "recycling": (*_SAMPLING, *_STORE, "recycling_tree"),
-    "unispec": (*_SAMPLING, *_STORE, "tree_depth", "threshold_r", "confidence", "broaden_first_level",
+    "recycling": (*_SAMPLING, *_TARGET, *_STORE, "recycling_tree"),
+    "unispec": (*_SAMPLING, *_TARGET, *_STORE, "tree_depth", "threshold_r", "confidence", "broaden_first_level",
                 "threshold_scope", "cache_exclude_root"),
-    "layerskip": (*_SAMPLING, *_TREE, "drafter_layers", "vocab"),
-    "eagle": (*_SAMPLING, *_TREE, "eagle_head", "vocab"),
+    "layerskip": (*_SAMPLING, *_TARGET, *_TREE, "drafter_layers", "vocab"),
+    "eagle": (*_SAMPLING, *_TARGET, *_TREE, "eagle_head", "vocab"),
 }
 POLICY_FIELDS: dict[str, tuple[str, ...]] = {
     "full": (),

@@ -372,9 +372,8 @@ def tail_index(committed: int, positions: torch.Tensor, anc: torch.Tensor, paren
         raise NativeError(f"a draft tree {int(depth.max()) + 1} deep does not fit the exact mode's "
                           f"{BLOCK}-position blocks; use exact=False or a shallower tree")
     # node_at[i, j] = the ancestor of row i at depth j (or -1)
-    hit = anc & (depth[None, :] >= 0)                                  # [n, n] ancestors of each row
     node_at = torch.full((n, n), -1, dtype=torch.long, device=dev)
-    rows, cols = hit.nonzero(as_tuple=True)
+    rows, cols = anc.nonzero(as_tuple=True)                            # (row, one of its ancestors)
     node_at[rows, depth[cols]] = cols
     j = (logical - committed)                                           # [2B] depth a tree position has
     in_tree = (j >= 0)[None, :] & (j[None, :] <= depth[:, None])        # [n, 2B]

@@ -47,6 +47,15 @@ and `score_bins_proposed`, `score_bins_accepted`: draft nodes proposed and accep
 (`engine.harness.SCORE_BINS` equal bins over [0, 1], bin b = [b/20, (b+1)/20), 1.0 in the last; UniSpec Fig. 3).
 What was compared rides on every row too: `model`, `device`, `dtype`, `threads`, `max_new_tokens`, `temperature`.
 
+Every greedy row is checked against ar's row of the same (prompt_id, turn, repeat) as the bench goes
+(`engine.divergence`): `verdict` "exact" (same tokens), "near-tie" (differs, where ar's top two logits were
+within rounding of the run's dtype: `engine.divergence.near_tie_bound`) or "mismatch" (differs with a clear
+margin: a bug); for a differing row `first_divergence` (the first differing index into the new tokens),
+`ar_margin` (ar's token's logit minus the best other there, from one prefill over prompt + ar's tokens up to
+it, through ar's backend: only differing rows pay that forward), `ar_gap` (ar's token's logit minus the
+method's) and `prompt_differs` (a later turn after a diverged one: not compared, the earlier turn's verdict).
+Rows benched without ar in the same call (a sweep's cells) are diagnosed afterwards with `diagnose`.
+
 `tokens_per_s` = new_tokens / (wall_s - uncharged_s) (= new_tokens / wall_s except for oracle rows).
 
 Then prints (`print_summary`) what was compared (model, device, dtype, threads, prompts, tokens, each
@@ -54,8 +63,8 @@ drafter's head and runs), MicroSpec Table 2's layout (a row per run: tokens/s pe
 tokens/s with its speedup over ar, tau and lossless), a compact table per category and the overall block,
 per run: tokens/s (mean over rows), speedup (that mean over `ar`'s), tau (sum new_tokens / sum steps; ar =
 1.00), mean_active_vocab (mean over drafted steps: sum of row mean x drafted steps / sum of drafted steps),
-the draft time per drafted step in ms and its split by phase, and `lossless` (every output equals `ar`'s;
-greedy only),
+the draft time per drafted step in ms and its split by phase, and `lossless` (greedy only): "exact" if every
+output of the run equals `ar`'s, else "mismatch" if any row is a mismatch, else "near-tie" (`summarize`),
 
     draft_ms   = sum over rows (draft_s - draft_prefill_s - uncharged_s) / sum over rows (steps - 1)
     <phase>_ms = sum over rows <phase>_s / sum over rows (steps - 1)
@@ -65,7 +74,9 @@ greedy only),
 set-up of the policy - microspec's Eq. 2 window - is spread over the steps; a phase column is printed when
 some run spent time in it). Last, for a drafter benched with several policies, one line per pair measured in
 this run (`compare_vocabs`): every other policy against `full`, microspec against frspec and dynaspec, and
-dynaspec against frspec: draft-time ratio, tau ratio and tokens/s ratio, with the papers' claims as targets.
+dynaspec against frspec: draft-time ratio, tau ratio and tokens/s ratio, with the papers' claims as targets;
+and for every output that differs from ar's a line: run, prompt_id, turn, first divergent token, ar's margin
+there, verdict (`divergence_lines`).
 
 `run_bench(**kwargs)` is what the CLI calls and what a Ray sweep cell calls: one call per cell.
 """
@@ -83,11 +94,13 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.config import POLICIES, ConfigError, SpecConfig, parse_overrides
+from engine.divergence import VERDICTS, diagnose_rows, first_divergence, next_logits, run_verdict
 from engine.drafters import available_methods, make_drafter
 from engine.dynaspec import find_fitted, fitted_sizes, k_max_for_tokens, tokens_for_k_max
 from engine.harness import generate, resolve_config
 from engine.models import eos_token_ids, load_model
-from engine.prompts import decode_answer, encode_prompt, load_prompts
+from engine.prompts import Prompt, decode_answer, encode_prompt, load_prompts
+from engine.target import backend_label
 from engine.frequency import default_frequency_file
 from kernels.hardware import HardwareError, parse_device, parse_dtype
 
@@ -95,7 +108,7 @@ RESULTS_FILE = "results.parquet"
 DRAFTERS = ("layerskip", "eagle")              # drafters with an LM head behind a vocabulary policy
 PHASES = ("backbone", "router", "gather", "lm_head", "tree")   # drafter phases (engine.drafters.lmhead)
 ROW_SCHEMA = {
-    "model": pl.String, "device": pl.String, "dtype": pl.String, "method": pl.String, "run": pl.String,
+    "model": pl.String, "device": pl.String, "dtype": pl.String, "backend": pl.String, "method": pl.String, "run": pl.String,
     "policy": pl.String, "vocab_size": pl.Int64, "dynaspec_k_max": pl.Int64, "draft_head": pl.String,
     "vocab_file": pl.String, "draft_size": pl.Int64, "max_new_tokens": pl.Int64, "prompt_set": pl.String,
     "prompt_id": pl.String,
@@ -109,8 +122,12 @@ ROW_SCHEMA = {
     "temperature": pl.Float64,
     "seed": pl.Int64, "output_ids": pl.List(pl.Int64),
     "score_bins_proposed": pl.List(pl.Int64), "score_bins_accepted": pl.List(pl.Int64),
+    # against ar's row of the same (prompt_id, turn, repeat), greedy only (`engine.divergence`, `diagnose`)
+    "verdict": pl.String, "first_divergence": pl.Int64, "ar_margin": pl.Float64, "ar_gap": pl.Float64,
+    "prompt_differs": pl.Boolean,
 }
 RUN_KEY = ("method", "run", "prompt_id", "repeat")
+DIAGNOSIS = ("verdict", "first_divergence", "ar_margin", "ar_gap", "prompt_differs")   # `diagnose`'s columns
 RUN = ["method", "run"]                         # one benched configuration
 # MicroSpec's claims against full of the same drafter, as targets: draft time per step cut several-fold
 # (MicroSpec §4.4, Fig. 4), tau kept (§4.3), faster end to end (§4.2)
@@ -379,16 +396,17 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
             done = {tuple(str(r[k]) for k in RUN_KEY) for r in rows}
 
     def run_turns(p, run: Run, repeat: int, cfg: SpecConfig, limit: int | None = None) -> list[dict]:
-        answers, got = [], []
+        outputs, got = [], []
         for turn in range(1, len(p.turns) + 1):                 # MT-Bench's "turn 1", "turn 2"
-            ids = encode_prompt(tokenizer, info, p.turns[:turn], answers, max_new_tokens=cfg.max_new_tokens,
-                                system_prompt=p.system_prompt, name=p.name)
+            # each turn after this run's own earlier answers (`turn_prompt`; `diagnose` rebuilds it alike)
+            ids = turn_prompt(tokenizer, info, p, turn, outputs, cfg.max_new_tokens, eos)
             res = generate(target, ids, cfg.replace(seed=cfg.seed + repeat), tokenizer=tokenizer, info=info,
                            eos_ids=eos)
-            answers.append(decode_answer(tokenizer, res.output_ids.tolist(), eos))
+            outputs.append(res.output_ids.tolist())
             extra = _drafter_columns(res)
             got.append({
-                "model": info.name, "device": dev, "dtype": dtype_name, "method": run.method, "run": run.label,
+                "model": info.name, "device": dev, "dtype": dtype_name,
+                "backend": backend_label(target, cfg.backend, cfg.fixed_shape, cfg.compile), "method": run.method, "run": run.label,
                 "policy": run.policy, "vocab_size": run.vocab_size,
                 "dynaspec_k_max": cfg.dynaspec_k_max if run.policy == "dynaspec" else None,
                 "draft_head": run.draft_head, "vocab_file": run.vocab_file, "draft_size": cfg.draft_size,
@@ -412,8 +430,15 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
 
     todo = [(p, r, run) for p in prompt_list for r in range(repeats) for run in runs
             if (run.method, run.label, str(p.prompt_id), str(r)) not in done]
+    # ar's margin where an output parted from ar's is measured with ar's own backend, outside every timing
+    ar_cfg = next((run.cfg for run in runs if run.method == "ar"), runs[0].cfg)
+    if rows:                                                     # --resume: a file from before the diagnosis
+        _diagnose_rows(rows, loaded, prompt_list, ar_cfg, eos, only_missing=True)
     for p, r, run in tqdm(todo, desc=f"bench {info.name}", unit="run", disable=not progress):
         rows.extend(run_turns(p, run, r, run.cfg))
+        # rows without a verdict whose ar row is there now (ar may run after a method, or come from --resume);
+        # rows equal to ar's cost a list comparison, only differing ones a forward
+        _diagnose_rows(rows, loaded, prompt_list, ar_cfg, eos, only_missing=True)
         if path is not None:
             _write(_frame(rows), path)
     frame = _frame(rows)
@@ -422,20 +447,150 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
     return frame
 
 
+def turn_prompt(tokenizer, info, p: Prompt, turn: int, earlier_outputs: Sequence[Sequence[int]],
+                max_new_tokens: int, eos: Sequence[int]) -> list[int]:
+    """The prompt ids of `p`'s turn `turn` (from 1) after a run's own answers to its earlier turns (their
+    output ids, decoded as FR-Spec feeds them into the next turn: `decode_answer`)."""
+    answers = [decode_answer(tokenizer, list(o), eos) for o in earlier_outputs]
+    return encode_prompt(tokenizer, info, p.turns[:turn], answers, max_new_tokens=max_new_tokens,
+                         system_prompt=p.system_prompt, name=p.name)
+
+
+def _diagnose_rows(rows: list[dict], loaded, prompt_list: Sequence[Prompt], cfg: SpecConfig, eos,
+                   only_missing: bool) -> int:
+    """`engine.divergence.diagnose_rows` on bench rows with this model: prompts rebuilt by `turn_prompt` from
+    the prompt set's `Prompt`s, logits from one prefill through `cfg`'s backend (ar's)."""
+    target, tokenizer, info = loaded
+    by_id = {str(p.prompt_id): p for p in prompt_list}
+
+    def prompt_ids(row: dict, earlier: list[list[int]]) -> list[int] | None:
+        p = by_id.get(str(row["prompt_id"]))
+        if p is None or int(row["turn"]) > len(p.turns):
+            return None                                          # not this prompt set's prompt: undiagnosed
+        return turn_prompt(tokenizer, info, p, int(row["turn"]), earlier, int(row.get("max_new_tokens") or 0), eos)
+
+    dtype = str(next(target.parameters()).dtype)
+    logits = (lambda ids: next_logits(target, ids, backend=cfg.backend, fixed_shape=cfg.fixed_shape,
+                                      rows=cfg.verify_rows))
+    return diagnose_rows(rows, prompt_ids=prompt_ids, next_logits=logits, dtype=dtype, only_missing=only_missing)
+
+
+def diagnose(frame: pl.DataFrame, loaded, prompts: str | Path | Sequence[Prompt] | None = None, *,
+             config: dict | None = None) -> pl.DataFrame:
+    """`frame` (bench rows, e.g. a results.parquet) with `verdict`, `first_divergence`, `ar_margin`, `ar_gap` and
+    `prompt_differs` diagnosed afresh against its ar rows (`engine.divergence`): one prefill forward of
+    `loaded`'s target per row that differs from ar's, none for equal rows. `run_bench` does this as it goes;
+    call it for rows benched without their ar run in the same call (a sweep's cells) or edited by hand.
+
+    loaded: (model, tokenizer, info) of the model the rows were benched with. prompts: the prompt set (name or
+    .jsonl path) or its `Prompt`s, to rebuild each turn's prompt (default: each `prompt_set` of the rows).
+    config: SpecConfig fields for ar's forward (backend, fixed_shape, verify_rows; default SpecConfig's)."""
+    target, tokenizer, _ = loaded
+    try:
+        if prompts is None:
+            prompt_list = [p for name in _values(frame, "prompt_set") for p in load_prompts(name)]
+        elif isinstance(prompts, (str, Path)):
+            prompt_list = load_prompts(str(prompts))
+        else:
+            prompt_list = list(prompts)
+    except ValueError as e:                                      # PromptError: an unknown set or a bad file
+        raise BenchError(f"diagnose cannot rebuild the rows' prompts: {e}; pass prompts= (the prompt set's name "
+                         f"or the .jsonl file the bench read)") from e
+    try:
+        cfg = SpecConfig.preset("ar", **(config or {}))
+    except ConfigError as e:
+        raise BenchError(f"bad configuration: {e}") from e
+    rows = frame.to_dicts()
+    _diagnose_rows(rows, loaded, prompt_list, cfg, eos_token_ids(target, tokenizer), only_missing=False)
+    # the frame's other columns kept as they are (a sweep's hive columns too); these five set or added
+    return frame.with_columns([pl.Series(c, [r.get(c) for r in rows], dtype=ROW_SCHEMA[c]) for c in DIAGNOSIS])
+
+
 # --- summaries ------------------------------------------------------------------------------------------
+
+def _with_optional(frame: pl.DataFrame, needs: Sequence[str] = ("category",)) -> pl.DataFrame:
+    """`frame` with every ROW_SCHEMA column (null where a hand-made frame or an older file lacks one)."""
+    missing = [c for c in (*RUN, "prompt_id", "turn", "repeat", *needs) if c not in frame.columns]
+    if missing:
+        raise BenchError(f"summarize needs engine.bench's columns; missing {missing} (a results file from an "
+                         f"older engine.bench: bench again)")
+    return frame.with_columns([pl.lit(None, dtype=dt).alias(col) for col, dt in ROW_SCHEMA.items()
+                               if col not in frame.columns])
+
+
+def row_verdicts(frame: pl.DataFrame) -> pl.DataFrame | None:
+    """`frame` with `ar_output` (ar's output for the row's prompt_id, turn, repeat) and `row_verdict`, the
+    verdict `summarize` counts: null without an ar row; "exact" where the output equals ar's (whatever an
+    older `verdict` said: a stale one from before a hand edit is not trusted), except a later turn whose
+    prompt already differed (`prompt_differs`: it keeps the verdict of the turn where the conversation
+    parted); else the row's diagnosed `verdict` (near-tie | mismatch); a differing row never diagnosed (an
+    older results file, ar benched in another call: `diagnose`) counts as a mismatch - nothing shows that
+    rounding explains it. None when outputs are not token-comparable: no ar rows, or any row sampled."""
+    frame = _with_optional(frame, ())
+    key = ["prompt_id", "turn", "repeat"]
+    ar_out = (frame.filter(pl.col("method") == "ar").unique(key, keep="first", maintain_order=True)
+              .select(*key, ar_output=pl.col("output_ids")))
+    if not ar_out.height or not bool((frame["temperature"] == 0).all()):
+        return None
+    stored = pl.col("verdict")
+    diverged = stored.is_in(list(VERDICTS[1:]))
+    return (frame.join(ar_out, on=key, how="left", maintain_order="left")
+            .with_columns(row_verdict=pl.when(pl.col("ar_output").is_null()).then(pl.lit(None, dtype=pl.String))
+                          .when(pl.col("prompt_differs") & diverged).then(stored)
+                          .when(pl.col("output_ids") == pl.col("ar_output")).then(pl.lit("exact"))
+                          .when(diverged).then(stored)
+                          .otherwise(pl.lit("mismatch"))))
+
+
+def divergences(frame: pl.DataFrame) -> pl.DataFrame:
+    """The rows whose `row_verdicts` verdict is not exact, one per (method, run, prompt_id, turn, repeat):
+    first_divergence (from the outputs where the row was never diagnosed), ar_margin, ar_gap, prompt_differs,
+    verdict, and `diagnosed` (whether `engine.divergence` measured it)."""
+    schema = {"method": pl.String, "run": pl.String, "prompt_id": pl.String, "turn": pl.Int32, "repeat": pl.Int32,
+              "first_divergence": pl.Int64, "ar_margin": pl.Float64, "ar_gap": pl.Float64,
+              "prompt_differs": pl.Boolean, "verdict": pl.String, "diagnosed": pl.Boolean}
+    rows = row_verdicts(frame)
+    if rows is None:
+        return pl.DataFrame(schema=schema)
+    out = []
+    differ = rows.filter(pl.col("row_verdict").is_not_null() & (pl.col("row_verdict") != "exact"))
+    for r in differ.iter_rows(named=True):
+        diagnosed = r["verdict"] in VERDICTS[1:]
+        pos = r["first_divergence"] if diagnosed else first_divergence(r["ar_output"], r["output_ids"])
+        out.append({**{k: r[k] for k in ("method", "run", "prompt_id", "turn", "repeat")}, "first_divergence": pos,
+                    "ar_margin": r["ar_margin"] if diagnosed else None, "ar_gap": r["ar_gap"] if diagnosed else None,
+                    "prompt_differs": r["prompt_differs"] if diagnosed else None, "verdict": r["row_verdict"],
+                    "diagnosed": diagnosed})
+    return pl.DataFrame(out, schema=schema)
+
+
+def divergence_lines(frame: pl.DataFrame) -> list[str]:
+    """One line per `divergences` row: run, prompt_id, turn (and repeat), the first divergent new token, ar's
+    margin there (and the gap to the method's token), the verdict."""
+    lines = []
+    for r in divergences(frame).iter_rows(named=True):
+        who = r["run"] if r["run"].startswith(r["method"]) else f"{r['method']} {r['run']}"
+        where = f"{who}: prompt {r['prompt_id']}, turn {r['turn']}, repeat {r['repeat']}: "
+        if r["prompt_differs"]:
+            what = "prompt differs (an earlier turn diverged; its verdict)"
+        elif not r["diagnosed"]:
+            what = f"first divergent token {r['first_divergence']}, ar margin n/a (not diagnosed: `diagnose`)"
+        else:
+            what = (f"first divergent token {r['first_divergence']}, ar margin {_fmt(r['ar_margin'], '.4g')}, "
+                    f"gap to the method's token {_fmt(r['ar_gap'], '.4g')}")
+        lines.append(where + what + f" -> {r['verdict']}")
+    return lines
+
 
 def summarize(frame: pl.DataFrame) -> pl.DataFrame:
     """Per (category incl. "all", method, run): policy, vocab_size, dynaspec_k_max, draft_head, rows,
     tokens_per_s (mean over rows), speedup over ar, tau, g, mean_active_vocab and mean_union_vocab (means over
     drafted steps), draft_ms and the per-phase ms per drafted step (module docstring), draft and bonus
-    coverage, lossless."""
-    missing = [c for c in (*RUN, "prompt_id", "turn", "repeat", "category") if c not in frame.columns]
-    if missing:
-        raise BenchError(f"summarize needs engine.bench's columns; missing {missing} (a results file from an "
-                         f"older engine.bench: bench again)")
-    for col, dt in ROW_SCHEMA.items():                           # optional columns a hand-made frame lacks
-        if col not in frame.columns:
-            frame = frame.with_columns(pl.lit(None, dtype=dt).alias(col))
+    coverage, and `lossless`, a string: "exact" - every output equals ar's token for token; "near-tie" - some
+    differ, each where the target's top two logits were within rounding (`engine.divergence.near_tie_bound`);
+    "mismatch" - some output differs where ar's token led clearly, a bug (or was never diagnosed:
+    `row_verdicts`); null when outputs are not comparable (no ar rows, or sampling)."""
+    frame = _with_optional(frame)
     both = pl.concat([frame, frame.with_columns(category=pl.lit("all"))], how="vertical_relaxed")
     drafted = (pl.col("steps") - 1).clip(lower_bound=0)
     per_step = (lambda e: pl.when(drafted.sum() > 0).then(e.sum() / drafted.sum() * 1e3))
@@ -460,17 +615,13 @@ def summarize(frame: pl.DataFrame) -> pl.DataFrame:
                 .agg(ar_tokens_per_s=pl.col("tokens_per_s").first()))
     agg = (agg.join(ar_speed, on="category", how="left")
            .with_columns(speedup=pl.col("tokens_per_s") / pl.col("ar_tokens_per_s")).drop("ar_tokens_per_s"))
-    key = ["prompt_id", "turn", "repeat"]
-    ar_out = (frame.filter(pl.col("method") == "ar").unique(key, keep="first", maintain_order=True)
-              .select(*key, ar_output=pl.col("output_ids")))
-    if ar_out.height and bool((frame["temperature"] == 0).all()):
-        same = (frame.join(ar_out, on=key, how="left")
-                .with_columns(same=pl.col("output_ids") == pl.col("ar_output")))
-        same = pl.concat([same, same.with_columns(category=pl.lit("all"))])
-        lossless = same.group_by("category", *RUN).agg(lossless=pl.col("same").all())
+    verdicts = row_verdicts(frame)
+    if verdicts is not None:
+        verdicts = pl.concat([verdicts, verdicts.with_columns(category=pl.lit("all"))])
+        lossless = verdicts.group_by("category", *RUN).agg(lossless=run_verdict(pl.col("row_verdict")))
         agg = agg.join(lossless, on=["category", *RUN], how="left")
     else:                                                        # no ar rows, or sampling: not token-comparable
-        agg = agg.with_columns(lossless=pl.lit(None, dtype=pl.Boolean))
+        agg = agg.with_columns(lossless=pl.lit(None, dtype=pl.String))
     runs = frame.select(RUN).unique(maintain_order=True).with_row_index("_r")
     return (agg.join(runs, on=RUN, how="left").with_columns(_cat_all=pl.col("category") == "all")
             .sort("_cat_all", "category", "_r").drop("_cat_all", "_r")
@@ -574,6 +725,8 @@ def describe(frame: pl.DataFrame) -> list[str]:
     head and the runs benched on it, with their sizes and files; the other methods."""
     join = (lambda col, sep="/": sep.join(str(v) for v in _values(frame, col)))
     where = [join("device"), join("dtype")]
+    if _values(frame, "backend"):
+        where.append(f"{join('backend')} target forward")
     if _values(frame, "threads"):
         where.append(f"{join('threads')} torch thread(s)")
     lines = [f"bench: {join('model', ', ') or '?'} on {', '.join(w for w in where if w) or '?'}"]
@@ -654,6 +807,13 @@ def print_summary(frame: pl.DataFrame) -> pl.DataFrame:
         print(table.filter(pl.col("category") == "all").select(*RUN, *overall))
     for line in comparison_lines(compare_vocabs(full)):
         print(line)
+    differ = divergence_lines(frame)
+    if differ:
+        print("outputs that differ from ar's: the first divergent new token, ar's logit margin there (its token "
+              "minus the best other) and the gap to the method's token; near-tie: within rounding "
+              "(engine.divergence.near_tie_bound), mismatch: a bug")
+        for line in differ:
+            print(line)
     return full
 
 

@@ -3,8 +3,11 @@
 
 The fits, the pipelines ("default", and "paper": the paper's own), the cache and `resolve_draft_size`
 live in `engine.calibration` (pure; the harness imports them). This module runs
-`engine.harness.generate` with `draft_size=g` for every g of a grid, for any method: every method reads
-its draft size from the one field `draft_size`, so every calibration varies the tree it verifies.
+`engine.harness.generate` with `draft_size=g` for every g of a grid, for every drafting method (unispec,
+recycling, layerskip, eagle, pld, hf-prompt-lookup): every method reads its draft size from the one field
+`draft_size`, so every calibration varies the tree it verifies (what g is per method, and why recycling
+keeps its template and eagle its depth: `engine.calibration`). The record is cached under the method's own
+key, where `engine.harness.resolve_config` finds it for `draft_size=None`.
 
 Choices where the paper is silent [C]:
 - tau(g) counts decoding steps only (the prefill's first token is left out); s(g) is the median over
@@ -14,30 +17,38 @@ Choices where the paper is silent [C]:
 - The store persists through calibration (Alg. 1 builds it first), but rerunning the same prompts at
   every g would let the store memorise their continuations. So the store is warmed once on separate
   warm-up prompts, snapshotted, and restored before every grid point: each g starts from the same state.
-- Grids (`engine.calibration.DEFAULT_GRIDS`): CPU {1,2,3,4,6,8,12,16,24,32} (verification cost grows
-  steeply with g on a CPU); CUDA {16,32,...,160}. Fewer than 4 points lower the polynomial degree.
+- Grids (`engine.calibration.default_grid`): CPU {1,2,3,4,6,8,12,16,24,32} (verification cost grows
+  steeply with g on a CPU); CUDA {16,32,...,160}; prompt lookup's chains stop below 32 and recycling's CUDA
+  grid at its 80 nodes (`METHOD_GRIDS`). Points above what the method and the target allow
+  (`max_draft_size`) are dropped with a warning. Fewer than 4 points lower the polynomial degree.
 - Calibration prompts come from the training corpus, never from a benchmark (`calibration_prompts`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
+import warnings
 from typing import Mapping, Sequence
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from engine.calibration import (DEFAULT_GRIDS, EAGLE_CANDIDATES, CalibrationError, Pipeline, calibration_fields,
-                                config_fingerprint, device_name, eagle_total_token, fit_record, model_id,
-                                model_key, pipeline_of, refit, save_calibration)
+from engine.calibration import (DRAFTING_METHODS, EAGLE_CANDIDATES, CalibrationError, Pipeline, calibration_fields,
+                                config_fingerprint, default_grid, device_name, eagle_total_token, fit_record,
+                                model_id, model_key, pipeline_of, refit, save_calibration)
 from engine.config import SpecConfig, parse_overrides
+from engine.drafters import HF_METHODS
 from engine.drafters.recycling import TEMPLATES, template_size
+from engine.frequency import default_frequency_file
 from engine.harness import generate
 from engine.models import eos_token_ids, load_model
+from engine.native import BLOCK
 from engine.prompts import encode_prompt, load_prompts
 from engine.store import deployment_store
+from engine.target import resolve_backend
 from kernels.hardware import parse_device, parse_dtype
 
 
@@ -137,11 +148,42 @@ def _round_robin(model, prompts, cfgs, store, repeats, eos_ids, progress, desc) 
     return runs
 
 
-def max_draft_size(cfg: SpecConfig) -> int | None:
-    """The largest draft size cfg.method can propose, where it has one (recycling: its template's nodes)."""
+def max_draft_size(cfg: SpecConfig, model=None) -> int | None:
+    """The largest draft size cfg.method can propose, None where it has no bound of its own:
+    recycling its template's nodes; layerskip / eagle EAGLE-2's candidates at the config's depth,
+    topk + topk^2 (depth - 1); unispec its candidate pool, (2 with the broadened first level, else 1) k +
+    k^2 (d - 1); pld / hf-prompt-lookup none. With `model`, the target's bounds too: on the native
+    fixed-shape path (`engine.target`) a tree of at most `verify_rows` rows when that is set, and a chain
+    (pld) shallower than `engine.native.BLOCK` positions."""
+    caps = []
     if cfg.method == "recycling" and cfg.recycling_tree in TEMPLATES:
-        return template_size(cfg.recycling_tree)
-    return None
+        caps.append(template_size(cfg.recycling_tree))
+    elif cfg.method in ("layerskip", "eagle"):
+        caps.append(cfg.eagle_topk + cfg.eagle_topk ** 2 * (cfg.eagle_depth - 1))
+    elif cfg.method == "unispec":
+        caps.append((2 if cfg.broaden_first_level else 1) * cfg.store_k + cfg.store_k ** 2 * (cfg.tree_depth - 1))
+    if model is not None and cfg.method in DRAFTING_METHODS and cfg.method not in HF_METHODS and cfg.fixed_shape \
+            and resolve_backend(model, cfg.backend) == "native":
+        if cfg.verify_rows is not None:
+            caps.append(cfg.verify_rows - 1)                # rows: the root + the draft nodes
+        if cfg.method == "pld":
+            caps.append(BLOCK - 1)                          # a chain of g drafts is g deep
+    return min(caps) if caps else None
+
+
+def calibration_grid(cfg: SpecConfig, model, grid: Sequence[int] | None = None) -> list[int]:
+    """The draft sizes a calibration of cfg measures: `grid` (default `engine.calibration.default_grid` of
+    the method and the model's device type), sorted, without the points above `max_draft_size(cfg, model)`
+    (a warning names them; if none is left, the largest allowed size alone)."""
+    device = next(model.parameters()).device
+    grid = sorted({int(g) for g in (default_grid(cfg.method, device.type) if grid is None else grid)})
+    cap = max_draft_size(cfg, model)
+    if cap is None or grid[-1] <= cap:
+        return grid
+    kept = [g for g in grid if g <= cap] or [cap]
+    warnings.warn(f"{cfg.method} proposes at most {cap} draft tokens with this config and target "
+                  f"(engine.calibrate.max_draft_size); calibrating at {kept} instead of {grid}", stacklevel=2)
+    return kept
 
 
 def measure_grid(model, prompts: Sequence[torch.Tensor], method: str, grid: Sequence[int], *,
@@ -170,23 +212,45 @@ def measure_grid(model, prompts: Sequence[torch.Tensor], method: str, grid: Sequ
     return [{"g": g, **_summarise(r)} for g, r in runs.items()]
 
 
+def runnable_config(cfg: SpecConfig, model, tokenizer=None, info=None, eos_ids=None) -> SpecConfig:
+    """cfg with what a run fills in after its draft size is resolved, as `engine.bench` does: frspec's
+    default ranking (`engine.frequency.default_frequency_file`, counted on the training corpus with the
+    model's tokenizer) when `frequency_file` is None. The calibration key keeps None, the value a bench
+    resolves its draft size with (dynaspec's newest fit is found by the policy itself)."""
+    if cfg.vocab != "frspec" or cfg.frequency_file is not None:
+        return cfg
+    if info is None:
+        raise CalibrationError("vocab='frspec' without frequency_file runs on the default ranking of the model's "
+                               "tokenizer: pass tokenizer= and info= (what load_model returns), or frequency_file=")
+    vocab = model.get_output_embeddings().weight.shape[0]
+    path = default_frequency_file(tokenizer, info.tokenizer_name, vocab, eos_ids=list(eos_ids or ()))
+    return cfg.replace(frequency_file=str(path))
+
+
 def calibrate(model, prompts: Sequence[torch.Tensor], method: str = "unispec", *, grid: Sequence[int] | None = None,
               pipeline: str | Pipeline = "default", mode: str | None = None, timing: str | None = None,
               cfg: SpecConfig | None = None, warmup_prompts: Sequence[torch.Tensor] = (), repeats: int = 1,
-              eos_ids=None, save: bool = True, progress: bool = True) -> dict:
-    """Measure the grid, fit, maximise, and (save=True) cache g* under `engine.calibration.model_key`:
-    (model, device, dtype, method, the config fields that change tau or s). `pipeline`: "default" or
-    "paper" (`engine.calibration.PIPELINES`); mode / timing override it. Returns the calibration record
-    (UniSpec App. F: the grid, tau_i, s_i, the fits' g*, the config, the machine)."""
+              eos_ids=None, save: bool = True, progress: bool = True, tokenizer=None, info=None) -> dict:
+    """Measure the grid (`calibration_grid`), fit, maximise, and (save=True) cache g* of `method` - any of
+    `engine.calibration.DRAFTING_METHODS` - under `engine.calibration.model_key`: (model, device, dtype,
+    method, the config fields that change tau or s), where `resolve_config` finds it for draft_size=None.
+    `pipeline`: "default" or "paper" (`engine.calibration.PIPELINES`); mode / timing override it.
+    tokenizer, info: the model's, for frspec's default ranking (`runnable_config`). Returns the
+    calibration record (UniSpec App. F: the grid, tau_i, s_i, the fits' g*, the config, the machine)."""
+    if method not in DRAFTING_METHODS:
+        raise CalibrationError(f"method {method!r} drafts nothing: there is no draft size to calibrate; choose one "
+                               f"of {list(DRAFTING_METHODS)}")
     p = pipeline_of(pipeline, mode=mode, timing=timing)
     base = (cfg or SpecConfig.preset(method)).replace(method=method, draft_size=None)
     device = next(model.parameters()).device
-    grid = list(DEFAULT_GRIDS["cuda" if device.type == "cuda" else "cpu"] if grid is None else grid)
-    cap = max_draft_size(base)
-    if cap is not None:
-        grid = [g for g in grid if g <= cap] or [cap]
+    if grid is not None and len(grid) == 0:
+        raise CalibrationError("empty calibration grid; give at least one draft size")
+    if grid is not None and any(int(g) <= 0 for g in grid):
+        raise CalibrationError(f"draft sizes must be positive, got {list(grid)}")
+    grid = calibration_grid(base, model, grid)
     t0 = time.perf_counter()
-    rows = measure_grid(model, prompts, method, grid, cfg=base, warmup_prompts=warmup_prompts,
+    run = runnable_config(base, model, tokenizer, info, eos_ids)
+    rows = measure_grid(model, prompts, method, grid, cfg=run, warmup_prompts=warmup_prompts,
                         repeats=repeats, eos_ids=eos_ids, progress=progress)
     key = model_key(model, base)
     record = {
@@ -197,6 +261,8 @@ def calibrate(model, prompts: Sequence[torch.Tensor], method: str = "unispec", *
         "torch": torch.__version__, "threads": torch.get_num_threads(),
         "wallclock_s": time.perf_counter() - t0, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+    if run != base:
+        record["ran_with"] = {k: v for k, v in dataclasses.asdict(run).items() if getattr(base, k) != v}
     record.update(fit_record(record, pipeline if isinstance(pipeline, str) else p, mode=mode, timing=timing))
     if save:
         save_calibration(key, record)
@@ -222,7 +288,7 @@ def main(model: str = "smollm2-135m-instruct", method: str = "unispec", grid: Se
          pipeline: str = "default", mode: str | None = None, timing: str | None = None, prompts: int = 5,
          warmup: int = 2, max_new_tokens: int = 96, repeats: int = 1, compare: bool = True, save: bool = True,
          threads: int | None = None, device: str | None = None, dtype: str | None = None, **overrides) -> dict:
-    """Calibrate g* for a model on this machine and print tau(g), s(g), the fits and EAGLE's anchor.
+    """Calibrate a drafting method's g* for a model on this machine; print tau(g), s(g), the fits, EAGLE's anchor.
     overrides: SpecConfig fields of the calibrated configuration (they are part of the cache key)."""
     if threads:
         torch.set_num_threads(threads)
@@ -231,7 +297,7 @@ def main(model: str = "smollm2-135m-instruct", method: str = "unispec", grid: Se
     cfg = SpecConfig.preset(method, max_new_tokens=max_new_tokens, **overrides)
     eos = eos_token_ids(target, tok)
     rec = calibrate(target, cal, method, grid=grid, pipeline=pipeline, mode=mode, timing=timing, cfg=cfg,
-                    warmup_prompts=warm, repeats=repeats, eos_ids=eos, save=save)
+                    warmup_prompts=warm, repeats=repeats, eos_ids=eos, save=save, tokenizer=tok, info=info)
     print(f"\n{rec['key']}  ({', '.join(f'{k}={v}' for k, v in rec['config'].items())})")
     print(f"{'g':>5} {'drafted':>7} {'tau':>6} {'s_step ms':>10} {'s_fwd ms':>9} {'tok/s':>7}")
     for r in rec["rows"]:
@@ -246,10 +312,11 @@ def main(model: str = "smollm2-135m-instruct", method: str = "unispec", grid: Se
     if compare:
         store = _store_of(target, cfg, info.vocab_size)
         sizes = {"fit": rec["g_star"], "grid": rec["g_star_grid"], "eagle": eagle_n - 1}
-        cap = max_draft_size(cfg)
+        cap = max_draft_size(cfg, target)
         if cap is not None:
             sizes["eagle"] = min(sizes["eagle"], cap)
-        cfgs = {label: cfg.replace(draft_size=g) for label, g in sizes.items()}
+        run = runnable_config(cfg, target, tok, info, eos)
+        cfgs = {label: run.replace(draft_size=g) for label, g in sizes.items()}
         cfgs["ar"] = cfg.replace(method="ar", draft_size=None)
         runs = round_robin(target, cal, cfgs, store=store, repeats=repeats, eos_ids=eos, desc="compare")
         rec["compare"] = {label: {"g": sizes.get(label, 0), **_summarise(r)} for label, r in runs.items()}
@@ -269,7 +336,8 @@ def main(model: str = "smollm2-135m-instruct", method: str = "unispec", grid: Se
 def _cli(argv=None):
     ap = argparse.ArgumentParser(prog="python -m engine.calibrate", description=main.__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--method", default="unispec")
+    ap.add_argument("--method", default="unispec", choices=DRAFTING_METHODS,
+                    help="the drafting method whose draft size g* to calibrate (default unispec)")
     ap.add_argument("--grid", default=None, help="comma-separated draft sizes (default: per device type)")
     ap.add_argument("--pipeline", default=None, choices=["default", "paper"],
                     help="default (the default), or paper: uniform knots, forward-only time, the paper's exact fit "

@@ -24,6 +24,27 @@ Two pipelines (`PIPELINES`):
   forward-only s assumes drafting is free, which a CPU does not grant), the better of floor/ceil of the
   optimum, and a fall-back to the grid when the spline dips far below every measurement.
 
+Every drafting method (`DRAFTING_METHODS`) is calibrated the same way: each reads its draft size from the
+one field `draft_size`, so the same grid measurement, fits and argmax give its g* (UniSpec §3 states Eq. 1-4
+for any tree drafter; App. F's pipeline is the method-independent part). What g is, per method:
+- unispec: the most draft nodes selected per step (top-g* by confidence, §3, Eq. 4; threshold pruning may
+  propose fewer).
+- recycling: the first g nodes of Token Recycling's static template in rank order (the chains through the
+  top-ranked store slots, closed under ancestors: `engine.drafters.recycling`), g <= its 80 nodes - UniSpec
+  Table 17's "+device-aware" Token Recycling. The template's shape is kept, not re-chosen: it is the
+  method (Token Recycling's Fig. 5); calibration only decides how much of it this device can afford to
+  verify, and a truncated template is a prefix of the same priority order, so one 1-D grid covers it.
+- layerskip / eagle: EAGLE-2's total_tokens - 1 (the tree's nodes besides the root), at the config's
+  `eagle_depth` and `eagle_topk`. Depth is not searched: it is a config field in the key, so each depth
+  is its own calibration (`--set eagle_depth=D`), and comparing their records' predicted tokens/s picks a
+  depth; App. F's fit is 1-D in g. A tree holds at most topk + topk^2 (depth - 1) candidates. EAGLE's own
+  `total_token=-1` (below) picks this same number from a prior gain; here tau(g) is measured.
+- pld / hf-prompt-lookup: the longest chain copied per step (transformers' `prompt_lookup_num_tokens`).
+  A chain is as deep as it is long, so its grid stops below the native fixed-shape forward's 32-position
+  block (`METHOD_GRIDS`).
+The largest g a method (and the target's fixed verify rows) allows is `engine.calibrate.max_draft_size`;
+a calibration drops grid points above it.
+
 This module is pure apart from the cache (arrays in, g* out; no model is run here): measuring lives in
 `engine.calibrate`, which runs `engine.harness.generate`; the harness imports this module to resolve a
 run's draft size, so nothing here imports the harness.
@@ -32,8 +53,10 @@ The cache: `$SPECVOCAB_CACHE/calibration.json` (default `~/.cache/specvocab`), o
 `model|device|dtype|method|fingerprint`. The fingerprint is a short hash of every config field that
 changes tau(g) or s(g) for that method (`calibration_fields`: r, k, depth, confidence, the store's
 persistence, the drafter's layers, the vocabulary policy and its size, ...); the fields themselves are
-stored in the record. `resolve_draft_size` never calibrates silently: with no cached g* it warns and
-falls back to `FALLBACK_DRAFT_SIZE[device type]`, or raises with `on_missing="error"`.
+stored in the record. `resolve_draft_size` never calibrates silently: with no cached g* it warns once per
+key, naming the command that makes one (`calibrate_command`), and falls back to the method's uncalibrated
+default - `FALLBACK_DRAFT_SIZE[device type]` for unispec, what the harness passes for the others
+(`engine.config.DEFAULT_DRAFT_SIZE`, recycling's whole template) - or raises with `on_missing="error"`.
 
 EAGLE's `total_token=-1` heuristic (`eagle_total_token`): EAGLE times 20 forwards of n random tokens
 without a KV cache for n in {40, 48, 50, 56, 60}, divides each time by a fixed prior of the acceptance
@@ -51,6 +74,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,12 +89,29 @@ from scipy.optimize import differential_evolution
 from engine.config import SpecConfig
 
 DEFAULT_GRIDS = {"cpu": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32), "cuda": tuple(range(16, 161, 16))}
+# [C] Per-method grids where the device's grid does not fit the method: a prompt-lookup chain is as deep as
+# it is long and a native fixed-shape forward holds trees shallower than 32 positions (engine.native.BLOCK),
+# so chain grids stop below 32; Token Recycling's template has 80 nodes, so its CUDA grid spans 8..80.
+_CHAIN_GRIDS = {"cpu": (1, 2, 3, 4, 6, 8, 10, 12, 16, 24), "cuda": (2, 4, 6, 8, 10, 12, 16, 20, 24, 30)}
+METHOD_GRIDS: dict[str, dict[str, tuple[int, ...]]] = {
+    "pld": _CHAIN_GRIDS, "hf-prompt-lookup": _CHAIN_GRIDS,
+    "recycling": {"cuda": tuple(range(8, 81, 8))},
+}
+# The methods with a draft size to calibrate (every method but `ar`, which drafts nothing).
+DRAFTING_METHODS = ("unispec", "recycling", "layerskip", "eagle", "pld", "hf-prompt-lookup")
 # With no cached calibration: CPU 8 (where a tree forward starts to cost clearly more than one token on
 # the small models this package runs on a CPU); CUDA 64 (a mid value of a 16-160 grid).
 FALLBACK_DRAFT_SIZE = {"cpu": 8, "cuda": 64}
 EAGLE_CANDIDATES = (40, 48, 50, 56, 60)             # EAGLE ea_model.py, total_token=-1
 EAGLE_PRIOR_GAIN = (1.0, 1.05, 1.07, 1.1, 1.13)
 DE_KWARGS = dict(seed=42, maxiter=1000, atol=1e-6, tol=1e-6)    # UniSpec Table 14
+
+
+def default_grid(method: str, device_type: str) -> tuple[int, ...]:
+    """The grid of draft sizes a calibration of `method` measures on a device type ("cpu" / "cuda") unless
+    it is given one: `METHOD_GRIDS[method]` where the method has its own, else `DEFAULT_GRIDS`."""
+    kind = "cuda" if device_type == "cuda" else "cpu"
+    return METHOD_GRIDS.get(method, {}).get(kind, DEFAULT_GRIDS[kind])
 
 
 class CalibrationError(ValueError):
@@ -273,7 +314,7 @@ def eagle_total_token(forward_s: Mapping[int, float], candidates: Sequence[int] 
 _SAMPLING = ("temperature", "top_p")
 _STORE = ("store_k", "store_persistence")
 _TREE = ("eagle_depth", "eagle_topk")
-_TARGET = ("backend", "fixed_shape", "verify_rows")   # how the target runs changes s(g) (engine.target)
+_TARGET = ("backend", "fixed_shape", "verify_rows", "compile")   # how the target runs changes s(g) (engine.target)
 # Config fields that change tau(g) or s(g), per method; the vocabulary policy's own fields follow
 # `POLICY_FIELDS` of the policy in use.
 CALIBRATION_FIELDS: dict[str, tuple[str, ...]] = {
@@ -394,17 +435,40 @@ def cached_draft_size(key: str) -> int | None:
     return None if rec is None else int(rec["g_star"])
 
 
+def calibrate_command(cfg: SpecConfig, model) -> str:
+    """The `python -m engine.calibrate` command that calibrates cfg's key on this machine: the model, the
+    method, the device, dtype and (CPU) threads of the key, and a `--set` for every calibration field where
+    cfg differs from the method's preset."""
+    p = next(model.parameters())
+    preset = calibration_fields(SpecConfig.preset(cfg.method)) if cfg.method in DRAFTING_METHODS else {}
+    parts = ["python -m engine.calibrate", f"--model {shlex.quote(model_id(model))}", f"--method {cfg.method}",
+             f"--device {p.device}", f"--dtype {str(p.dtype).replace('torch.', '')}"]
+    if p.device.type == "cpu":
+        parts.append(f"--threads {torch.get_num_threads()}")
+    for name, value in calibration_fields(cfg).items():
+        if name not in preset or value != preset[name]:
+            text = value if isinstance(value, str) else json.dumps(value)
+            parts.append(f"--set {shlex.quote(f'{name}={text}')}")
+    return " ".join(parts)
+
+
 _warned: set[tuple[Path, str]] = set()
 
 
-def resolve_draft_size(cfg: SpecConfig, model, *, on_missing: str = "fallback") -> int:
+def resolve_draft_size(cfg: SpecConfig, model, *, on_missing: str = "fallback", fallback: int | None = None) -> int:
     """`cfg.draft_size` if set, else the cached g* of (model, device, dtype, cfg.method, cfg's calibration
-    fields), else FALLBACK_DRAFT_SIZE for the device type (with a one-time warning), or a
-    CalibrationError when `on_missing="error"`."""
+    fields) - for every method in `DRAFTING_METHODS` (UniSpec §3, App. F; what g means per method: the
+    module docstring) - else the uncalibrated default, with one warning per cache and key naming the
+    command that calibrates it (`calibrate_command`): `fallback` when given (the harness passes each
+    method's: `engine.config.DEFAULT_DRAFT_SIZE`, recycling's whole template), else unispec's
+    FALLBACK_DRAFT_SIZE for the device type. `on_missing="error"` raises a CalibrationError instead."""
     if on_missing not in ("fallback", "error"):
         raise CalibrationError(f"on_missing must be 'fallback' or 'error', got {on_missing!r}")
     if cfg.draft_size is not None:
         return int(cfg.draft_size)
+    if cfg.method not in DRAFTING_METHODS:
+        raise CalibrationError(f"method {cfg.method!r} drafts nothing, so it has no draft size to resolve; the "
+                               f"drafting methods are {list(DRAFTING_METHODS)}")
     if model is None:
         raise CalibrationError("resolve_draft_size needs the target model (for its device and dtype) when "
                                "cfg.draft_size is None; pass the model or set draft_size")
@@ -413,16 +477,19 @@ def resolve_draft_size(cfg: SpecConfig, model, *, on_missing: str = "fallback") 
     if g is not None:
         return g
     dev_type = next(model.parameters()).device.type
-    fallback = FALLBACK_DRAFT_SIZE.get(dev_type, FALLBACK_DRAFT_SIZE["cuda"])
-    msg = (f"no calibrated draft size for {key} in {cache_file()}; run `python -m engine.calibrate "
-           f"--model <name> --method {cfg.method}` with the same --set options (a few minutes), or pass "
-           f"draft_size=")
+    if fallback is None:
+        fallback, what = FALLBACK_DRAFT_SIZE.get(dev_type, FALLBACK_DRAFT_SIZE["cuda"]), f"the {dev_type} default"
+    else:
+        what = f"{cfg.method}'s uncalibrated default"
+    msg = (f"no calibrated draft size for {cfg.method} on this model, device, dtype and config ({key}) in "
+           f"{cache_file()}; make one with `{calibrate_command(cfg, model)}` (a few minutes; UniSpec App. F), "
+           f"or pass draft_size=")
     if on_missing == "error":
         raise CalibrationError(msg)
     if (cache_file(), key) not in _warned:                  # once per cache and key
         _warned.add((cache_file(), key))
-        warnings.warn(f"{msg}; using the {dev_type} default g = {fallback}", stacklevel=2)
-    return fallback
+        warnings.warn(f"{msg}; using {what} g = {fallback}", stacklevel=2)
+    return int(fallback)
 
 
 # ---- records ---------------------------------------------------------------------------------------------

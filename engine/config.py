@@ -9,10 +9,11 @@ Each set of allowed values is defined once, as the `Literal` type of its field; 
 arguments.
 
 Draft size: one field, `draft_size` = g, the draft tokens per step (root excluded), for every method.
-`None` means the method's default, resolved once where a run's config is resolved
-(`engine.harness.resolve_config`), never inside a drafter: `DEFAULT_DRAFT_SIZE` for pld and the
-EAGLE-style drafters, the whole static template for recycling, the calibrated g* for unispec
-(`engine.calibration.resolve_draft_size`).
+`None` means the calibrated size of every drafter on this model, device, dtype and config (UniSpec §3,
+App. F: `engine.calibration.resolve_draft_size`, made by `python -m engine.calibrate --method M`), resolved
+once where a run's config is resolved (`engine.harness.resolve_config`), never inside a drafter. With no
+calibration cached, the method's uncalibrated default, with one warning naming the command: unispec a
+per-device g, recycling its whole static template, pld and the EAGLE-style drafters `DEFAULT_DRAFT_SIZE`.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ Policy = Literal["full", "frspec", "microspec", "oracle", "dynaspec"]     # draf
 METHODS: tuple[str, ...] = typing.get_args(Method)
 POLICIES: tuple[str, ...] = typing.get_args(Policy)
 
-# The draft size a method uses when `draft_size` is None, where it is a fixed number:
+# The draft size a method uses when `draft_size` is None and no calibration is cached for it, where it is a
+# fixed number (a calibrated size always wins: engine.calibration.resolve_draft_size):
 #   pld / hf-prompt-lookup: 10 = transformers' `prompt_lookup_num_tokens` (Saxena 2023's reference setting);
 #   layerskip / eagle: 59 = EAGLE-2's 60 draft tokens (MicroSpec §4.1, FR-Spec §4.1) minus the root.
-# recycling uses its whole static template (Token Recycling's Figure 5 tree: 80 nodes) and unispec its g*
-# (UniSpec §3, Eq. 4); both are resolved in `engine.harness.resolve_config`.
+# Uncalibrated, recycling uses its whole static template (Token Recycling's Figure 5 tree: 80 nodes) and
+# unispec a per-device g (engine.calibration.FALLBACK_DRAFT_SIZE); resolved in engine.harness.resolve_config.
 DEFAULT_DRAFT_SIZE: dict[str, int] = {"pld": 10, "hf-prompt-lookup": 10, "layerskip": 59, "eagle": 59}
 
 _LABELS = {"method": "method", "vocab": "vocab policy"}      # how error messages name a field's values
@@ -63,6 +65,9 @@ class SpecConfig:
                                       # order, so a token's logits are bitwise those of an `ar` step
     verify_rows: int | None = None    # native + fixed_shape: rows of every decode forward; None = the next
                                       # bucket (power of two >= 4) of each step's tree
+    compile: bool = False             # native + fixed_shape: torch.compile (inductor) the decode layer: fuses
+                                      # the elementwise ops around the GEMMs (python -m engine.jobs.forward
+                                      # measures it); each bucket compiles once per process (~10 s on a CPU)
 
     # --- prompt lookup (Saxena 2023; transformers' prompt lookup) ----------------------------------------
     pld_max_ngram: int = 3

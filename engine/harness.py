@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.calibration import resolve_draft_size
+from engine.calibration import DRAFTING_METHODS, resolve_draft_size
 from engine.config import DEFAULT_DRAFT_SIZE, SpecConfig
 from engine.drafters import HF_METHODS, make_drafter
 from engine.drafters.recycling import template_size
@@ -155,8 +155,9 @@ def _clock(device: torch.device) -> float:
 def resolve_config(cfg: SpecConfig | None, method: str | None = None, overrides: dict | None = None,
                    model=None) -> SpecConfig:
     """The run's config: cfg (default `SpecConfig.preset(method or "ar")`) with `method` and `overrides`
-    applied, validated; with `model`, `draft_size=None` is replaced by the method's default
-    (`default_draft_size`) and, for `eagle`, `eagle_head=None` by the head shipped for this model
+    applied, validated; with `model`, `draft_size=None` is replaced by the method's calibrated size
+    (`default_draft_size`: the cached g* of this model, device, dtype and config, else the uncalibrated
+    default with a warning) and, for `eagle`, `eagle_head=None` by the head shipped for this model
     (`engine.shipped.default_eagle_head`, left None when none ships). The one place a run's draft size
     and head are decided."""
     overrides = dict(overrides or {})
@@ -178,15 +179,21 @@ def resolve_config(cfg: SpecConfig | None, method: str | None = None, overrides:
 
 
 def default_draft_size(cfg: SpecConfig, model) -> int | None:
-    """The draft size of cfg.method when `draft_size` is None: unispec the calibrated g* of this model,
-    device, dtype and config (UniSpec §3; a per-device fallback with a warning when none is cached),
-    recycling its whole static template, the others `DEFAULT_DRAFT_SIZE` (engine.config); None for
-    methods that draft nothing (ar) or that this table does not know."""
+    """The draft size of cfg.method when `draft_size` is None: for every drafting method
+    (`engine.calibration.DRAFTING_METHODS`: unispec, recycling, layerskip, eagle, pld, hf-prompt-lookup) the
+    calibrated size of this model, device, dtype and config (UniSpec §3, App. F; `resolve_draft_size`),
+    else the method's uncalibrated default with one warning naming the command that calibrates it:
+    unispec a per-device FALLBACK_DRAFT_SIZE, recycling its whole static template, the others
+    `DEFAULT_DRAFT_SIZE` (engine.config). None for methods that draft nothing (ar)."""
+    if cfg.method not in DRAFTING_METHODS:
+        return None
     if cfg.method == "unispec":
-        return resolve_draft_size(cfg, model)
+        return resolve_draft_size(cfg, model)           # uncalibrated: FALLBACK_DRAFT_SIZE[device type]
     if cfg.method == "recycling":
-        return template_size(cfg.recycling_tree)
-    return DEFAULT_DRAFT_SIZE.get(cfg.method)
+        fallback = template_size(cfg.recycling_tree)
+    else:
+        fallback = DEFAULT_DRAFT_SIZE[cfg.method]
+    return resolve_draft_size(cfg, model, fallback=fallback)
 
 
 def max_context(model, info=None) -> int:
@@ -240,7 +247,8 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
     records: list[StepRecord] | None = [] if cfg.record else None
 
     t_start = _clock(device)
-    target = make_target(model, cfg.backend, fixed_shape=cfg.fixed_shape, rows=cfg.verify_rows)
+    target = make_target(model, cfg.backend, fixed_shape=cfg.fixed_shape, rows=cfg.verify_rows,
+                         compile=cfg.compile)
     target.begin(L + T + 1)
     # the drafter sees logits at every prompt position unless it says it does not use them
     hidden, logits = target.prefill(prompt, all_logits=getattr(drafter, "uses_prefill_logits", True))

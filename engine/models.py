@@ -33,7 +33,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from kernels.hardware import parse_device, parse_dtype
+from kernels.hardware import check_dtype, parse_device, parse_dtype
 
 
 class ModelError(ValueError):
@@ -350,7 +350,9 @@ def load_model(name_or_path: str, *, dtype: str | torch.dtype | None = None,
     """Load a target model. Returns (model, tokenizer, info); tokenizer is None for random models.
 
     dtype / device: None = this machine's defaults (`kernels.hardware.DEFAULT_DTYPE` / `DEVICE`: fp16 on
-    CUDA, fp32 on CPU); strings as in every CLI's --dtype / --device (`kernels.hardware.parse_dtype`).
+    CUDA, bf16 on a CPU with bf16 dot products, else fp32; `$SPECVOCAB_DTYPE` overrides); strings as in every
+    CLI's --dtype / --device (`kernels.hardware.parse_dtype`). A dtype the device cannot run is an error
+    (`kernels.hardware.check_dtype`).
     Random models are test fixtures: None gives them fp32 on the CPU, so tests are exact and their
     CPU-tensor inputs fit wherever they run.
     kwargs go to `load_random_model` for random names (vocab_size, hidden_size, num_layers, max_context, seed)
@@ -360,6 +362,7 @@ def load_model(name_or_path: str, *, dtype: str | torch.dtype | None = None,
         return load_random_model(name_or_path, dtype=torch.float32 if dtype is None else parse_dtype(dtype),
                                  device="cpu" if device is None else parse_device(device), **kwargs)
     dtype, device = parse_dtype(dtype), parse_device(device)
+    check_dtype(dtype, device)
     if kwargs and name_or_path in OFFLINE_MODELS:
         raise ModelError(f"{name_or_path!r} takes no extra arguments (got {sorted(kwargs)})")
     if name_or_path in OFFLINE_MODELS:

@@ -162,6 +162,16 @@ class NativeModel:
         self.layers = [self._pack(layer, t) for layer, t in zip(dec.layers, types)]
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope_len = 0
+        self._compiled = None
+
+    def compiled_layer(self):
+        """`_layer` under torch.compile (inductor), made once per model: the decode forward's layer with its
+        elementwise ops (norms, RoPE, the block softmax and fold) fused around the GEMMs, which stay
+        library calls. Shapes that change every step (committed length, blocks) compile as dynamic after
+        their first change; each row bucket compiles once per process."""
+        if self._compiled is None:
+            self._compiled = torch.compile(self._layer, dynamic=True, fullgraph=True)
+        return self._compiled
 
     # -- weights -------------------------------------------------------------------------------------
     def _norm_weight(self, norm) -> torch.Tensor:
@@ -218,15 +228,20 @@ class NativeModel:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: StaticKV, visible: torch.Tensor, *,
                 exact: bool = False, tail: tuple[torch.Tensor, torch.Tensor] | None = None,
-                layer_ids: list[int] | None = None, collect: tuple[int, ...] = ()) -> torch.Tensor:
+                layer_ids: list[int] | None = None, collect: tuple[int, ...] = (),
+                compiled: bool = False, key_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Run n new tokens over `cache` (committed slots [0, P)); they are written to slots [P, P + n).
 
         ids [n], positions [n] (logical), visible [n, n] bool: which new rows each row attends to (causal for
-        a prefill, ancestor-or-self for a tree). exact: fixed-shape attention (module docstring); then
+        a prefill, ancestor-or-self for a tree; every committed slot is visible), or [n, P + n]: which cached
+        and new rows (a drafter whose cache holds tree rows between levels); key_positions [P]: the logical
+        position of each cached slot where it is not the slot's index (sliding-window masks; default
+        arange(P)). exact: fixed-shape attention (module docstring); then
         `tail` = (idx [n, 2 BLOCK] cache slot of each logical position of the row's last two blocks,
         ok [n, 2 BLOCK] which are real) from `tail_index`. layer_ids: run only these layers (the layer-skip
         drafter's partial stack; its cache has one entry per listed layer). collect: also return the
-        hidden states after these layers (EAGLE-3's low/mid/high features).
+        hidden states after these layers (EAGLE-3's low/mid/high features). compiled: run the layers through
+        `compiled_layer` (exact mode only: the fixed shapes of a decode; a prefill's length varies per prompt).
         Returns the final-normed hidden states [n, d] (and the collected ones, [len(collect), n, d]).
         """
         P, n = cache.committed, ids.numel()
@@ -238,18 +253,20 @@ class NativeModel:
         ids_run = range(len(self.layers)) if layer_ids is None else layer_ids
         feats = []
         masks = {}
+        layer = self.compiled_layer() if compiled and exact else self._layer
         for slot, li in enumerate(ids_run):
             L = self.layers[li]
             cos, sin = (t[positions] for t in rope[L.kind])            # [n, hd]
             if not exact and L.kind not in masks:
-                masks[L.kind] = self._sdpa_mask(positions, cache, visible, L.kind)
-            x = self._layer(L, x, cos, sin, cache, slot, P, positions, masks.get(L.kind), exact, tail)
+                masks[L.kind] = self._sdpa_mask(positions, cache, visible, L.kind, key_positions)
+            x = layer(L, x, cos, sin, cache.k[slot], cache.v[slot], P, positions, masks.get(L.kind), exact, tail)
             if li in collect:
                 feats.append(x)
         out = self._rmsnorm(x, self.final_norm)
         return (out, torch.stack(feats)) if collect else out
 
-    def _layer(self, L: _Layer, x, cos, sin, cache, slot, P, positions, mask, exact, tail):
+    def _layer(self, L: _Layer, x, cos, sin, kc, vc, P, positions, mask, exact, tail):
+        """One decoder layer over n new rows; kc, vc [kvh, C, hd]: this layer's cache (rows written at P)."""
         n, H, kvh, hd = x.shape[0], self.heads, self.kv_heads, self.head_dim
         h = self._rmsnorm(x, L.in_norm)
         qkv = F.linear(h, L.qkv_w, L.qkv_b)
@@ -260,7 +277,6 @@ class NativeModel:
         c, s = cos[:, None], sin[:, None]
         qk = qk * c + _rotate_half(qk) * s                             # RoPE on q and k in one pass
         q, k = qk[:, :H], qk[:, H:]
-        kc, vc = cache.k[slot], cache.v[slot]                          # [kvh, C, hd]
         kc[:, P:P + n] = k.transpose(0, 1)
         vc[:, P:P + n] = v.transpose(0, 1)
         if exact:
@@ -280,14 +296,20 @@ class NativeModel:
             h = self._rmsnorm(h, L.post_mlp_norm)
         return x + h
 
-    def _sdpa_mask(self, positions, cache, visible, kind) -> torch.Tensor:
+    def _sdpa_mask(self, positions, cache, visible, kind, key_positions=None) -> torch.Tensor:
         """[1, 1, n, P + n] bool: committed slots (within the window on sliding layers) + `visible`."""
         P, n = cache.committed, positions.numel()
         dev = positions.device
-        committed = torch.ones(n, P, dtype=torch.bool, device=dev)
-        mask = torch.cat([committed, visible], dim=1)
+        if visible.shape == (n, P + n):
+            mask = visible.clone()
+        elif visible.shape == (n, n):
+            mask = torch.cat([torch.ones(n, P, dtype=torch.bool, device=dev), visible], dim=1)
+        else:
+            raise NativeError(f"visible is {tuple(visible.shape)}; give [n, n] (new rows) or [n, P + n] (cached "
+                              f"and new rows) with n = {n}, P = {P}")
         if kind == "sliding_attention" and self.window is not None:
-            k_pos = torch.cat([torch.arange(P, device=dev), positions])
+            cached = torch.arange(P, device=dev) if key_positions is None else key_positions[:P].to(dev)
+            k_pos = torch.cat([cached, positions])
             mask &= (positions[:, None] - k_pos[None, :]) < self.window
         return mask[None, None]
 
@@ -343,6 +365,7 @@ class NativeModel:
         return out[:, :, :g].permute(1, 0, 2, 3).reshape(n, H * hd).to(q.dtype)
 
     # -- LM head -------------------------------------------------------------------------------------
+    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, exact: bool = False) -> torch.Tensor:
         """fp32 logits [.., V]: the LM head (F.linear in exact mode: row-invariant), then soft-capping."""
         if exact:

@@ -141,11 +141,12 @@ class HFTarget(Target):
 class NativeTarget(Target):
     name = "native"
 
-    def __init__(self, model, fixed_shape: bool = True, rows: int | None = None):
+    def __init__(self, model, fixed_shape: bool = True, rows: int | None = None, compile: bool = False):
         super().__init__(model)
         self.net = native_model(model)
         self.fixed_shape = fixed_shape
         self.rows = rows                                         # None: bucket_rows(n) per step
+        self.compile = compile                                   # torch.compile the fixed-shape decode layer
         self.cache = None
 
     def begin(self, capacity: int) -> None:
@@ -185,7 +186,7 @@ class NativeTarget(Target):
         a = torch.eye(rows, dtype=torch.bool, device=dev)
         a[:n, :n] = anc
         tail = tail_index(P, P + dep, a, dep)
-        hidden = self.net.forward(tok, P + dep, self.cache, a, exact=True, tail=tail)
+        hidden = self.net.forward(tok, P + dep, self.cache, a, exact=True, tail=tail, compiled=self.compile)
         return hidden[:n], self.net.logits(hidden, exact=True)[:n]
 
     def compact(self, num_new, keep):
@@ -231,8 +232,22 @@ def resolve_backend(model, backend: str = "auto") -> str:
     return "hf"
 
 
-def make_target(model, backend: str = "auto", fixed_shape: bool = True, rows: int | None = None) -> Target:
+def backend_label(model, backend: str = "auto", fixed_shape: bool = True, compile: bool = False) -> str:
+    """How a decode's target runs, in the forward benchmark's words: "hf", "native" (fixed-shape),
+    "native-compiled" or "native-sdpa" (native without the fixed shape). Results and figures carry it."""
+    if resolve_backend(model, backend) == "hf":
+        return "hf"
+    if not fixed_shape:
+        return "native-sdpa"
+    return "native-compiled" if compile else "native"
+
+
+def make_target(model, backend: str = "auto", fixed_shape: bool = True, rows: int | None = None,
+                compile: bool = False) -> Target:
     """The Target for one decode (a fresh cache per `begin`)."""
     if resolve_backend(model, backend) == "native":
-        return NativeTarget(model, fixed_shape=fixed_shape, rows=rows)
+        if compile and not fixed_shape:
+            raise BackendError("compile=True compiles the fixed-shape decode forward; set fixed_shape=True "
+                               "or compile=False")
+        return NativeTarget(model, fixed_shape=fixed_shape, rows=rows, compile=compile)
     return HFTarget(model)

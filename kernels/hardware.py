@@ -26,22 +26,6 @@ if not HAS_CUDA:
     # Must happen before any kernels module runs `@triton.jit` (see the module docstring).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-DEVICE: torch.device = torch.device("cuda" if HAS_CUDA else "cpu")
-# fp16 on CUDA, the precision of the FR-Spec and UniSpec experiments (UniSpec App. A); fp32 on CPU, where
-# half-precision GEMMs gain little and fp32 keeps greedy outputs comparable across runs.
-DEFAULT_DTYPE: torch.dtype = torch.float16 if HAS_CUDA else torch.float32
-
-# The one dtype vocabulary of every CLI (`--dtype`) and loader.
-DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-}
-
-ENV_VAR = "SPECVOCAB_KERNELS"
-_BACKENDS = ("triton", "torch")
-_override: bool | None = None
-
 
 class KernelBackendError(RuntimeError):
     """The requested kernel backend cannot run here; the message says why and what to do."""
@@ -49,6 +33,68 @@ class KernelBackendError(RuntimeError):
 
 class HardwareError(ValueError):
     """An unknown device or dtype name; the message lists the valid ones."""
+
+
+DEVICE: torch.device = torch.device("cuda" if HAS_CUDA else "cpu")
+
+# The one dtype vocabulary of every CLI (`--dtype`) and loader.
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+}
+DTYPE_ENV = "SPECVOCAB_DTYPE"     # overrides DEFAULT_DTYPE for every loader and CLI (fp32 | bf16 | fp16)
+# CPU feature flags (Linux /proc/cpuinfo) that mean bf16 dot products in hardware: x86 AVX512-BF16 / AMX,
+# Arm's BF16 extension (BFDOT, BFMMLA)
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU has bf16 dot products in hardware (then oneDNN's bf16 GEMMs run at about twice the
+    fp32 rate and read half the bytes). cpuinfo: the text of /proc/cpuinfo (read when None; False where
+    there is none, e.g. macOS, so the default stays fp32 there)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    flags = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            flags.update(value.split())
+    return any(flag in flags for flag in BF16_CPU_FLAGS)
+
+
+CPU_BF16: bool = cpu_has_native_bf16()
+
+
+def default_dtype(env: str | None = None, cuda: bool = HAS_CUDA, cpu_bf16: bool = CPU_BF16) -> torch.dtype:
+    """The dtype every loader and CLI uses when none is given.
+
+    1. `$SPECVOCAB_DTYPE` (fp32 | bf16 | fp16), when set;
+    2. CUDA: fp16, the precision of the FR-Spec and UniSpec experiments (UniSpec App. A);
+    3. a CPU with bf16 dot products (`cpu_has_native_bf16`): bf16. The native backend's fixed-shape
+       verification keeps every method token-equal to `ar` in bf16 (engine.native, tests/test_native.py), and
+       a bf16 forward costs about what an fp32 forward of a quarter of the rows does (issue #16's table);
+    4. any other CPU: fp32 (bf16 GEMMs are emulated there and gain nothing).
+    """
+    env = os.environ.get(DTYPE_ENV, "") if env is None else env
+    if env.strip():
+        name = env.strip().lower().removeprefix("torch.")
+        if name not in DTYPES:
+            raise HardwareError(f"{DTYPE_ENV}={env!r} is not a dtype; set it to one of {sorted(DTYPES)} or unset it")
+        return DTYPES[name]
+    if cuda:
+        return torch.float16
+    return torch.bfloat16 if cpu_bf16 else torch.float32
+
+DEFAULT_DTYPE: torch.dtype = default_dtype()
+
+ENV_VAR = "SPECVOCAB_KERNELS"
+_BACKENDS = ("triton", "torch")
+_override: bool | None = None
 
 
 def parse_dtype(value: str | torch.dtype | None) -> torch.dtype:
@@ -63,6 +109,18 @@ def parse_dtype(value: str | torch.dtype | None) -> torch.dtype:
         raise HardwareError(f"unknown dtype {value!r}; choose one of {sorted(DTYPES)} (default here: "
                             f"{str(DEFAULT_DTYPE).removeprefix('torch.')})")
     return DTYPES[name]
+
+
+def check_dtype(dtype: torch.dtype, device: torch.device | str) -> None:
+    """Raise a clear error for a dtype that `device` cannot run a model in: a non-floating dtype anywhere,
+    bf16 on a GPU without bf16 support (before Ampere). On a CPU every float dtype runs (bf16 and fp16 are
+    emulated where the processor lacks them: slow, not wrong), so only the kind is checked there."""
+    device = torch.device(device)
+    if not dtype.is_floating_point:
+        raise HardwareError(f"dtype {dtype} is not a floating-point dtype; a model runs in one of fp32, bf16, fp16")
+    if device.type == "cuda" and dtype == torch.bfloat16 and HAS_CUDA and not torch.cuda.is_bf16_supported():
+        raise HardwareError(f"this GPU ({torch.cuda.get_device_name(device)}) has no bf16 support; pass "
+                            f"--dtype fp16 or fp32 (or set {DTYPE_ENV})")
 
 
 def parse_device(value: str | torch.device | None) -> torch.device:

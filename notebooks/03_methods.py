@@ -21,8 +21,11 @@
 #   speedup over ar, and the average tau (also written as `methods_table.csv`).
 # * **Table 2 on one head** — for a drafter benched with several vocabulary policies (full, frspec, dynaspec,
 #   microspec on the same head): per run tokens/s, speedup over ar, tau, mean active vocabulary, draft ms per
-#   drafted step and its phases, lossless, and the ratios against `full` (`engine.bench.summarize` and
-#   `compare_vocabs`, the tables `python -m engine.bench` prints; also written as `one_head_table.csv`).
+#   drafted step and its phases, lossless (text: "exact" - every output equals ar's; "near-tie" - some differ,
+#   each where ar's top two logits were within rounding; "mismatch" - some differ with a clear margin, a bug, or
+#   were never diagnosed against ar: `engine.bench.diagnose`), and the ratios against `full`
+#   (`engine.bench.summarize` and `compare_vocabs`, the tables `python -m engine.bench` prints; also written
+#   as `one_head_table.csv`).
 # * **methods_speed** — the same as bars: tokens/s, speedup over ar and tau per task.
 # * **draft_time_by_phase** — MicroSpec Fig. 4: draft time per drafted step, split into the drafter's phases
 #   (backbone layers, DynaSpec's router, weight gather, LM head, tree building; a phase no run spent time in

@@ -43,19 +43,29 @@
     params = { drafter_layers = "skip:12,14,16,18", w_max = [1024, 3072] }   # SpecConfig fields; a list = an axis
     # prompt_sets = ["spec_bench"]       # only these [[prompts]] sets (default: all)
 
-    [[calibrate]]                        # UniSpec's g* (engine.calibrate) per model x method
-    methods = ["unispec"]
-    grid = [1, 2, 4, 8]                  # omitted = the device's default grid
+    [[calibrate]]                        # a drafter's g* (engine.calibrate, UniSpec §3) per model x method x config
+    methods = ["unispec", "pld", "recycling"]
+    grid = [1, 2, 4, 8]                  # omitted = the method's default grid on the device
     prompts = 3      warmup = 1
+    # policies = ["full", "microspec"]   vocab_sizes = [1024]   params = { eagle_depth = 3 }   (as [[bench]])
 
     [testing]                            # tests only
     crash_once = "/tmp/marker"           # the first model cell to create this file kills its actor
     delay_s = 0.5                        # every model cell sleeps this long first
 
 Cells: record = model x prompt entry x split value; bench = that x method x policy x vocab size x params x
-seed; calibrate = model x method x params; coverage = model x prompt entry x analysis x (k_pre, k_ver,
-sources), reading every record cell of that model and prompt entry. A cell's id is a hash of its canonical
-parameters, so the same cell has the same id in every run of the same sweep.
+seed; calibrate = model x method x policy x vocab size x params; coverage = model x prompt entry x analysis x
+(k_pre, k_ver, sources), reading every record cell of that model and prompt entry. A cell's id is a hash of
+its canonical parameters, so the same cell has the same id in every run of the same sweep.
+
+Calibrated draft sizes: a bench cell without a `draft_size` of its own, of a method the sweep calibrates
+for its model, runs at the g* of the calibrate cell with the same calibration settings
+(`engine.calibration.calibration_fields`: the method's tree parameters, the policy and its size, the
+target's backend, ...); its parameters name that cell (`calibrate_cell`), and it fails, naming it, if that
+cell has no result (`sweeps.model_cells.bench_cell`), rather than run at another size. A bench point of a
+calibrated method that no calibrate cell matches is a config error naming the settings that differ. Bench
+cells of methods the sweep does not calibrate take the engine's default (`engine.harness.resolve_config`:
+a calibration cached on the machine, else the method's uncalibrated default with a warning).
 
 Checked before anything runs, each error naming the entry and the fix: unknown keys, models, methods,
 SpecConfig fields, policies, prompt sets, categories and languages, and prompts that do not fit a model's
@@ -76,6 +86,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.bench import DRAFTERS, REQUESTED_SIZE
+from engine.calibration import DRAFTING_METHODS, calibration_fields
 from engine.config import POLICIES, ConfigError, SpecConfig
 from engine.drafters import available_methods
 from engine.models import RANDOM_MODELS, ModelInfo, known_models, load_model, load_random_model, model_cache_dir
@@ -102,7 +113,7 @@ SECTION_KEYS = {
     "record": {"topk", "max_new_tokens"},
     "coverage": {"analyses", "w_max", "k_pre", "k_ver", "sources", "by", "shortlist_k", "capacities"},
     "bench": {"methods", "policies", "vocab_sizes", "params", "max_new_tokens", "prompt_sets"},
-    "calibrate": {"methods", "grid", "prompts", "warmup", "max_new_tokens", "params"},
+    "calibrate": {"methods", "grid", "prompts", "warmup", "max_new_tokens", "params", "policies", "vocab_sizes"},
     "testing": {"crash_once", "delay_s"},
 }
 COVERAGE_DEFAULTS = {
@@ -493,10 +504,10 @@ def parse_sweep(config: dict, default_name: str = "sweep") -> Sweep:
                                                             "topk": record_topk})
                     cells.append(c)
                     record_ids.setdefault((m.label, e.index), []).append(c.id)
-        if "calibrate" in kinds:
-            cells += _calibrate_cells(config, m, base, max_new)
+        calibrations = _calibrate_cells(config, m, base, max_new) if "calibrate" in kinds else []
+        cells += calibrations
         if "bench" in kinds:
-            cells += _bench_cells(config, m, base, entries, max_new, repeats, warmup, seeds)
+            cells += _bench_cells(config, m, base, entries, max_new, repeats, warmup, seeds, calibrations)
     if "coverage" in kinds:
         cells += _coverage_cells(config, models, entries, record_ids, record_topk)
 
@@ -521,7 +532,63 @@ def _methods(entry: dict, where: str) -> list[str]:
     return methods
 
 
-def _bench_cells(config, m: ModelSpec, base: dict, entries, max_new, repeats, warmup, seeds) -> list[Cell]:
+def _policy_points(b: dict, where: str, section: str, methods: list[str], m: ModelSpec):
+    """(method, policy, the policy's size field, its size, params grid point) of a [[bench]] or [[calibrate]]
+    entry's grid (`section`), the model's params under every point; the vocabulary policies and their sizes
+    checked (drafters with an LM head only)."""
+    policies = _list(b.get("policies", ["full"]), f"{where}.policies", str)
+    for p in policies:
+        if p not in POLICIES:
+            raise SweepError(f"{where}.policies: unknown vocabulary policy {p!r}{_suggest(p, POLICIES)}; "
+                             f"choose from {list(POLICIES)}")
+    sizes = _positive_ints(b["vocab_sizes"], f"{where}.vocab_sizes") if "vocab_sizes" in b else [None]
+    axes = {**{k: [v] for k, v in m.params.items()}, **_check_params(b.get("params", {}), where)}
+    for method in methods:
+        if method not in DRAFTERS and policies != ["full"]:
+            raise SweepError(f"{where}: vocabulary policies {policies} restrict the LM head of a drafter "
+                             f"({', '.join(DRAFTERS)}); {method!r} has none - put it in its own [[{section}]] entry "
+                             f"without `policies`")
+        for policy in policies:
+            size_field = REQUESTED_SIZE.get(policy)
+            for size in (sizes if size_field else [None]):
+                if size_field and size is not None and size_field in axes:
+                    raise SweepError(f"{where}: both vocab_sizes and params.{size_field} set the {policy} size; "
+                                     f"keep one")
+                for point in _grid(axes):
+                    yield method, policy, size_field, size, point
+
+
+def _check_eagle_head(cfg: SpecConfig, m: ModelSpec, where: str) -> None:
+    if cfg.method == "eagle" and not cfg.eagle_head and m.name not in shipped_heads():
+        raise SweepError(f"{where}: eagle needs a draft head for {m.name!r}: params.eagle_head = a local EAGLE "
+                         f"checkpoint folder or hub id (heads ship for {sorted(shipped_heads())} only; train one "
+                         f"with `python -m engine.train eagle`)")
+
+
+def _calibrated_by(method: str, cfg: SpecConfig, calibrations: list[Cell], where: str) -> str | None:
+    """The id of the calibrate cell whose g* a bench point (method, cfg) without a draft size of its own runs
+    at: the one with the same calibration settings (`engine.calibration.calibration_fields`). None when the
+    sweep calibrates no `method` for this model (the engine's default applies); a SweepError naming the
+    settings that differ when it calibrates `method` but under other settings."""
+    mine = calibration_fields(cfg)
+    theirs = [(c, calibration_fields(SpecConfig.preset(method, **c.params["config"])))
+              for c in calibrations if c.method == method]
+    if not theirs:
+        return None
+    for c, fields in theirs:
+        if fields == mine:
+            return c.id
+    diffs = [{k: (v, fields.get(k)) for k, v in mine.items() if fields.get(k) != v} for _, fields in theirs]
+    nearest = min(diffs, key=len)
+    what = ", ".join(f"{k} = {v!r} here, {w!r} there" for k, (v, w) in sorted(nearest.items()))
+    raise SweepError(f"{where}: the sweep calibrates {method!r} for this model, but no [[calibrate]] cell has this "
+                     f"bench point's settings (nearest: {what}); a bench cell without draft_size runs at the g* "
+                     f"calibrated for its own settings - add a [[calibrate]] entry with the same params / policies "
+                     f"/ vocab_sizes, or set params.draft_size for a hand-set size")
+
+
+def _bench_cells(config, m: ModelSpec, base: dict, entries, max_new, repeats, warmup, seeds,
+                 calibrations: list[Cell] = ()) -> list[Cell]:
     benches = config.get("bench", [])
     if not isinstance(benches, list) or not benches:
         raise SweepError("[sweep].kinds lists 'bench' but there is no [[bench]] entry; add one with `methods`")
@@ -530,50 +597,35 @@ def _bench_cells(config, m: ModelSpec, base: dict, entries, max_new, repeats, wa
         where = f"[[bench]] #{i + 1}"
         _check_keys(b, SECTION_KEYS["bench"], where)
         methods = _methods(b, where)
-        policies = _list(b.get("policies", ["full"]), f"{where}.policies", str)
-        for p in policies:
-            if p not in POLICIES:
-                raise SweepError(f"{where}.policies: unknown vocabulary policy {p!r}{_suggest(p, POLICIES)}; "
-                                 f"choose from {list(POLICIES)}")
-        sizes = _positive_ints(b["vocab_sizes"], f"{where}.vocab_sizes") if "vocab_sizes" in b else [None]
-        axes = {**{k: [v] for k, v in m.params.items()}, **_check_params(b.get("params", {}), where)}
         new = _int(b.get("max_new_tokens", max_new), f"{where}.max_new_tokens")
         sets = _list(b.get("prompt_sets", [e.set for e in entries]), f"{where}.prompt_sets", str)
         for name in sets:
             if name not in {e.set for e in entries}:
                 raise SweepError(f"{where}.prompt_sets: {name!r} is not the set of any [[prompts]] entry "
                                  f"({sorted({e.set for e in entries})})")
-        for method in methods:
-            if method not in DRAFTERS and policies != ["full"]:
-                raise SweepError(f"{where}: vocabulary policies {policies} restrict the LM head of a drafter "
-                                 f"({', '.join(DRAFTERS)}); {method!r} has none - put it in its own [[bench]] "
-                                 f"entry without `policies`")
-            for policy in policies:
-                size_field = REQUESTED_SIZE.get(policy)
-                for size in (sizes if size_field else [None]):
-                    if size_field and size is not None and size_field in axes:
-                        raise SweepError(f"{where}: both vocab_sizes and params.{size_field} set the {policy} size; "
-                                         f"keep one")
-                    for point in _grid(axes):
-                        fields = {**point, "vocab": policy, **({size_field: size} if size is not None else {})}
-                        cfg = _spec_config(method, {**fields, "max_new_tokens": new}, where)
-                        if method == "eagle" and not cfg.eagle_head and m.name not in shipped_heads():
-                            raise SweepError(f"{where}: eagle needs a draft head for {m.name!r}: params.eagle_head = "
-                                             f"a local EAGLE checkpoint folder or hub id (heads ship for "
-                                             f"{sorted(shipped_heads())} only; train one with `python -m "
-                                             f"engine.train eagle`)")
-                        vocab_size = None if size_field is None else int(getattr(cfg, size_field))
-                        for seed in seeds:
-                            for e in (e for e in entries if e.set in sets):
-                                for v in e.values:
-                                    params = {**base, **e.selection(v), "policy": policy, "vocab_size": vocab_size,
-                                              "config": point, "max_new_tokens": new, "repeats": repeats,
-                                              "warmup": warmup, "seed": seed}
-                                    cells.append(Cell("bench", m.label, method, params))
+        for method, policy, size_field, size, point in _policy_points(b, where, "bench", methods, m):
+            fields = {**point, "vocab": policy, **({size_field: size} if size is not None else {})}
+            cfg = _spec_config(method, {**fields, "max_new_tokens": new}, where)
+            _check_eagle_head(cfg, m, where)
+            vocab_size = None if size_field is None else int(getattr(cfg, size_field))
+            link = {}
+            if method in DRAFTING_METHODS and point.get("draft_size") is None:
+                source = _calibrated_by(method, cfg, list(calibrations), where)
+                link = {} if source is None else {"calibrate_cell": source}
+            for seed in seeds:
+                for e in (e for e in entries if e.set in sets):
+                    for v in e.values:
+                        params = {**base, **e.selection(v), "policy": policy, "vocab_size": vocab_size,
+                                  "config": point, "max_new_tokens": new, "repeats": repeats,
+                                  "warmup": warmup, "seed": seed, **link}
+                        cells.append(Cell("bench", m.label, method, params))
     return cells
 
 
 def _calibrate_cells(config, m: ModelSpec, base: dict, max_new) -> list[Cell]:
+    """One cell per method x policy x vocab size x params point of every [[calibrate]] entry. The policy and
+    its size go into the cell's `config` (the SpecConfig it calibrates; `vocab` only where it is not the
+    default "full") as well as its `policy` / `vocab_size` columns, like a bench cell's."""
     cals = config.get("calibrate", [])
     if not isinstance(cals, list) or not cals:
         raise SweepError("[sweep].kinds lists 'calibrate' but there is no [[calibrate]] entry; add one with "
@@ -583,16 +635,26 @@ def _calibrate_cells(config, m: ModelSpec, base: dict, max_new) -> list[Cell]:
         where = f"[[calibrate]] #{i + 1}"
         _check_keys(c, SECTION_KEYS["calibrate"], where)
         methods = _methods(c, where)
+        if "draft_size" in c.get("params", {}):
+            raise SweepError(f"{where}.params: draft_size is what a calibration measures (its `grid`); leave it "
+                             f"out")
+        for method in methods:
+            if method not in DRAFTING_METHODS:
+                raise SweepError(f"{where}: {method!r} drafts nothing, so it has no draft size to calibrate; "
+                                 f"calibrate some of {list(DRAFTING_METHODS)}")
         grid = sorted(set(_positive_ints(c["grid"], f"{where}.grid"))) if "grid" in c else None
         n = _int(c.get("prompts", 5), f"{where}.prompts")
         warm = _int(c.get("warmup", 2), f"{where}.warmup", 0)
         new = _int(c.get("max_new_tokens", max_new), f"{where}.max_new_tokens")
-        axes = {**{k: [v] for k, v in m.params.items()}, **_check_params(c.get("params", {}), where)}
-        for method in methods:
-            for point in _grid(axes):
-                _spec_config(method, {**point, "max_new_tokens": new}, where)
-                cells.append(Cell("calibrate", m.label, method, {**base, "grid": grid, "prompts": n, "warmup": warm,
-                                                                 "max_new_tokens": new, "config": point}))
+        for method, policy, size_field, size, point in _policy_points(c, where, "calibrate", methods, m):
+            fields = {**point, **({"vocab": policy} if policy != "full" else {}),
+                      **({size_field: size} if size is not None else {})}
+            cfg = _spec_config(method, {**fields, "max_new_tokens": new}, where)
+            _check_eagle_head(cfg, m, where)
+            vocab_size = None if size_field is None else int(getattr(cfg, size_field))
+            cells.append(Cell("calibrate", m.label, method, {**base, "grid": grid, "prompts": n, "warmup": warm,
+                                                             "max_new_tokens": new, "policy": policy,
+                                                             "vocab_size": vocab_size, "config": fields}))
     return cells
 
 

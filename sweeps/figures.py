@@ -94,7 +94,8 @@ def _span(values: list, unit: str) -> str:
 
 def describe(frame: pl.DataFrame, record: pl.DataFrame | None = None) -> list[str]:
     """Subtitle lines saying what produced `frame`: the model(s), the prompt sets (turns, categories,
-    languages), the new tokens per turn, and where timings were taken (device, dtype, threads).
+    languages), the new tokens per turn, and where timings were taken (device, dtype, the target's backend,
+    threads).
 
     record: the record cells' rows (RECORD_COLUMNS), for frames that do not carry prompts and token limits
     themselves (coverage results are computed from those traces)."""
@@ -134,7 +135,8 @@ def describe(frame: pl.DataFrame, record: pl.DataFrame | None = None) -> list[st
         lines.append(tokens + (", greedy" if "temperature" not in frame.columns
                                or set(_values(frame, "temperature")) <= {0.0} else ""))
     where = []
-    for col, fmt in (("device", "{}"), ("dtype", "{}"), ("threads", "torch threads: {}")):
+    for col, fmt in (("device", "{}"), ("dtype", "{}"), ("backend", "{} target forward"),
+                     ("threads", "torch threads: {}")):
         vals = _values(frame, col)
         if vals:
             where.append(fmt.format("/".join(str(v) for v in vals)))
@@ -626,15 +628,23 @@ def calibration_curves(cal: pl.DataFrame | None) -> pl.DataFrame | None:
     method · device (dtype)."""
     if not _present(cal, "the calibration fits", "curve", "g", "tau", "s_step_ms", "tokens_per_s"):
         return None
-    frame = cal.with_columns(setting=_setting())
+    frame = cal.with_columns(setting=_setting(cal))
     return (frame.unpivot(index=["setting", "model", "method", "device", "curve", "g", "g_star"],
                           on=list(QUANTITIES), variable_name="quantity", value_name="value")
             .with_columns(pl.col("quantity").replace_strict(QUANTITIES)).sort("setting", "quantity", "curve", "g"))
 
 
-def _setting() -> pl.Expr:
-    return pl.format("{} · {} · {} ({})", pl.col("model"), pl.col("method"), pl.col("device").fill_null("?"),
-                     pl.col("dtype").fill_null("default dtype"))
+def _setting(frame: pl.DataFrame | None = None) -> pl.Expr:
+    """"model · method[ · policy[:size]] · device (dtype)": calibrate cells of one method differ by their
+    vocabulary policy (eagle full / frspec / microspec:3072 ...), so the label names it where the frame has it."""
+    policy = pl.lit("")
+    if frame is not None and "policy" in frame.columns:
+        size = (pl.lit(":") + pl.col("vocab_size").cast(pl.Int64).cast(pl.Utf8)) if "vocab_size" in frame.columns \
+            else pl.lit("")
+        policy = pl.when(pl.col("policy").is_null() | (pl.col("policy") == "full")).then(pl.lit("")).otherwise(
+            pl.lit(" · ") + pl.col("policy") + size.fill_null(""))
+    return pl.format("{} · {}{} · {} ({})", pl.col("model"), pl.col("method"), policy,
+                     pl.col("device").fill_null("?"), pl.col("dtype").fill_null("default dtype"))
 
 
 def g_stars(cal: pl.DataFrame | None) -> pl.DataFrame | None:
@@ -643,9 +653,10 @@ def g_stars(cal: pl.DataFrame | None) -> pl.DataFrame | None:
     if not _present(cal, "g* per device", "g_star", "device"):
         return None
     cols = [c for c in ("predicted_tokens_per_s", "g_continuous", "threads") if c in cal.columns]
-    return (cal.group_by("model", "method", "device", "dtype", "cell_id")
-            .agg(pl.col("g_star").first(), *[pl.col(c).first() for c in cols])
-            .with_columns(setting=_setting()).sort("model", "method", "device"))
+    keys = ["model", "method", "device", "dtype", *[c for c in ("policy", "vocab_size") if c in cal.columns],
+            "cell_id"]
+    out = cal.group_by(keys).agg(pl.col("g_star").first(), *[pl.col(c).first() for c in cols])
+    return out.with_columns(setting=_setting(out)).sort("model", "method", "device", "setting")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -6,11 +6,14 @@ and returns a polars frame; writing it is the driver's job.
 
 - record: `engine.record.record_traces` (ar, greedy) on the cell's prompts -> the trace table (`locality.trace`).
 - bench: `engine.bench.run_bench` for one method x vocabulary policy x parameters on the cell's prompts -> one
-  row per prompt, turn and repeat. Its untimed warm-up runs once per actor process and configuration.
-- calibrate: `engine.calibrate.calibrate` (UniSpec §3, App. F) -> the measured tau(g), s(g), the fitted curves
-  and g* (`engine.calibration.calibration_curves`), with g*, the device and dtype on every row; the record
-  also goes into the calibration cache of the machine it ran on (`[sweep] calibration_cache`), as
-  `python -m engine.calibrate` does.
+  row per prompt, turn and repeat. Its untimed warm-up runs once per actor process and configuration. A cell
+  that names a `calibrate_cell` (`sweeps.config`: a method the sweep calibrates, no draft_size of its own)
+  runs at that cell's g*, which the driver passes in its config (`sweeps.run`); without it the cell fails,
+  naming the calibrate cell, rather than run at another size.
+- calibrate: `engine.calibrate.calibrate` (UniSpec §3, App. F) for any drafting method (and vocabulary
+  policy) -> the measured tau(g), s(g), the fitted curves and g* (`engine.calibration.calibration_curves`),
+  with g*, the device and dtype on every row; the record also goes into the calibration cache of the machine
+  it ran on (`[sweep] calibration_cache`), as `python -m engine.calibrate` does.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from engine.record import record_traces
 from kernels.hardware import DEFAULT_DTYPE, DEVICE
 from locality.shortlist import load_ranking
 from locality.trace import traces_to_frame
-from sweeps.cell import canonical_json
+from sweeps.cell import SweepError, canonical_json
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the run's settings that run_bench takes as its own arguments, never through `config`
@@ -65,8 +68,14 @@ def bench_config(p: dict) -> dict:
 
 
 def bench_cell(p: dict, loaded, method: str, threads: int | None, warmup: int | None = None) -> pl.DataFrame:
-    """`warmup`: untimed warm-up runs (default the cell's own `warmup`)."""
+    """`warmup`: untimed warm-up runs (default the cell's own `warmup`). A cell whose draft size is a calibrate
+    cell's g* (`calibrate_cell`) must have been given it (`draft_size` in its config); else a SweepError."""
     config = bench_config(p)
+    if p.get("calibrate_cell") and config.get("draft_size") is None:
+        raise SweepError(f"{method} runs at the g* of calibrate cell {p['calibrate_cell']} ({method}, same model and "
+                         f"calibration settings), which has no result: it failed or did not run. Fix it (the "
+                         f"summary names its error) and run the same command again - finished cells are skipped - "
+                         f"or set params.draft_size in the [[bench]] entry for a hand-set size")
     args = {k: config.pop(k) for k in _BENCH_ARGS if k in config}
     return run_bench(model=p["model_name"], methods=[method], prompts=p["prompt_set"], per_category=p["per_category"],
                      categories=p["categories"], languages=p["languages"], max_new_tokens=p["max_new_tokens"],
@@ -84,16 +93,18 @@ def calibration_file(cache: bool | str | None) -> Path | None:
 
 
 def calibrate_cell(p: dict, loaded, method: str, cache: bool | str | None = None) -> pl.DataFrame:
-    """The calibration's curves and g* (results); with `cache` (see `calibration_file`) the record is also
-    saved in the calibration cache, as `python -m engine.calibrate` does, so that later runs on this device,
-    model, dtype and config take this g* as unispec's default draft size (`resolve_draft_size`). The rows
-    say where in `calibration_cache` (null: not saved)."""
+    """The calibration's curves and g* (results) of `method` at the cell's config (its policy and size
+    included); with `cache` (see `calibration_file`) the record is also saved in the calibration cache, as
+    `python -m engine.calibrate` does, so that later runs on this device, model, dtype and config take this
+    g* as the method's default draft size (`resolve_draft_size`). The rows say where in `calibration_cache`
+    (null: not saved)."""
     model, tokenizer, info = loaded
     cal, warm = calibration_prompts(tokenizer, info, n=p["prompts"], warmup=p["warmup"],
                                     max_new_tokens=p["max_new_tokens"])
     cfg = SpecConfig.preset(method, max_new_tokens=p["max_new_tokens"], **p["config"])
     rec = calibrate(model, cal, method, grid=p["grid"], cfg=cfg, warmup_prompts=warm,
-                    eos_ids=eos_token_ids(model, tokenizer), save=False, progress=False)
+                    eos_ids=eos_token_ids(model, tokenizer), save=False, progress=False, tokenizer=tokenizer,
+                    info=info)
     scalars = {k: rec.get(k) for k in ("g_star", "g_star_grid", "g_continuous", "device", "dtype", "threads",
                                        "predicted_tokens_per_s", "wallclock_s")}
     measured = pl.DataFrame(rec["rows"]).select(pl.col("g").cast(pl.Float64), *[

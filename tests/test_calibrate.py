@@ -2,8 +2,10 @@
 and one small measurement through the harness on a random model."""
 
 import ast
+import copy
 import dataclasses
 import json
+import shlex
 import warnings
 from pathlib import Path
 
@@ -14,8 +16,10 @@ import torch
 
 from engine import calibrate as cal
 from engine import calibration as calib
-from engine.config import METHODS, POLICIES, SpecConfig
+from engine.config import METHODS, POLICIES, SpecConfig, parse_overrides
+from engine.harness import generate, resolve_config
 from engine.models import load_model
+from engine.native import BLOCK
 
 
 def true_optimum(tau_fn, s_fn, lo, hi):
@@ -387,3 +391,177 @@ def test_paper_pipeline_is_selectable_in_calibrate(tiny):
     assert rec["key"] == calib.model_key(model, SpecConfig.preset("unispec"))
     with pytest.raises(calib.CalibrationError, match="pipeline"):
         calib.optimal_draft_size(g, tau, s_fwd, pipeline="bayes")
+
+
+# --- draft_size=None is the calibrated size of every drafter ------------------------------------------------
+
+# every drafting method on the tiny model: what its drafter needs there (eagle an untrained head, a small tree)
+CALIBRATED = {
+    "unispec": dict(), "recycling": dict(), "pld": dict(), "hf-prompt-lookup": dict(),
+    "layerskip": dict(drafter_layers="all"),
+    "eagle": dict(eagle_head="random", eagle_depth=2, eagle_topk=3),
+}
+UNCALIBRATED = {"unispec": calib.FALLBACK_DRAFT_SIZE["cpu"], "recycling": 80, "pld": 10, "hf-prompt-lookup": 10,
+                "layerskip": 59, "eagle": 59}
+
+
+def _repetitive_prompts():
+    pattern = torch.arange(20, 32)
+    return [torch.cat([pattern, pattern, pattern[:5]]), torch.cat([pattern.flip(0)] * 3)]
+
+
+def test_drafting_methods_are_every_method_that_drafts():
+    assert set(calib.DRAFTING_METHODS) == set(METHODS) - {"ar"} == set(CALIBRATED) == set(UNCALIBRATED)
+
+
+@pytest.mark.parametrize("method", calib.DRAFTING_METHODS)
+def test_calibrating_a_method_makes_its_calibrated_size_the_default(cache_dir, tiny, method):
+    """Calibrating X writes a record under X's own key; `resolve_config(preset(X))` then runs at its g* - a
+    size of the grid {1, 2, 3}, never X's uncalibrated default - without the missing-calibration warning."""
+    model, _ = tiny
+    cfg = SpecConfig.preset(method, **CALIBRATED[method])
+    rec = cal.calibrate(model, _repetitive_prompts(), method, grid=[1, 2, 3], cfg=cfg.replace(max_new_tokens=10),
+                        eos_ids=[], progress=False)
+    assert rec["method"] == method and rec["key"].split("|")[3] == method
+    assert rec["key"] == calib.model_key(model, cfg) and set(calib.load_calibrations()) == {rec["key"]}
+    assert [r["g"] for r in rec["rows"]] == [1, 2, 3] and rec["g_star"] in (1, 2, 3)
+    assert UNCALIBRATED[method] not in (1, 2, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_config(SpecConfig.preset(method, **CALIBRATED[method]), model=model).draft_size == rec["g_star"]
+    assert resolve_config(cfg.replace(draft_size=7), model=model).draft_size == 7          # a hand-set size wins
+
+
+def test_each_method_takes_only_its_own_calibration(cache_dir, tiny):
+    """With only unispec calibrated, no other method takes unispec's g*: each keeps its uncalibrated default
+    (with the warning); once each is calibrated, each resolves to its own g*."""
+    model, _ = tiny
+    cfgs = {m: SpecConfig.preset(m, **CALIBRATED[m]) for m in calib.DRAFTING_METHODS}
+    calib.save_calibration(calib.model_key(model, cfgs["unispec"]), {"g_star": 5})
+    for m, cfg in cfgs.items():
+        if m != "unispec":
+            with pytest.warns(UserWarning, match=f"no calibrated draft size for {m} "):
+                assert resolve_config(cfg, model=model).draft_size == UNCALIBRATED[m], m
+    assert resolve_config(cfgs["unispec"], model=model).draft_size == 5
+    own = {m: 11 + i for i, m in enumerate(cfgs)}
+    for m, g in own.items():
+        calib.save_calibration(calib.model_key(model, cfgs[m]), {"g_star": g})
+    assert {m: resolve_config(cfg, model=model).draft_size for m, cfg in cfgs.items()} == own
+
+
+def test_a_calibration_is_not_taken_for_another_dtype_backend_threads_or_tree(cache_dir, tiny):
+    model, _ = tiny
+    eagle = SpecConfig.preset("eagle", **CALIBRATED["eagle"])
+    calib.save_calibration(calib.model_key(model, eagle), {"g_star": 6})
+    assert resolve_config(eagle, model=model).draft_size == 6
+    for change in (dict(backend="hf"), dict(fixed_shape=False), dict(verify_rows=16), dict(eagle_depth=3),
+                   dict(eagle_topk=4), dict(vocab="microspec")):
+        with pytest.warns(UserWarning, match="no calibrated draft size for eagle"):
+            assert resolve_config(eagle.replace(**change), model=model).draft_size == UNCALIBRATED["eagle"], change
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    assert calib.model_key(half, eagle).split("|")[2] == "bfloat16"
+    with pytest.warns(UserWarning, match="no calibrated draft size for eagle"):
+        assert resolve_config(eagle, model=half).draft_size == UNCALIBRATED["eagle"]
+    threads = torch.get_num_threads()
+    try:                                                    # a CPU's key holds its thread count
+        torch.set_num_threads(threads + 1)
+        with pytest.warns(UserWarning, match="no calibrated draft size for eagle"):
+            assert resolve_config(eagle, model=model).draft_size == UNCALIBRATED["eagle"]
+    finally:
+        torch.set_num_threads(threads)
+    assert resolve_config(eagle, model=model).draft_size == 6
+
+
+def test_the_missing_calibration_warning_names_the_command_once(cache_dir, tiny):
+    """One warning per key, naming the command that makes exactly the missing record: its --set options
+    give back the same key."""
+    model, _ = tiny
+    cfg = SpecConfig.preset("eagle", **CALIBRATED["eagle"])
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert resolve_config(cfg, model=model).draft_size == 59
+    msgs = [str(x.message) for x in w if "no calibrated draft size" in str(x.message)]
+    assert len(msgs) == 1
+    cmd = calib.calibrate_command(cfg, model)
+    assert cmd in msgs[0] and msgs[0].endswith("using eagle's uncalibrated default g = 59")
+    args = shlex.split(cmd)
+    assert args[:3] == ["python", "-m", "engine.calibrate"]
+    opts = dict(zip(args[3::2], args[4::2]))
+    assert opts["--model"] == calib.model_id(model) and opts["--method"] == "eagle"
+    assert (opts["--device"], opts["--dtype"], opts["--threads"]) == ("cpu", "float32", str(torch.get_num_threads()))
+    sets = parse_overrides([v for k, v in zip(args[3::2], args[4::2]) if k == "--set"])
+    assert sets == CALIBRATED["eagle"]
+    assert calib.model_key(model, SpecConfig.preset("eagle", **sets)) == calib.model_key(model, cfg)
+    with pytest.raises(calib.CalibrationError, match="drafts nothing"):
+        calib.resolve_draft_size(SpecConfig.preset("ar"), model)
+    assert resolve_config(SpecConfig.preset("ar"), model=model).draft_size is None
+
+
+def test_grids_stay_within_what_each_method_and_target_can_draft(cache_dir, tiny):
+    model, _ = tiny                                          # a llama: the native fixed-shape path
+    assert cal.max_draft_size(SpecConfig.preset("recycling"), model) == 80
+    assert cal.max_draft_size(SpecConfig.preset("eagle", eagle_depth=3, eagle_topk=4)) == 4 + 16 * 2
+    assert cal.max_draft_size(SpecConfig.preset("layerskip", eagle_depth=1, eagle_topk=6)) == 6
+    assert cal.max_draft_size(SpecConfig.preset("unispec", store_k=3, tree_depth=2)) == 2 * 3 + 9
+    assert cal.max_draft_size(SpecConfig.preset("pld")) is None
+    assert cal.max_draft_size(SpecConfig.preset("pld"), model) == BLOCK - 1      # a chain is as deep as it is long
+    assert cal.max_draft_size(SpecConfig.preset("pld", backend="hf"), model) is None
+    assert cal.max_draft_size(SpecConfig.preset("hf-prompt-lookup"), model) is None
+    assert cal.max_draft_size(SpecConfig.preset("unispec", verify_rows=8), model) == 7
+    for method in calib.DRAFTING_METHODS:                    # every default grid fits its method's default config
+        cap = cal.max_draft_size(SpecConfig.preset(method), model)
+        for device in ("cpu", "cuda"):
+            grid = calib.default_grid(method, device)
+            assert len(grid) >= 4 and (cap is None or max(grid) <= cap), (method, device, grid, cap)
+    # the bound is real: a pld chain of BLOCK drafts does not fit one fixed-shape forward, BLOCK - 1 does
+    prompt = torch.cat([torch.arange(20, 60)] * 3)
+    generate(model, prompt, method="pld", max_new_tokens=40, draft_size=BLOCK - 1, eos_ids=[])
+    with pytest.raises(ValueError, match="deep"):
+        generate(model, prompt, method="pld", max_new_tokens=40, draft_size=BLOCK, eos_ids=[])
+    # a grid point above the bound is dropped, with a warning, instead of failing the calibration
+    with pytest.warns(UserWarning, match=f"at most {BLOCK - 1} draft tokens"):
+        rec = cal.calibrate(model, _repetitive_prompts(), "pld", grid=[2, 4, 40],
+                            cfg=SpecConfig.preset("pld", max_new_tokens=8), eos_ids=[], save=False, progress=False)
+    assert [r["g"] for r in rec["rows"]] == [2, 4]
+    with pytest.raises(calib.CalibrationError, match="drafts nothing"):
+        cal.calibrate(model, _repetitive_prompts(), "ar", grid=[1, 2], eos_ids=[], save=False, progress=False)
+
+
+def test_frspec_is_calibrated_on_its_default_ranking_and_keyed_as_a_bench_resolves_it(cache_dir, tiny, monkeypatch):
+    """A bench resolves the draft size with frequency_file None and only then fills in the default ranking;
+    the calibration runs on that ranking and keys the record with None, so the bench finds it."""
+    model, info = tiny
+    ranking = []
+    monkeypatch.setattr(cal, "default_frequency_file", lambda tok, name, vocab, eos_ids=(): ranking.append(vocab)
+                        or "ranking.pt")
+    ran = []
+    monkeypatch.setattr(cal, "measure_grid", lambda model, prompts, method, grid, cfg, **kw: ran.append(cfg) or [
+        {"g": g, "tau": 1 + g / 4, "s_step": 0.01 * (1 + g / 8), "s_forward": 0.01} for g in grid])
+    cfg = SpecConfig.preset("layerskip", drafter_layers="all", vocab="frspec")
+    with pytest.raises(calib.CalibrationError, match="tokenizer= and info="):
+        cal.calibrate(model, [torch.arange(5)], "layerskip", grid=[1, 2, 3], cfg=cfg, eos_ids=[], progress=False)
+    rec = cal.calibrate(model, [torch.arange(5)], "layerskip", grid=[1, 2, 3], cfg=cfg, eos_ids=[], progress=False,
+                        tokenizer=None, info=info)
+    assert ranking == [300] and ran[-1].frequency_file == "ranking.pt"
+    assert rec["ran_with"] == {"frequency_file": "ranking.pt"}
+    assert rec["config"]["frequency_file"] is None and rec["key"] == calib.model_key(model, cfg)
+    assert resolve_config(cfg, model=model).draft_size == rec["g_star"]
+
+
+def test_cli_calibrates_eagle_end_to_end(cache_dir, capsys):
+    """`python -m engine.calibrate --method eagle` measures the grid through the harness, fits, prints and caches
+    the record under eagle's key, where resolve_config finds it."""
+    overrides = ["eagle_head=random", "eagle_depth=2", "eagle_topk=3"]
+    cal._cli(["--model", "random-llama", "--method", "eagle", "--dtype", "fp32", "--grid", "1,2,3", "--prompts", "2",
+              "--warmup", "1", "--max-new-tokens", "8", "--no-compare", *(x for o in overrides for x in ("--set", o))])
+    (key, rec), = calib.load_calibrations().items()
+    assert key.split("|")[3] == "eagle" and rec["method"] == "eagle" and [r["g"] for r in rec["rows"]] == [1, 2, 3]
+    printed = capsys.readouterr().out
+    assert f"g* (default pipeline: {rec['mode']}, step time) = {rec['g_star']}" in printed
+    model = load_model("random-llama", dtype="fp32")[0]
+    assert rec["dtype"] == "float32"
+    eagle = SpecConfig.preset("eagle", **parse_overrides(overrides))
+    assert resolve_config(eagle, model=model).draft_size == rec["g_star"]
+    with pytest.raises(SystemExit):
+        cal._cli(["--model", "random-llama", "--method", "ar"])

@@ -1,5 +1,9 @@
 """`engine.bench` on a tiny random model (byte-level prompts): rows, Parquet file, summary table, crash
-safety and resume (and refusing an old-format file), clear errors for methods that cannot run; drafter x
+safety and resume (and refusing an old-format file), clear errors for methods that cannot run; outputs that
+differ from ar's (`engine.divergence`: the ulp bound, verdicts and first divergent token on a hand-made frame,
+the run's "exact" / "near-tie" / "mismatch", ar's margin against the model's own logits - and mutants that
+measure one token early or late failing that check -, a later turn after a diverged one, only differing rows
+paying a forward); drafter x
 vocab runs (policy / vocab_size / run columns, phase columns that add up, policy statistics, lossless
 against ar, run keys with the run label, comparisons); Table 2 on one eagle head (full, frspec, dynaspec
 - unsized and dynaspec:N, sized in tokens - and microspec: the router phase, the head and what was compared
@@ -14,11 +18,15 @@ import pytest
 import torch
 
 import engine.bench as bench
+import engine.divergence as divergence
 from engine.bench import (BenchError, PHASES, RESULTS_FILE, compare_vocabs, plan_runs, run_bench, summarize)
+from engine.divergence import (NEAR_TIE_ULPS, DivergenceError, classify, diagnose_rows, first_divergence,
+                               near_tie_bound, ulp)
 from engine.dynaspec import (DynaSpecError, FittedDynaSpec, Router, head_fingerprint, k_max_for_tokens, save_dynaspec,
                              spherical_kmeans, tokens_for_k_max)
-from engine.models import load_model
+from engine.models import eos_token_ids, load_model
 from engine.frequency import corpus_texts
+from engine.prompts import ByteTokenizer, decode_answer, encode_prompt, load_prompts
 from locality.shortlist import load_ranking
 from tests.engine_testing import untie_head
 
@@ -72,11 +80,18 @@ def test_run_bench_rows_file_and_table(loaded, prompt_file, tmp_path, capsys):
     assert on_disk.equals(df)
     table = summarize(df)
     assert set(table["category"]) == {"writing", "math", "all"}
-    assert table["lossless"].to_list() == [True] * table.height
+    assert table["lossless"].to_list() == ["exact"] * table.height
+    assert df["verdict"].to_list() == ["exact"] * df.height and df["first_divergence"].is_null().all()
+    assert on_disk["verdict"].to_list() == df["verdict"].to_list()                # diagnosed before each write
     ar = table.filter(pl.col("method") == "ar")
     assert (ar["speedup"] == 1.0).all() and (ar["tau"] == 1.0).all()
     printed = capsys.readouterr().out
     assert "lossless" in printed and "hf-prompt-lookup" in printed and "writing" in printed
+    # how the target ran rides on every row and in the header: native (fixed-shape) where it applies
+    assert df["backend"].unique().to_list() == ["native"] and "native target forward" in printed
+    hf = run_bench(methods="ar", prompts=str(prompt_file), max_new_tokens=4, loaded=loaded, progress=False,
+                   config={"backend": "hf"}, show=False)
+    assert hf["backend"].unique().to_list() == ["hf"]
 
 
 def test_summary_flags_a_differing_output(loaded, prompt_file):
@@ -87,8 +102,17 @@ def test_summary_flags_a_differing_output(loaded, prompt_file):
         .then(pl.lit([0, 0], dtype=pl.List(pl.Int64))).otherwise(pl.col("output_ids")))
     table = summarize(broken)
     lossless = {(r["category"], r["method"]): r["lossless"] for r in table.iter_rows(named=True)}
-    assert lossless[("math", "pld")] is False and lossless[("all", "pld")] is False
-    assert lossless[("writing", "pld")] is True
+    # the stored verdict "exact" predates the edit: not trusted; a difference never diagnosed is a mismatch
+    assert lossless[("math", "pld")] == "mismatch" and lossless[("all", "pld")] == "mismatch"
+    assert lossless[("writing", "pld")] == "exact" and lossless[("all", "ar")] == "exact"
+    (ar3,) = broken.filter((pl.col("method") == "ar") & (pl.col("prompt_id") == "3"))["output_ids"].to_list()
+    (line,) = bench.divergence_lines(broken)
+    pos = next((i for i, t in enumerate(ar3[:2]) if t != 0), 2)           # [0, 0] against ar's 6 tokens
+    assert line == f"pld full: prompt 3, turn 1, repeat 0: first divergent token {pos}, ar margin n/a (not " \
+                   f"diagnosed: `diagnose`) -> mismatch"
+    # a results file from before the diagnosis columns reads as before
+    old = df.drop(*bench.DIAGNOSIS)
+    assert summarize(old)["lossless"].to_list() == ["exact"] * summarize(old).height
 
 
 def test_a_crash_keeps_finished_runs_and_resume_completes(loaded, prompt_file, tmp_path, monkeypatch):
@@ -109,9 +133,11 @@ def test_a_crash_keeps_finished_runs_and_resume_completes(loaded, prompt_file, t
     # runs finished: prompt 1 (ar, pld), prompt 2 ar with its two turns; prompt 2 pld crashed
     assert saved.height == 4 and saved.filter(pl.col("prompt_id") == "2")["method"].to_list() == ["ar", "ar"]
     monkeypatch.setattr(bench, "generate", real)
+    saved.drop(*bench.DIAGNOSIS).write_parquet(out / RESULTS_FILE)   # written before the diagnosis columns
     full = run_bench(methods="ar,pld", prompts=str(prompt_file), max_new_tokens=6, out=out, loaded=loaded,
                      progress=False, show=False, warmup=0, resume=True)
     assert full.height == 4 * 2
+    assert full["verdict"].to_list() == ["exact"] * full.height          # the resumed rows diagnosed too
     assert full.unique(["method", "prompt_id", "turn", "repeat"]).height == full.height
     assert (full["run"] == "full").all()
     # a results file from before prompt_id / policy (question_id, vocab, turns from 0) is refused
@@ -143,6 +169,249 @@ def test_cli_parses_into_run_bench(monkeypatch):
     assert got["dtype"] == "bf16"
     with pytest.raises(BenchError, match="FIELD=VALUE"):
         bench.main(["--set", "no_such_field=1"])
+
+
+# --- outputs that differ from ar's: where they part, ar's margin there, near tie or bug --------------------
+
+def test_ulp_and_the_near_tie_bound():
+    # ulp(x) = 2^(floor(log2|x|) - fraction bits): bf16 keeps 7, fp16 10, fp32 23
+    assert ulp(20.0, "bfloat16") == ulp(-20.0, "bf16") == ulp(16.0, torch.bfloat16) == 0.125
+    assert ulp(15.9, "bfloat16") == 0.0625 and ulp(1.0, "float32") == 2.0 ** -23 and ulp(0.75, "fp16") == 2.0 ** -11
+    assert near_tie_bound(20.0, "bfloat16") == NEAR_TIE_ULPS["bfloat16"] * 0.125
+    assert near_tie_bound(-20.0, "float32") == NEAR_TIE_ULPS["float32"] * 2.0 ** -19
+    bound = near_tie_bound(20.0, "bfloat16")
+    assert classify(bound, bound, 20.0, "bfloat16") == "near-tie"           # the bound is inclusive
+    assert classify(bound * 1.01, None, 20.0, "bfloat16") == "mismatch"
+    assert classify(-bound / 2, -bound / 2, 20.0, "bfloat16") == "near-tie"  # the recomputation ranked it second
+    # the method took a token far below a near tie between ar's first two: not a flipped tie
+    assert classify(bound / 8, bound * 4, 20.0, "bfloat16") == "mismatch"
+    # the bound scales with the logit: 0.5 is within rounding of bf16 at 20, not at 1
+    assert classify(0.5, 0.5, 20.0, "bfloat16") == "near-tie" and classify(0.5, 0.5, 1.0, "bfloat16") == "mismatch"
+    assert classify(None, None, None, "float32") == "mismatch"             # ar had stopped: no tie to flip
+    assert first_divergence([1, 2, 3, 4], [1, 2, 3, 4]) is None and first_divergence([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert first_divergence([1, 2, 3], [1, 2, 3, 4]) == 3 and first_divergence([1, 2, 3, 4], [1, 2]) == 2
+    with pytest.raises(DivergenceError, match="int8.*bfloat16"):
+        near_tie_bound(1.0, "int8")
+
+
+V_FAKE = 128
+# ar's outputs of a hand-made bench: prompts a (math), b (code), c (chat, two turns)
+AR_OUT = {("a", 1): [10, 11, 12, 13, 14, 15], ("b", 1): [20, 21, 22, 23, 24, 25],
+          ("c", 1): [30, 31, 32, 33, 34], ("c", 2): [40, 41, 42, 43]}
+CATEGORY = {"a": "math", "b": "code", "c": "chat"}
+TINY = 1e-5                    # well within fp32's bound at a logit of 20 (64 ulps = 1.2e-4)
+
+
+def _fake_prompt(row: dict, earlier: list[list[int]]) -> list[int]:
+    """A prompt that holds the prompt id, the turn and the earlier answers, as a real one does."""
+    return [100 + ord(row["prompt_id"]) - ord("a"), int(row["turn"]), *[t for o in earlier for t in o]]
+
+
+def _logits(ar_token: int, ar_logit: float, others: dict[int, float]) -> torch.Tensor:
+    x = torch.full((V_FAKE,), -3.0)
+    x[ar_token] = ar_logit
+    for t, v in others.items():
+        x[t] = v
+    return x
+
+
+# the target's logits at the ONLY contexts a right diagnosis asks for: ar's prompt + ar's first 3 tokens
+FAKE_LOGITS = {
+    # a: ar's 13 and the method's 99 a hair apart (a near tie)
+    (100, 1, 10, 11, 12): _logits(13, 20.0, {99: 20.0 - TINY}),
+    # b: ar's 23 leads its runner-up 5 by 0.1, the method's 98 by 0.5 (a bug)
+    (101, 1, 20, 21, 22): _logits(23, 20.0, {5: 19.9, 98: 19.5}),
+    # c turn 1: a near tie that this forward ranks the other way: ar's margin is negative
+    (102, 1, 30, 31, 32): _logits(33, 20.0, {99: 20.0 + TINY}),
+}
+
+
+def _hand_made_rows() -> list[dict]:
+    """ar; run "same" (every output equal); "tie" (a differs at 3 by a tiny margin); "bug" (a tiny, b differs
+    at 3 with a clear margin, c's turn 1 a tiny margin - so its turn 2 was asked another prompt than ar's -
+    listed first so an aggregation that takes the first row's verdict fails)."""
+    changed = {
+        "tie": {("a", 1): [10, 11, 12, 99, 14, 15]},
+        "bug": {("a", 1): [10, 11, 12, 99, 14, 15], ("b", 1): [20, 21, 22, 98, 24, 25],
+                ("c", 1): [30, 31, 32, 99, 34], ("c", 2): [7, 7, 7]},
+    }
+    rows = []
+    for method, run in (("pld", "bug"), ("ar", "full"), ("pld", "same"), ("pld", "tie")):
+        for (pid, turn), out in AR_OUT.items():
+            rows.append({"method": method, "run": run, "prompt_id": pid, "turn": turn, "repeat": 0,
+                         "category": CATEGORY[pid], "output_ids": changed.get(run, {}).get((pid, turn), out),
+                         "dtype": "float32", "temperature": 0.0, "new_tokens": len(out), "steps": len(out)})
+    return rows
+
+
+def test_verdicts_first_divergence_and_run_verdict_on_a_hand_made_frame():
+    rows = _hand_made_rows()
+    asked = []
+
+    def fake_logits(ids):
+        asked.append(tuple(ids))
+        assert tuple(ids) in FAKE_LOGITS, f"logits asked at {ids}: not ar's prompt + ar's tokens up to the divergence"
+        return FAKE_LOGITS[tuple(ids)]
+
+    forwards = diagnose_rows(rows, prompt_ids=_fake_prompt, next_logits=fake_logits)
+    assert forwards == len(asked) == 4                          # only the 4 differing rows of the same prompt
+    got = {(r["run"], r["prompt_id"], r["turn"]): r for r in rows}
+    for run in ("full", "same"):
+        for key in AR_OUT:
+            r = got[(run, *key)]
+            assert (r["verdict"], r["first_divergence"], r["ar_margin"], r["prompt_differs"]) == \
+                ("exact", None, None, False)
+    tie = got[("tie", "a", 1)]
+    assert tie["verdict"] == "near-tie" and tie["first_divergence"] == 3
+    assert tie["ar_margin"] == pytest.approx(TINY, abs=1e-6) and tie["ar_gap"] == pytest.approx(TINY, abs=1e-6)
+    assert got[("tie", "b", 1)]["verdict"] == "exact"
+    bug = got[("bug", "b", 1)]
+    assert bug["verdict"] == "mismatch" and bug["first_divergence"] == 3
+    assert bug["ar_margin"] == pytest.approx(0.1, abs=1e-5) and bug["ar_gap"] == pytest.approx(0.5, abs=1e-5)
+    assert got[("bug", "a", 1)]["verdict"] == got[("bug", "c", 1)]["verdict"] == "near-tie"
+    assert got[("bug", "c", 1)]["ar_margin"] == pytest.approx(-TINY, abs=1e-6)   # ar's token minus the best other
+    # c's turn 2 after a diverged turn 1: another prompt than ar's; not compared token by token, the verdict
+    # of the turn where the conversation parted (its own tokens [7, 7, 7] would say "mismatch" at 0)
+    second = got[("bug", "c", 2)]
+    assert (second["verdict"], second["first_divergence"], second["ar_margin"], second["prompt_differs"]) == \
+        ("near-tie", 0, None, True)
+
+    # a run: exact if every row is, mismatch if any row is one, else near-tie - per category and over all
+    table = summarize(pl.DataFrame(rows, schema_overrides={"turn": pl.Int32, "repeat": pl.Int32}))
+    lossless = {(r["category"], r["run"]): r["lossless"] for r in table.iter_rows(named=True)}
+    assert {c: lossless[(c, "same")] for c in ("math", "code", "chat", "all")} == dict.fromkeys(
+        ("math", "code", "chat", "all"), "exact")
+    assert [lossless[(c, "tie")] for c in ("math", "code", "chat", "all")] == ["near-tie", "exact", "exact", "near-tie"]
+    assert [lossless[(c, "bug")] for c in ("math", "code", "chat", "all")] == ["near-tie", "mismatch", "near-tie",
+                                                                                "mismatch"]
+    assert lossless[("all", "full")] == "exact"
+    lines = bench.divergence_lines(pl.DataFrame(rows, schema_overrides={"turn": pl.Int32, "repeat": pl.Int32}))
+    assert "pld bug: prompt b, turn 1, repeat 0: first divergent token 3, ar margin 0.1, gap to the method's " \
+           "token 0.5 -> mismatch" in lines
+    assert "pld bug: prompt c, turn 2, repeat 0: prompt differs (an earlier turn diverged; its verdict) -> " \
+           "near-tie" in lines
+    assert len(lines) == 5 and not any(" same" in line or "ar full" in line for line in lines)
+
+
+def _direct_logits(model, ids: list[int]) -> torch.Tensor:
+    """The target's logits after `ids`, straight from the HF model's own forward (not engine.target)."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1].float()
+
+
+def _forge(frame: pl.DataFrame, edits: dict) -> pl.DataFrame:
+    """`frame` with pld's output_ids of (prompt_id, turn) replaced."""
+    outs = [edits.get((r["prompt_id"], r["turn"]), r["output_ids"]) if r["method"] == "pld" else r["output_ids"]
+            for r in frame.iter_rows(named=True)]
+    return frame.with_columns(output_ids=pl.Series(outs, dtype=pl.List(pl.Int64)))
+
+
+def test_ar_margin_is_the_targets_top2_margin_where_outputs_part(loaded, prompt_file, monkeypatch):
+    model, tok, info = loaded
+    # pld before ar: its rows get their verdicts once ar's rows are there
+    df = run_bench(methods="pld,ar", prompts=str(prompt_file), max_new_tokens=8, loaded=loaded, progress=False,
+                   show=False, warmup=0)
+    assert df["verdict"].to_list() == ["exact"] * df.height and not df["prompt_differs"].any()
+    prompts = {str(p.prompt_id): p for p in load_prompts(str(prompt_file))}
+    eos = eos_token_ids(model, tok)
+    ar = {(r["prompt_id"], r["turn"]): r["output_ids"]
+          for r in df.filter(pl.col("method") == "ar").iter_rows(named=True)}
+    ar_prompt = {("3", 1): encode_prompt(tok, info, prompts["3"].turns, []),
+                 ("2", 2): encode_prompt(tok, info, prompts["2"].turns, [decode_answer(tok, ar[("2", 1)], eos)])}
+    # prompt 3: pld takes ar's THIRD choice at 3; prompt 2's second turn: ar's runner-up at 2
+    cases = {("3", 1): (3, 2), ("2", 2): (2, 1)}
+    expect, edits = {}, {}
+    for key, (pos, rank) in cases.items():
+        logits = _direct_logits(model, ar_prompt[key] + ar[key][:pos])
+        order = logits.argsort(descending=True).tolist()
+        assert order[0] == ar[key][pos]                               # ar's greedy choice, recomputed
+        edits[key] = ar[key][:pos] + [order[rank]] + ar[key][pos + 1:]
+        expect[key] = (pos, float(logits[order[0]] - logits[order[1]]), float(logits[order[0]] - logits[order[rank]]))
+        # the test tells pos from its neighbours: ar's margin one token earlier or later is another number
+        for near in (pos - 1, pos + 1):
+            other = _direct_logits(model, ar_prompt[key] + ar[key][:near]).topk(2).values
+            assert abs(float(other[0] - other[1]) - expect[key][1]) > 1e-2, (key, near)
+    forged = _forge(df, edits)
+
+    def check(diagnosed: pl.DataFrame) -> None:
+        got = {(r["method"], r["prompt_id"], r["turn"]): r for r in diagnosed.iter_rows(named=True)}
+        for key, (pos, margin, gap) in expect.items():
+            r = got[("pld", *key)]
+            assert r["first_divergence"] == pos, key
+            assert r["ar_margin"] == pytest.approx(margin, abs=1e-4), key
+            assert r["ar_gap"] == pytest.approx(gap, abs=1e-4), key
+            top1 = float(_direct_logits(model, ar_prompt[key] + ar[key][:pos]).max())
+            assert margin > near_tie_bound(top1, "float32") and r["verdict"] == "mismatch"   # a clear margin
+            assert r["prompt_differs"] is False
+        others = [r["verdict"] for k, r in got.items() if (k[1], k[2]) not in expect or k[0] == "ar"]
+        assert others == ["exact"] * len(others)
+
+    check(bench.diagnose(forged, loaded, str(prompt_file)))
+    assert expect[("3", 1)][2] > expect[("3", 1)][1]                 # the third choice: gap > margin
+    assert expect[("2", 2)][2] == pytest.approx(expect[("2", 2)][1])  # the runner-up: gap = margin
+
+    # mutants: a diagnosis that measures one token early or late fails the check above
+    real = divergence.margin_at
+    for shift in (-1, 1):
+        monkeypatch.setattr(divergence, "margin_at", lambda f, p, a, o, pos, s=shift: real(f, p, a, o, pos + s))
+        with pytest.raises(AssertionError):
+            check(bench.diagnose(forged, loaded, str(prompt_file)))
+    monkeypatch.setattr(divergence, "margin_at", real)
+
+
+def test_a_later_turn_after_a_diverged_one_is_judged_on_its_prompt(loaded, prompt_file):
+    model, tok, info = loaded
+    df = run_bench(methods="ar,pld", prompts=str(prompt_file), max_new_tokens=8, loaded=loaded, progress=False,
+                   show=False, warmup=0)
+    ar1 = df.filter((pl.col("method") == "ar") & (pl.col("prompt_id") == "2") & (pl.col("turn") == 1))
+    (ar1,) = ar1["output_ids"].to_list()
+    eos = eos_token_ids(model, tok)
+    # a byte token changes the answer text, so pld's turn 2 was asked another prompt than ar's
+    byte = ord("Z") if ar1[1] != ord("Z") else ord("Y")
+    diag = bench.diagnose(_forge(df, {("2", 1): ar1[:1] + [byte] + ar1[2:]}), loaded, str(prompt_file))
+    t1, t2 = diag.filter((pl.col("method") == "pld") & (pl.col("prompt_id") == "2")).sort("turn").iter_rows(named=True)
+    assert t1["first_divergence"] == 1 and t1["ar_margin"] is not None and t1["prompt_differs"] is False
+    assert (t2["prompt_differs"], t2["first_divergence"], t2["ar_margin"], t2["verdict"]) == \
+        (True, 0, None, t1["verdict"])
+    # an id the byte-level tokenizer drops (>= 256) swapped for another: same answer text, same turn-2 prompt,
+    # so turn 2 is compared token by token (and equals ar's) - decided on the prompt ids, not the outputs
+    pos = next(i for i, t in enumerate(ar1) if t >= 256 and t not in eos)
+    swap = next(t for t in range(256, 512) if t != ar1[pos] and t not in eos)
+    diag = bench.diagnose(_forge(df, {("2", 1): ar1[:pos] + [swap] + ar1[pos + 1:]}), loaded, str(prompt_file))
+    t1, t2 = diag.filter((pl.col("method") == "pld") & (pl.col("prompt_id") == "2")).sort("turn").iter_rows(named=True)
+    assert t1["first_divergence"] == pos and t1["verdict"] in ("near-tie", "mismatch")
+    assert (t2["prompt_differs"], t2["verdict"], t2["first_divergence"]) == (False, "exact", None)
+    with pytest.raises(BenchError, match="cannot rebuild the rows' prompts.*pass prompts="):
+        bench.diagnose(df, loaded)                                 # prompt_set "prompts" is no set's name
+
+
+def test_run_bench_diagnoses_only_the_rows_that_differ(loaded, prompt_file, monkeypatch, capsys):
+    real_generate, real_logits = bench.generate, bench.next_logits
+    forwards = []
+
+    def corrupting(model, ids, cfg, **kw):                        # pld goes wrong on prompt 3 at token 2
+        res = real_generate(model, ids, cfg, **kw)
+        if cfg.method == "pld" and ByteTokenizer().decode(ids).startswith("1 2 3"):
+            out = res.output_ids.clone()
+            out[2] = (out[2] + 1) % 256
+            res.output_ids = out
+        return res
+
+    monkeypatch.setattr(bench, "generate", corrupting)
+    monkeypatch.setattr(bench, "next_logits", lambda *a, **kw: forwards.append(a[1]) or real_logits(*a, **kw))
+    df = run_bench(methods="ar,pld", prompts=str(prompt_file), max_new_tokens=8, loaded=loaded, progress=False,
+                   warmup=0)
+    printed = capsys.readouterr().out
+    assert len(forwards) == 1                                    # equal rows cost no forward
+    bad = df.filter(pl.col("verdict") != "exact")
+    assert bad.select("method", "prompt_id", "turn", "first_divergence").rows() == [("pld", "3", 1, 2)]
+    assert bad["verdict"].item() == "mismatch" and bad["ar_margin"].item() > 0
+    table = summarize(df)
+    lossless = {(r["category"], r["method"]): r["lossless"] for r in table.iter_rows(named=True)}
+    assert (lossless[("math", "pld")], lossless[("writing", "pld")], lossless[("all", "pld")]) == \
+        ("mismatch", "exact", "mismatch")
+    assert f"pld full: prompt 3, turn 1, repeat 0: first divergent token 2, ar margin {bad['ar_margin'].item():.4g}" \
+        in printed and "-> mismatch" in printed
 
 
 # --- drafters x draft vocabularies ------------------------------------------------------------------------
@@ -199,7 +468,7 @@ def test_layerskip_every_vocab_is_lossless_with_phase_columns(loaded, prompt_fil
     assert "targets:" in printed and "backbone_ms" in printed
 
     table = summarize(df)
-    assert table["lossless"].all()
+    assert (table["lossless"] == "exact").all()
     allrows = {(r["method"], r["run"]): r for r in table.filter(pl.col("category") == "all").iter_rows(named=True)}
     assert {k: (r["policy"], r["vocab_size"]) for k, r in allrows.items()} == {
         ("ar", "full"): ("full", None), ("layerskip", "full"): ("full", None),
@@ -243,7 +512,7 @@ def test_layerskip_every_vocab_is_lossless_with_phase_columns(loaded, prompt_fil
     assert calls["n"] == 4                                    # only the 4 turns of the new run label
     new = sized.filter(pl.col("run") == "frspec:32")
     assert (new["policy"] == "frspec").all() and (new["vocab_size"] == 32).all()
-    assert summarize(sized)["lossless"].all()
+    assert (summarize(sized)["lossless"] == "exact").all()
 
 
 def test_eagle_vocabs_lossless(loaded, prompt_file, cache):
@@ -313,7 +582,7 @@ def test_table2_on_one_eagle_head(loaded, prompt_file, cache, capsys):
     assert (df["dtype"] == "float32").all() and (df["max_new_tokens"] == 8).all()
 
     table = summarize(df)
-    assert table["lossless"].all()
+    assert (table["lossless"] == "exact").all()
     allrows = {r["run"]: r for r in table.filter((pl.col("category") == "all") & (pl.col("method") == "eagle"))
                .iter_rows(named=True)}
     rows = df.filter(pl.col("run") == "dynaspec:64")
@@ -330,7 +599,7 @@ def test_table2_on_one_eagle_head(loaded, prompt_file, cache, capsys):
 
     # what was compared, then Table 2's layout, a table per category, the overall block, the ratio lines
     assert f"DynaSpec {fit}" in printed and "k_max = 4 clusters per row at draft steps 0-1 (~64 tokens)" in printed
-    assert "bench: random-llama on cpu, float32, 1 torch thread(s)" in printed
+    assert "bench: random-llama on cpu, float32, native target forward, 1 torch thread(s)" in printed
     assert "prompts: " in printed and "(3 prompts, 4 turns, 2 categories, 1 repeat(s))" in printed
     assert "tokens: max_new_tokens 8 per turn" in printed and "greedy" in printed
     assert "drafter: eagle, head random, draft_size 9; runs:" in printed

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine import SpecConfig, generate
+from engine.divergence import classify, first_divergence, margin_at, next_logits
 from engine.models import eos_token_ids
 from engine.prompts import encode_prompt, load_prompts
 from tests.engine_testing import OracleTreeDrafter
@@ -27,6 +28,20 @@ def _hf_greedy(model, ids, eos):
     return out[0, len(ids):].tolist()
 
 
+def _same_or_near_tie(model, ids, ar_out, other):
+    """transformers' own decoding (generate, prompt lookup) against ours: token-equal in fp32; in a half
+    dtype its forward is not row-invariant, so it may part from ar, but only at a near tie of ar's logits
+    (engine.divergence), never where ar's token led clearly."""
+    if model.dtype == torch.float32:
+        assert other == ar_out
+        return
+    pos = first_divergence(ar_out, other)
+    if pos is None:
+        return
+    margin, gap, top1 = margin_at(lambda x: next_logits(model, x), ids, ar_out, other, pos)
+    assert classify(margin, gap, top1, model.dtype) == "near-tie", (pos, margin, gap, top1)
+
+
 @pytest.mark.parametrize("which,category", [("smollm2", "extraction"), ("gemma", "summarization")])
 def test_methods_equal_greedy_on_real_models(request, which, category):
     loaded = request.getfixturevalue(which)
@@ -34,11 +49,12 @@ def test_methods_equal_greedy_on_real_models(request, which, category):
     ids = _prompt_ids(loaded, category)
     ar = generate(model, ids, method="ar", tokenizer=tok, info=info, max_new_tokens=T)
     if which == "smollm2":                                       # Gemma's 688-token prompt: keep it to 4 runs
-        assert ar.output_ids.tolist() == _hf_greedy(model, ids, eos_token_ids(model, tok))
+        _same_or_near_tie(model, ids, ar.output_ids.tolist(), _hf_greedy(model, ids, eos_token_ids(model, tok)))
     assert ar.steps == ar.new_tokens and ar.tau == 1.0
-    for method in ("pld", "hf-prompt-lookup"):
-        res = generate(model, ids, method=method, tokenizer=tok, info=info, max_new_tokens=T)
-        assert res.output_ids.tolist() == ar.output_ids.tolist(), method
+    res = generate(model, ids, method="pld", tokenizer=tok, info=info, max_new_tokens=T)
+    assert res.output_ids.tolist() == ar.output_ids.tolist(), "pld"
+    res = generate(model, ids, method="hf-prompt-lookup", tokenizer=tok, info=info, max_new_tokens=T)
+    _same_or_near_tie(model, ids, ar.output_ids.tolist(), res.output_ids.tolist())
     full = ids + ar.output_ids.tolist()
     tree = generate(model, ids, tokenizer=tok, info=info, max_new_tokens=T,
                     drafter=OracleTreeDrafter(model, SpecConfig(), full, info.vocab_size, seed=1, max_nodes=8),

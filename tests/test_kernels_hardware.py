@@ -15,11 +15,44 @@ def _no_override(monkeypatch):
     use_triton(previous)
 
 
-def test_device_and_dtype_follow_cuda():
+def test_device_and_dtype_follow_the_machine(monkeypatch):
+    monkeypatch.delenv(hardware.DTYPE_ENV, raising=False)
     assert hardware.DEVICE.type == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert hardware.DEFAULT_DTYPE == (torch.float16 if torch.cuda.is_available() else torch.float32)
+    expect = (torch.float16 if torch.cuda.is_available()
+              else torch.bfloat16 if hardware.cpu_has_native_bf16() else torch.float32)
+    assert hardware.default_dtype() == expect
     if not torch.cuda.is_available():
         assert hardware.triton_interpreted(), "without CUDA the Triton kernels must run interpreted"
+
+
+def test_default_dtype_rules():
+    # the order: $SPECVOCAB_DTYPE, then CUDA fp16, then bf16 only where the CPU has bf16 dot products
+    assert hardware.default_dtype(env="", cuda=True, cpu_bf16=True) == torch.float16
+    assert hardware.default_dtype(env="", cuda=False, cpu_bf16=True) == torch.bfloat16
+    assert hardware.default_dtype(env="", cuda=False, cpu_bf16=False) == torch.float32
+    assert hardware.default_dtype(env="fp32", cuda=True, cpu_bf16=True) == torch.float32
+    assert hardware.default_dtype(env=" BF16 ", cuda=False, cpu_bf16=False) == torch.bfloat16
+    with pytest.raises(hardware.HardwareError, match="SPECVOCAB_DTYPE='int4'.*bf16"):
+        hardware.default_dtype(env="int4")
+
+
+def test_cpu_bf16_flags_are_read_from_cpuinfo():
+    avx = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512vl\n"
+    no = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512vl\n"
+    arm = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+    assert hardware.cpu_has_native_bf16(avx) and hardware.cpu_has_native_bf16(arm)
+    assert not hardware.cpu_has_native_bf16(no)
+    # a flag's name inside another word does not count (avx512_bf16x is not a flag we know; "bf16" must be
+    # a whole flag, not a substring of "avx512_fp16")
+    assert not hardware.cpu_has_native_bf16("flags\t: avx512_fp16 amx_int8\n")
+    assert not hardware.cpu_has_native_bf16("model name\t: bf16 avx512_bf16 marketing text\n")
+
+
+def test_check_dtype_refuses_what_cannot_run():
+    hardware.check_dtype(torch.bfloat16, "cpu")                   # emulated where there is no bf16: runs
+    hardware.check_dtype(torch.float16, "cpu")
+    with pytest.raises(hardware.HardwareError, match="not a floating-point dtype"):
+        hardware.check_dtype(torch.int8, "cpu")
 
 
 def test_default_backend_is_torch_on_cpu_and_triton_on_cuda():

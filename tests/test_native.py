@@ -22,6 +22,7 @@ import torch
 
 from engine import generate
 from engine.models import load_model
+from engine.drafters.layerskip import LayerSkipDrafter
 from engine.native import BLOCK, MIN_ROWS, NativeError, NativeModel, bucket_rows, tail_index
 from engine.target import BackendError, HFTarget, NativeTarget, make_target, resolve_backend
 from engine.tree import DraftTree
@@ -85,7 +86,7 @@ def test_native_logits_equal_transformers_on_each_family(name, fixed_shape):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["smollm2", "gemma"])
+@pytest.mark.parametrize("which", ["smollm2_fp32", "gemma_fp32"])
 def test_native_logits_equal_transformers_on_the_offline_models(request, which):
     model, _, info = request.getfixturevalue(which)
     rng = np.random.default_rng(1)
@@ -99,7 +100,7 @@ def test_native_logits_equal_transformers_on_the_offline_models(request, which):
 
 # --- fixed-shape verification: a row's logits do not depend on the step's shape -------------------------
 
-def _row_logits_in_trees(model, prompt: torch.Tensor, path: list[int], fixed_shape: bool):
+def _row_logits_in_trees(model, prompt: torch.Tensor, path: list[int], fixed_shape: bool, compile: bool = False):
     """The logits of the last token of `path` (appended after `prompt`), computed (a) by ar-style one-node
     forwards and (b) inside trees of several shapes in which that path sits at different node indices,
     with decoys around it. Returns (reference row, [rows from trees])."""
@@ -108,7 +109,7 @@ def _row_logits_in_trees(model, prompt: torch.Tensor, path: list[int], fixed_sha
     V = model.get_output_embeddings().weight.shape[0]
 
     def run(tree_tokens, tree_parents, node):
-        t = NativeTarget(model, fixed_shape=fixed_shape)
+        t = NativeTarget(model, fixed_shape=fixed_shape, compile=compile)
         t.begin(L + 80)
         with torch.inference_mode():
             t.prefill(prompt[:L - 1], all_logits=False)          # the root (prompt[-1]) is not cached yet
@@ -116,7 +117,7 @@ def _row_logits_in_trees(model, prompt: torch.Tensor, path: list[int], fixed_sha
             return t.forward_tree(tree_tokens, tree_parents, d, a)[1][node]
 
     def ar_row():
-        t = NativeTarget(model, fixed_shape=fixed_shape)
+        t = NativeTarget(model, fixed_shape=fixed_shape, compile=compile)
         t.begin(L + 80)
         with torch.inference_mode():
             t.prefill(prompt[:L - 1], all_logits=False)
@@ -197,6 +198,61 @@ def test_every_method_equals_ar_on_the_native_path(name, dtype):
             res = generate(model, ids, method=method, max_new_tokens=40, eos_ids=[], backend="native", w_max=128,
                            **kw)
             assert res.output_ids.tolist() == ar.output_ids.tolist(), (method, kw)
+
+
+@pytest.mark.parametrize("name", ["random-llama", "random-gemma3"])
+def test_layerskip_drafts_the_same_trees_on_the_native_partial_stack(name):
+    """The layer-skip drafter on the native backend (NativeModel.forward(layer_ids=...), NativeDraftKV) drafts
+    what it drafts through transformers' layer modules: the same tree tokens at every step, fp32. Gemma's
+    sliding window (shrunk below a tree's breadth) checks the tree rows' positions in the window mask."""
+    model = untie_head(load_model(name)[0])
+    if name == "random-gemma3":
+        model.config.sliding_window = 5          # shorter than a tree level: tree rows sit at the window edge
+    ids = np.random.default_rng(7).integers(0, 512, 40).tolist()
+    kw = dict(method="layerskip", drafter_layers="keep:0", draft_size=10, eagle_depth=7, max_new_tokens=24, eos_ids=[],
+              record=True)
+    levels = {"hf": [], "native": []}
+    real = LayerSkipDrafter._forward_tree
+
+    def spy(self, tokens, parent_h, tree_mask, depth):            # every tree level's hidden states
+        h = real(self, tokens, parent_h, tree_mask, depth)
+        levels["native" if self.net is not None else "hf"].append(h.float().clone())
+        return h
+    LayerSkipDrafter._forward_tree = spy
+    try:
+        hf = generate(model, ids, backend="hf", **kw)
+        native = generate(model, ids, backend="native", **kw)
+    finally:
+        LayerSkipDrafter._forward_tree = real
+    assert [r.tree_tokens for r in native.records] == [r.tree_tokens for r in hf.records]
+    assert native.output_ids.tolist() == hf.output_ids.tolist()
+    assert sum(len(r.accepted) for r in native.records) > len(native.records)     # it drafted and hit
+    assert len(levels["native"]) == len(levels["hf"]) > 0
+    for a, b in zip(levels["native"], levels["hf"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_compiled_decode_keeps_rows_bitwise_and_every_method_equal_to_ar():
+    """SpecConfig.compile: inductor fuses the layer's elementwise ops but must keep rules 1-3 (the GEMMs stay
+    library calls; its reductions run per row). Compiled rows are not eager rows bitwise (fused norms round
+    differently), so compiled runs are compared with the compiled `ar`; one prompt length keeps the committed
+    block count fixed, so the test compiles few graphs."""
+    model = untie_head(load_model("random-llama", dtype="bf16")[0]).to(torch.bfloat16)
+    prompt = torch.as_tensor(np.random.default_rng(4).integers(0, 512, BLOCK + 3))
+    ref, rows = _row_logits_in_trees(model, prompt, [5, 77, 300, 9], fixed_shape=True, compile=True)
+    assert all(torch.equal(r, ref) for r in rows)
+    ids = prompt.tolist()
+    ar = generate(model, ids, method="ar", max_new_tokens=20, eos_ids=[], compile=True)
+    for method, kw in [("unispec", {"draft_size": 12}), ("eagle", {"eagle_head": "random", "draft_size": 6,
+                                                                   "eagle_depth": 3, "vocab": "microspec"})]:
+        res = generate(model, ids, method=method, max_new_tokens=20, eos_ids=[], compile=True, w_max=128, **kw)
+        assert res.output_ids.tolist() == ar.output_ids.tolist(), method
+
+
+def test_compile_needs_the_fixed_shape():
+    model = load_model("random-llama")[0]
+    with pytest.raises(BackendError, match="fixed_shape=True"):
+        generate(model, [1, 2, 3], method="ar", max_new_tokens=2, eos_ids=[], fixed_shape=False, compile=True)
 
 
 @pytest.mark.slow

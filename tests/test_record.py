@@ -155,8 +155,8 @@ def test_record_writes_after_every_prompt_and_resumes(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_recorder_on_smollm2_equals_transformers_generate(smollm2):
-    model, tok, info = smollm2
+def test_recorder_on_smollm2_equals_transformers_generate(smollm2_fp32):
+    model, tok, info = smollm2_fp32
     prompts = load_prompts("spec_bench", categories=["qa", "math_reasoning"], per_category=1)
     eos = eos_token_ids(model, tok)
     traces = record_traces(model, tok, info, prompts, max_new_tokens=16, topk=16, progress=False)

@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 import socket
 import tomllib
+from pathlib import Path
 
 import polars as pl
 import pytest
 import ray
 
 import sweeps
-from engine.calibration import load_calibrations, model_key, resolve_draft_size
+from engine.calibration import DRAFTING_METHODS, load_calibrations, model_key, resolve_draft_size
 from engine.config import SpecConfig
 from locality.trace import read_traces
 from sweeps.cell import Cell, SweepError
@@ -22,6 +23,7 @@ from sweeps.config import load_sweep, parse_sweep
 from sweeps import bench as sweeps_bench, model_cells
 from sweeps.model_cells import ModelWorker
 from sweeps.results import cell_path, prepare_output, result_files, write_cell
+from sweeps import run as run_module
 from sweeps.run import main as run_main, run_sweep
 from tests.sweeps_testing import tiny_toml, write_toml
 
@@ -345,3 +347,126 @@ def test_machinery_benchmark_runs_and_reports_what_it_compared(local_ray, tmp_pa
     printed = capsys.readouterr().out
     for what in ("direct calls", "2 plain processes", "run_sweep, 1 worker", "run_sweep, 2 workers", "target"):
         assert what in printed
+
+
+# ---- calibrated draft sizes ------------------------------------------------------------------------------
+
+CALIBRATE_LAYERSKIP = '''
+[[calibrate]]
+methods = ["pld", "layerskip"]
+params = { drafter_layers = "first:1" }
+grid = [1, 2]
+prompts = 1
+warmup = 0
+'''
+CALIBRATE_POLICIES = '''
+[[calibrate]]
+methods = ["layerskip"]
+policies = ["frspec", "microspec"]
+vocab_sizes = [128]
+params = { drafter_layers = "first:1" }
+grid = [1, 2]
+prompts = 1
+warmup = 0
+'''
+
+
+def _calibrated_sweep(extra: str = CALIBRATE_LAYERSKIP + CALIBRATE_POLICIES, bench: str | None = None):
+    return _sweep(tiny_toml(extra=extra, bench=bench))
+
+
+def test_bench_cells_name_the_calibrate_cell_of_their_own_settings():
+    """A bench cell of a calibrated method without a draft size names the calibrate cell whose settings
+    (policy and its size included) are its own; hand-set sizes, ar and uncalibrated methods name none."""
+    text = tiny_toml(extra=CALIBRATE_LAYERSKIP + CALIBRATE_POLICIES)
+    s = _sweep(text.replace('[[bench]]\nmethods = ["ar", "pld", "unispec"]\n',
+                            '[[bench]]\nmethods = ["ar", "pld", "unispec"]\n\n[[bench]]\nmethods = ["unispec"]\n'
+                            'params = { draft_size = 3 }\n', 1))
+    cal = {c.id: c for c in s.cells if c.kind == "calibrate"}
+    assert sorted((c.method, c.params["policy"], c.params["vocab_size"]) for c in cal.values()) == [
+        ("layerskip", "frspec", 128), ("layerskip", "full", None), ("layerskip", "microspec", 128),
+        ("pld", "full", None), ("unispec", "full", None)]
+    by_policy = {c.params["policy"]: c for c in cal.values() if c.method == "layerskip"}
+    assert by_policy["microspec"].params["config"] == {"drafter_layers": "first:1", "vocab": "microspec", "w_max": 128}
+    assert by_policy["full"].params["config"] == {"drafter_layers": "first:1"}
+    for c in (c for c in s.cells if c.kind == "bench"):
+        linked = c.params.get("calibrate_cell")
+        if c.method == "ar" or c.params["config"].get("draft_size") is not None:
+            assert linked is None, c.describe()
+            continue
+        src = cal[linked]
+        assert (src.method, src.params["policy"], src.params["vocab_size"]) == \
+            (c.method, c.params["policy"], c.params["vocab_size"]), c.describe()
+    # without calibrate cells for a method, its bench cells take the engine's default (named by none)
+    plain = _sweep(tiny_toml())
+    assert {c.method for c in plain.cells if c.kind == "bench" and c.params.get("calibrate_cell")} == {"unispec"}
+
+
+def test_a_calibrated_method_without_a_calibrate_cell_of_its_settings_is_a_config_error():
+    with pytest.raises(SweepError) as err:
+        _calibrated_sweep(extra=CALIBRATE_LAYERSKIP)          # layerskip full only; the bench has frspec too
+    msg = str(err.value)
+    assert "[[bench]] #2" in msg and "calibrates 'layerskip'" in msg and "vocab = 'frspec' here, 'full' there" in msg
+    assert "add a [[calibrate]] entry" in msg and "params.draft_size" in msg
+    with pytest.raises(SweepError, match="draft_size is what a calibration measures"):
+        _sweep(tiny_toml(extra='[[calibrate]]\nmethods = ["pld"]\nparams = { draft_size = 4 }\n'))
+    with pytest.raises(SweepError, match="'ar' drafts nothing"):
+        _sweep(tiny_toml(extra='[[calibrate]]\nmethods = ["ar"]\n'))
+    with pytest.raises(SweepError, match=r"put it in its own \[\[calibrate\]\] entry"):
+        _sweep(tiny_toml(extra='[[calibrate]]\nmethods = ["pld"]\npolicies = ["microspec"]\n'))
+
+
+def _driver_for(sweep, out):
+    """The driver's bookkeeping without a cluster (its `_calibrated` reads finished calibrate cells' files)."""
+    driver = run_module._Driver.__new__(run_module._Driver)
+    driver.sweep, driver.out = sweep, out
+    return driver
+
+
+def test_bench_cells_get_their_own_calibrate_cells_g_star_or_fail_naming_it(tmp_path):
+    """The driver gives each bench cell the g* of the calibrate cell with its settings (so the policy
+    counts); a bench cell whose calibrate cell has no result fails, naming it, instead of running at
+    another size."""
+    s = _calibrated_sweep()
+    cal = [c for c in s.cells if c.kind == "calibrate"]
+    g_of = {c.id: 2 + i for i, c in enumerate(cal)}
+    for c in cal:
+        write_cell(tmp_path, c, pl.DataFrame({"g_star": [g_of[c.id]]}), s.name)
+    spec = s.models[0]
+    calibrated = _driver_for(s, tmp_path)._calibrated(spec)
+    linked = [c for c in s.cells if c.kind == "bench" and c.params.get("calibrate_cell")]
+    assert {c.method for c in linked} == {"pld", "unispec", "layerskip"}
+    for c in linked:
+        params, source = run_module._with_calibrated_size(c, calibrated)
+        assert params["config"]["draft_size"] == g_of[c.params["calibrate_cell"]], c.describe()
+        assert source == f"calibrate:{c.params['calibrate_cell']}"
+    # the microspec calibrate cell failed: its bench cells fail and name it; the others still run
+    failed = next(c for c in cal if c.params["policy"] == "microspec")
+    cell_path(tmp_path, failed).unlink()
+    calibrated = _driver_for(s, tmp_path)._calibrated(spec)
+    for c in linked:
+        params, source = run_module._with_calibrated_size(c, calibrated)
+        if c.params["calibrate_cell"] != failed.id:
+            assert params["config"]["draft_size"] == g_of[c.params["calibrate_cell"]]
+            continue
+        assert source is None and "draft_size" not in params["config"]
+        with pytest.raises(SweepError, match=f"calibrate cell {failed.id}.*has no result"):
+            model_cells.bench_cell(params, None, c.method, 1)
+
+
+def test_quick_sweep_benches_every_drafter_at_a_calibrated_size():
+    """The README's main job: every bench cell of a drafting method runs at the g* of a calibrate cell of
+    the same sweep with its method, policy and size (none at a hand-set size)."""
+    s = load_sweep(Path(__file__).parents[1] / "sweeps" / "configs" / "quick.toml")
+    cal = {c.id: c for c in s.cells if c.kind == "calibrate"}
+    bench = [c for c in s.cells if c.kind == "bench"]
+    drafting = [c for c in bench if c.method in DRAFTING_METHODS]
+    assert {c.method for c in drafting} == {"pld", "recycling", "unispec", "eagle"}
+    for c in drafting:
+        assert "draft_size" not in c.params["config"], c.describe()
+        src = cal[c.params["calibrate_cell"]]
+        assert (src.method, src.params["policy"], src.params["vocab_size"]) == \
+            (c.method, c.params["policy"], c.params["vocab_size"]), c.describe()
+        assert src.params["config"].get("eagle_depth") == c.params["config"].get("eagle_depth")
+    assert set(c.params["calibrate_cell"] for c in drafting) == set(cal)     # no calibrate cell left unused
+    assert all(len(c.params["grid"]) <= 4 and c.params["prompts"] <= 2 for c in cal.values())   # quick stays quick

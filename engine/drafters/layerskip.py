@@ -7,6 +7,11 @@ layer modules and calls them with its own KV cache (`DraftKVCache`), its own pos
 layer type: Gemma 3's local layers use the local RoPE) and its own attention masks (sliding-window
 layers see only the last `sliding_window` positions).
 
+Where the target's forward runs natively (`cfg.backend`, `engine.target.resolve_backend`), the partial stack
+runs on `engine.native` too: `NativeModel.forward(layer_ids=...)` over the same packed weights, with a
+static KV cache of one entry per kept layer (`NativeDraftKV`), so a draft level costs the kept layers'
+GEMMs and little else. On the hf backend it calls the target's own layer modules.
+
 `drafter_layers` forms (target layer indices, 0-based):
     skip:12,14,16,18   every layer but these (the default, for SmolLM2-135M's 30 layers)
     first:15           layers 0..14
@@ -28,6 +33,8 @@ import torch
 
 from engine.drafters import register_drafter
 from engine.drafters.lmhead import DraftKVCache, DrafterError, Expansion, LMHeadDrafter, attention_bias
+from engine.native import NativeModel
+from engine.target import native_model, resolve_backend
 from engine.tree import StepResult
 
 
@@ -110,14 +117,22 @@ class LayerSkipDrafter(LMHeadDrafter):
         self.softcap = getattr(tcfg, "final_logit_softcapping", None)
         self.dtype = self.head_weight.dtype
         self._make_policy()
-        self.cache = DraftKVCache(self.layer_ids)
+        self.net = native_model(target) if resolve_backend(target, cfg.backend) == "native" else None
+        self.cache = self._new_cache(256)
         self.n_ctx = 0                                               # committed tokens in the cache
+
+    def _new_cache(self, capacity: int):
+        if self.net is not None:
+            return NativeDraftKV(self.net, self.layer_ids, capacity)
+        return DraftKVCache(self.layer_ids, capacity=capacity)
 
     # backbone ---------------------------------------------------------------------------------------
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """tokens [q], positions [q], visible [q, length + q] bool -> normed hidden [q, d]; appends q rows."""
         q = tokens.numel()
         self.cache.reserve(q, tokens.device)
+        if self.net is not None:
+            return self.cache.run(tokens, positions, visible)
         x = self.embed(tokens[None])                                 # [1, q, d]
         pos = positions[None]                                        # [1, q]
         kv_pos = torch.cat([self.cache.positions[: self.cache.length].to(positions.device), positions])
@@ -144,7 +159,7 @@ class LayerSkipDrafter(LMHeadDrafter):
         return h
 
     def _backbone_begin(self, prompt_ids, prefill_hidden):
-        self.cache = DraftKVCache(self.layer_ids, capacity=max(256, 2 * prompt_ids.numel()))
+        self.cache = self._new_cache(max(256, 2 * prompt_ids.numel()))
         self.n_ctx = 0
         self._feed(prompt_ids)
 
@@ -174,3 +189,56 @@ class LayerSkipDrafter(LMHeadDrafter):
             keep.append(self.n_ctx + r)
         self.cache.keep_rows(self.n_ctx, torch.tensor(keep, dtype=torch.long, device=self.device))
         self.n_ctx = self.cache.length
+
+
+class NativeDraftKV:
+    """`DraftKVCache`'s bookkeeping (reserve / advance / crop / keep_rows, slot positions) over a native
+    `StaticKV` with one entry per kept layer: the layer-skip drafter's cache on the native backend. Slots
+    [0, length) are live: the committed context, then this step's tree rows (which hold positions other
+    than their slot index, hence `positions`)."""
+
+    def __init__(self, net: NativeModel, layer_ids: list[int], capacity: int):
+        self.net = net
+        self.layer_ids = list(layer_ids)
+        self.kv = net.new_cache(capacity, layers=len(self.layer_ids))
+        self.positions = torch.zeros(capacity, dtype=torch.long, device=net.device)
+
+    @property
+    def length(self) -> int:
+        return self.kv.committed
+
+    def reserve(self, q: int, device) -> None:
+        need = self.length + q
+        if need > self.kv.capacity:
+            cap = max(need, 2 * self.kv.capacity)
+            self.kv.grow(cap)
+            self.net.rope_tables(cap)
+            pos = torch.zeros(cap, dtype=torch.long, device=self.positions.device)
+            pos[:self.positions.numel()] = self.positions
+            self.positions = pos
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """The kept layers over q new rows (visible [q, length + q]); appends them. -> normed hidden [q, d]."""
+        self.net.rope_tables(int(positions.max()) + 1)
+        h = self.net.forward(tokens, positions, self.kv, visible, layer_ids=self.layer_ids,
+                             key_positions=self.positions[:self.length])
+        self.advance(tokens.numel(), positions)
+        return h
+
+    def advance(self, q: int, positions: torch.Tensor) -> None:
+        self.positions[self.length:self.length + q] = positions.to(self.positions.device)
+        self.kv.committed += q
+
+    def crop(self, n: int) -> None:
+        self.kv.committed = min(self.kv.committed, n)
+
+    def keep_rows(self, n_ctx: int, rows: torch.Tensor) -> None:
+        """As `DraftKVCache.keep_rows`: the context [0, n_ctx), then the given slots (ascending, >= n_ctx)."""
+        m = rows.numel()
+        self.kv.committed = n_ctx
+        if m:
+            keep = (rows.to(self.positions.device) - n_ctx).tolist()
+            self.positions[n_ctx:n_ctx + m] = self.positions[rows.to(self.positions.device)]
+            self.kv.compact(m, keep)
+        else:
+            self.kv.committed = n_ctx

@@ -10,7 +10,9 @@ Per model, dtype, threads and backend it prints, in one run on one machine:
   LM head, nothing else), and forward / bare matmul;
 - verify(n) / verify(1).
 Backends: `hf` (transformers, the reference), `native` (engine.native, fixed-shape verification: rows padded
-to the bucket, so n = 1 runs at 4 rows) and `native-sdpa` (engine.native without the fixed shape).
+to the bucket, so n = 1 runs at 4 rows), `native-compiled` (the same under torch.compile, `SpecConfig.compile`;
+its first forward per bucket, the compile, is printed apart as `compile s`) and `native-sdpa` (engine.native
+without the fixed shape).
 Results go to `--out` as Parquet when given. Timings, not asserts: the machine is shared and noisy.
 """
 
@@ -29,7 +31,7 @@ from engine.target import make_target, native_model
 from engine.verify import tree_layout
 
 SIZES = (1, 2, 4, 8, 16, 32)
-BACKENDS = ("hf", "native", "native-sdpa")
+BACKENDS = ("hf", "native", "native-compiled", "native-sdpa")
 
 
 def copy_bandwidth(mb: int = 256, repeats: int = 5) -> float:
@@ -44,20 +46,25 @@ def copy_bandwidth(mb: int = 256, repeats: int = 5) -> float:
     return 2 * src.numel() * 4 / best / 1e9
 
 
-def _median(fn, repeats: int) -> float:
-    fn()                                                         # warm-up
+def _median(fn, repeats: int) -> tuple[float, float]:
+    """(median seconds of `repeats` calls, seconds of the warm-up call before them)."""
+    t0 = time.perf_counter()
+    fn()                                                         # warm-up (and compile)
+    first = time.perf_counter() - t0
     ts = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
     ts.sort()
-    return ts[len(ts) // 2]
+    return ts[len(ts) // 2], first
 
 
-def forward_ms(model, backend: str, n: int, context: int, repeats: int) -> float:
-    """Median ms of one forward of an n-node chain over a `context`-token cache (the cache is not advanced)."""
-    t = make_target(model, "hf" if backend == "hf" else "native", fixed_shape=backend == "native")
+def forward_ms(model, backend: str, n: int, context: int, repeats: int) -> tuple[float, float]:
+    """(median ms of one forward of an n-node chain over a `context`-token cache (the cache is not advanced),
+    seconds of the first forward: the compile for `native-compiled`)."""
+    t = make_target(model, "hf" if backend == "hf" else "native",
+                    fixed_shape=backend in ("native", "native-compiled"), compile=backend == "native-compiled")
     t.begin(context + 64)
     g = torch.Generator().manual_seed(0)
     V = model.get_output_embeddings().weight.shape[0]
@@ -72,7 +79,8 @@ def forward_ms(model, backend: str, n: int, context: int, repeats: int) -> float
             t.forward_tree(tokens, parents, depths, anc)
             if backend == "hf":                                  # the HF cache grows: drop the n entries again
                 t.compact(n, [])
-        return _median(step, repeats) * 1e3
+        med, first = _median(step, repeats)
+        return med * 1e3, first
 
 
 def bare_matmul_ms(model, n: int, repeats: int) -> float:
@@ -86,7 +94,7 @@ def bare_matmul_ms(model, n: int, repeats: int) -> float:
             F.linear(x[m.shape[1]], m)
         F.linear(x[net.head_w.shape[1]], net.head_w)
     with torch.inference_mode():
-        return _median(run, repeats) * 1e3
+        return _median(run, repeats)[0] * 1e3
 
 
 def main(argv=None) -> None:
@@ -119,16 +127,18 @@ def main(argv=None) -> None:
                   + "   GB/s(n=1)  %bound  fwd/bare(n=1)  v8/v1  v16/v1")
             print(f"{'bare matmul':12s} " + " ".join(f"{bare[n]:8.1f}" for n in sizes))
             for backend in a.backends.split(","):
-                ms = {n: forward_ms(model, backend, n, a.context, a.repeats) for n in sizes}
+                timed = {n: forward_ms(model, backend, n, a.context, a.repeats) for n in sizes}
+                ms = {n: v[0] for n, v in timed.items()}
+                first = sum(v[1] for v in timed.values())
                 gbs = wbytes / (ms[sizes[0]] / 1e3) / 1e9
                 ratio = lambda k: (f"{ms[k] / ms[sizes[0]]:6.2f}" if k in ms else "     -")
                 print(f"{backend:12s} " + " ".join(f"{ms[n]:8.1f}" for n in sizes)
                       + f"   {gbs:9.1f}  {100 * gbs / bw:5.0f}%  {ms[sizes[0]] / bare[sizes[0]]:13.2f}  "
-                      f"{ratio(8)}  {ratio(16)}")
+                      f"{ratio(8)}  {ratio(16)}" + (f"   compile {first:.0f} s" if "compiled" in backend else ""))
                 for n in sizes:
                     rows.append(dict(model=a.model, dtype=dtype, threads=threads, backend=backend, n=n,
                                      context=a.context, ms=ms[n], bare_ms=bare[n], weight_bytes=wbytes,
-                                     copy_gbs=bw, gbs=wbytes / (ms[n] / 1e3) / 1e9))
+                                     copy_gbs=bw, gbs=wbytes / (ms[n] / 1e3) / 1e9, first_s=timed[n][1]))
         del model
     if a.out:
         pl.DataFrame(rows).write_parquet(a.out)

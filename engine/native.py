@@ -257,8 +257,9 @@ class NativeModel:
         for slot, li in enumerate(ids_run):
             L = self.layers[li]
             cos, sin = (t[positions] for t in rope[L.kind])            # [n, hd]
-            if not exact and L.kind not in masks:
-                masks[L.kind] = self._sdpa_mask(positions, cache, visible, L.kind, key_positions)
+            if L.kind not in masks:                                     # once per forward and layer type
+                masks[L.kind] = (self._exact_masks(P, positions, tail, L.kind) if exact else
+                                 self._sdpa_mask(positions, cache, visible, L.kind, key_positions))
             x = layer(L, x, cos, sin, cache.k[slot], cache.v[slot], P, positions, masks.get(L.kind), exact, tail)
             if li in collect:
                 feats.append(x)
@@ -280,7 +281,7 @@ class NativeModel:
         kc[:, P:P + n] = k.transpose(0, 1)
         vc[:, P:P + n] = v.transpose(0, 1)
         if exact:
-            a = self._attention_exact(q, kc, vc, P, positions, tail, L.kind)
+            a = self._attention_exact(q, kc, vc, P, tail[0], mask)
         else:
             a = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None, :, :P + n], vc[None, :, :P + n],
                                                attn_mask=mask, scale=self.scale,
@@ -313,8 +314,26 @@ class NativeModel:
             mask &= (positions[:, None] - k_pos[None, :]) < self.window
         return mask[None, None]
 
-    def _attention_exact(self, q, kc, vc, P, positions, tail, kind) -> torch.Tensor:
-        """Fixed-shape attention (rules 2 and 3 of the module docstring). q [n, H, hd] -> [n, H hd]."""
+    def _exact_masks(self, P, positions, tail, kind):
+        """The keys each row must not see in exact mode, per forward and layer type (not per layer):
+        committed [1, n, 1, b0, BLOCK] bool (outside a sliding window; None on full layers or with no
+        committed block) and tail [1, n, 1, 2 BLOCK] (not the row's context, or outside the window)."""
+        n, dev = positions.numel(), positions.device
+        window = self.window if kind == "sliding_attention" else None
+        b0 = P // BLOCK
+        committed = None
+        allowed = tail[1]
+        if window is not None:
+            if b0:
+                k_pos = torch.arange(b0 * BLOCK, device=dev)
+                committed = ~(positions[:, None] - k_pos[None, :] < window).view(1, n, 1, b0, BLOCK)
+            k_pos = b0 * BLOCK + torch.arange(2 * BLOCK, device=dev)
+            allowed = allowed & (positions[:, None] - k_pos[None, :] < window)
+        return committed, ~allowed[None, :, None, :]
+
+    def _attention_exact(self, q, kc, vc, P, idx, masked) -> torch.Tensor:
+        """Fixed-shape attention (rules 2 and 3 of the module docstring). q [n, H, hd] -> [n, H hd];
+        idx [n, 2 BLOCK]: the tail's cache slots (`tail_index`); masked: `_exact_masks`."""
         n, H, hd = q.shape
         kvh = kc.shape[0]
         g = H // kvh
@@ -322,33 +341,26 @@ class NativeModel:
         qg = q.view(n, kvh, g, hd).transpose(0, 1)                     # [kvh, n, g, hd]
         if gp > g:
             qg = torch.cat([qg, qg.new_zeros(kvh, n, gp - g, hd)], dim=2)
-        window = self.window if kind == "sliding_attention" else None
         b0 = P // BLOCK
+        committed_masked, tail_masked = masked
         ms, ls, os_ = [], [], []
         if b0:                                                         # committed blocks, shared by all rows
             keys = b0 * BLOCK
             s = torch.matmul(qg.reshape(kvh, n * gp, hd), kc[:, :keys].transpose(1, 2))   # [kvh, n gp, keys]
             s = s.float().mul_(self.scale).view(kvh, n, gp, b0, BLOCK)
-            if window is not None:
-                k_pos = torch.arange(keys, device=q.device)
-                ok = (positions[:, None] - k_pos[None, :] < window).view(1, n, 1, b0, BLOCK)
-                s = s.masked_fill(~ok, float("-inf"))
+            if committed_masked is not None:
+                s = s.masked_fill(committed_masked, float("-inf"))
             m, l, e = _block_softmax(s)                                 # [kvh, n, gp, b0] x2, e like s
             e = e.to(vc.dtype).permute(0, 3, 1, 2, 4).reshape(kvh, b0, n * gp, BLOCK)
             o = torch.matmul(e, vc[:, :keys].view(kvh, b0, BLOCK, hd))  # [kvh, b0, n gp, hd]
             ms.append(m)
             ls.append(l)
             os_.append(o.view(kvh, b0, n, gp, hd).permute(0, 2, 3, 1, 4).float())
-        idx, ok = tail                                                 # [n, 2 BLOCK] each
         flat = idx.reshape(-1)
         kt = kc.index_select(1, flat).view(kvh, n, 2 * BLOCK, hd)      # logical order
         vt = vc.index_select(1, flat).view(kvh, n, 2 * BLOCK, hd)
         s = torch.matmul(qg, kt.transpose(-1, -2)).float().mul_(self.scale)     # [kvh, n, gp, 2 BLOCK]
-        allowed = ok
-        if window is not None:
-            k_pos = b0 * BLOCK + torch.arange(2 * BLOCK, device=q.device)
-            allowed = allowed & (positions[:, None] - k_pos[None, :] < window)
-        s = s.masked_fill(~allowed[None, :, None, :], float("-inf")).view(kvh, n, gp, 2, BLOCK)
+        s = s.masked_fill(tail_masked, float("-inf")).view(kvh, n, gp, 2, BLOCK)
         m, l, e = _block_softmax(s)
         e = e.to(vt.dtype).transpose(2, 3)                             # [kvh, n, 2, gp, BLOCK]
         o = torch.matmul(e, vt.view(kvh, n, 2, BLOCK, hd))             # [kvh, n, 2, gp, hd]
@@ -409,10 +421,10 @@ def tail_index(committed: int, positions: torch.Tensor, anc: torch.Tensor, paren
 
 
 def _block_softmax(s: torch.Tensor):
-    """Per block of the last dim: max m, sum l of exp(s - m), and exp(s - m); -inf rows give m=-inf, l=0."""
-    m = s.amax(-1)
-    safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    e = torch.exp(s - safe[..., None])
+    """Per block of the last dim: max m, sum l of exp(s - m), and exp(s - m). A wholly masked block (-inf)
+    gets m = -1e30 (finite, so exp(s - m) = 0 rather than NaN) and l = 0; its fold weight exp(m - top) is 0."""
+    m = s.amax(-1).clamp_min(-1e30)
+    e = torch.exp(s - m[..., None])
     return m, e.sum(-1), e
 
 

@@ -61,11 +61,15 @@ def decoder(model):
     return model.model if hasattr(model, "model") else model.get_decoder()
 
 
-def _cache_kw(model) -> str:
-    """The decoder's name for the KV cache argument: `cache` from transformers 5.24 on (`past_key_values` is
-    deprecated there and removed in 5.40), `past_key_values` before."""
-    params = inspect.signature(decoder(model).forward).parameters
+def cache_kwarg(module) -> str:
+    """A transformers module's name for the KV cache argument (a decoder, a decoder layer): `cache` from
+    transformers 5.24 on (`past_key_values` is deprecated there and removed in 5.40), `past_key_values` before."""
+    params = inspect.signature(module.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def _cache_kw(model) -> str:
+    return cache_kwarg(decoder(model))
 
 
 def prefill(model, prompt: torch.Tensor, cache, all_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

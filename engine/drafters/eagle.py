@@ -42,6 +42,7 @@ from engine.dynaspec import head_fingerprint
 from engine.shipped import SHIPPED_PREFIX, _matches, default_eagle_head, shipped_heads
 from engine.drafters.lmhead import DraftKVCache, DrafterError, Expansion, LMHeadDrafter, attention_bias
 from engine.drafters.layerskip import text_config
+from engine.target import cache_kwarg
 from engine.tree import StepResult
 
 _CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
@@ -260,6 +261,7 @@ class EagleDrafter(LMHeadDrafter):
             raise DrafterError(f"the EAGLE head's vocabulary ({head.config.vocab_size}) differs from the target's "
                                f"({out_emb.shape[0]}); use the EAGLE checkpoint trained for this target")
         self.eagle = head.to(device=self.device, dtype=out_emb.dtype).eval()
+        self.cache_kw = cache_kwarg(self.eagle.layers[0])              # `cache` from transformers 5.24 on
         self.embed = self.eagle.embed_tokens if self.eagle.embed_tokens is not None else target.get_input_embeddings()
         self.head_weight = out_emb
         self.softcap = getattr(t, "final_logit_softcapping", None)
@@ -277,7 +279,7 @@ class EagleDrafter(LMHeadDrafter):
         kv_pos = torch.cat([self.cache.positions[: self.cache.length].to(positions.device), positions])
         pe = self.eagle.rotary_emb(x, pos)
         mask = attention_bias(positions, kv_pos, visible, x.dtype, None)
-        out = self.eagle.layers[0](x, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
+        out = self.eagle.layers[0](x, attention_mask=mask, position_ids=pos, **{self.cache_kw: self.cache},
                                    position_embeddings=pe, use_cache=True)
         out = out[0] if isinstance(out, tuple) else out
         self.cache.advance(q, positions)

@@ -34,7 +34,7 @@ import torch
 from engine.drafters import register_drafter
 from engine.drafters.lmhead import DraftKVCache, DrafterError, Expansion, LMHeadDrafter, attention_bias
 from engine.native import NativeModel
-from engine.target import native_model, resolve_backend
+from engine.target import cache_kwarg, native_model, resolve_backend
 from engine.tree import StepResult
 
 
@@ -118,6 +118,7 @@ class LayerSkipDrafter(LMHeadDrafter):
         self.dtype = self.head_weight.dtype
         self._make_policy()
         self.net = native_model(target) if resolve_backend(target, cfg.backend) == "native" else None
+        self.cache_kw = cache_kwarg(self.layers[0])                  # hf path: `cache` (transformers >= 5.24)
         self.cache = self._new_cache(256)
         self.n_ctx = 0                                               # committed tokens in the cache
 
@@ -142,7 +143,7 @@ class LayerSkipDrafter(LMHeadDrafter):
             window = self.sliding_window if t == "sliding_attention" else None
             masks[t] = attention_bias(positions, kv_pos, visible, x.dtype, window)
         for layer, t in zip(self.layers, self.layer_types):
-            out = layer(x, attention_mask=masks[t], position_ids=pos, past_key_values=self.cache,
+            out = layer(x, attention_mask=masks[t], position_ids=pos, **{self.cache_kw: self.cache},
                         position_embeddings=pe[t], use_cache=True)
             x = out[0] if isinstance(out, tuple) else out
         self.cache.advance(q, positions)

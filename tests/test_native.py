@@ -17,6 +17,7 @@ Mutants these tests were checked against (each fails at least one test here):
 from __future__ import annotations
 
 import numpy as np
+import polars as pl
 import pytest
 import torch
 
@@ -329,3 +330,16 @@ def test_a_tree_larger_than_fixed_rows_is_a_clear_error():
     out = generate(model, [1, 2, 3], method="unispec", max_new_tokens=8, eos_ids=[], draft_size=12,
                    verify_rows=16)
     assert out.new_tokens == 8
+
+
+def test_the_forward_benchmark_prints_what_it_compared_and_the_targets(tmp_path, capsys):
+    from engine.jobs import forward
+    out = tmp_path / "fwd.parquet"
+    forward.main(["--model", "random-llama", "--dtype", "fp32,bf16", "--backends", "hf,native", "--sizes", "1,8,16",
+                  "--context", "40", "--repeats", "1", "--copy-mb", "8", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "copy bandwidth" in printed and "bare matmul" in printed and "bound" in printed
+    assert "ar step native bf16" in printed and "verify(16) / verify(1)" in printed
+    frame = pl.read_parquet(out)
+    assert frame.height == 2 * 2 * 3                            # dtypes x backends x sizes
+    assert set(frame["backend"]) == {"hf", "native"} and (frame["ms"] > 0).all() and (frame["bare_ms"] > 0).all()

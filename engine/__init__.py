@@ -14,7 +14,7 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name):
-    if name in _EXPORTS:
+    if name in _EXPORTS:     # imported here, on first use (see above; allow-listed in tests/test_layering.py)
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
 

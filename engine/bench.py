@@ -84,7 +84,6 @@ there, verdict (`divergence_lines`).
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
@@ -93,6 +92,7 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
+from engine.artifacts import atomic_write
 from engine.config import POLICIES, ConfigError, SpecConfig, parse_overrides
 from engine.divergence import VERDICTS, diagnose_rows, first_divergence, next_logits, run_verdict
 from engine.drafters import available_methods, make_drafter
@@ -258,9 +258,7 @@ def plan_runs(methods: str | Sequence[str] | None, drafter: str | None = None,
 
 
 def _write(frame: pl.DataFrame, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    frame.write_parquet(tmp)
-    os.replace(tmp, path)                                        # atomic: the file is always complete
+    atomic_write(path, frame.write_parquet)                      # the file at `path` is always complete
 
 
 def _frame(rows: list[dict]) -> pl.DataFrame:

@@ -86,6 +86,7 @@ import torch
 from scipy.interpolate import BSpline
 from scipy.optimize import differential_evolution
 
+from engine.artifacts import atomic_write
 from engine.config import SpecConfig
 
 DEFAULT_GRIDS = {"cpu": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32), "cuda": tuple(range(16, 161, 16))}
@@ -424,9 +425,7 @@ def save_calibration(key: str, record: dict, path: str | Path | None = None) -> 
         fcntl.flock(lock, fcntl.LOCK_EX)               # released when the file closes
         data = load_calibrations(path)
         data[key] = record
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True, default=str))
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(data, indent=1, sort_keys=True, default=str))
     return path
 
 

@@ -46,25 +46,26 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import polars as pl
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from engine.config import SpecConfig
+from engine.artifacts import (FINGERPRINT_KEY, atomic_write, fingerprint_matches, head_fingerprint, save_safetensors,
+                              save_torch, sidecar_path, stored_fingerprint)
+from engine.config import ConfigError, SpecConfig, parse_overrides
 from engine.models import cache_root, load_model
 from engine.prompts import PromptError, encode_prompt, load_prompts
 from kernels.head import indexed_head
-from kernels.tensor_ops import row_chunks
 
 FORMAT = 1                                   # version of the saved file layout
 
@@ -312,18 +313,6 @@ def per_row_reference_logits(h: torch.Tensor, weight: torch.Tensor, assign: torc
 
 # --- a fitted DynaSpec: clusters + router, saved as safetensors + JSON sidecar ------------------------------
 
-def head_fingerprint(weight: torch.Tensor, n: int = 32) -> list[float]:
-    """Norms of n evenly spaced rows of the LM head and the mean row norm: enough to tell two heads of the
-    same shape apart (a model and another one, or another checkpoint) without hashing V x d values."""
-    weight = weight.detach()
-    rows = torch.linspace(0, weight.shape[0] - 1, min(n, weight.shape[0])).long().to(weight.device)
-    sample = torch.linalg.vector_norm(weight[rows].double(), dim=1)
-    total = torch.zeros((), dtype=torch.float64, device=weight.device)
-    for a, b in row_chunks(weight.shape[0], weight.shape[1] * 8):      # fp64 copies of a few MB at a time
-        total += torch.linalg.vector_norm(weight[a:b].double(), dim=1).sum()
-    return [float(v) for v in sample.cpu()] + [float(total) / weight.shape[0]]
-
-
 @dataclass
 class FittedDynaSpec:
     assign: torch.Tensor          # [V] long
@@ -339,16 +328,11 @@ class FittedDynaSpec:
         return self.assign.numel()
 
 
-def sidecar_path(path: str | Path) -> Path:
-    path = Path(path)
-    return path.with_name(path.name + ".json")
-
-
 def save_dynaspec(fitted: FittedDynaSpec, path: str | Path) -> Path:
-    """Write `path` (safetensors: `assign` and `router.*`) and `path.json` (the sidecar), each atomically;
-    a fit id in both tells a matching pair from a torn one."""
+    """Write `path` (safetensors: `assign` and `router.*`) and `path.json` (the sidecar) atomically
+    (`engine.artifacts.atomic_write`); a fit id in both tells a matching pair from a torn one."""
     path = Path(path)
-    missing = [k for k in ("model", "head_fingerprint") if k not in fitted.meta]
+    missing = [k for k in ("model", FINGERPRINT_KEY) if k not in fitted.meta]
     if missing:
         raise DynaSpecError(f"a DynaSpec needs meta {missing} to be saved (the model's name and "
                             f"head_fingerprint(weight)), so that loading it for another model fails clearly")
@@ -360,12 +344,7 @@ def save_dynaspec(fitted: FittedDynaSpec, path: str | Path) -> Path:
     tensors = {"assign": fitted.assign.to("cpu", torch.int32).contiguous()}
     tensors.update({f"router.{k}": v.detach().to("cpu", torch.float32).contiguous()
                     for k, v in fitted.router.state_dict().items()})
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(tmp), metadata={"fit_id": fit_id, "format": str(FORMAT)})
-    side_tmp = sidecar_path(tmp)
-    side_tmp.write_text(json.dumps(meta, indent=1, sort_keys=True))
-    os.replace(tmp, path)
-    os.replace(side_tmp, sidecar_path(path))
+    save_safetensors(tensors, path, metadata={"fit_id": fit_id, "format": str(FORMAT)}, sidecar=meta)
     fitted.meta = meta
     return path
 
@@ -387,17 +366,15 @@ def read_sidecar(path: str | Path) -> dict:
 
 def check_head(meta: dict, weight: torch.Tensor, where: str = "this DynaSpec",
                fingerprint: list[float] | None = None) -> None:
-    """Raise unless `meta` was fitted for LM head `weight [V, d]` (shape and `head_fingerprint`, which may
-    be passed in when several files are checked against one head)."""
+    """Raise unless `meta` was fitted for LM head `weight [V, d]` (shape, and `engine.artifacts.fingerprint_matches`
+    on its fingerprint, which may be passed in when several files are checked against one head)."""
     model = meta.get("model", "?")
     fix = "fit one for this model with `python -m engine.dynaspec fit --model <name>`"
     if (meta["vocab_size"], meta["hidden_size"]) != tuple(weight.shape):
         raise DynaSpecError(f"{where} was fitted for model {model!r} with vocabulary {meta['vocab_size']} and hidden "
                             f"size {meta['hidden_size']}, but this LM head is {weight.shape[0]} x {weight.shape[1]}; "
                             f"{fix}")
-    want = np.asarray(meta.get("head_fingerprint", []), dtype=np.float64)
-    have = np.asarray(fingerprint if fingerprint is not None else head_fingerprint(weight), dtype=np.float64)
-    if want.shape != have.shape or not np.allclose(have, want, rtol=2e-2, atol=1e-6):
+    if not fingerprint_matches(stored_fingerprint(meta), weight, fingerprint):
         raise DynaSpecError(f"{where} was fitted for model {model!r}, whose LM head has the same shape as this one "
                             f"but other weights (row-norm fingerprint differs); {fix}")
 
@@ -686,18 +663,6 @@ class FitConfig:
         return {k: (list(map(list, getattr(self, k))) if k == "spec" else getattr(self, k)) for k in keep}
 
 
-def _atomic_save_file(tensors: dict, path: Path, metadata: dict | None = None) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
-
-
-def _atomic_torch_save(obj, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def _select_prompts(cfg: FitConfig):
     try:
         prompts = load_prompts(cfg.prompts)
@@ -712,8 +677,9 @@ def _select_prompts(cfg: FitConfig):
 def log_rows(cfg: FitConfig, model, tokenizer, info, work: Path) -> list[Path]:
     """Run full-vocabulary drafting on `cfg.num_prompts` training prompts, one shard per prompt
     (`log-00000.safetensors`, written atomically; existing shards are kept, so a rerun resumes)."""
-    # late imports: the drafters and the harness sit above engine.vocab, which imports this module for the
-    # policy side; only fitting needs them
+    # late imports (allow-listed in tests/test_layering.py): fitting runs the harness and the drafters, which
+    # (through the registry) run engine.vocab, which imports this module for the policy side. At the top,
+    # importing the policies would load the harness and the registry; fitting moves to engine/jobs with #17
     from engine.drafters import make_drafter
     from engine.harness import generate, resolve_config
 
@@ -755,8 +721,8 @@ def log_rows(cfg: FitConfig, model, tokenizer, info, work: Path) -> list[Path]:
         rows = logger.take()
         if not rows:
             continue
-        _atomic_save_file(rows, shard, metadata={"prompt_id": str(p.prompt_id), "tau": f"{res.tau:.4f}",
-                                                 "tokens": str(res.new_tokens)})
+        save_safetensors(rows, shard, metadata={"prompt_id": str(p.prompt_id), "tau": f"{res.tau:.4f}",
+                                                "tokens": str(res.new_tokens)})
         shards.append(shard)
         bar.update(1)
         bar.set_postfix(rows=int(rows["tokens"].numel()), tau=f"{res.tau:.2f}", skipped=skipped)
@@ -859,8 +825,8 @@ def train_router(cfg: FitConfig, train: dict[str, torch.Tensor], weight: torch.T
         if step % 20 == 0:
             bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}", epoch=epoch)
         if step % 100 == 0 or step % per_epoch == 0 or step == total:
-            _atomic_torch_save({"router": router.state_dict(), "opt": opt.state_dict(), "step": step,
-                                "losses": losses, "total": total, "width": cfg.router_width}, ckpt)
+            save_torch({"router": router.state_dict(), "opt": opt.state_dict(), "step": step,
+                        "losses": losses, "total": total, "width": cfg.router_width}, ckpt)
     bar.close()
     return router.eval(), losses
 
@@ -868,7 +834,7 @@ def train_router(cfg: FitConfig, train: dict[str, torch.Tensor], weight: torch.T
 def fit(cfg: FitConfig) -> Path:
     """Clusters, logged rows, router; writes the fitted DynaSpec and returns its path. Resumable: the work
     dir keeps the clusters, one log shard per prompt and the router checkpoint."""
-    from engine.harness import resolve_config   # late: the harness sits above engine.vocab, which imports us
+    from engine.harness import resolve_config   # late: see log_rows (the harness sits above engine.vocab)
 
     t_start = time.perf_counter()
     if cfg.threads is not None:
@@ -901,7 +867,7 @@ def fit(cfg: FitConfig) -> Path:
                    "seconds": time.perf_counter() - t0, "size_min": int(sizes.min()),
                    "size_median": float(sizes.float().median()), "size_max": int(sizes.max())}
         (work / "clusters.json").write_text(json.dumps(km_info, indent=1))
-        _atomic_save_file({"assign": assign.to(torch.int32), "centroids": km.centroids.cpu()}, clusters)
+        save_safetensors({"assign": assign.to(torch.int32), "centroids": km.centroids.cpu()}, clusters)
         print(f"[dynaspec] {cfg.num_clusters} clusters in {km_info['seconds']:.1f} s ({km.iterations} iterations"
               f"{', converged' if km.converged else ''}); sizes {km_info['size_min']}..{km_info['size_max']}, "
               f"median {km_info['size_median']:.0f}", flush=True)
@@ -925,7 +891,7 @@ def fit(cfg: FitConfig) -> Path:
                                                          budget="fixed")}
     fit_s = time.perf_counter() - t_start
     meta = {"model": cfg.model, "drafter_config": drafter_key(spec), "created": time.time(),
-            "head_fingerprint": head_fingerprint(weight), "top_l": cfg.top_l, "kmeans": {
+            FINGERPRINT_KEY: head_fingerprint(weight), "top_l": cfg.top_l, "kmeans": {
                 "iters": cfg.kmeans_iters, "init": cfg.kmeans_init, "init_sample": cfg.kmeans_init_sample,
                 "seed": cfg.seed, **km_info},
             "training": {"prompts": cfg.prompts, "prompt_ids": [_shard_prompt(s) for s in shards],
@@ -1007,15 +973,13 @@ def _choice_clusters(work: Path, base: dict, weight: torch.Tensor, m: int) -> tu
     km = spherical_kmeans(weight, m, iters=base["kmeans_iters"], seed=base["seed"], init=base["kmeans_init"],
                           init_sample=None if sample is None else max(sample, m))
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_save_file({"assign": km.assign.to(torch.int32)}, path)
+    save_safetensors({"assign": km.assign.to(torch.int32)}, path)
     return km.assign, time.perf_counter() - t0
 
 
 def sweep_choices(cfg: ChoicesConfig) -> Path:
     """Run the sweep (resumable: a setting whose Parquet file exists is skipped) and return the out folder;
     `pl.scan_parquet(out / "*.parquet")` reads it."""
-    import polars as pl
-
     work = Path(cfg.work_dir).expanduser()
     key_file = work / "fit.json"
     shards = sorted(work.glob("log-*.safetensors"))
@@ -1065,10 +1029,7 @@ def sweep_choices(cfg: ChoicesConfig) -> Path:
                              "budget": budget, "budget_tokens": tokens, "k_max": k_max, **o,
                              "train_rows": int(train_rows["tokens"].numel()), "final_loss": float(np.mean(losses[-20:])),
                              "train_s": train_s, "kmeans_s": km_s})
-        frame = pl.DataFrame(recs)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        frame.write_parquet(tmp)
-        os.replace(tmp, path)
+        atomic_write(path, pl.DataFrame(recs).write_parquet)
     table = pl.read_parquet(sorted(out.glob("*.parquet")))
     ref = tokens_for_k_max(256, 1024, vocab)                   # the default budget's head size
     at = min(budgets, key=lambda b: abs(b - ref))
@@ -1120,18 +1081,12 @@ def main(argv: list[str] | None = None) -> None:
                     raise SystemExit(f"--{k.replace('_', '-')} {v!r}: expected comma-separated integers") from None
         sweep_choices(ChoicesConfig(**args, progress=progress))
     elif cmd == "fit":
-        spec = []
-        for item in args.pop("set"):
-            k, sep, v = item.partition("=")
-            if not sep:
-                raise SystemExit(f"--set {item!r}: expected FIELD=VALUE")
-            try:
-                v = json.loads(v)
-            except json.JSONDecodeError:
-                pass
-            spec.append((k, v))
+        try:
+            spec = tuple(parse_overrides(args.pop("set")).items())
+        except ConfigError as e:
+            raise SystemExit(str(e)) from None
         progress = not args.pop("no_progress")
-        fit(FitConfig(**args, spec=tuple(spec), progress=progress))
+        fit(FitConfig(**args, spec=spec, progress=progress))
 
 
 if __name__ == "__main__":

@@ -45,7 +45,6 @@ import argparse
 import gzip
 import hashlib
 import json
-import os
 import pickle
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -54,6 +53,7 @@ import numpy as np
 import polars as pl
 import torch
 
+from engine.artifacts import atomic_write, save_torch, sidecar_path
 from engine.harness import generate
 from engine.models import cache_root, eos_token_ids, load_model
 from engine.prompts import ByteTokenizer, Prompt, PromptError, data_file, encode_prompt, load_prompts
@@ -262,23 +262,6 @@ def frequency_list(ranking: pl.DataFrame, keep: Sequence[int] = ()) -> np.ndarra
     return np.concatenate([np.asarray(keep, dtype=np.int64), rest]).astype(np.int64)
 
 
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
-def _sidecar(path: Path) -> Path:
-    return path.with_name(path.name + ".json")
-
-
-def _save_with_meta(path: Path, obj, meta: dict) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(_sidecar(path), lambda p: p.write_text(json.dumps(meta, indent=2, sort_keys=True)))
-    _write_atomic(path, lambda p: torch.save(obj, p))
-    return path
-
-
 def save_token_map(ids: Sequence[int], path: str | Path, *, tokenizer: str, vocab_size: int,
                    requested_k: int | None = None, meta: dict | None = None) -> Path:
     """Write a frequency list as SGLang's `--speculative-token-map` (a `torch.save`d list of ints), the file
@@ -287,7 +270,7 @@ def save_token_map(ids: Sequence[int], path: str | Path, *, tokenizer: str, voca
     _check_ids(ids, vocab_size, str(path))
     info = {"format": "token_map", "tokenizer": tokenizer, "vocab_size": int(vocab_size), "size": len(ids),
             "requested_k": requested_k, **(meta or {})}
-    return _save_with_meta(Path(path), ids, info)
+    return save_torch(ids, Path(path), sidecar=info)
 
 
 def _check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
@@ -302,7 +285,7 @@ def _check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
 
 
 def _read_meta(path: Path, tokenizer: str | None, vocab_size: int | None, fmt: str) -> dict:
-    side = _sidecar(path)
+    side = sidecar_path(path)
     if not path.exists():
         raise FrequencyError(f"{path} does not exist; write it with `python -m engine.frequency`")
     meta = json.loads(side.read_text()) if side.exists() else {}
@@ -350,7 +333,7 @@ def save_eagle3_maps(ids: Sequence[int], path: str | Path, *, tokenizer: str, vo
     d2t, t2d = eagle3_maps(ids, vocab_size)
     info = {"format": "eagle3", "tokenizer": tokenizer, "vocab_size": int(vocab_size), "size": int(d2t.numel()),
             "requested_k": requested_k, **(meta or {})}
-    return _save_with_meta(Path(path), {"d2t": d2t, "t2d": t2d}, info)
+    return save_torch({"d2t": d2t, "t2d": t2d}, Path(path), sidecar=info)
 
 
 def load_eagle3_maps(path: str | Path, *, tokenizer: str | None = None,
@@ -444,17 +427,17 @@ def default_frequency_file(tokenizer, tokenizer_name: str, vocab_size: int,
     source = "; ".join(f"{c}: {CORPORA[c][3]}" for c in corpora)
     try:
         ids = load_token_map(path, tokenizer=tokenizer_name, vocab_size=vocab_size)
-        meta = json.loads(_sidecar(path).read_text())
+        meta = json.loads(sidecar_path(path).read_text())
         built = False
     except (FrequencyError, OSError, RuntimeError, EOFError, pickle.UnpicklingError, json.JSONDecodeError):
         # missing or unreadable: count (seconds)
         texts = [t for c in corpora for t in corpus_texts(c)]
         ranking = ranking_from_texts(texts, tokenizer, vocab_size)
         ids = frequency_list(ranking, keep)
-        tmp = ranking_path.with_name(f".{ranking_path.stem}.{os.getpid()}.parquet")
-        save_ranking(ranking, tmp, tokenizer=tokenizer_name, source=source)
-        os.replace(_sidecar(tmp), _sidecar(ranking_path))
-        os.replace(tmp, ranking_path)   # same content whoever writes last: concurrent builders cannot disagree
+        # save_ranking writes the Parquet file and its sidecar; both land together. Same content whoever
+        # writes last: concurrent builders cannot disagree
+        atomic_write(ranking_path, lambda tmp: save_ranking(ranking, tmp, tokenizer=tokenizer_name, source=source),
+                     sidecar=True)
         meta = {"source": source, "corpora": list(corpora), "kept": keep, "tokens": int(ranking["count"].sum()),
                 "seen": int((ranking["count"] > 0).sum()), "ranking": ranking_path.name}
         save_token_map(ids, path, tokenizer=tokenizer_name, vocab_size=vocab_size, meta=meta)

@@ -38,7 +38,7 @@ from engine.drafters import HF_METHODS, make_drafter
 from engine.drafters.recycling import template_size
 from engine.models import eos_token_ids
 from engine.shipped import default_eagle_head
-from engine.target import decoder as _decoder, forward_tree, lm_logits, make_target, prefill  # noqa: F401
+from engine.target import forward_tree, lm_logits, make_target, prefill  # noqa: F401 (re-exported)
 from engine.tree import DraftTree, Drafter, StepResult
 from engine.verify import sample_token, tree_layout, verify_greedy, verify_sampling, warp_probs
 from locality.trace import Trace

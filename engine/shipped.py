@@ -3,7 +3,7 @@
 Below the drafters and the harness: the harness resolves `eagle_head=None` to a shipped head here
 (`default_eagle_head`) without importing any drafter; `engine.drafters.eagle` loads the checkpoint.
 A shipped head's config.json carries a `specvocab` block (target name, vocabulary, hidden size, LM-head
-fingerprint: `engine.dynaspec.head_fingerprint`), written by `engine.drafters.eagle.save_eagle_head`.
+fingerprint), written by `engine.drafters.eagle.save_eagle_head` and checked by `engine.artifacts.head_matches`.
 """
 
 from __future__ import annotations
@@ -11,10 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-import torch
-
-from engine.dynaspec import head_fingerprint
+from engine.artifacts import head_fingerprint, head_matches, same_shape
 
 SHIPPED_HEADS = Path(__file__).resolve().parent / "heads"         # engine/heads/<model>/
 SHIPPED_PREFIX = "specvocab:"
@@ -34,24 +31,14 @@ def _target_block(path: Path) -> dict | None:
         return None
 
 
-def _matches(block: dict | None, weight: torch.Tensor, fingerprint: list[float] | None = None) -> bool:
-    if not block or "target_fingerprint" not in block:
-        return False
-    if (block.get("vocab_size"), block.get("hidden_size")) != tuple(weight.shape):
-        return False
-    have = fingerprint if fingerprint is not None else head_fingerprint(weight)
-    return len(have) == len(block["target_fingerprint"]) and bool(
-        np.allclose(have, block["target_fingerprint"], rtol=2e-2, atol=1e-6))
-
-
 def default_eagle_head(target) -> str | None:
     """`specvocab:<model>` of the shipped head trained for this target (matched by its LM head), else None."""
     weight = target.get_output_embeddings().weight.detach()
     fingerprint = None
     for name, path in shipped_heads().items():
         block = _target_block(path)
-        if block and (block.get("vocab_size"), block.get("hidden_size")) == tuple(weight.shape):
+        if same_shape(block, weight):                     # the fingerprint only for heads of this shape
             fingerprint = fingerprint or head_fingerprint(weight)
-            if _matches(block, weight, fingerprint):
+            if head_matches(block, weight, fingerprint):
                 return SHIPPED_PREFIX + name
     return None

@@ -52,7 +52,6 @@ import hashlib
 import itertools
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -67,12 +66,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
+from engine.artifacts import (FINGERPRINT_KEY, atomic_write, head_fingerprint, head_matches, save_safetensors,
+                              save_torch)
 from engine.config import SpecConfig
-from engine.drafters.eagle import EagleDrafter, EagleHead, head_fingerprint, random_eagle_head, save_eagle_head
-from engine.dynaspec import _atomic_save_file, _atomic_torch_save
-from engine.harness import _decoder, generate, lm_logits, resolve_config
+from engine.drafters.eagle import EagleDrafter, EagleHead, random_eagle_head, save_eagle_head
+from engine.harness import generate, resolve_config
 from engine.models import cache_root, eos_token_ids, load_model
 from engine.prompts import Prompt, PromptError, encode_prompt, load_prompts
+from engine.target import decoder, lm_logits
 
 FORMAT = 1
 SOURCES = ("teacher", "greedy")
@@ -181,7 +182,7 @@ def target_features_batch(model, seqs: Sequence[Sequence[int]], *, topk: int, ea
     x = torch.zeros((len(seqs), width), dtype=torch.long)
     for r, q in enumerate(seqs):
         x[r, : len(q)] = torch.as_tensor(list(q))
-    out = _decoder(model)(input_ids=x.to(device), use_cache=False, output_hidden_states=eagle3)
+    out = decoder(model)(input_ids=x.to(device), use_cache=False, output_hidden_states=eagle3)
     res = []
     for r, q in enumerate(seqs):
         hidden = out.last_hidden_state[r, : len(q)]
@@ -255,7 +256,7 @@ def _save_shard(samples: list[Sample], path: Path, feature_dtype: torch.dtype, m
     for name in samples[0].extra:
         tensors[name] = torch.cat([s.extra[name] for s in samples]).to(feature_dtype).contiguous()
     meta = {**meta, "prompt_ids": [s.prompt_id for s in samples], "sources": [s.source for s in samples]}
-    _atomic_save_file(tensors, path, metadata={"specvocab": json.dumps(meta)})
+    save_safetensors(tensors, path, metadata={"specvocab": json.dumps(meta)})
 
 
 def load_shard(path: str | Path) -> list[Sample]:
@@ -318,7 +319,7 @@ def make_data(cfg: DataConfig) -> Path:
     model, tokenizer, info = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
     weight = model.get_output_embeddings().weight
     manifest = {"format": FORMAT, "settings": cfg.key(), "vocab_size": int(weight.shape[0]),
-                "hidden_size": int(weight.shape[1]), "head_fingerprint": head_fingerprint(weight),
+                "hidden_size": int(weight.shape[1]), FINGERPRINT_KEY: head_fingerprint(weight),
                 "num_layers": info.num_layers}
     mpath = out / "manifest.json"
     if mpath.is_file():
@@ -327,9 +328,7 @@ def make_data(cfg: DataConfig) -> Path:
             raise TrainError(f"{out} holds training data made with other settings ({mpath}); pass another --out "
                              f"or delete that folder")
     else:
-        tmp = mpath.with_name(f".manifest.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(manifest, indent=1))
-        os.replace(tmp, mpath)
+        atomic_write(mpath, json.dumps(manifest, indent=1))
     eos = eos_token_ids(model, tokenizer)
     feature_dtype = _DTYPES[cfg.feature_dtype]
 
@@ -619,8 +618,7 @@ def train_eagle(cfg: TrainConfig) -> Path:
     model, tokenizer, info = load_model(cfg.model, dtype="fp32")
     model.requires_grad_(False)
     weight = model.get_output_embeddings().weight.detach()
-    if (manifest["vocab_size"], manifest["hidden_size"]) != tuple(weight.shape) or not np.allclose(
-            manifest["head_fingerprint"], head_fingerprint(weight), rtol=2e-2):
+    if not head_matches(manifest, weight):
         raise TrainError(f"the data in {data} was made for model {manifest['settings']['model']!r} (vocabulary "
                          f"{manifest['vocab_size']}, hidden {manifest['hidden_size']}), not for {cfg.model!r}; "
                          f"make data for this model with `python -m engine.train data --model {cfg.model}`")
@@ -695,8 +693,8 @@ def train_eagle(cfg: TrainConfig) -> Path:
         return {"step": step, "tokens": tokens_seen, "heldout_loss": loss, "heldout_top1": acc, "heldout_tau": tau}
 
     def save_state():
-        _atomic_torch_save({"run_key": run_key, "head": head.state_dict(), "opt": opt.state_dict(), "step": step,
-                            "tokens_seen": tokens_seen, "curve": curve, "next_eval": next_eval}, state_path)
+        save_torch({"run_key": run_key, "head": head.state_dict(), "opt": opt.state_dict(), "step": step,
+                    "tokens_seen": tokens_seen, "curve": curve, "next_eval": next_eval}, state_path)
 
     gen = torch.Generator().manual_seed(cfg.seed + step)
     bar = tqdm(total=total_steps, initial=step, unit="step", desc=f"train eagle {cfg.model}",

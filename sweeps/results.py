@@ -15,13 +15,13 @@ renamed into place: a file at its final path is complete.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from urllib.parse import quote
 
 import polars as pl
 
+from engine.artifacts import atomic_write
 from sweeps.cell import Cell, SweepError, canonical_json
 
 MANIFEST = "sweep.json"
@@ -42,17 +42,9 @@ def ranking_path(out: str | Path, model_label: str) -> Path:
     return Path(out) / RANKINGS / f"{_enc(model_label)}.parquet"
 
 
-def atomic_write(frame: pl.DataFrame, path: Path) -> Path:
-    """Write `frame` to `path` through a temporary file in the same folder and os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        frame.write_parquet(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+def write_frame(frame: pl.DataFrame, path: Path) -> Path:
+    """Write `frame` to `path` as Parquet by `engine.artifacts.atomic_write`'s rule (a file at its path is complete)."""
+    return atomic_write(path, frame.write_parquet)
 
 
 def _param_value(v):
@@ -76,7 +68,7 @@ def with_cell_columns(frame: pl.DataFrame, cell: Cell, sweep_name: str,
 
 def write_cell(out: str | Path, cell: Cell, frame: pl.DataFrame, sweep_name: str,
                cell_s: float | None = None) -> Path:
-    return atomic_write(with_cell_columns(frame, cell, sweep_name, cell_s), cell_path(out, cell))
+    return write_frame(with_cell_columns(frame, cell, sweep_name, cell_s), cell_path(out, cell))
 
 
 def finished(out: str | Path, cells) -> set[str]:
@@ -110,9 +102,7 @@ def prepare_output(out: str | Path, sweep) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     body = {"name": sweep.name, "config_hash": sweep.config_hash, "cells": len(sweep.cells),
             "kinds": list(sweep.kinds), "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": sweep.config}
-    tmp = out / f".{MANIFEST}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(body, indent=1, sort_keys=True, default=str))
-    os.replace(tmp, manifest)
+    atomic_write(manifest, json.dumps(body, indent=1, sort_keys=True, default=str))
     return out
 
 

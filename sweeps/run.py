@@ -44,7 +44,7 @@ from sweeps.cell import Cell, SweepError
 from sweeps.config import MODEL_KINDS, Sweep, load_sweep, plan
 from sweeps.coverage_cells import timed_coverage_cells
 from sweeps.model_cells import ModelWorker, bench_config
-from sweeps.results import atomic_write, cell_path, finished, prepare_output, ranking_path, write_cell
+from sweeps.results import cell_path, finished, prepare_output, ranking_path, write_cell, write_frame
 
 WAIT_S = 1.0                      # how often the driver wakes to refresh the progress bar
 BATCHES_PER_SLOT = 4              # coverage: tasks per worker slot and group of cells sharing traces
@@ -205,7 +205,7 @@ class _Driver:
                 self._run_phase(spec, deque(phase), idle, inflight, calibrated)
             if ranking_ref is not None:
                 try:
-                    atomic_write(ray.get(ranking_ref), ranking_path(self.out, spec.label))
+                    write_frame(ray.get(ranking_ref), ranking_path(self.out, spec.label))
                 except (RayTaskError, RayActorError) as e:
                     self.bar.write(f"could not count the token ranking of {spec.label}: {_error_text(e)}")
         finally:

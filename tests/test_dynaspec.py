@@ -23,11 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from engine import dynaspec as ds
+from engine.artifacts import head_fingerprint
 from engine.config import SpecConfig
 from engine.dynaspec import (ClusterLayout, DynaSpecError, FitConfig, FittedDynaSpec, Router, cluster_budget,
-                             cluster_targets, find_fitted, head_fingerprint, load_dynaspec, per_row_reference_logits,
-                             router_metrics, save_dynaspec, select_clusters, shortlist_logits, spherical_kmeans,
-                             train_router, union_shortlist)
+                             cluster_targets, find_fitted, load_dynaspec, per_row_reference_logits, router_metrics,
+                             save_dynaspec, select_clusters, shortlist_logits, spherical_kmeans, train_router,
+                             union_shortlist)
 from engine.harness import generate
 from engine.models import load_model
 from engine.vocab import DynaSpecVocab, head_topk, make_policy
@@ -420,3 +421,12 @@ def test_cli_builds_the_fit_config(monkeypatch):
     assert (cfg.model, cfg.num_clusters, cfg.heldout, cfg.progress) == ("smollm2-135m-instruct", 256, 0.2, False)
     assert cfg.spec == (("drafter_layers", "skip:12,14"), ("eagle_depth", 4))
     assert cfg.spec_config().drafter_layers == "skip:12,14" and cfg.spec_config().vocab == "full"
+
+
+def test_cli_set_takes_only_specconfig_fields(monkeypatch):
+    """`--set` is engine.config.parse_overrides: a misspelt field stops the CLI before anything runs."""
+    monkeypatch.setattr(ds, "fit", lambda cfg: pytest.fail("fit ran with a bad --set"))
+    with pytest.raises(SystemExit, match="'drafter_layer=skip:12'.*FIELD one of"):
+        ds.main(["fit", "--model", "smollm2-135m-instruct", "--set", "drafter_layer=skip:12"])
+    with pytest.raises(SystemExit, match="expected FIELD=VALUE"):
+        ds.main(["fit", "--model", "smollm2-135m-instruct", "--set", "eagle_depth"])

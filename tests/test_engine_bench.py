@@ -22,8 +22,9 @@ import engine.divergence as divergence
 from engine.bench import (BenchError, PHASES, RESULTS_FILE, compare_vocabs, plan_runs, run_bench, summarize)
 from engine.divergence import (NEAR_TIE_ULPS, DivergenceError, classify, diagnose_rows, first_divergence,
                                near_tie_bound, ulp)
-from engine.dynaspec import (DynaSpecError, FittedDynaSpec, Router, head_fingerprint, k_max_for_tokens, save_dynaspec,
-                             spherical_kmeans, tokens_for_k_max)
+from engine.artifacts import head_fingerprint
+from engine.dynaspec import (DynaSpecError, FittedDynaSpec, Router, k_max_for_tokens, save_dynaspec, spherical_kmeans,
+                             tokens_for_k_max)
 from engine.models import eos_token_ids, load_model
 from engine.frequency import corpus_texts
 from engine.prompts import ByteTokenizer, decode_answer, encode_prompt, load_prompts

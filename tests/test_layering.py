@@ -75,3 +75,221 @@ def test_vocab_policies_and_lmhead_drafters_import_one_way_at_the_top():
                             cwd=Path(locality.__file__).parents[1], capture_output=True, text=True, timeout=120)
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.strip() == "False"
+
+
+# --- engine/: the library never imports the jobs above it, imports at the top, and has no import cycle --------
+# (issue #17; STYLE.md 13). One parser for the three checks: every import statement of a module's source, with
+# the function that holds it (None at module level), plus `importlib.import_module` / `__import__` calls.
+
+ROOT = Path(locality.__file__).parents[1]
+UPWARD = ("engine.jobs", "sweeps")            # what engine/ never imports (engine/jobs: sweeps only)
+DYNAMIC = "<dynamic>"                         # importlib.import_module(<not a constant>)
+
+# The imports inside functions that stay, each with its reason. Keys are (module, function, imported module).
+# The test fails on any other such import, and on an entry here that no longer exists (the list only shrinks).
+ALLOWED_IN_FUNCTIONS = {
+    ("engine", "__getattr__", DYNAMIC):
+        "the package's lazy exports: an eager import would load engine.dynaspec and the others before "
+        "`python -m engine.<module>` runs that module",
+    ("engine.drafters", "make_drafter", DYNAMIC):
+        "the drafter registry: a method's module is imported on first use (adding a method = adding a file)",
+    ("engine.dynaspec", "log_rows", "engine.drafters"):
+        "fitting drives the drafters, which run engine.vocab, which imports engine.dynaspec for the policies: at "
+        "the top, `import engine.vocab` would load the registry (fitting moves to engine/jobs with #17)",
+    ("engine.dynaspec", "log_rows", "engine.harness"):
+        "as above: at the top, `import engine.vocab` would load the harness (fitting moves to engine/jobs, #17)",
+    ("engine.dynaspec", "fit", "engine.harness"):
+        "as above (resolve_config)",
+    ("engine.models", "_gemma_gguf", DYNAMIC):
+        "the offline model wheels are optional data packages, named in OFFLINE_MODELS: imported only to find "
+        "their GGUF chunks when a model is converted",
+    ("engine.models", "_gguf_to_model", "transformers.modeling_gguf_pytorch_utils"):
+        "transformers' GGUF reader costs ~0.2 s at import, for a conversion that runs once per machine and model",
+}
+
+
+def _engine_modules() -> dict[str, Path]:
+    """{dotted name: file} of every module under engine/, subpackages included."""
+    out = {}
+    for path in sorted((ROOT / "engine").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _dynamic_target(call: ast.Call) -> str | None:
+    """The module an `importlib.import_module(...)` / `import_module(...)` / `__import__(...)` call imports."""
+    f = call.func
+    name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+    if name not in ("import_module", "__import__"):
+        return None
+    arg = call.args[0] if call.args else None
+    return arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else DYNAMIC
+
+
+def parse_imports(source: str, module: str, is_package: bool = False,
+                  known: frozenset[str] = frozenset()) -> list[tuple[str, str | None, int]]:
+    """(imported module, qualified name of the function holding the import or None at module level, line) for
+    every import in `source`. `from X import name` also yields `X.name` when that is a module in `known`;
+    relative imports are resolved against `module`; `if TYPE_CHECKING:` blocks are skipped (never run)."""
+    package = module if is_package else module.rpartition(".")[0]
+    out: list[tuple[str, str | None, int]] = []
+
+    def visit(node: ast.AST, function: str | None, scope: str) -> None:
+        if isinstance(node, ast.If) and isinstance(node.test, (ast.Name, ast.Attribute)) and \
+                (getattr(node.test, "id", None) or getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            for child in node.orelse:
+                visit(child, function, scope)
+            return
+        if isinstance(node, ast.Import):
+            out.extend((a.name, function, node.lineno) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            out.append((base, function, node.lineno))
+            out.extend((f"{base}.{a.name}", function, node.lineno) for a in node.names if f"{base}.{a.name}" in known)
+        elif isinstance(node, ast.Call) and (target := _dynamic_target(node)) is not None:
+            out.append((target, function, node.lineno))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            name = f"{scope}.{getattr(node, 'name', '<lambda>')}".lstrip(".")
+            for child in ast.iter_child_nodes(node):
+                visit(child, name, name)
+            return
+        if isinstance(node, ast.ClassDef):          # a class body runs at import time: still module level
+            for child in ast.iter_child_nodes(node):
+                visit(child, function, f"{scope}.{node.name}".lstrip("."))
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child, function, scope)
+
+    visit(ast.parse(source), None, "")
+    return out
+
+
+def _engine_imports() -> dict[str, list[tuple[str, str | None, int]]]:
+    modules = _engine_modules()
+    known = frozenset(modules)
+    return {m: parse_imports(p.read_text(), m, p.name == "__init__.py", known) for m, p in modules.items()}
+
+
+def _upward(imports: list[tuple[str, str | None, int]], upward: tuple[str, ...] = UPWARD) -> list[str]:
+    return [f"{m} (line {line})" for m, _, line in imports if any(m == u or m.startswith(u + ".") for u in upward)]
+
+
+def test_no_engine_module_imports_the_jobs_or_the_sweeps():
+    """engine/ is what a decode reads; engine/jobs and sweeps/ run it from above and nothing imports them back,
+    not even inside a function (a job may use another job, never the sweeps)."""
+    found = {m: _upward(imps, ("sweeps",) if m.startswith("engine.jobs") else UPWARD)
+             for m, imps in _engine_imports().items()}
+    assert {"engine.harness", "engine.drafters.eagle", "engine.jobs.forward"} <= set(found)     # subpackages too
+    assert {m: bad for m, bad in found.items() if bad} == {}
+
+
+def test_the_upward_check_sees_jobs_and_sweeps_imports():
+    src = ("import torch\nfrom engine.jobs.forward import main\nimport sweeps\n"
+           "def f():\n    from sweeps.results import load\n    importlib.import_module('engine.jobs.forward')\n")
+    assert [b.split(" ")[0] for b in _upward(parse_imports(src, "engine.fake"))] == \
+        ["engine.jobs.forward", "sweeps", "sweeps.results", "engine.jobs.forward"]
+
+
+def _in_functions(imports: dict[str, list[tuple[str, str | None, int]]]) -> dict[tuple[str, str, str], int]:
+    return {(m, fn, target): line for m, imps in imports.items() for target, fn, line in imps if fn is not None}
+
+
+def test_no_import_inside_a_function_in_engine_but_the_allow_list():
+    """Imports sit at the top of engine's modules, where the layering above can see them; the exceptions are
+    listed with their reasons, and an entry that no longer exists must leave the list."""
+    found = _in_functions(_engine_imports())
+    unexpected = {f"{m}.{fn}:{line} imports {t}" for (m, fn, t), line in found.items()
+                  if (m, fn, t) not in ALLOWED_IN_FUNCTIONS}
+    assert unexpected == set(), "move these imports to the top of their module (or allow-list one with its reason)"
+    assert set(ALLOWED_IN_FUNCTIONS) - set(found) == set(), "stale allow-list entries: remove them"
+
+
+def test_the_policies_load_neither_the_harness_nor_the_registry():
+    """What the dynaspec allow-list entries protect: importing engine.vocab loads engine.dynaspec (the policies'
+    runtime) but not the fitting side's harness and drafter registry."""
+    out = subprocess.run([sys.executable, "-c", "import json, sys, engine.vocab; print(json.dumps(sorted(m for m in "
+                          "('engine.dynaspec', 'engine.harness', 'engine.drafters') if m in sys.modules)))"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["engine.dynaspec"]
+
+
+def test_the_function_check_sees_an_import_inside_a_function():
+    src = ("import os\nfrom engine import kv\n"
+           "class C:\n    import json\n    def m(self):\n        from engine.harness import generate\n"
+           "def f():\n    g = lambda: importlib.import_module(name)\n    import numpy as np\n")
+    found = _in_functions({"engine.fake": parse_imports(src, "engine.fake", known=frozenset({"engine.kv"}))})
+    assert set(found) == {("engine.fake", "C.m", "engine.harness"), ("engine.fake", "f.<lambda>", DYNAMIC),
+                          ("engine.fake", "f", "numpy")}
+    top = [t for t, fn, _ in parse_imports(src, "engine.fake", known=frozenset({"engine.kv"})) if fn is None]
+    assert top == ["os", "engine", "engine.kv", "json"]
+
+
+def import_graph(imports: dict[str, list[tuple[str, str | None, int]]], *, functions: bool = False
+                 ) -> dict[str, set[str]]:
+    """{module: engine modules it imports} (at the top; with `functions`, inside functions too, dynamic imports
+    aside). Importing a module runs its parent packages first, so they count as imported too."""
+    graph: dict[str, set[str]] = {m: set() for m in imports}
+    for m, imps in imports.items():
+        for target, fn, _ in imps:
+            if fn is not None and not functions or target == DYNAMIC:
+                continue
+            parts = target.split(".")
+            graph[m] |= {p for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if p in graph and p != m}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of `graph` as [a, b, ..., a] (depth first, in sorted order: a stable message), or None."""
+    state: dict[str, int] = {}                                   # 1: on the current path, 2: finished
+    for root in sorted(graph):
+        if state.get(root):
+            continue
+        state[root], path, stack = 1, [root], [iter(sorted(graph[root]))]
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif not state.get(nxt):
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(graph.get(nxt, ()))))
+    return None
+
+
+def test_the_engine_import_graph_has_no_cycle():
+    """Nothing below a module imports it back: no cycle among engine's modules through top-level imports, nor
+    when the allow-listed imports inside functions are counted too (the #17 circle dynaspec -> harness (in a
+    function) -> shipped -> dynaspec was one of those)."""
+    imports = _engine_imports()
+    top = import_graph(imports)
+    assert {"engine.target", "engine.shipped", "engine.drafters"} <= top["engine.harness"]     # the parser sees edges
+    assert top["engine.artifacts"] == set()                      # the bottom: imports nothing from engine
+    cycle = find_cycle(top)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+    cycle = find_cycle(import_graph(imports, functions=True))
+    assert cycle is None, "import cycle (counting imports inside functions): " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_reports_a_cycle_with_its_path():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"a"}}) == ["a", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+    # the arrow #17 removed, put back: engine.shipped importing engine.dynaspec closes the circle again
+    graph = import_graph(_engine_imports(), functions=True)
+    graph["engine.shipped"].add("engine.dynaspec")
+    cycle = find_cycle(graph)
+    assert cycle[0] == cycle[-1] and {"engine.dynaspec", "engine.harness", "engine.shipped"} <= set(cycle), cycle
+
+
+def test_engine_config_imports_without_torch():
+    """The config (presets, `--set` parsing) loads in a process without torch: a driver or a notebook can build
+    and check configs cheaply. The probe's power: test_the_probe_sees_a_forbidden_import."""
+    assert _loaded_by(["engine.config"]) == ["engine"]

@@ -20,6 +20,7 @@ import importlib
 import pkgutil
 from typing import Callable
 
+from engine.config import METHODS
 from engine.tree import Drafter
 
 HF_METHODS = ("hf-prompt-lookup",)          # run by transformers' generate, not through a drafter
@@ -50,8 +51,6 @@ def _module_name(method: str) -> str:
 
 def available_methods() -> list[str]:
     """Methods that can run now: registered ones, configured methods with a module here, and HF ones."""
-    from engine.config import METHODS
-
     modules = {m.name for m in pkgutil.iter_modules(__path__)}
     return sorted(set(_REGISTRY) | set(HF_METHODS) | {m for m in METHODS if m.replace("-", "_") in modules})
 
@@ -65,6 +64,8 @@ def make_drafter(target, cfg) -> Drafter:
     if name not in _REGISTRY:
         module = _module_name(name)
         try:
+            # the registry: a method's module is imported on first use (adding a method = adding a file), the
+            # one import inside a function here (allow-listed in tests/test_layering.py)
             importlib.import_module(module)
         except ModuleNotFoundError as e:
             if e.name != module:

@@ -30,16 +30,18 @@ LM-head fingerprint in config.json (`specvocab` block), so loading it for anothe
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-
 import torch
+from huggingface_hub import snapshot_download
+from safetensors.torch import load_file
 from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from engine.artifacts import FINGERPRINT_KEY, atomic_write, head_fingerprint, head_matches, save_safetensors
 from engine.drafters import register_drafter
-from engine.dynaspec import head_fingerprint
-from engine.shipped import SHIPPED_PREFIX, _matches, default_eagle_head, shipped_heads
+from engine.shipped import SHIPPED_PREFIX, default_eagle_head, shipped_heads
 from engine.drafters.lmhead import DraftKVCache, DrafterError, Expansion, LMHeadDrafter, attention_bias
 from engine.drafters.layerskip import text_config
 from engine.target import cache_kwarg
@@ -54,8 +56,6 @@ class EagleHead(nn.Module):
 
     def __init__(self, config, *, bias: bool = True, qkv_bias: bool = False, with_embedding: bool = False):
         super().__init__()
-        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-
         d = config.hidden_size
         self.config = config
         self.fc = nn.Linear(2 * d, d, bias=bias)
@@ -76,8 +76,6 @@ class EagleHead(nn.Module):
 
 
 def _llama_config(values: dict):
-    from transformers import LlamaConfig
-
     kept = {k: values[k] for k in _CONFIG_KEYS if values.get(k) is not None}
     missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size") if k not in kept]
     if missing:
@@ -123,7 +121,6 @@ def _resolve_dir(source: str) -> Path:
     if path.is_dir():
         return path
     try:
-        from huggingface_hub import snapshot_download
         return Path(snapshot_download(source, allow_patterns=["config.json", "*.bin", "*.safetensors", "*.json"]))
     except Exception as e:   # offline, unknown repo, auth: all end here
         raise DrafterError(f"eagle_head={source!r} is neither a local directory nor a downloadable hub repo "
@@ -149,7 +146,6 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     state = {}
     for f in files:
         if f.suffix == ".safetensors":
-            from safetensors.torch import load_file
             state.update(load_file(str(f)))
         else:
             state.update(torch.load(f, map_location="cpu", weights_only=True))
@@ -175,9 +171,8 @@ def save_eagle_head(head: EagleHead, folder: str | Path, *, target_name: str, ta
                     training: dict | None = None, dtype: torch.dtype = torch.float32) -> Path:
     """Write `folder/config.json` + `folder/model.safetensors` in the EAGLE-1/2 layout (official tensor names:
     fc.*, layers.0.*; the target's embedding is not stored), each atomically. config.json carries a
-    `specvocab` block: the target's name, vocabulary, hidden size and LM-head fingerprint, and `training`."""
-    from safetensors.torch import save_file
-
+    `specvocab` block: the target's name, vocabulary, hidden size and LM-head fingerprint (`FINGERPRINT_KEY`;
+    heads saved before #17 have it as `target_fingerprint`, which `engine.artifacts` reads too), and `training`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in head.state_dict().items()
@@ -186,13 +181,9 @@ def save_eagle_head(head: EagleHead, folder: str | Path, *, target_name: str, ta
     config["torch_dtype"] = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
     config["specvocab"] = {"target": target_name, "vocab_size": int(target_weight.shape[0]),
                            "hidden_size": int(target_weight.shape[1]),
-                           "target_fingerprint": head_fingerprint(target_weight), "training": training or {}}
-    tmp = folder / f".model.safetensors.{os.getpid()}.tmp"
-    save_file(state, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, folder / "model.safetensors")
-    tmp = folder / f".config.json.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(config, indent=1))
-    os.replace(tmp, folder / "config.json")
+                           FINGERPRINT_KEY: head_fingerprint(target_weight), "training": training or {}}
+    save_safetensors(state, folder / "model.safetensors", metadata={"format": "pt"})
+    atomic_write(folder / "config.json", json.dumps(config, indent=1))
     return folder
 
 
@@ -201,7 +192,7 @@ def check_head_target(head_source: str, block: dict | None, target) -> None:
     if not block:
         return                                  # an official checkpoint: only the shapes can be checked
     weight = target.get_output_embeddings().weight.detach()
-    if not _matches(block, weight):
+    if not head_matches(block, weight):
         shipped = default_eagle_head(target)
         raise DrafterError(f"eagle_head={head_source!r} was trained for {block.get('target')!r} (vocabulary "
                            f"{block.get('vocab_size')}, hidden {block.get('hidden_size')}), not for this target "

@@ -260,14 +260,16 @@ class NativeModel:
             if L.kind not in masks:                                     # once per forward and layer type
                 masks[L.kind] = (self._exact_masks(P, positions, tail, L.kind) if exact else
                                  self._sdpa_mask(positions, cache, visible, L.kind, key_positions))
-            x = layer(L, x, cos, sin, cache.k[slot], cache.v[slot], P, positions, masks.get(L.kind), exact, tail)
+            x = layer(L, x, cos, sin, cache.k[slot], cache.v[slot], P, masks.get(L.kind), exact,
+                      None if tail is None else tail[0])
             if li in collect:
                 feats.append(x)
         out = self._rmsnorm(x, self.final_norm)
         return (out, torch.stack(feats)) if collect else out
 
-    def _layer(self, L: _Layer, x, cos, sin, kc, vc, P, positions, mask, exact, tail):
-        """One decoder layer over n new rows; kc, vc [kvh, C, hd]: this layer's cache (rows written at P)."""
+    def _layer(self, L: _Layer, x, cos, sin, kc, vc, P, mask, exact, tail_idx):
+        """One decoder layer over n new rows; kc, vc [kvh, C, hd]: this layer's cache (rows written at P);
+        mask: the SDPA mask, or in exact mode `_exact_masks` with tail_idx the tail's cache slots."""
         n, H, kvh, hd = x.shape[0], self.heads, self.kv_heads, self.head_dim
         h = self._rmsnorm(x, L.in_norm)
         qkv = F.linear(h, L.qkv_w, L.qkv_b)
@@ -281,7 +283,7 @@ class NativeModel:
         kc[:, P:P + n] = k.transpose(0, 1)
         vc[:, P:P + n] = v.transpose(0, 1)
         if exact:
-            a = self._attention_exact(q, kc, vc, P, tail[0], mask)
+            a = self._attention_exact(q, kc, vc, P, tail_idx, mask)
         else:
             a = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None, :, :P + n], vc[None, :, :P + n],
                                                attn_mask=mask, scale=self.scale,

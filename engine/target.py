@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from abc import ABC, abstractmethod
 
 import torch
 
@@ -99,7 +100,7 @@ def forward_tree(model, cache, committed: int, tokens: torch.Tensor, parents: to
     return hidden, lm_logits(model, hidden)
 
 
-class Target:
+class Target(ABC):
     """The interface (module docstring); `name` is the backend, `fixed_shape` whether rows are bucketed."""
 
     name = "base"
@@ -109,17 +110,22 @@ class Target:
         self.model = model
         self.committed = 0
 
+    @abstractmethod
     def begin(self, capacity: int) -> None:
-        raise NotImplementedError
+        """A fresh cache for one prompt: prompt + new tokens + one tree fit in `capacity` slots."""
 
-    def prefill(self, prompt: torch.Tensor, all_logits: bool = True):
-        raise NotImplementedError
+    @abstractmethod
+    def prefill(self, prompt: torch.Tensor, all_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run prompt [L] into the cache: (hidden [L, d], fp32 logits [L, V] or the last row [1, V])."""
 
-    def forward_tree(self, tokens, parents, depths, anc):
-        raise NotImplementedError
+    @abstractmethod
+    def forward_tree(self, tokens, parents, depths, anc) -> tuple[torch.Tensor, torch.Tensor]:
+        """A draft tree (root first) over the cache: (hidden [n, d], fp32 logits [n, V])."""
 
+    @abstractmethod
     def compact(self, num_new: int, keep: list[int] | None) -> int:
-        raise NotImplementedError
+        """Keep tree rows `keep` (the accepted path; None = all) after the committed prefix; returns the
+        committed length."""
 
 
 class HFTarget(Target):

@@ -241,5 +241,3 @@ class NativeDraftKV:
             keep = (rows.to(self.positions.device) - n_ctx).tolist()
             self.positions[n_ctx:n_ctx + m] = self.positions[rows.to(self.positions.device)]
             self.kv.compact(m, keep)
-        else:
-            self.kv.committed = n_ctx

@@ -42,11 +42,11 @@ for any tree drafter; App. F's pipeline is the method-independent part). What g 
 - pld / hf-prompt-lookup: the longest chain copied per step (transformers' `prompt_lookup_num_tokens`).
   A chain is as deep as it is long, so its grid stops below the native fixed-shape forward's 32-position
   block (`METHOD_GRIDS`).
-The largest g a method (and the target's fixed verify rows) allows is `engine.calibrate.max_draft_size`;
+The largest g a method (and the target's fixed verify rows) allows is `engine.jobs.calibrate.max_draft_size`;
 a calibration drops grid points above it.
 
 This module is pure apart from the cache (arrays in, g* out; no model is run here): measuring lives in
-`engine.calibrate`, which runs `engine.harness.generate`; the harness imports this module to resolve a
+`engine.jobs.calibrate`, which runs `engine.harness.generate`; the harness imports this module to resolve a
 run's draft size, so nothing here imports the harness.
 
 The cache: `$SPECVOCAB_CACHE/calibration.json` (default `~/.cache/specvocab`), one record per key
@@ -62,7 +62,7 @@ EAGLE's `total_token=-1` heuristic (`eagle_total_token`): EAGLE times 20 forward
 without a KV cache for n in {40, 48, 50, 56, 60}, divides each time by a fixed prior of the acceptance
 gain {1, 1.05, 1.07, 1.1, 1.13}, and takes the n with the smallest ratio as its total tokens (root
 included, so n - 1 draft tokens). It never looks outside 40-60 nodes and assumes the gain instead of
-measuring it; `python -m engine.calibrate` reports its choice next to g*.
+measuring it; `python -m engine.jobs.calibrate` reports its choice next to g*.
 """
 
 from __future__ import annotations
@@ -435,12 +435,12 @@ def cached_draft_size(key: str) -> int | None:
 
 
 def calibrate_command(cfg: SpecConfig, model) -> str:
-    """The `python -m engine.calibrate` command that calibrates cfg's key on this machine: the model, the
+    """The `python -m engine.jobs.calibrate` command that calibrates cfg's key on this machine: the model, the
     method, the device, dtype and (CPU) threads of the key, and a `--set` for every calibration field where
     cfg differs from the method's preset."""
     p = next(model.parameters())
     preset = calibration_fields(SpecConfig.preset(cfg.method)) if cfg.method in DRAFTING_METHODS else {}
-    parts = ["python -m engine.calibrate", f"--model {shlex.quote(model_id(model))}", f"--method {cfg.method}",
+    parts = ["python -m engine.jobs.calibrate", f"--model {shlex.quote(model_id(model))}", f"--method {cfg.method}",
              f"--device {p.device}", f"--dtype {str(p.dtype).replace('torch.', '')}"]
     if p.device.type == "cpu":
         parts.append(f"--threads {torch.get_num_threads()}")
@@ -525,7 +525,7 @@ def refit(key: str, pipeline: str | None = None, mode: str | None = None, timing
     the other pipeline). Without `pipeline`, the record's own pipeline, mode and timing (unless given)."""
     rec = load_calibrations().get(key)
     if rec is None:
-        raise CalibrationError(f"no calibration {key!r} in {cache_file()}; run `python -m engine.calibrate`")
+        raise CalibrationError(f"no calibration {key!r} in {cache_file()}; run `python -m engine.jobs.calibrate`")
     if pipeline is None:
         pipeline, rec_mode, rec_timing = _record_pipeline(rec)
         mode, timing = mode or rec_mode, timing or rec_timing

@@ -27,7 +27,7 @@ The logits come from ONE prefill forward over prompt + ar_output[:pos] through t
 list comparison. It is a third forward shape - neither ar's one-token step nor the method's verify pass - so it
 measures ar's margin to within one rounding shift; the bound allows for that.
 
-Two-turn prompts (MT-Bench): every run answers turn 2 after its OWN turn-1 answer (`engine.bench`), so once a
+Two-turn prompts (MT-Bench): every run answers turn 2 after its OWN turn-1 answer (`engine.jobs.bench`), so once a
 run's turn 1 diverged, its turn-2 prompt differs from ar's and the two turn-2 outputs were never given the same
 context. Such a row is not compared token by token: it gets prompt_differs = True, first_divergence = 0 (the
 conversation parted before this turn's first token), no margin, and the verdict of the earlier turn where the

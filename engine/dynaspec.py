@@ -455,7 +455,7 @@ def find_fitted(weight: torch.Tensor, cfg: SpecConfig, folder: str | Path | None
     return max(found)[2]
 
 
-# --- sizing in tokens (what `engine.bench`'s `dynaspec:N` means) ---------------------------------------------
+# --- sizing in tokens (what `engine.jobs.bench`'s `dynaspec:N` means) ---------------------------------------------
 # The paper's budget knob is k_max, a number of *clusters* (§4.2); a vocabulary sweep is read in *tokens*
 # (frspec:K keeps K tokens, microspec:W a window of W). A token budget N maps to the k_max whose clusters
 # hold N tokens when each has the mean size V / M: the shortlist of a row at draft steps 0-1 then holds

@@ -19,7 +19,7 @@ Backends (`SpecConfig.backend`):
 - `auto` (default): native where it applies, else hf with one line saying why.
 
 `lm_logits`, `prefill` and `forward_tree` are the hf backend's functions, kept as functions (tests and
-`engine.train` call them on a bare HF model).
+`engine.jobs.train_eagle` call them on a bare HF model).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ coverage of the committed tokens by the vocabulary the drafter had at that step.
 Policies (`cfg.vocab`):
 
 - `full`      the whole head, m = V (EAGLE-2).
-- `frspec`    FR-Spec: a static top-K of a frequency list (`cfg.frequency_file`, made by `engine.frequency`,
+- `frspec`    FR-Spec: a static top-K of a frequency list (`cfg.frequency_file`, made by `engine.jobs.frequency`,
               whose `default_frequency_file` counts one on the training corpus for a tokenizer), K =
               `frspec_k` clipped to the ids the list ranks (never-seen ids are not ranked); the K rows are
               packed once.
@@ -224,17 +224,17 @@ class FullVocab(VocabPolicy):
 def load_frequency_ranking(path: str | Path, vocab_size: int | None = None) -> np.ndarray:
     """Token ids, most frequent first, from a ranking written by `locality.shortlist.save_ranking` (Parquet +
     JSON sidecar; checked against `vocab_size`; ids it never counted are left out), or from .npy / .pt / .txt
-    (one id per line) files, e.g. `engine.frequency`'s lists (a sidecar `<file>.json` is checked too)."""
+    (one id per line) files, e.g. `engine.jobs.frequency`'s lists (a sidecar `<file>.json` is checked too)."""
     path = Path(path)
     if not path.exists():
-        raise VocabError(f"frequency file {path} does not exist; build one with `python -m engine.frequency` "
+        raise VocabError(f"frequency file {path} does not exist; build one with `python -m engine.jobs.frequency` "
                          f"and pass frequency_file=<path>")
     side = path.with_name(path.name + ".json")
     if path.suffix != ".parquet" and side.exists() and vocab_size is not None:
         made_for = json.loads(side.read_text()).get("vocab_size")
         if made_for not in (None, vocab_size):
             raise VocabError(f"frequency file {path} was made for a vocabulary of {made_for} ids but the model has "
-                             f"{vocab_size}; count a list with the target's tokenizer (python -m engine.frequency)")
+                             f"{vocab_size}; count a list with the target's tokenizer (python -m engine.jobs.frequency)")
     if path.suffix == ".parquet":
         frame = load_ranking(path, vocab_size=vocab_size).sort("rank")
         ranking = frame["token_id"].to_numpy()[frame["count"].to_numpy() > 0]   # never-seen ids are not ranked

@@ -2,7 +2,7 @@
 
 `locality` is pure and token-only: functions take token-id arrays, `Trace`s or polars frames and return
 polars frames. No model, tokenizer or GPU inside, and nothing from `engine`: traces are recorded by
-`python -m engine.record` (or `engine.generate(..., record=True).to_trace()`) and read here.
+`python -m engine.jobs.record` (or `engine.generate(..., record=True).to_trace()`) and read here.
 
 Glossary (one word for one thing, across modules, notebooks and Parquet columns)
 ---------------------------------------------------------------------------------

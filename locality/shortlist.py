@@ -8,7 +8,7 @@ size K is the ids of rank < K, so a token of rank r is covered for every K > r a
 many K is one sort of the ranks of the generated tokens.
 
 - FR-Spec counts a corpus tokenised by the caller (`count_tokens(arrays, vocab_size)`); tokenising text with
-  a model's tokenizer lives beside the vocabulary policies (`engine.frequency`).
+  a model's tokenizer lives beside the vocabulary policies (`engine.jobs.frequency`).
 - VocabTrim counts the target's own generations (`ranking_from_traces(traces, vocab_size, "generated")`).
 
 Files: `save_ranking(ranking, path, tokenizer)` writes Parquet plus a JSON sidecar (`<path>.json`: tokenizer,
@@ -17,7 +17,7 @@ The ids in rank order (what a drafter packs) are `shortlist(ranking, k)`, or `ra
 
 `python -m locality.shortlist --traces T.parquet | --token-ids A.npy ... --vocab-size V --tokenizer NAME
 --out rank.parquet` counts recorded traces (VocabTrim-style, `--what`) or pre-tokenised id arrays (FR-Spec
-corpus counts) and prints the coverage-vs-K of the traces. Text corpora: `python -m engine.frequency`.
+corpus counts) and prints the coverage-vs-K of the traces. Text corpora: `python -m engine.jobs.frequency`.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def shortlist_coverage_by(ranking: pl.DataFrame, traces: Sequence[Trace], by: Se
 
 def main(argv=None) -> Path:
     ap = argparse.ArgumentParser(prog="python -m locality.shortlist", description="build a frequency ranking "
-                                 "from token ids (text corpora: python -m engine.frequency)")
+                                 "from token ids (text corpora: python -m engine.jobs.frequency)")
     ap.add_argument("--traces", help="trace Parquet file or folder to count (see --what)")
     ap.add_argument("--what", default="generated", choices=["generated", "prompt", "prompt+generated"])
     ap.add_argument("--token-ids", nargs="+", default=[], help=".npy files of token ids (a tokenised corpus)")
@@ -179,7 +179,7 @@ def main(argv=None) -> Path:
     ap.add_argument("--k", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
     a = ap.parse_args(argv)
     if not a.traces and not a.token_ids:
-        ap.error("give --traces and/or --token-ids (to count text, use python -m engine.frequency)")
+        ap.error("give --traces and/or --token-ids (to count text, use python -m engine.jobs.frequency)")
     traces = read_traces(a.traces) if a.traces else []
     pick = {"generated": ("generated",), "prompt": ("prompt",), "prompt+generated": ("prompt", "generated")}
     arrays = [getattr(t, f) for t in traces for f in pick[a.what]] + [np.load(p) for p in a.token_ids]

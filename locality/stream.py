@@ -150,7 +150,7 @@ def check_traces(traces: Sequence[Trace]) -> list[Trace]:
     traces = list(traces)
     if not traces:
         raise LocalityError("the trace list is empty; read some with locality.read_traces(path) "
-                            "or record them with `python -m engine.record`")
+                            "or record them with `python -m engine.jobs.record`")
     for i, t in enumerate(traces):
         if not isinstance(t, Trace):
             raise LocalityError(f"traces[{i}] is a {type(t).__name__}, not a locality.Trace")

@@ -104,7 +104,7 @@ class Trace:
     def check_k(self, k: int, what: str = "K") -> None:
         if k > self.k:
             raise TraceError(f"{what}={k} is larger than the K={self.k} this trace was recorded with; "
-                             f"re-record with `python -m engine.record --topk {k}` or ask for {what} <= {self.k}")
+                             f"re-record with `python -m engine.jobs.record --topk {k}` or ask for {what} <= {self.k}")
 
     def to_row(self) -> dict:
         meta = dict(self.meta)
@@ -170,15 +170,15 @@ def read_traces(path: str | Path | Sequence[str | Path]) -> list[Trace]:
     if path.is_dir():
         files = [f for f in sorted(path.rglob("*.parquet")) if _is_trace_file(f)]
         if not files:
-            raise TraceError(f"no Parquet trace files under {path}; record some with `python -m engine.record`")
+            raise TraceError(f"no Parquet trace files under {path}; record some with `python -m engine.jobs.record`")
         return [t for f in files for t in read_traces(f)]
     if not path.exists():
-        raise TraceError(f"trace file {path} does not exist; record traces with `python -m engine.record`")
+        raise TraceError(f"trace file {path} does not exist; record traces with `python -m engine.jobs.record`")
     try:
         df = pl.read_parquet(path)
     except Exception as e:  # polars raises several error types for a non-Parquet file
         raise TraceError(f"{path} is not a readable Parquet trace file ({type(e).__name__}: {e}); "
-                         f"delete it and re-record with `python -m engine.record`") from e
+                         f"delete it and re-record with `python -m engine.jobs.record`") from e
     try:
         return _frame_traces(df)
     except Exception:        # a malformed file: read it row by row, whose error names the row and the field

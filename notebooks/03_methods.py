@@ -15,7 +15,7 @@
 # Reads a sweep's `bench` cells with `sweeps.load` and draws, for every method and vocabulary policy the
 # sweep ran (a *run*, built from the `method`, `policy` and `vocab_size` columns: "layerskip · microspec 3072"
 # is the layer-skip drafter with MicroSpec's window of w_max 3072, "eagle · dynaspec 12288" the EAGLE head
-# with DynaSpec's routed clusters at a budget of ~12288 tokens at draft steps 0-1, see `engine.bench`):
+# with DynaSpec's routed clusters at a budget of ~12288 tokens at draft steps 0-1, see `engine.jobs.bench`):
 #
 # * **methods_table** — MicroSpec Table 2's layout: tokens/s per task, the average over tasks with its
 #   speedup over ar, and the average tau (also written as `methods_table.csv`).
@@ -23,8 +23,8 @@
 #   microspec on the same head): per run tokens/s, speedup over ar, tau, mean active vocabulary, draft ms per
 #   drafted step and its phases, lossless (text: "exact" - every output equals ar's; "near-tie" - some differ,
 #   each where ar's top two logits were within rounding; "mismatch" - some differ with a clear margin, a bug, or
-#   were never diagnosed against ar: `engine.bench.diagnose`), and the ratios against `full`
-#   (`engine.bench.summarize` and `compare_vocabs`, the tables `python -m engine.bench` prints; also written
+#   were never diagnosed against ar: `engine.jobs.bench.diagnose`), and the ratios against `full`
+#   (`engine.jobs.bench.summarize` and `compare_vocabs`, the tables `python -m engine.jobs.bench` prints; also written
 #   as `one_head_table.csv`).
 # * **methods_speed** — the same as bars: tokens/s, speedup over ar and tau per task.
 # * **draft_time_by_phase** — MicroSpec Fig. 4: draft time per drafted step, split into the drafter's phases
@@ -98,7 +98,7 @@ if summary is not None:
 # %% [markdown]
 # ## Table 2 on one head: each drafter with every vocabulary policy it was benched with
 # Per model and prompt set, the runs of a drafter benched with two or more policies, with ar as the speed and
-# lossless reference: the overall rows of `engine.bench.summarize` (means over every prompt, turn, repeat) and
+# lossless reference: the overall rows of `engine.jobs.bench.summarize` (means over every prompt, turn, repeat) and
 # its comparison lines (draft-time ratio, tau ratio, tokens/s ratio against `full`; microspec against frspec
 # and dynaspec; dynaspec against frspec).
 

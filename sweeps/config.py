@@ -25,7 +25,7 @@
     # categories = ["qa", "rag"]  languages = ["de"]
     # split = "category"                 # one record / bench cell per category | language | "none"
 
-    [record]                             # ar greedy traces (engine.record)
+    [record]                             # ar greedy traces (engine.jobs.record)
     topk = 16
 
     [coverage]                           # model-free analyses of the record cells' traces (locality)
@@ -38,12 +38,12 @@
 
     [[bench]]                            # one entry per group of methods sharing a grid
     methods = ["layerskip"]
-    policies = ["full", "frspec", "microspec"]    # drafters with an LM head only (engine.bench.DRAFTERS)
+    policies = ["full", "frspec", "microspec"]    # drafters with an LM head only (engine.jobs.bench.DRAFTERS)
     vocab_sizes = [1024, 4096]           # frspec's K / microspec's w_max; omitted = the config default
     params = { drafter_layers = "skip:12,14,16,18", w_max = [1024, 3072] }   # SpecConfig fields; a list = an axis
     # prompt_sets = ["spec_bench"]       # only these [[prompts]] sets (default: all)
 
-    [[calibrate]]                        # a drafter's g* (engine.calibrate, UniSpec §3) per model x method x config
+    [[calibrate]]                        # a drafter's g* (engine.jobs.calibrate, UniSpec §3) per model x method x config
     methods = ["unispec", "pld", "recycling"]
     grid = [1, 2, 4, 8]                  # omitted = the method's default grid on the device
     prompts = 3      warmup = 1
@@ -85,7 +85,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.bench import DRAFTERS, REQUESTED_SIZE
+from engine.jobs.bench import DRAFTERS, REQUESTED_SIZE
 from engine.calibration import DRAFTING_METHODS, calibration_fields
 from engine.config import POLICIES, ConfigError, SpecConfig
 from engine.drafters import available_methods
@@ -562,7 +562,7 @@ def _check_eagle_head(cfg: SpecConfig, m: ModelSpec, where: str) -> None:
     if cfg.method == "eagle" and not cfg.eagle_head and m.name not in shipped_heads():
         raise SweepError(f"{where}: eagle needs a draft head for {m.name!r}: params.eagle_head = a local EAGLE "
                          f"checkpoint folder or hub id (heads ship for {sorted(shipped_heads())} only; train one "
-                         f"with `python -m engine.train eagle`)")
+                         f"with `python -m engine.jobs.train_eagle eagle`)")
 
 
 def _calibrated_by(method: str, cfg: SpecConfig, calibrations: list[Cell], where: str) -> str | None:

@@ -24,7 +24,7 @@ from typing import Sequence
 import altair as alt
 import polars as pl
 
-from engine.bench import DRAFTERS, PHASES
+from engine.jobs.bench import DRAFTERS, PHASES
 from engine.config import POLICIES, SpecConfig
 from sweeps.cell import SweepError
 from sweeps.config import KINDS
@@ -124,7 +124,7 @@ def describe(frame: pl.DataFrame, record: pl.DataFrame | None = None) -> list[st
         sets.append(f"{name} ({', '.join(bits)})" if bits else name)
     if sets:
         lines.append("prompts: " + "; ".join(sets))
-    if not sets and {"curve", "prompts", "grid"} <= set(frame.columns):     # calibrate cells (engine.calibrate)
+    if not sets and {"curve", "prompts", "grid"} <= set(frame.columns):     # calibrate cells (engine.jobs.calibrate)
         grids = "; ".join(", ".join(map(str, json.loads(g))) for g in _values(frame, "grid") if g != "null")
         grids = grids or "the device's default grid"
         warm = _values(frame, "warmup")

@@ -4,16 +4,16 @@ and serves many of them (the Ray actor in `sweeps.run` wraps it; tests and `swee
 Each cell function takes the cell's parameters (`sweeps.config.Cell.params`) and `(model, tokenizer, info)`
 and returns a polars frame; writing it is the driver's job.
 
-- record: `engine.record.record_traces` (ar, greedy) on the cell's prompts -> the trace table (`locality.trace`).
-- bench: `engine.bench.run_bench` for one method x vocabulary policy x parameters on the cell's prompts -> one
+- record: `engine.jobs.record.record_traces` (ar, greedy) on the cell's prompts -> the trace table (`locality.trace`).
+- bench: `engine.jobs.bench.run_bench` for one method x vocabulary policy x parameters on the cell's prompts -> one
   row per prompt, turn and repeat. Its untimed warm-up runs once per actor process and configuration. A cell
   that names a `calibrate_cell` (`sweeps.config`: a method the sweep calibrates, no draft_size of its own)
   runs at that cell's g*, which the driver passes in its config (`sweeps.run`); without it the cell fails,
   naming the calibrate cell, rather than run at another size.
-- calibrate: `engine.calibrate.calibrate` (UniSpec §3, App. F) for any drafting method (and vocabulary
+- calibrate: `engine.jobs.calibrate.calibrate` (UniSpec §3, App. F) for any drafting method (and vocabulary
   policy) -> the measured tau(g), s(g), the fitted curves and g* (`engine.calibration.calibration_curves`),
   with g*, the device and dtype on every row; the record also goes into the calibration cache of the machine
-  it ran on (`[sweep] calibration_cache`), as `python -m engine.calibrate` does.
+  it ran on (`[sweep] calibration_cache`), as `python -m engine.jobs.calibrate` does.
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from pathlib import Path
 import polars as pl
 import torch
 
-from engine.bench import REQUESTED_SIZE, run_bench
-from engine.calibrate import calibrate, calibration_prompts
+from engine.jobs.bench import REQUESTED_SIZE, run_bench
+from engine.jobs.calibrate import calibrate, calibration_prompts
 from engine.calibration import cache_file, calibration_curves, save_calibration
 from engine.config import SpecConfig
-from engine.frequency import default_frequency_file
+from engine.jobs.frequency import default_frequency_file
 from engine.models import eos_token_ids, load_model
 from engine.prompts import load_prompts
-from engine.record import record_traces
+from engine.jobs.record import record_traces
 from kernels.hardware import DEFAULT_DTYPE, DEVICE
 from locality.shortlist import load_ranking
 from locality.trace import traces_to_frame
@@ -95,7 +95,7 @@ def calibration_file(cache: bool | str | None) -> Path | None:
 def calibrate_cell(p: dict, loaded, method: str, cache: bool | str | None = None) -> pl.DataFrame:
     """The calibration's curves and g* (results) of `method` at the cell's config (its policy and size
     included); with `cache` (see `calibration_file`) the record is also saved in the calibration cache, as
-    `python -m engine.calibrate` does, so that later runs on this device, model, dtype and config take this
+    `python -m engine.jobs.calibrate` does, so that later runs on this device, model, dtype and config take this
     g* as the method's default draft size (`resolve_draft_size`). The rows say where in `calibration_cache`
     (null: not saved)."""
     model, tokenizer, info = loaded
@@ -121,7 +121,7 @@ def calibrate_cell(p: dict, loaded, method: str, cache: bool | str | None = None
 
 
 def model_ranking(loaded) -> pl.DataFrame:
-    """The token-frequency ranking FR-Spec's shortlists take (`engine.frequency.default_frequency_file`:
+    """The token-frequency ranking FR-Spec's shortlists take (`engine.jobs.frequency.default_frequency_file`:
     counted on the training corpus with this model's tokenizer, never on the traces it is scored on)."""
     model, tokenizer, info = loaded
     path = Path(default_frequency_file(tokenizer, info.tokenizer_name, info.vocab_size, verbose=False))

@@ -150,7 +150,7 @@ def test_cache_round_trip_and_resolve(cache_dir, tiny):
     assert key.startswith("llama-V300-d32-L1|cpu:") and "|float32|unispec|" in key
     assert key.endswith("|" + calib.config_fingerprint(cfg))
     assert calib.cached_draft_size(key) is None
-    with pytest.raises(calib.CalibrationError, match="engine.calibrate"):
+    with pytest.raises(calib.CalibrationError, match="engine.jobs.calibrate"):
         calib.resolve_draft_size(cfg, model, on_missing="error")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -221,7 +221,7 @@ def test_calibration_imports_neither_the_harness_nor_the_measuring_module():
     tree = ast.parse(Path(calib.__file__).read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert not {m for m in imported if m.startswith(("engine.harness", "engine.calibrate", "engine.drafters"))}
+    assert not {m for m in imported if m.startswith(("engine.harness", "engine.jobs.calibrate", "engine.drafters"))}
 
 
 def test_measure_and_calibrate_through_harness(cache_dir, tiny):
@@ -486,7 +486,7 @@ def test_the_missing_calibration_warning_names_the_command_once(cache_dir, tiny)
     cmd = calib.calibrate_command(cfg, model)
     assert cmd in msgs[0] and msgs[0].endswith("using eagle's uncalibrated default g = 59")
     args = shlex.split(cmd)
-    assert args[:3] == ["python", "-m", "engine.calibrate"]
+    assert args[:3] == ["python", "-m", "engine.jobs.calibrate"]
     opts = dict(zip(args[3::2], args[4::2]))
     assert opts["--model"] == calib.model_id(model) and opts["--method"] == "eagle"
     assert (opts["--device"], opts["--dtype"], opts["--threads"]) == ("cpu", "float32", str(torch.get_num_threads()))
@@ -550,7 +550,7 @@ def test_frspec_is_calibrated_on_its_default_ranking_and_keyed_as_a_bench_resolv
 
 
 def test_cli_calibrates_eagle_end_to_end(cache_dir, capsys):
-    """`python -m engine.calibrate --method eagle` measures the grid through the harness, fits, prints and caches
+    """`python -m engine.jobs.calibrate --method eagle` measures the grid through the harness, fits, prints and caches
     the record under eagle's key, where resolve_config finds it."""
     overrides = ["eagle_head=random", "eagle_depth=2", "eagle_topk=3"]
     cal._cli(["--model", "random-llama", "--method", "eagle", "--dtype", "fp32", "--grid", "1,2,3", "--prompts", "2",

@@ -1,4 +1,4 @@
-"""`engine.bench` on a tiny random model (byte-level prompts): rows, Parquet file, summary table, crash
+"""`engine.jobs.bench` on a tiny random model (byte-level prompts): rows, Parquet file, summary table, crash
 safety and resume (and refusing an old-format file), clear errors for methods that cannot run; outputs that
 differ from ar's (`engine.divergence`: the ulp bound, verdicts and first divergent token on a hand-made frame,
 the run's "exact" / "near-tie" / "mismatch", ar's margin against the model's own logits - and mutants that
@@ -17,16 +17,16 @@ import polars as pl
 import pytest
 import torch
 
-import engine.bench as bench
+import engine.jobs.bench as bench
 import engine.divergence as divergence
-from engine.bench import (BenchError, PHASES, RESULTS_FILE, compare_vocabs, plan_runs, run_bench, summarize)
+from engine.jobs.bench import (BenchError, PHASES, RESULTS_FILE, compare_vocabs, plan_runs, run_bench, summarize)
 from engine.divergence import (NEAR_TIE_ULPS, DivergenceError, classify, diagnose_rows, first_divergence,
                                near_tie_bound, ulp)
 from engine.artifacts import head_fingerprint
 from engine.dynaspec import (DynaSpecError, FittedDynaSpec, Router, k_max_for_tokens, save_dynaspec, spherical_kmeans,
                              tokens_for_k_max)
 from engine.models import eos_token_ids, load_model
-from engine.frequency import corpus_texts
+from engine.jobs.frequency import corpus_texts
 from engine.prompts import ByteTokenizer, decode_answer, encode_prompt, load_prompts
 from locality.shortlist import load_ranking
 from tests.engine_testing import untie_head
@@ -144,7 +144,7 @@ def test_a_crash_keeps_finished_runs_and_resume_completes(loaded, prompt_file, t
     # a results file from before prompt_id / policy (question_id, vocab, turns from 0) is refused
     saved.rename({"prompt_id": "question_id", "run": "vocab"}).drop("policy", "vocab_size").with_columns(
         pl.col("turn") - 1).write_parquet(out / RESULTS_FILE)
-    with pytest.raises(BenchError, match="older engine.bench.*new --out folder"):
+    with pytest.raises(BenchError, match="older engine.jobs.bench.*new --out folder"):
         run_bench(methods="ar,pld", prompts=str(prompt_file), max_new_tokens=6, out=out, loaded=loaded,
                   progress=False, show=False, warmup=0, resume=True)
 

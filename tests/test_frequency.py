@@ -1,4 +1,4 @@
-"""engine.frequency: FR-Spec frequency lists from the training corpus (never the benchmark), EOS and the chat
+"""engine.jobs.frequency: FR-Spec frequency lists from the training corpus (never the benchmark), EOS and the chat
 template's specials always kept, the true size when K exceeds the tokens seen, the target's own generations,
 SGLang's token map and EAGLE-3's d2t / t2d exports, and the CLI."""
 
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.calibrate import calibration_prompts
+from engine.jobs.calibrate import calibration_prompts
 from engine.config import SpecConfig
-from engine.frequency import (CORPORA, DEFAULT_CORPORA, FrequencyError, corpus_texts, default_frequency_file,
+from engine.jobs.frequency import (CORPORA, DEFAULT_CORPORA, FrequencyError, corpus_texts, default_frequency_file,
                               eagle3_maps, frequency_list, generation_arrays, kept_special_ids, load_eagle3_maps,
                               load_token_map, main, ranking_from_texts, read_texts, save_eagle3_maps, save_token_map,
                               target_generations, tokenize_texts, write_frequency_lists)

@@ -97,13 +97,13 @@ def test_text_counting_lives_in_engine_and_the_cli_says_so(tmp_path, capsys):
     import locality.shortlist as sl
 
     for name in ("tokenize_texts", "ranking_from_texts", "read_texts"):
-        assert not hasattr(sl, name), name               # moved to engine.frequency
+        assert not hasattr(sl, name), name               # moved to engine.jobs.frequency
     with pytest.raises(SystemExit):
         shortlist_main(["--texts", "c.jsonl", "--vocab-size", "12", "--tokenizer", "t", "--out", str(tmp_path / "r")])
     assert "unrecognized arguments: --texts" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         shortlist_main(["--vocab-size", "12", "--tokenizer", "t", "--out", str(tmp_path / "r.parquet")])
-    assert "python -m engine.frequency" in capsys.readouterr().err
+    assert "python -m engine.jobs.frequency" in capsys.readouterr().err
 
 
 def test_sidecar_counts_the_distinct_ids_seen(tmp_path):

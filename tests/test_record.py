@@ -1,4 +1,4 @@
-"""engine.record: traces through the one decode loop (generate(..., method="ar", record=True).to_trace()),
+"""engine.jobs.record: traces through the one decode loop (generate(..., method="ar", record=True).to_trace()),
 equal to a plain greedy reference; one trace per turn, Parquet round trip, resume, CLI."""
 
 import numpy as np
@@ -10,7 +10,7 @@ from engine import record
 from engine.harness import generate
 from engine.models import RANDOM_MODELS, eos_token_ids, load_random_model
 from engine.prompts import PromptTooLongError, encode_prompt, load_prompts
-from engine.record import record_traces
+from engine.jobs.record import record_traces
 from locality import read_traces, write_traces
 from tests.engine_testing import greedy_topk_reference, naive_greedy
 

@@ -234,7 +234,7 @@ def test_worker_loads_once_and_warms_up_once_per_configuration(monkeypatch):
 
 
 def test_calibrate_cell_saves_g_star_where_generate_finds_it(tmp_path, monkeypatch):
-    """A calibrate cell writes its record to the results and, as `python -m engine.calibrate` does, to the
+    """A calibrate cell writes its record to the results and, as `python -m engine.jobs.calibrate` does, to the
     calibration cache ($SPECVOCAB_CACHE here), where `resolve_draft_size` - unispec's default draft size in
     `generate` - takes it."""
     monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path / "cache"))

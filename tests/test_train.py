@@ -1,4 +1,4 @@
-"""Training data and EAGLE-2 heads (`engine.train`) on random models; the shipped heads on the real ones.
+"""Training data and EAGLE-2 heads (`engine.jobs.train_eagle`) on random models; the shipped heads on the real ones.
 
 - the chunked LM-head cross-entropy equals its plain reference (loss and gradient, with soft-capping);
 - a data folder: shards with the target's features and top-k equal to the harness' own prefill, greedy

@@ -20,7 +20,7 @@ releases, `embed_tokens.weight` (used when present; else the target's input embe
 a randomly initialised head shaped after the target (tests). EAGLE-3 heads (three-layer features,
 their own small vocabulary) are a different layout and are rejected.
 
-Shipped heads: `engine/heads/<model>/` holds a head trained by `python -m engine.train` for each offline model
+Shipped heads: `engine/heads/<model>/` holds a head trained by `python -m engine.jobs.train_eagle` for each offline model
 (its model card says on what, how long and with which tau). `eagle_head=None` resolves to the shipped head
 whose target LM head matches the model's (`default_eagle_head`, called where the run's config is resolved);
 `"specvocab:<model>"` names one explicitly. A head saved by `save_eagle_head` records its target's name and
@@ -198,7 +198,7 @@ def check_head_target(head_source: str, block: dict | None, target) -> None:
                            f"{block.get('vocab_size')}, hidden {block.get('hidden_size')}), not for this target "
                            f"(LM head {tuple(weight.shape)}, other weights); "
                            + (f"use {shipped!r} (shipped for this target) or " if shipped else "")
-                           + "train one with `python -m engine.train eagle --model <name>`")
+                           + "train one with `python -m engine.jobs.train_eagle eagle --model <name>`")
 
 
 def load_eagle_head(source: str) -> EagleHead:
@@ -238,7 +238,7 @@ class EagleDrafter(LMHeadDrafter):
             if source is None:
                 raise DrafterError("method 'eagle' needs a draft head and none ships for this target: pass "
                                    "eagle_head=<hub id or local EAGLE-1/2 checkpoint directory>, train one with "
-                                   "`python -m engine.train eagle --model <name>`, or eagle_head='random' for an "
+                                   "`python -m engine.jobs.train_eagle eagle --model <name>`, or eagle_head='random' for an "
                                    "untrained head (tests)")
             self.head_source = source
             head = random_eagle_head(target, cfg.seed) if source == "random" else load_eagle_head(source)

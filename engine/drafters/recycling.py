@@ -19,7 +19,7 @@ Choices where the paper is silent [C]:
   path (then shallower, then BFS order): the chains through top-ranked slots first. That order is
   closed under ancestors. The default (`draft_size=None`, resolved by `engine.harness.resolve_config`)
   is the whole template, the paper's baseline; the "+device-aware" variant of UniSpec Table 17 is
-  `draft_size = engine.calibrate.calibrate(..., method="recycling")["g_star"]`.
+  `draft_size = engine.jobs.calibrate.calibrate(..., method="recycling")["g_star"]`.
 - `scores` = product of the stored probabilities along the path (for plots; unused for drafting).
 """
 

@@ -1,10 +1,10 @@
-"""Speed and losslessness of decoding methods on a prompt set: `python -m engine.bench` / `run_bench(...)`.
+"""Speed and losslessness of decoding methods on a prompt set: `python -m engine.jobs.bench` / `run_bench(...)`.
 
-    python -m engine.bench --model smollm2-135m-instruct --methods ar,pld,hf-prompt-lookup \\
+    python -m engine.jobs.bench --model smollm2-135m-instruct --methods ar,pld,hf-prompt-lookup \\
         --prompts spec_bench --per-category 1 --max-new-tokens 64 --repeats 1 --out runs/bench
-    python -m engine.bench --model gemma-3-270m --methods ar --drafter layerskip \\
+    python -m engine.jobs.bench --model gemma-3-270m --methods ar --drafter layerskip \\
         --vocab full,frspec,frspec:1024,microspec,oracle --set drafter_layers=first:4 --threads 1 --out runs/microspec
-    python -m engine.bench --model gemma-3-270m --drafter eagle --vocab full,frspec,dynaspec,microspec \\
+    python -m engine.jobs.bench --model gemma-3-270m --drafter eagle --vocab full,frspec,dynaspec,microspec \\
         --set eagle_head=<EAGLE-1/2 head dir> --per-category 1 --max-new-tokens 64 --threads 1 --out runs/table2
 
 A *run* is one (method, vocabulary policy) pair: every `--methods` entry (policy "full" for methods without
@@ -30,7 +30,7 @@ of one policy bench side by side. `dynaspec_k_max` is the k_max a dynaspec run u
 source - `drafter.head_source` where the drafter resolves one, else `eagle_head`; layerskip: `drafter_layers`).
 `draft_size` is the run's resolved draft size (`engine.harness.resolve_config`), `g` the mean draft tokens
 per step it actually proposed. `frspec` without `--set frequency_file=...` counts a default ranking on
-the training corpus (`engine.frequency.default_frequency_file`, cached) and says which; `dynaspec` without
+the training corpus (`engine.jobs.frequency.default_frequency_file`, cached) and says which; `dynaspec` without
 `--set dynaspec_file=...` takes the newest fit for this head and drafter (`engine.dynaspec.find_fitted`).
 
 Writes `OUT/results.parquet`, one row per (method, run, prompt, turn, repeat) - `prompt_id` is the prompt
@@ -101,7 +101,7 @@ from engine.harness import generate, resolve_config
 from engine.models import eos_token_ids, load_model
 from engine.prompts import Prompt, decode_answer, encode_prompt, load_prompts
 from engine.target import backend_label
-from engine.frequency import default_frequency_file
+from engine.jobs.frequency import default_frequency_file
 from kernels.hardware import HardwareError, parse_device, parse_dtype
 
 RESULTS_FILE = "results.parquet"
@@ -387,7 +387,7 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
             old = pl.read_parquet(path)
             missing = [c for c in (*RUN_KEY, "policy", "vocab_size", "turn") if c not in old.columns]
             if missing or "question_id" in old.columns:
-                raise BenchError(f"cannot resume {path}: it was written by an older engine.bench (columns "
+                raise BenchError(f"cannot resume {path}: it was written by an older engine.jobs.bench (columns "
                                  f"question_id / vocab, turns from 0; missing {missing}); bench into a new "
                                  f"--out folder, or delete the file to start over")
             rows = old.to_dicts()
@@ -510,8 +510,8 @@ def _with_optional(frame: pl.DataFrame, needs: Sequence[str] = ("category",)) ->
     """`frame` with every ROW_SCHEMA column (null where a hand-made frame or an older file lacks one)."""
     missing = [c for c in (*RUN, "prompt_id", "turn", "repeat", *needs) if c not in frame.columns]
     if missing:
-        raise BenchError(f"summarize needs engine.bench's columns; missing {missing} (a results file from an "
-                         f"older engine.bench: bench again)")
+        raise BenchError(f"summarize needs engine.jobs.bench's columns; missing {missing} (a results file from an "
+                         f"older engine.jobs.bench: bench again)")
     return frame.with_columns([pl.lit(None, dtype=dt).alias(col) for col, dt in ROW_SCHEMA.items()
                                if col not in frame.columns])
 
@@ -816,7 +816,7 @@ def print_summary(frame: pl.DataFrame) -> pl.DataFrame:
 
 
 def main(argv: Sequence[str] | None = None) -> pl.DataFrame:
-    ap = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m engine.jobs.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--methods", default=None,
                     help="comma-separated method names (default: ar,pld,hf-prompt-lookup; ar with --drafter)")

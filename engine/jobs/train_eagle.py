@@ -1,9 +1,9 @@
-"""Training data and EAGLE-2 draft heads: `python -m engine.train data|eagle`.
+"""Training data and EAGLE-2 draft heads: `python -m engine.jobs.train_eagle data|eagle`.
 
 Two steps, each resumable, each writing only under its own output folder:
 
-    python -m engine.train data  --model smollm2-135m-instruct --source teacher,greedy --num-prompts 768
-    python -m engine.train eagle --model smollm2-135m-instruct --tokens 2000000 --out engine/heads/smollm2-135m-instruct
+    python -m engine.jobs.train_eagle data  --model smollm2-135m-instruct --source teacher,greedy --num-prompts 768
+    python -m engine.jobs.train_eagle eagle --model smollm2-135m-instruct --tokens 2000000 --out engine/heads/smollm2-135m-instruct
 
 **Data** (`make_data`). The target runs over prompts of the training corpus (`train_corpus` in the data root:
 disjoint from every benchmark, so nothing is fitted on the prompts it is evaluated on). Per prompt, one sample
@@ -262,7 +262,7 @@ def _save_shard(samples: list[Sample], path: Path, feature_dtype: torch.dtype, m
 def load_shard(path: str | Path) -> list[Sample]:
     """The samples of one shard; a damaged or foreign file raises TrainError naming it and the fix."""
     path = Path(path)
-    fix = f"delete {path} and rerun `python -m engine.train data` with the same settings to write it again"
+    fix = f"delete {path} and rerun `python -m engine.jobs.train_eagle data` with the same settings to write it again"
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {}).get("specvocab", "null"))
@@ -293,7 +293,7 @@ def read_manifest(folder: str | Path) -> dict:
     path = folder / "manifest.json"
     if not path.is_file():
         raise TrainError(f"{folder} holds no training data (no manifest.json); make it with "
-                         f"`python -m engine.train data --model <name> --out {folder}`")
+                         f"`python -m engine.jobs.train_eagle data --model <name> --out {folder}`")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -621,11 +621,11 @@ def train_eagle(cfg: TrainConfig) -> Path:
     if not head_matches(manifest, weight):
         raise TrainError(f"the data in {data} was made for model {manifest['settings']['model']!r} (vocabulary "
                          f"{manifest['vocab_size']}, hidden {manifest['hidden_size']}), not for {cfg.model!r}; "
-                         f"make data for this model with `python -m engine.train data --model {cfg.model}`")
+                         f"make data for this model with `python -m engine.jobs.train_eagle data --model {cfg.model}`")
     train = load_split(data, "train")
     held = load_split(data, "heldout")
     if not train:
-        raise TrainError(f"{data} has no training shards; run `python -m engine.train data --model {cfg.model}`")
+        raise TrainError(f"{data} has no training shards; run `python -m engine.jobs.train_eagle data --model {cfg.model}`")
     embed = model.get_input_embeddings()
     if cfg.head_dtype not in _DTYPES:
         raise TrainError(f"head_dtype {cfg.head_dtype!r}: choose one of {list(_DTYPES)}")
@@ -752,7 +752,7 @@ def model_card(cfg: TrainConfig, summary: dict, curve: list[dict]) -> str:
     lines = [f"# EAGLE-2 draft head for `{cfg.model}`", "",
              "An EAGLE-1/2 head (fc over [token embedding; target feature] + one Llama decoder layer without input "
              "norm; the target's embedding and LM head are used frozen and not stored), in the official EAGLE "
-             "checkpoint layout. Made by `specvocab` (`engine.train`).", "",
+             "checkpoint layout. Made by `specvocab` (`engine.jobs.train_eagle`).", "",
              "## Data", "",
              f"- prompts: `{d['prompts']}` (the training corpus of the data root; disjoint from every benchmark), "
              f"shuffled with seed {d['seed']}; used: {u['train_prompts']} prompts / {u['train_tokens']:,} tokens "
@@ -763,10 +763,10 @@ def model_card(cfg: TrainConfig, summary: dict, curve: list[dict]) -> str:
                                      f"tokens" if "greedy" in d["sources"] else "") if x) + ")",
              f"- sequences cut at {d['max_tokens']} tokens; prompts over {d['max_prompt_tokens']} tokens skipped", "",
              "## Command", "", "```",
-             f"python -m engine.train data --model {cfg.model} --source {','.join(d['sources'])} "
+             f"python -m engine.jobs.train_eagle data --model {cfg.model} --source {','.join(d['sources'])} "
              f"--num-prompts {d['num_prompts']} --heldout-prompts {d['heldout_prompts']}"
              + (f" --dtype {d['dtype']}" if d.get("dtype") else ""),
-             f"python -m engine.train eagle --model {cfg.model} --tokens {cfg.tokens} --batch-tokens "
+             f"python -m engine.jobs.train_eagle eagle --model {cfg.model} --tokens {cfg.tokens} --batch-tokens "
              f"{cfg.batch_tokens} --lr {cfg.lr} --out <dir>", "```", "",
              "## Budget", "",
              f"- {summary['tokens_seen']:,} training tokens in {summary['steps']} steps of ~{cfg.batch_tokens} tokens; "
@@ -819,7 +819,7 @@ def _split(v):
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m engine.train", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m engine.jobs.train_eagle", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("data", help="run the target over training prompts and write feature shards")
     d.add_argument("--model", required=True)

@@ -1,6 +1,6 @@
 """Record traces: what a target model does, greedily, on a prompt set. The thin CLI that feeds `locality`.
 
-    python -m engine.record --model smollm2-135m-instruct --prompts spec_bench --per-category 2 \\
+    python -m engine.jobs.record --model smollm2-135m-instruct --prompts spec_bench --per-category 2 \\
         --max-new-tokens 128 --topk 16 --out runs/traces/smollm2 [--report] [--resume]
 
 writes `OUT/traces.parquet` (format: `locality.trace`) and prints a one-line summary; `--report` also prints
@@ -110,7 +110,7 @@ def main(*, model: str, prompts: str, out: str, per_category: int | None = None,
 
 
 def _parse(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m engine.record", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m engine.jobs.record", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="offline name, random-*, hub id or local folder")
     ap.add_argument("--prompts", required=True,
                     help="spec_bench | humaneval | multilingual | train_corpus | path.jsonl")

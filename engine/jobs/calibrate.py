@@ -1,5 +1,5 @@
 """Measure tau(g) and s(g) through the harness and calibrate the draft size g* (UniSpec §3, App. F):
-`calibrate(model, prompts, method)` and the CLI `python -m engine.calibrate`.
+`calibrate(model, prompts, method)` and the CLI `python -m engine.jobs.calibrate`.
 
 The fits, the pipelines ("default", and "paper": the paper's own), the cache and `resolve_draft_size`
 live in `engine.calibration` (pure; the harness imports them). This module runs
@@ -42,7 +42,7 @@ from engine.calibration import (DRAFTING_METHODS, EAGLE_CANDIDATES, CalibrationE
 from engine.config import SpecConfig, parse_overrides
 from engine.drafters import HF_METHODS
 from engine.drafters.recycling import TEMPLATES, template_size
-from engine.frequency import default_frequency_file
+from engine.jobs.frequency import default_frequency_file
 from engine.harness import generate
 from engine.models import eos_token_ids, load_model
 from engine.native import BLOCK
@@ -182,7 +182,7 @@ def calibration_grid(cfg: SpecConfig, model, grid: Sequence[int] | None = None) 
         return grid
     kept = [g for g in grid if g <= cap] or [cap]
     warnings.warn(f"{cfg.method} proposes at most {cap} draft tokens with this config and target "
-                  f"(engine.calibrate.max_draft_size); calibrating at {kept} instead of {grid}", stacklevel=2)
+                  f"(engine.jobs.calibrate.max_draft_size); calibrating at {kept} instead of {grid}", stacklevel=2)
     return kept
 
 
@@ -213,8 +213,8 @@ def measure_grid(model, prompts: Sequence[torch.Tensor], method: str, grid: Sequ
 
 
 def runnable_config(cfg: SpecConfig, model, tokenizer=None, info=None, eos_ids=None) -> SpecConfig:
-    """cfg with what a run fills in after its draft size is resolved, as `engine.bench` does: frspec's
-    default ranking (`engine.frequency.default_frequency_file`, counted on the training corpus with the
+    """cfg with what a run fills in after its draft size is resolved, as `engine.jobs.bench` does: frspec's
+    default ranking (`engine.jobs.frequency.default_frequency_file`, counted on the training corpus with the
     model's tokenizer) when `frequency_file` is None. The calibration key keeps None, the value a bench
     resolves its draft size with (dynaspec's newest fit is found by the policy itself)."""
     if cfg.vocab != "frspec" or cfg.frequency_file is not None:
@@ -334,7 +334,7 @@ def main(model: str = "smollm2-135m-instruct", method: str = "unispec", grid: Se
 
 
 def _cli(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m engine.calibrate", description=main.__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m engine.jobs.calibrate", description=main.__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--method", default="unispec", choices=DRAFTING_METHODS,
                     help="the drafting method whose draft size g* to calibrate (default unispec)")

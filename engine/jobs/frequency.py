@@ -33,7 +33,7 @@ size, requested K, true size, kept specials, tokens counted, source):
 `frequency_file`: the whole list counted on the training corpus, cached in `<specvocab cache>/rankings/`
 keyed by tokenizer, vocabulary size and a digest of the corpus and the kept specials.
 
-CLI: `python -m engine.frequency --model NAME --out-dir DIR` counts the training corpus (`--languages`,
+CLI: `python -m engine.jobs.frequency --model NAME --out-dir DIR` counts the training corpus (`--languages`,
 `--tasks`), optionally the target's generations (`--generations N`) or recorded traces (`--traces`) and text
 files (`--texts FILE.jsonl --text-field turns`), and writes the lists for `--sizes` (8k/16k/32k/64k) with
 their exports.
@@ -205,7 +205,7 @@ def target_generations(model, tokenizer, info, prompts: Sequence[Prompt], *, max
 
 
 def generation_arrays(traces: Sequence[Trace], tokenizer_name: str | None = None) -> list[np.ndarray]:
-    """[T_i] the generated tokens of recorded traces (`python -m engine.record --prompts train_corpus`).
+    """[T_i] the generated tokens of recorded traces (`python -m engine.jobs.record --prompts train_corpus`).
     Traces of an evaluation set, or recorded with another tokenizer, raise."""
     _refuse_evaluation({str(t.meta.get("prompt_set", "")) for t in traces}, "traces")
     if tokenizer_name is not None:
@@ -287,16 +287,16 @@ def _check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
 def _read_meta(path: Path, tokenizer: str | None, vocab_size: int | None, fmt: str) -> dict:
     side = sidecar_path(path)
     if not path.exists():
-        raise FrequencyError(f"{path} does not exist; write it with `python -m engine.frequency`")
+        raise FrequencyError(f"{path} does not exist; write it with `python -m engine.jobs.frequency`")
     meta = json.loads(side.read_text()) if side.exists() else {}
     if side.exists() and meta.get("format") != fmt:
         raise FrequencyError(f"{path} is a {meta.get('format')!r} file, not a {fmt!r} one")
     if tokenizer is not None and "tokenizer" in meta and meta["tokenizer"] != tokenizer:
         raise FrequencyError(f"{path} was made for tokenizer {meta['tokenizer']!r}, not {tokenizer!r}: its ids mean "
-                             f"other tokens. Count a list with {tokenizer!r} (python -m engine.frequency --model ...)")
+                             f"other tokens. Count a list with {tokenizer!r} (python -m engine.jobs.frequency --model ...)")
     if vocab_size is not None and "vocab_size" in meta and meta["vocab_size"] != vocab_size:
         raise FrequencyError(f"{path} was made for a vocabulary of {meta['vocab_size']} ids but the target has "
-                             f"{vocab_size}; count a list with the target's tokenizer (python -m engine.frequency)")
+                             f"{vocab_size}; count a list with the target's tokenizer (python -m engine.jobs.frequency)")
     return meta
 
 
@@ -452,7 +452,7 @@ def default_frequency_file(tokenizer, tokenizer_name: str, vocab_size: int,
 # --- CLI -------------------------------------------------------------------------------------------------------
 
 def main(argv=None) -> dict[int, dict[str, Path]]:
-    ap = argparse.ArgumentParser(prog="python -m engine.frequency",
+    ap = argparse.ArgumentParser(prog="python -m engine.jobs.frequency",
                                  description="FR-Spec frequency lists from the training corpus and the target's "
                                              "own generations, with SGLang and EAGLE-3 exports")
     ap.add_argument("--model", required=True, help="the target (engine.models name): its tokenizer counts")

@@ -2,7 +2,7 @@
 one lossless draft-verify loop for every method (see `engine.harness`).
 
 The names below are imported on first use, so `python -m engine.<module>` runs that module once (an eager
-import of the harness here would load `engine.dynaspec` and the others before runpy executes them)."""
+import of the harness here would load `engine.vocab` and the others before runpy executes them)."""
 
 import importlib
 

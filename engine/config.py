@@ -108,7 +108,7 @@ class SpecConfig:
                                                        # last occurrence); "first" = locality.stream's default
     frspec_k: int = 32768
     frequency_file: str | None = None
-    # DynaSpec (engine.dynaspec): a fitted clusters + router file (`python -m engine.dynaspec fit`); None =
+    # DynaSpec (engine.vocab.dynaspec): a fitted clusters + router file (`python -m engine.jobs.fit_dynaspec`); None =
     # the newest one in the specvocab cache fitted for this LM head and drafter
     dynaspec_file: str | None = None
     dynaspec_k_max: int = 256         # clusters per row at draft steps 0-1 (DynaSpec §4.2); not stated in the

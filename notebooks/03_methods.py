@@ -30,7 +30,7 @@
 # * **draft_time_by_phase** — MicroSpec Fig. 4: draft time per drafted step, split into the drafter's phases
 #   (backbone layers, DynaSpec's router, weight gather, LM head, tree building; a phase no run spent time in
 #   is left out), per task.
-# * **dynaspec_choices** — DynaSpec's unstated choices (`python -m engine.dynaspec choices`, not a sweep kind: read
+# * **dynaspec_choices** — DynaSpec's unstated choices (`python -m engine.jobs.dynaspec_choices`, not a sweep kind: read
 #   from `dynaspec_choices`, default `{results_dir}/dynaspec_choices`): held-out token recall against the mean
 #   shortlist per row, one line per setting of the number of clusters M, the router's width and the L of its
 #   top-L training labels, each varied alone around a centre setting (one panel per factor, the centre in black
@@ -44,7 +44,7 @@
 # %% tags=["parameters"]
 results_dir = "results/quick"
 out_dir = ""                     # default: {results_dir}/figures
-dynaspec_choices = ""            # a folder `python -m engine.dynaspec choices --out` wrote; default:
+dynaspec_choices = ""            # a folder `python -m engine.jobs.dynaspec_choices --out` wrote; default:
                                  # {results_dir}/dynaspec_choices (none there: the figure is skipped)
 
 # %%
@@ -192,7 +192,7 @@ if phases is not None and not phases.is_empty():
     display(chart)  # noqa: F821 (IPython)
 
 # %% [markdown]
-# ## DynaSpec's unstated choices: M, router width, L (`python -m engine.dynaspec choices`)
+# ## DynaSpec's unstated choices: M, router width, L (`python -m engine.jobs.dynaspec_choices`)
 # Offline, on the held-out prompts of one fit's logged rows: token recall = the share of the full-vocabulary
 # drafter's top-L tokens (the L the fit logged) inside a row's shortlist; a row at recall 1 proposes what the full
 # head proposes. Each factor is varied alone around the centre setting (`fig.choices_centre`: per factor, the

@@ -562,7 +562,7 @@ def _check_eagle_head(cfg: SpecConfig, m: ModelSpec, where: str) -> None:
     if cfg.method == "eagle" and not cfg.eagle_head and m.name not in shipped_heads():
         raise SweepError(f"{where}: eagle needs a draft head for {m.name!r}: params.eagle_head = a local EAGLE "
                          f"checkpoint folder or hub id (heads ship for {sorted(shipped_heads())} only; train one "
-                         f"with `python -m engine.jobs.train_eagle eagle`)")
+                         f"with `python -m engine.jobs.train_eagle`)")
 
 
 def _calibrated_by(method: str, cfg: SpecConfig, calibrations: list[Cell], where: str) -> str | None:

@@ -667,23 +667,23 @@ def g_stars(cal: pl.DataFrame | None) -> pl.DataFrame | None:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# DynaSpec: the choices the paper leaves open (`python -m engine.dynaspec choices`)
+# DynaSpec: the choices the paper leaves open (`python -m engine.jobs.dynaspec_choices`)
 # ----------------------------------------------------------------------------------------------------------
 
-# the factors `engine.dynaspec.choice_settings` varies one at a time, and their facet titles
+# the factors `engine.jobs.dynaspec_choices.choice_settings` varies one at a time, and their facet titles
 CHOICE_FACTORS = {"num_clusters": "M (clusters)", "router_width": "router width", "top_l": "L (label top-L)"}
-CHOICES_COMMAND = "python -m engine.dynaspec choices --work-dir FITWORK --out {folder}"
+CHOICES_COMMAND = "python -m engine.jobs.dynaspec_choices --work-dir FITWORK --out {folder}"
 CHOICES_COLUMNS = ("model", "drafter", *CHOICE_FACTORS, "logged_top_l", "scorer", "budget", "budget_tokens",
                    "k_max", "token_recall", "top1_hit", "mean_row_vocab", "train_s", "kmeans_s")
 
 
 def read_choices(folder: str | Path) -> pl.DataFrame | None:
-    """The Parquet files `python -m engine.dynaspec choices --out FOLDER` wrote (one per setting), or None with
+    """The Parquet files `python -m engine.jobs.dynaspec_choices --out FOLDER` wrote (one per setting), or None with
     one printed line saying how to make them."""
     files = sorted(Path(folder).expanduser().glob("*.parquet"))
     if not files:
         print(f"skipped the DynaSpec choices: no Parquet files in {folder}; make them with `"
-              f"{CHOICES_COMMAND.format(folder=folder)}` (FITWORK: the work dir of `python -m engine.dynaspec fit`, "
+              f"{CHOICES_COMMAND.format(folder=folder)}` (FITWORK: the work dir of `python -m engine.jobs.fit_dynaspec`, "
               f"<fitted file>.work)")
         return None
     frame = pl.read_parquet(files)
@@ -698,7 +698,7 @@ def choices_centre(frame: pl.DataFrame) -> tuple[int, int, int]:
     then L is the fit's logged L (`logged_top_l`, the L `choice_settings` centres on), the width
     `FitConfig.router_width` and M the fit's own clusters (kmeans_s == 0: reused, not re-run), each when
     present, else the smallest tied value."""
-    from engine.dynaspec import FitConfig                       # lazily: torch is not needed to draw
+    from engine.jobs.fit_dynaspec import FitConfig                      # lazily: torch is not needed to draw
 
     settings = frame.group_by(*CHOICE_FACTORS).agg(kmeans_s=pl.col("kmeans_s").max(),
                                                    logged=pl.col("logged_top_l").max())

@@ -23,8 +23,9 @@ from engine.jobs.bench import (BenchError, PHASES, RESULTS_FILE, compare_vocabs,
 from engine.divergence import (NEAR_TIE_ULPS, DivergenceError, classify, diagnose_rows, first_divergence,
                                near_tie_bound, ulp)
 from engine.artifacts import head_fingerprint
-from engine.dynaspec import (DynaSpecError, FittedDynaSpec, Router, k_max_for_tokens, save_dynaspec, spherical_kmeans,
-                             tokens_for_k_max)
+from engine.jobs.fit_dynaspec import spherical_kmeans
+from engine.vocab.dynaspec import (DynaSpecError, FittedDynaSpec, Router, k_max_for_tokens, save_dynaspec,
+                                   tokens_for_k_max)
 from engine.models import eos_token_ids, load_model
 from engine.jobs.frequency import corpus_texts
 from engine.prompts import ByteTokenizer, decode_answer, encode_prompt, load_prompts
@@ -636,7 +637,7 @@ def test_drafter_problems_fail_before_any_prompt(loaded, prompt_file, cache, mon
     common = dict(prompts=str(prompt_file), loaded=loaded, progress=False, warmup=0)
     with pytest.raises(BenchError, match="eagle full: .*eagle_head"):               # no head for this model
         run_bench(drafter="eagle", vocab="full", config=DRAFT_CFG, **common)
-    with pytest.raises(BenchError, match="eagle dynaspec: .*python -m engine.dynaspec fit"):   # nothing fitted
+    with pytest.raises(BenchError, match="eagle dynaspec: .*python -m engine.jobs.fit_dynaspec"):   # nothing fitted
         run_bench(drafter="eagle", vocab="dynaspec", config={**DRAFT_CFG, "eagle_head": "random"}, **common)
     _save_random_dynaspec(loaded[0], cache / "dynaspec", {"drafter": "eagle", "eagle_head": "random"})
     with pytest.raises(BenchError, match="dynaspec:513: .*token budget must be in \\[1, V=512\\]"):

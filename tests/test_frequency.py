@@ -14,10 +14,11 @@ import torch
 
 from engine.jobs.calibrate import calibration_prompts
 from engine.config import SpecConfig
-from engine.jobs.frequency import (CORPORA, DEFAULT_CORPORA, FrequencyError, corpus_texts, default_frequency_file,
-                              eagle3_maps, frequency_list, generation_arrays, kept_special_ids, load_eagle3_maps,
-                              load_token_map, main, ranking_from_texts, read_texts, save_eagle3_maps, save_token_map,
-                              target_generations, tokenize_texts, write_frequency_lists)
+from engine.jobs.frequency import (CORPORA, DEFAULT_CORPORA, corpus_texts, default_frequency_file, frequency_list,
+                                   generation_arrays, kept_special_ids, main, ranking_from_texts, read_texts,
+                                   target_generations, tokenize_texts, write_frequency_lists)
+from engine.vocab.frspec import (FrequencyError, eagle3_maps, load_eagle3_maps, load_token_map, save_eagle3_maps,
+                                 save_token_map)
 from engine.harness import generate
 from engine.models import eos_token_ids, load_random_model
 from engine.prompts import DATA_ENV, ByteTokenizer, Prompt, encode_prompt, load_prompts

@@ -48,7 +48,8 @@ def test_the_probe_sees_a_forbidden_import():
 
 def _imports(module: str) -> list[tuple[str, bool]]:
     """(imported module, at the top of the module?) for every import statement in a module's source."""
-    path = Path(locality.__file__).parents[1] / (module.replace(".", "/") + ".py")
+    path = Path(locality.__file__).parents[1] / module.replace(".", "/")
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
     tree = ast.parse(path.read_text())
     top = {id(node) for node in tree.body}
     out = []
@@ -62,10 +63,13 @@ def _imports(module: str) -> list[tuple[str, bool]]:
 
 def test_vocab_policies_and_lmhead_drafters_import_one_way_at_the_top():
     """engine.vocab (the policies, PhaseTimer from engine.timing) sits below engine.drafters.lmhead, which builds
-    policies: vocab imports nothing from the drafters, not even inside a function, and lmhead imports at the top."""
-    vocab = _imports("engine.vocab")
-    assert not [m for m, _ in vocab if m.startswith("engine.drafters")]
-    assert ("engine.timing", True) in vocab
+    policies: no module of the vocab package imports the drafters, not even inside a function, and lmhead
+    imports at the top."""
+    modules = ["engine.vocab", "engine.vocab.base", "engine.vocab.frspec", "engine.vocab.microspec",
+               "engine.vocab.dynaspec"]
+    for name in modules:
+        assert not [m for m, _ in _imports(name) if m.startswith("engine.drafters")], name
+    assert ("engine.timing", True) in _imports("engine.vocab.base")
     lmhead = _imports("engine.drafters.lmhead")
     assert ("engine.vocab", True) in lmhead and all(top for _, top in lmhead)
     assert not [m for m, _ in _imports("engine.timing") if m.startswith("engine")]
@@ -89,17 +93,10 @@ DYNAMIC = "<dynamic>"                         # importlib.import_module(<not a c
 # The test fails on any other such import, and on an entry here that no longer exists (the list only shrinks).
 ALLOWED_IN_FUNCTIONS = {
     ("engine", "__getattr__", DYNAMIC):
-        "the package's lazy exports: an eager import would load engine.dynaspec and the others before "
+        "the package's lazy exports: an eager import would load engine.vocab and the others before "
         "`python -m engine.<module>` runs that module",
     ("engine.drafters", "make_drafter", DYNAMIC):
         "the drafter registry: a method's module is imported on first use (adding a method = adding a file)",
-    ("engine.dynaspec", "log_rows", "engine.drafters"):
-        "fitting drives the drafters, which run engine.vocab, which imports engine.dynaspec for the policies: at "
-        "the top, `import engine.vocab` would load the registry (fitting moves to engine/jobs with #17)",
-    ("engine.dynaspec", "log_rows", "engine.harness"):
-        "as above: at the top, `import engine.vocab` would load the harness (fitting moves to engine/jobs, #17)",
-    ("engine.dynaspec", "fit", "engine.harness"):
-        "as above (resolve_config)",
     ("engine.models", "_gemma_gguf", DYNAMIC):
         "the offline model wheels are optional data packages, named in OFFLINE_MODELS: imported only to find "
         "their GGUF chunks when a model is converted",
@@ -208,14 +205,15 @@ def test_no_import_inside_a_function_in_engine_but_the_allow_list():
     assert set(ALLOWED_IN_FUNCTIONS) - set(found) == set(), "stale allow-list entries: remove them"
 
 
-def test_the_policies_load_neither_the_harness_nor_the_registry():
-    """What the dynaspec allow-list entries protect: importing engine.vocab loads engine.dynaspec (the policies'
-    runtime) but not the fitting side's harness and drafter registry."""
+def test_the_policies_load_neither_the_harness_nor_the_registry_nor_the_fitting():
+    """The decode-time DynaSpec (engine.vocab.dynaspec) loads with the policies; the fitting job that drives the
+    harness and the drafter registry (engine.jobs.fit_dynaspec) does not: #17 split engine/dynaspec.py there."""
+    probe = ('engine.vocab.dynaspec', 'engine.harness', 'engine.drafters', 'engine.jobs', 'engine.jobs.fit_dynaspec')
     out = subprocess.run([sys.executable, "-c", "import json, sys, engine.vocab; print(json.dumps(sorted(m for m in "
-                          "('engine.dynaspec', 'engine.harness', 'engine.drafters') if m in sys.modules)))"],
+                          f"{probe!r} if m in sys.modules)))"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["engine.dynaspec"]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["engine.vocab.dynaspec"]
 
 
 def test_the_function_check_sees_an_import_inside_a_function():
@@ -239,7 +237,12 @@ def import_graph(imports: dict[str, list[tuple[str, str | None, int]]], *, funct
             if fn is not None and not functions or target == DYNAMIC:
                 continue
             parts = target.split(".")
-            graph[m] |= {p for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if p in graph and p != m}
+            # the target's parent packages run first, so they count too; but not the module's own ancestors,
+            # which ran before the module itself (a package's __init__ exporting its submodules' API is no
+            # cycle). An explicit import of an ancestor (the target itself) still counts.
+            own = {".".join(m.split(".")[:i]) for i in range(1, m.count(".") + 1)}
+            parents = {".".join(parts[:i]) for i in range(1, len(parts))} - own
+            graph[m] |= {p for p in parents | {target} if p in graph and p != m}
     return graph
 
 
@@ -281,12 +284,18 @@ def test_the_engine_import_graph_has_no_cycle():
 def test_the_cycle_finder_reports_a_cycle_with_its_path():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"a"}}) == ["a", "a"]
+    # a package exporting its submodule's API is no cycle; the submodule importing the package back is one
+    pkg = {"engine.p": [("engine.p.sub", None, 1)], "engine.p.sub": [("engine.q", None, 1)], "engine.q": []}
+    assert find_cycle(import_graph(pkg)) is None
+    pkg["engine.p.sub"].append(("engine.p", None, 2))
+    assert find_cycle(import_graph(pkg)) == ["engine.p", "engine.p.sub", "engine.p"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
-    # the arrow #17 removed, put back: engine.shipped importing engine.dynaspec closes the circle again
+    # an arrow back down-up: engine.shipped (below the policies) importing the DynaSpec policy closes a circle
     graph = import_graph(_engine_imports(), functions=True)
-    graph["engine.shipped"].add("engine.dynaspec")
+    assert "engine.shipped" in graph["engine.vocab.dynaspec"]
+    graph["engine.shipped"].add("engine.vocab.dynaspec")
     cycle = find_cycle(graph)
-    assert cycle[0] == cycle[-1] and {"engine.dynaspec", "engine.harness", "engine.shipped"} <= set(cycle), cycle
+    assert cycle[0] == cycle[-1] and {"engine.vocab.dynaspec", "engine.shipped"} <= set(cycle), cycle
 
 
 def test_engine_config_imports_without_torch():

@@ -185,7 +185,7 @@ def test_a_sweep_without_bench_or_calibrate_cells_still_renders(results, tmp_pat
     assert "no 'bench' results" in done[0].executed.read_text()
     # notebook 3 draws nothing, and says how to make the DynaSpec choices
     assert done[1].figures == []
-    assert "python -m engine.dynaspec choices --work-dir FITWORK" in done[1].executed.read_text()
+    assert "python -m engine.jobs.dynaspec_choices --work-dir FITWORK" in done[1].executed.read_text()
 
 
 def test_a_folder_without_results_is_refused(tmp_path, capsys):

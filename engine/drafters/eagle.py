@@ -198,7 +198,7 @@ def check_head_target(head_source: str, block: dict | None, target) -> None:
                            f"{block.get('vocab_size')}, hidden {block.get('hidden_size')}), not for this target "
                            f"(LM head {tuple(weight.shape)}, other weights); "
                            + (f"use {shipped!r} (shipped for this target) or " if shipped else "")
-                           + "train one with `python -m engine.jobs.train_eagle eagle --model <name>`")
+                           + "train one with `python -m engine.jobs.train_eagle --model <name>`")
 
 
 def load_eagle_head(source: str) -> EagleHead:
@@ -238,7 +238,7 @@ class EagleDrafter(LMHeadDrafter):
             if source is None:
                 raise DrafterError("method 'eagle' needs a draft head and none ships for this target: pass "
                                    "eagle_head=<hub id or local EAGLE-1/2 checkpoint directory>, train one with "
-                                   "`python -m engine.jobs.train_eagle eagle --model <name>`, or eagle_head='random' for an "
+                                   "`python -m engine.jobs.train_eagle --model <name>`, or eagle_head='random' for an "
                                    "untrained head (tests)")
             self.head_source = source
             head = random_eagle_head(target, cfg.seed) if source == "random" else load_eagle_head(source)

@@ -18,7 +18,7 @@ an LM head), plus, with `--drafter layerskip|eagle`, the drafter once per `--voc
     dynaspec:N    N = a token budget: the shortlist of a row at draft steps 0-1 holds about N tokens. DynaSpec's
                   own knob is k_max, a number of clusters (§4.2); N sets k_max = round(N * M / V), the clusters
                   of the mean size V / M that hold N tokens (at least 1, at most all M; M and V read from the
-                  fitted file, `engine.dynaspec.k_max_for_tokens`), and the position-aware budget shrinks it
+                  fitted file, `engine.vocab.dynaspec.k_max_for_tokens`), and the position-aware budget shrinks it
                   after step 1. So dynaspec:N is to the first draft steps what frspec:N is to every step; the
                   shortlist it really had is `mean_active_vocab`. `--set dynaspec_k_max=K` sets clusters directly.
 
@@ -31,7 +31,7 @@ source - `drafter.head_source` where the drafter resolves one, else `eagle_head`
 `draft_size` is the run's resolved draft size (`engine.harness.resolve_config`), `g` the mean draft tokens
 per step it actually proposed. `frspec` without `--set frequency_file=...` counts a default ranking on
 the training corpus (`engine.jobs.frequency.default_frequency_file`, cached) and says which; `dynaspec` without
-`--set dynaspec_file=...` takes the newest fit for this head and drafter (`engine.dynaspec.find_fitted`).
+`--set dynaspec_file=...` takes the newest fit for this head and drafter (`engine.vocab.dynaspec.find_fitted`).
 
 Writes `OUT/results.parquet`, one row per (method, run, prompt, turn, repeat) - `prompt_id` is the prompt
 set's id, `turn` counts from 1 (MT-Bench prompts have two turns, each run answering the second turn after
@@ -96,7 +96,7 @@ from engine.artifacts import atomic_write
 from engine.config import POLICIES, ConfigError, SpecConfig, parse_overrides
 from engine.divergence import VERDICTS, diagnose_rows, first_divergence, next_logits, run_verdict
 from engine.drafters import available_methods, make_drafter
-from engine.dynaspec import find_fitted, fitted_sizes, k_max_for_tokens, tokens_for_k_max
+from engine.vocab.dynaspec import find_fitted, fitted_sizes, k_max_for_tokens, tokens_for_k_max
 from engine.harness import generate, resolve_config
 from engine.models import eos_token_ids, load_model
 from engine.prompts import Prompt, decode_answer, encode_prompt, load_prompts

@@ -51,12 +51,12 @@ from typing import Iterable, Sequence
 
 import numpy as np
 import polars as pl
-import torch
 
-from engine.artifacts import atomic_write, save_torch, sidecar_path
+from engine.artifacts import atomic_write, sidecar_path
 from engine.harness import generate
 from engine.models import cache_root, eos_token_ids, load_model
 from engine.prompts import ByteTokenizer, Prompt, PromptError, data_file, encode_prompt, load_prompts
+from engine.vocab.frspec import FrequencyError, load_token_map, save_eagle3_maps, save_token_map
 from locality.shortlist import ShortlistError, count_tokens, save_ranking
 from locality.trace import Trace, read_traces
 
@@ -75,9 +75,6 @@ EVALUATION_SETS = ("spec_bench", "humaneval", "multilingual", "rest_vicuna7b_mtb
 DEFAULT_SIZES = (8192, 16384, 32768, 65536)        # FR-Spec §4.2, Table 1
 LIST_FORMAT = 2          # bump when what a cached list holds changes
 
-
-class FrequencyError(ValueError):
-    """A corpus, tokenizer, list or export is unusable as asked; the message names the problem and the fix."""
 
 
 # --- texts -----------------------------------------------------------------------------------------------------
@@ -260,102 +257,6 @@ def frequency_list(ranking: pl.DataFrame, keep: Sequence[int] = ()) -> np.ndarra
     ranked = ranking.filter(pl.col("count") > 0).sort("rank")["token_id"].to_numpy()
     rest = ranked[~np.isin(ranked, np.asarray(keep, dtype=np.int64))]
     return np.concatenate([np.asarray(keep, dtype=np.int64), rest]).astype(np.int64)
-
-
-def save_token_map(ids: Sequence[int], path: str | Path, *, tokenizer: str, vocab_size: int,
-                   requested_k: int | None = None, meta: dict | None = None) -> Path:
-    """Write a frequency list as SGLang's `--speculative-token-map` (a `torch.save`d list of ints), the file
-    `vocab="frspec"` loads, with its sidecar."""
-    ids = [int(i) for i in np.asarray(ids, dtype=np.int64).reshape(-1)]
-    _check_ids(ids, vocab_size, str(path))
-    info = {"format": "token_map", "tokenizer": tokenizer, "vocab_size": int(vocab_size), "size": len(ids),
-            "requested_k": requested_k, **(meta or {})}
-    return save_torch(ids, Path(path), sidecar=info)
-
-
-def _check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
-    a = np.asarray(ids, dtype=np.int64)
-    if a.size == 0:
-        raise FrequencyError(f"{what}: the list is empty; count a non-empty corpus")
-    if a.min() < 0 or a.max() >= vocab_size:
-        raise FrequencyError(f"{what}: token id {int(a.max() if a.max() >= vocab_size else a.min())} is outside the "
-                             f"vocabulary of {vocab_size}; count with the target's own tokenizer")
-    if np.unique(a).size != a.size:
-        raise FrequencyError(f"{what}: the list repeats token ids; a shortlist holds each id once")
-
-
-def _read_meta(path: Path, tokenizer: str | None, vocab_size: int | None, fmt: str) -> dict:
-    side = sidecar_path(path)
-    if not path.exists():
-        raise FrequencyError(f"{path} does not exist; write it with `python -m engine.jobs.frequency`")
-    meta = json.loads(side.read_text()) if side.exists() else {}
-    if side.exists() and meta.get("format") != fmt:
-        raise FrequencyError(f"{path} is a {meta.get('format')!r} file, not a {fmt!r} one")
-    if tokenizer is not None and "tokenizer" in meta and meta["tokenizer"] != tokenizer:
-        raise FrequencyError(f"{path} was made for tokenizer {meta['tokenizer']!r}, not {tokenizer!r}: its ids mean "
-                             f"other tokens. Count a list with {tokenizer!r} (python -m engine.jobs.frequency --model ...)")
-    if vocab_size is not None and "vocab_size" in meta and meta["vocab_size"] != vocab_size:
-        raise FrequencyError(f"{path} was made for a vocabulary of {meta['vocab_size']} ids but the target has "
-                             f"{vocab_size}; count a list with the target's tokenizer (python -m engine.jobs.frequency)")
-    return meta
-
-
-def load_token_map(path: str | Path, *, tokenizer: str | None = None, vocab_size: int | None = None) -> np.ndarray:
-    """[K] the ids of a token map / frequency list (`save_token_map`, or any `torch.save`d list of ids such as
-    FR-Spec's released lists); with `tokenizer` / `vocab_size`, refuse a file made for another vocabulary."""
-    path = Path(path)
-    meta = _read_meta(path, tokenizer, vocab_size, "token_map")
-    obj = torch.load(path, map_location="cpu", weights_only=True)
-    ids = np.asarray(obj.tolist() if hasattr(obj, "tolist") else obj, dtype=np.int64).reshape(-1)
-    if vocab_size is not None:
-        _check_ids(ids, vocab_size, str(path))
-    if meta and meta.get("size") != ids.size:
-        raise FrequencyError(f"{path} holds {ids.size} ids but its sidecar says {meta.get('size')}; the files are out "
-                             f"of sync, write them again")
-    return ids
-
-
-def eagle3_maps(ids: Sequence[int], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """EAGLE-3's draft-vocabulary maps of a shortlist: d2t int64 [K] with target id = draft id + d2t[draft id],
-    draft ids ordered by ascending target id; t2d bool [vocab_size], True at the K target ids."""
-    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-    _check_ids(ids, vocab_size, "eagle3_maps")
-    target = np.sort(ids)                                               # [K] ascending target ids
-    d2t = torch.as_tensor(target - np.arange(target.size), dtype=torch.int64)   # [K]
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)                     # [V]
-    t2d[torch.as_tensor(target)] = True
-    return d2t, t2d
-
-
-def save_eagle3_maps(ids: Sequence[int], path: str | Path, *, tokenizer: str, vocab_size: int,
-                     requested_k: int | None = None, meta: dict | None = None) -> Path:
-    """Write `{"d2t": ..., "t2d": ...}` (`eagle3_maps`) with `torch.save`, and its sidecar."""
-    d2t, t2d = eagle3_maps(ids, vocab_size)
-    info = {"format": "eagle3", "tokenizer": tokenizer, "vocab_size": int(vocab_size), "size": int(d2t.numel()),
-            "requested_k": requested_k, **(meta or {})}
-    return save_torch({"d2t": d2t, "t2d": t2d}, Path(path), sidecar=info)
-
-
-def load_eagle3_maps(path: str | Path, *, tokenizer: str | None = None,
-                     vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t [K], t2d [V]) from a `save_eagle3_maps` file or an EAGLE-3 checkpoint's state dict, checked: t2d
-    over `vocab_size` ids, t2d.sum() == K, d2t's target ids ascending and exactly t2d's."""
-    path = Path(path)
-    _read_meta(path, tokenizer, vocab_size, "eagle3")
-    obj = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(obj, dict) or "d2t" not in obj or "t2d" not in obj:
-        raise FrequencyError(f"{path} holds no d2t / t2d tensors; write it with save_eagle3_maps")
-    d2t, t2d = obj["d2t"].long().reshape(-1), obj["t2d"].bool().reshape(-1)
-    if vocab_size is not None and t2d.numel() != vocab_size:
-        raise FrequencyError(f"{path}: t2d covers {t2d.numel()} target ids but the target has {vocab_size}; export "
-                             f"the maps with the target's tokenizer")
-    target = d2t + torch.arange(d2t.numel())
-    if int(t2d.sum()) != d2t.numel() or (target.numel() and (bool((target.diff() <= 0).any())
-                                                              or int(target.max()) >= t2d.numel()
-                                                              or not bool(t2d[target].all()))):
-        raise FrequencyError(f"{path}: d2t and t2d disagree (t2d.sum()={int(t2d.sum())}, K={d2t.numel()}); they must "
-                             f"name the same target ids, d2t in ascending order")
-    return d2t, t2d
 
 
 # --- lists of several sizes, and the default one ---------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Training data and EAGLE-2 heads (`engine.jobs.train_eagle`) on random models; the shipped heads on the real ones.
+"""Training data and EAGLE-2 heads (`engine.jobs.eagle_data`, `engine.jobs.train_eagle`) on random models; the shipped heads on the real ones.
 
 - the chunked LM-head cross-entropy equals its plain reference (loss and gradient, with soft-capping);
 - a data folder: shards with the target's features and top-k equal to the harness' own prefill, greedy
@@ -11,7 +11,6 @@
 """
 
 import json
-import os
 
 import pytest
 import torch
@@ -20,10 +19,11 @@ from engine.config import SpecConfig
 from engine.drafters.eagle import (EagleDrafter, default_eagle_head, load_eagle_head, random_eagle_head,
                                    save_eagle_head, shipped_heads)
 from engine.drafters.lmhead import DrafterError
-from engine.harness import generate, lm_logits, prefill
+from engine.harness import generate, prefill
 from engine.kv import new_cache
 from engine.models import load_model
-from engine import train as tr
+import engine.jobs.eagle_data as data_job
+import engine.jobs.train_eagle as tr
 
 OFFICIAL_KEYS = {"fc.weight", "fc.bias", "layers.0.post_attention_layernorm.weight",
                  *(f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
@@ -67,15 +67,15 @@ DATA = dict(model="random-llama", num_prompts=6, heldout_prompts=2, max_tokens=1
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("train") / "data"
-    return tr.make_data(tr.DataConfig(**DATA, sources=("teacher", "greedy"), eagle3_features=True,
+    return data_job.make_data(data_job.DataConfig(**DATA, sources=("teacher", "greedy"), eagle3_features=True,
                                       feature_dtype="fp32", out=str(out)))
 
 
 def test_data_shards_hold_the_targets_own_features(data_dir):
     model, _, info = load_model("random-llama")
-    manifest = tr.read_manifest(data_dir)
+    manifest = data_job.read_manifest(data_dir)
     assert manifest["vocab_size"] == info.vocab_size and manifest["settings"]["sources"] == ["teacher", "greedy"]
-    held, train = tr.load_split(data_dir, "heldout"), tr.load_split(data_dir, "train")
+    held, train = data_job.load_split(data_dir, "heldout"), data_job.load_split(data_dir, "train")
     assert len({s.prompt_id for s in held}) == 2 and len({s.prompt_id for s in train}) == 4
     assert not {s.prompt_id for s in held} & {s.prompt_id for s in train}          # split by prompt
     assert {s.source for s in train} == {"teacher", "greedy"}
@@ -92,7 +92,7 @@ def test_data_shards_hold_the_targets_own_features(data_dir):
 
 def test_greedy_samples_are_the_targets_greedy_continuation(data_dir):
     model, tok, info = load_model("random-llama")
-    for s in tr.load_split(data_dir, "train"):
+    for s in data_job.load_split(data_dir, "train"):
         if s.source != "greedy":
             continue
         prompt_len = int((~s.loss_mask).sum())
@@ -103,32 +103,32 @@ def test_greedy_samples_are_the_targets_greedy_continuation(data_dir):
 
 def test_data_resumes_and_refuses_other_settings(tmp_path):
     out = tmp_path / "d"
-    cfg = tr.DataConfig(**DATA, out=str(out))
-    tr.make_data(cfg)
+    cfg = data_job.DataConfig(**DATA, out=str(out))
+    data_job.make_data(cfg)
     shards = sorted(out.glob("*.safetensors"))
     assert len(shards) == 3
     stamps = {p.name: p.stat().st_mtime_ns for p in shards}
     shards[1].unlink()                                   # a shard lost mid-run
-    tr.make_data(cfg)
+    data_job.make_data(cfg)
     again = {p.name: p.stat().st_mtime_ns for p in sorted(out.glob("*.safetensors"))}
     assert set(again) == set(stamps)
     assert [n for n in again if again[n] != stamps[n]] == [shards[1].name]       # only the lost one rewritten
-    with pytest.raises(tr.TrainError, match="other settings"):
-        tr.make_data(tr.DataConfig(**{**DATA, "topk": 4}, out=str(out)))
+    with pytest.raises(data_job.TrainError, match="other settings"):
+        data_job.make_data(data_job.DataConfig(**{**DATA, "topk": 4}, out=str(out)))
     shards[0].write_bytes(shards[0].read_bytes()[:100])                           # a torn shard
-    with pytest.raises(tr.TrainError, match=f"{shards[0].name}.*not readable.*delete"):
-        tr.load_split(out, shards[0].name.split("-")[0])
+    with pytest.raises(data_job.TrainError, match=f"{shards[0].name}.*not readable.*delete"):
+        data_job.load_split(out, shards[0].name.split("-")[0])
 
 
 def test_bad_corpora_and_settings_name_the_problem(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    with pytest.raises(tr.TrainError, match="empty"):
-        tr.make_data(tr.DataConfig(**{**DATA, "prompts": str(empty)}, out=str(tmp_path / "x")))
-    with pytest.raises(tr.TrainError, match="unknown data source"):
-        tr.DataConfig(model="random-llama", sources=("beam",)).validate()
-    with pytest.raises(tr.TrainError, match="no training data"):
-        tr.read_manifest(tmp_path)
+    with pytest.raises(data_job.TrainError, match="empty"):
+        data_job.make_data(data_job.DataConfig(**{**DATA, "prompts": str(empty)}, out=str(tmp_path / "x")))
+    with pytest.raises(data_job.TrainError, match="unknown data source"):
+        data_job.DataConfig(model="random-llama", sources=("beam",)).validate()
+    with pytest.raises(data_job.TrainError, match="no training data"):
+        data_job.read_manifest(tmp_path)
 
 
 # --- heads ----------------------------------------------------------------------------------------------------
@@ -179,7 +179,7 @@ def test_interrupted_training_resumes(data_dir, tmp_path, monkeypatch):
     tr.train_eagle(tr.TrainConfig(**TRAIN, data=str(data_dir), out=str(out)))
     final = torch.load(out / "train_state.pt", weights_only=False)
     assert final["step"] > 4 and (out / "model.safetensors").is_file()
-    with pytest.raises(tr.TrainError, match="other settings"):
+    with pytest.raises(data_job.TrainError, match="other settings"):
         tr.train_eagle(tr.TrainConfig(**{**TRAIN, "lr": 0.5}, data=str(data_dir), out=str(out)))
 
 
@@ -192,9 +192,9 @@ def test_a_head_for_another_target_is_refused(tmp_path):
     EagleDrafter(model, cfg)                                        # its own target: fine
     with pytest.raises(DrafterError, match="trained for 'random-llama'.*not for this target"):
         EagleDrafter(other, cfg)
-    with pytest.raises(tr.TrainError, match="made for model"):
+    with pytest.raises(data_job.TrainError, match="made for model"):
         data = tmp_path / "d"
-        tr.make_data(tr.DataConfig(**{**DATA, "num_prompts": 3, "heldout_prompts": 1}, out=str(data)))
+        data_job.make_data(data_job.DataConfig(**{**DATA, "num_prompts": 3, "heldout_prompts": 1}, out=str(data)))
         tr.train_eagle(tr.TrainConfig(**{**TRAIN, "model": "random-gemma3"}, data=str(data), out=str(tmp_path / "h")))
 
 

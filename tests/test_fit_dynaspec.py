@@ -1,0 +1,237 @@
+"""Fitting DynaSpec (`engine.jobs.fit_dynaspec`, `engine.jobs.dynaspec_choices`).
+
+- spherical k-means recovers well-separated, unbalanced clusters exactly (up to a permutation), re-seeds an
+  empty cluster, and is deterministic in its seed;
+- the router learns a known cluster mapping (BCE falls, held-out recall high), and an interrupted training
+  run resumes from its checkpoint to the same weights; the training targets (multi-hot clusters);
+- `fit` end to end on a random model (logging, resume, a file the policy loads), and the sweep of the
+  choices the paper leaves open on its logged rows (every cluster picked: recall 1; resume); the CLI.
+"""
+
+import dataclasses
+import json
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+import torch.nn.functional as F
+
+import engine.jobs.dynaspec_choices as choices_job
+import engine.jobs.fit_dynaspec as ds
+from engine.jobs.fit_dynaspec import (FitConfig, RouterRows, cluster_targets, router_metrics, spherical_kmeans,
+                                      train_router)
+from engine.models import load_model
+from engine.vocab.dynaspec import ClusterLayout, DynaSpecError, load_dynaspec, select_clusters
+from tests.engine_testing import tiny_dynaspec_fit
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls: one thread is faster than two on this shared machine (no BLAS fan-out to wait on)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# --- spherical k-means ---------------------------------------------------------------------------------------
+
+def _separated(sizes, d=32, noise=0.003, seed=0):
+    """Rows around len(sizes) orthonormal directions, cluster i holding sizes[i] rows at random norms."""
+    g = torch.Generator().manual_seed(seed)
+    dirs = torch.linalg.qr(torch.randn(d, len(sizes), generator=g, dtype=torch.float64))[0].T.float()  # [M, d]
+    truth = torch.cat([torch.full((s,), i) for i, s in enumerate(sizes)])
+    x = dirs[truth] + noise * torch.randn(truth.numel(), d, generator=g)
+    x = x * (0.5 + 3 * torch.rand(truth.numel(), 1, generator=g))          # norms must not matter
+    perm = torch.randperm(truth.numel(), generator=g)
+    return x[perm], truth[perm], dirs
+
+
+def _same_partition(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b split the rows identically (labels may be permuted)."""
+    pairs = set(zip(a.tolist(), b.tolist()))
+    return len(pairs) == len(set(a.tolist())) == len(set(b.tolist()))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kmeans_recovers_separated_unbalanced_clusters(seed):
+    sizes = [1, 60, 3, 25, 2, 40, 9, 14]
+    x, truth, _ = _separated(sizes, seed=seed)
+    km = spherical_kmeans(x, len(sizes), seed=seed)
+    assert _same_partition(km.assign, truth)
+    assert sorted(torch.bincount(km.assign).tolist()) == sorted(sizes)
+    assert km.converged and km.mean_cosine > 0.99
+    assert torch.allclose(km.centroids.norm(dim=1), torch.ones(len(sizes)), atol=1e-5)
+
+
+def test_kmeans_reseeds_an_empty_cluster():
+    sizes = [30, 20, 25, 15]
+    x, truth, dirs = _separated(sizes, seed=3)
+    bad = -F.normalize(dirs.sum(0), dim=0)                                # negative cosine with every row
+    init = torch.cat([dirs[:3], bad[None]])                               # cluster 3 has no centroid near it
+    first, _ = ds._nearest(F.normalize(x, dim=1), init)
+    assert (first == 3).sum() == 0                                        # the bad centroid starts empty
+    km = spherical_kmeans(x, 4, init=init)
+    assert _same_partition(km.assign, truth)
+    # random init on the same data: still a partition into 4 non-empty clusters, deterministic in the seed
+    r1, r2 = spherical_kmeans(x, 4, init="random", seed=7), spherical_kmeans(x, 4, init="random", seed=7)
+    assert torch.equal(r1.assign, r2.assign) and torch.bincount(r1.assign, minlength=4).min() >= 1
+
+
+def test_kmeans_one_row_per_cluster_and_errors():
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
+    km = spherical_kmeans(x, 6, iters=3)
+    assert sorted(km.assign.tolist()) == list(range(6))                   # every cluster non-empty
+    with pytest.raises(DynaSpecError, match="num_clusters"):
+        spherical_kmeans(x, 7)
+    with pytest.raises(DynaSpecError, match="unknown k-means init"):
+        spherical_kmeans(x, 2, init="kmeans")
+    with pytest.raises(DynaSpecError, match="init centroids"):
+        spherical_kmeans(x, 2, init=torch.randn(3, 5))
+
+
+# --- router ------------------------------------------------------------------------------------------------
+
+def _mapping_rows(n, d=16, m=8, vocab=48, seed=0):
+    """Rows whose positive clusters follow a known rule: the cluster of (5 x) mod vocab for the token x, and
+    argmax of P h. top ids are one token from each (token v sits in cluster v mod m)."""
+    g = torch.Generator().manual_seed(seed)
+    P = torch.randn(m, d, generator=torch.Generator().manual_seed(99))
+    h = torch.randn(n, d, generator=g)
+    tok = torch.randint(0, vocab, (n,), generator=g)
+    c1 = ((5 * tok) % vocab) % m
+    c2 = (h @ P.T).argmax(1)
+    top = torch.stack([c1 + m * torch.randint(0, vocab // m, (n,), generator=g),
+                       c2 + m * torch.randint(0, vocab // m, (n,), generator=g)], 1)
+    return RouterRows(tokens=tok.int(), parent_h=h.half(), t=torch.zeros(n, dtype=torch.int8), top=top.int())
+
+
+def test_router_learns_a_known_mapping(tmp_path):
+    d, m, vocab = 16, 8, 48
+    weight = torch.randn(vocab, d, generator=torch.Generator().manual_seed(1))
+    assign = torch.arange(vocab) % m
+    train, held = _mapping_rows(8000, seed=0), _mapping_rows(500, seed=1)
+    cfg = FitConfig(model="synthetic", router_width=256, epochs=6, batch_size=64, lr=1e-2, progress=False)
+    router, losses = train_router(cfg, train, weight, assign, tmp_path)
+    assert np.mean(losses[-20:]) < 0.15 * np.mean(losses[:5])
+    layout = ClusterLayout.from_assign(assign, m)
+    got = router_metrics(router, held, weight, layout, k_max=2, budget="fixed")["overall"]
+    assert got["cluster_recall"] > 0.93 and got["top1_hit"] > 0.97
+    assert got["mean_row_vocab"] == pytest.approx(2 * vocab / m)          # two clusters of 6 tokens per row
+    static = router_metrics(router, held, weight, layout, k_max=2, budget="fixed",
+                            scores_fn=lambda tok, h: torch.arange(m, dtype=torch.float32).expand(tok.numel(), -1))
+    assert static["overall"]["cluster_recall"] < 0.4                      # a fixed guess cannot do this
+
+
+def test_router_training_resumes_after_an_interruption(tmp_path, monkeypatch):
+    d, m, vocab = 16, 8, 48
+    weight = torch.randn(vocab, d, generator=torch.Generator().manual_seed(1))
+    assign = torch.arange(vocab) % m
+    train = _mapping_rows(1000, seed=0)
+    cfg = FitConfig(model="synthetic", router_width=32, epochs=2, batch_size=32, lr=1e-2, progress=False)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    router, losses = train_router(cfg, train, weight, assign, tmp_path / "a")
+    calls = {"n": 0}
+    real_loss = ds.router_loss
+
+    def crashing_loss(scores, targets):
+        calls["n"] += 1
+        if calls["n"] == 41:
+            raise KeyboardInterrupt
+        return real_loss(scores, targets)
+
+    monkeypatch.setattr(ds, "router_loss", crashing_loss)
+    with pytest.raises(KeyboardInterrupt):
+        train_router(cfg, train, weight, assign, tmp_path / "b")
+    monkeypatch.setattr(ds, "router_loss", real_loss)
+    # checkpoints every 100 batches and at each epoch's end (32 batches): the last before the crash is 32
+    assert torch.load(tmp_path / "b" / "router.pt", weights_only=True)["step"] == 32
+    resumed, losses_b = train_router(cfg, train, weight, assign, tmp_path / "b")
+    for (k, a), b in zip(router.state_dict().items(), resumed.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), k
+    assert losses_b == pytest.approx(losses)
+
+
+def test_cluster_targets_and_selection():
+    assign = torch.tensor([0, 1, 1, 2, 3, 3])
+    y = cluster_targets(torch.tensor([[1, 2], [0, 5]]), assign, 4)
+    assert y.tolist() == [[0, 1, 0, 0], [1, 0, 0, 1]]
+    sel = select_clusters(torch.tensor([[0.1, 0.9, 0.5, -1.0], [3.0, 2.0, 1.0, 0.0]]), 2)
+    assert sel.tolist() == [[False, True, True, False], [True, True, False, False]]
+
+
+# --- fit end to end ------------------------------------------------------------------------------------------------
+
+def test_fit_end_to_end_on_a_random_model(tmp_path, monkeypatch):
+    out = tmp_path / "fitted.safetensors"
+    cfg = tiny_dynaspec_fit(tmp_path, out)
+    assert ds.fit(cfg) == out
+    meta = json.loads((tmp_path / "fitted.safetensors.json").read_text())
+    assert len(meta["training"]["prompt_ids"]) == 4 and meta["training"]["heldout_prompts"] == 1
+    assert meta["training"]["train_rows"] > 0 and meta["heldout"]["router"]["overall"]["rows"] > 0
+    assert set(meta["heldout"]["router"]["by_t"]) == {"0", "1", "2"}
+    work = tmp_path / "fitted.safetensors.work"
+    shards = sorted(work.glob("log-*.safetensors"))
+    assert len(shards) == 4
+    rows = ds.load_rows(shards[:1])
+    assert rows.top.shape[1] == 4 and rows.parent_h.shape[1] == 64
+    n_steps = int((rows.t == 0).sum())
+    assert n_steps >= 1 and int((rows.t == 1).sum()) == 10 * n_steps  # EAGLE-2 frontier: eagle_topk rows
+    model, _, _ = load_model("random-llama")
+    load_dynaspec(out, model.get_output_embeddings().weight)
+
+    # a rerun resumes: shards and clusters are reused (generation is not run again)
+    monkeypatch.setattr(ds, "RouterDataLogger", None)                      # would fail if logging ran
+    before = {p.name: p.stat().st_mtime_ns for p in shards}
+    ds.fit(cfg)
+    assert {p.name: p.stat().st_mtime_ns for p in sorted(work.glob("log-*.safetensors"))} == before
+    with pytest.raises(DynaSpecError, match="other settings"):
+        ds.fit(dataclasses.replace(cfg, num_clusters=8))
+
+    # the sweep of the unstated choices runs on the same logged rows
+    monkeypatch.undo()
+    vocab = model.get_output_embeddings().weight.shape[0]
+    choices = choices_job.ChoicesConfig(work_dir=str(work), out=str(tmp_path / "choices"), num_clusters=(8, 16),
+                               router_width=(8,), top_l=(1, 4), budget_tokens=(vocab // 8, vocab, vocab + 1),
+                               heldout=0.25, epochs=1, threads=None, progress=False)
+    settings = choices_job.choice_settings(choices, json.loads((work / "fit.json").read_text()))
+    assert settings == [(16, 512, 4), (8, 512, 4), (16, 8, 4), (16, 512, 1)]        # the fit's own first
+    out = choices_job.sweep_choices(choices)
+    files = sorted(out.glob("*.parquet"))
+    assert len(files) == 4
+    table = pl.read_parquet(files)
+    assert table.height == 4 * 2 * 3                                 # settings x valid budgets x scorers
+    # every cluster picked at every step (DynaSpec-F at k_max = M): nothing is missed
+    full = table.filter((pl.col("budget_tokens") == vocab) & (pl.col("budget") == "fixed"))
+    assert (full["token_recall"] == 1.0).all() and (full["mean_row_vocab"] == vocab).all()
+    small = table.filter(pl.col("budget_tokens") == vocab // 8)
+    assert (small["mean_row_vocab"] < vocab).all() and (small["k_max"] == small["num_clusters"] // 8).all()
+    before = {p.name: p.stat().st_mtime_ns for p in files}
+    choices_job.sweep_choices(choices)                                       # resumable: nothing is redone
+    assert {p.name: p.stat().st_mtime_ns for p in sorted(out.glob("*.parquet"))} == before
+    with pytest.raises(DynaSpecError, match="the fit logged"):
+        choices_job.sweep_choices(dataclasses.replace(choices, top_l=(5,)))
+    with pytest.raises(DynaSpecError, match="not a DynaSpec fit's work dir"):
+        choices_job.sweep_choices(dataclasses.replace(choices, work_dir=str(tmp_path)))
+
+
+def test_cli_builds_the_fit_config(monkeypatch):
+    seen = []
+    monkeypatch.setattr(ds, "fit", seen.append)
+    ds.main(["--model", "smollm2-135m-instruct", "--num-clusters", "256", "--heldout", "0.2",
+             "--set", "drafter_layers=skip:12,14", "--set", "eagle_depth=4", "--no-progress"])
+    (cfg,) = seen
+    assert (cfg.model, cfg.num_clusters, cfg.heldout, cfg.progress) == ("smollm2-135m-instruct", 256, 0.2, False)
+    assert cfg.spec == (("drafter_layers", "skip:12,14"), ("eagle_depth", 4))
+    assert cfg.spec_config().drafter_layers == "skip:12,14" and cfg.spec_config().vocab == "full"
+
+
+def test_cli_set_takes_only_specconfig_fields(monkeypatch):
+    """`--set` is engine.config.parse_overrides: a misspelt field stops the CLI before anything runs."""
+    monkeypatch.setattr(ds, "fit", lambda cfg: pytest.fail("fit ran with a bad --set"))
+    with pytest.raises(SystemExit, match="'drafter_layer=skip:12'.*FIELD one of"):
+        ds.main(["--model", "smollm2-135m-instruct", "--set", "drafter_layer=skip:12"])
+    with pytest.raises(SystemExit, match="expected FIELD=VALUE"):
+        ds.main(["--model", "smollm2-135m-instruct", "--set", "eagle_depth"])

@@ -10,7 +10,7 @@ arguments.
 
 Draft size: one field, `draft_size` = g, the draft tokens per step (root excluded), for every method.
 `None` means the calibrated size of every drafter on this model, device, dtype and config (UniSpec §3,
-App. F: `engine.calibration.resolve_draft_size`, made by `python -m engine.jobs.calibrate --method M`), resolved
+App. F: `engine.calibration.resolve_draft_size`, made by `python -m engine.jobs.calibrate --method <method>`), resolved
 once where a run's config is resolved (`engine.harness.resolve_config`), never inside a drafter. With no
 calibration cached, the method's uncalibrated default, with one warning naming the command: unispec a
 per-device g, recycling its whole static template, pld and the EAGLE-style drafters `DEFAULT_DRAFT_SIZE`.

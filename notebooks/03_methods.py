@@ -55,7 +55,7 @@ from pathlib import Path
 import altair as alt
 import polars as pl
 
-from engine import bench as eb
+import engine.jobs.bench as eb
 from sweeps import figures as fig
 
 out_dir = out_dir or f"{results_dir}/figures"

@@ -1,7 +1,15 @@
 """Sweeps over models, prompt sets, methods and their parameters, run on Ray (`python -m sweeps.run`), and
 `load(DIR, kind)` to read their results as one polars LazyFrame. `sweeps.figures` holds the notebooks'
-chart helpers."""
+chart helpers; `sweeps.cli` is the `specvocab` command.
 
-from sweeps.results import load
+`load` is imported on first use, so that `specvocab --help` (sweeps.cli) loads nothing heavy."""
+
+import importlib
 
 __all__ = ["load"]
+
+
+def __getattr__(name):
+    if name == "load":
+        return importlib.import_module("sweeps.results").load
+    raise AttributeError(f"module 'sweeps' has no attribute {name!r}")

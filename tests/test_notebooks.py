@@ -17,7 +17,8 @@ import ray
 # the notebooks extra (papermill, jupytext, altair, vl-convert): skip before importing what needs it
 pytest.importorskip("papermill", reason="the notebooks extra (pip install -e '.[notebooks]') is not installed")
 
-from engine import dynaspec as ds  # noqa: E402
+import engine.jobs.dynaspec_choices as choices_job  # noqa: E402
+import engine.jobs.fit_dynaspec as ds  # noqa: E402
 from engine.models import load_model  # noqa: E402
 from sweeps import figures as fig  # noqa: E402
 from sweeps.cell import SweepError  # noqa: E402
@@ -67,10 +68,10 @@ def dynaspec_choices(folder: Path, out: Path) -> Path:
     cfg = tiny_dynaspec_fit(folder, fitted, epochs=1)
     ds.fit(cfg)
     vocab = load_model("random-llama")[0].get_output_embeddings().weight.shape[0]
-    choices = ds.ChoicesConfig(work_dir=f"{fitted}.work", out=str(out), num_clusters=(8, 16), router_width=(8,),
+    choices = choices_job.ChoicesConfig(work_dir=f"{fitted}.work", out=str(out), num_clusters=(8, 16), router_width=(8,),
                                top_l=(1, 4), budget_tokens=(vocab // 8, vocab // 4, vocab // 2, vocab),
                                heldout=0.25, epochs=1, threads=None, progress=False)
-    return ds.sweep_choices(choices)
+    return choices_job.sweep_choices(choices)
 
 
 @pytest.fixture(scope="module")

@@ -284,7 +284,7 @@ def calibration_prompts(tokenizer, info, n: int = 5, warmup: int = 2, max_new_to
     return enc[:n], enc[n:]
 
 
-def main(model: str = "smollm2-135m-instruct", method: str = "unispec", grid: Sequence[int] | None = None,
+def calibrate_model(model: str = "smollm2-135m-instruct", method: str = "unispec", grid: Sequence[int] | None = None,
          pipeline: str = "default", mode: str | None = None, timing: str | None = None, prompts: int = 5,
          warmup: int = 2, max_new_tokens: int = 96, repeats: int = 1, compare: bool = True, save: bool = True,
          threads: int | None = None, device: str | None = None, dtype: str | None = None, **overrides) -> dict:
@@ -333,8 +333,9 @@ def main(model: str = "smollm2-135m-instruct", method: str = "unispec", grid: Se
     return rec
 
 
-def _cli(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m engine.jobs.calibrate", description=main.__doc__.split("\n")[0])
+def main(argv=None) -> dict | None:
+    ap = argparse.ArgumentParser(prog="python -m engine.jobs.calibrate",
+                                 description=calibrate_model.__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--method", default="unispec", choices=DRAFTING_METHODS,
                     help="the drafting method whose draft size g* to calibrate (default unispec)")
@@ -369,13 +370,13 @@ def _cli(argv=None):
         except CalibrationError as e:
             raise SystemExit(f"error: {e}") from None
         print(f"{rec['key']}: g* = {rec['g_star']} ({rec['pipeline']}, {rec['mode']}), grid g* = {rec['g_star_grid']}")
-        return
+        return rec
     grid = None if a.grid is None else [int(x) for x in a.grid.split(",")]
-    main(model=a.model, method=a.method, grid=grid, pipeline=a.pipeline or "default", mode=a.mode, timing=a.timing,
+    return calibrate_model(model=a.model, method=a.method, grid=grid, pipeline=a.pipeline or "default", mode=a.mode, timing=a.timing,
          prompts=a.prompts, warmup=a.warmup, max_new_tokens=a.max_new_tokens, repeats=a.repeats,
          compare=not a.no_compare, save=not a.no_save, threads=a.threads, device=a.device, dtype=a.dtype,
          **overrides)
 
 
 if __name__ == "__main__":
-    _cli()
+    main()

@@ -42,7 +42,7 @@ from engine.calibration import (DRAFTING_METHODS, EAGLE_CANDIDATES, CalibrationE
 from engine.config import SpecConfig, parse_overrides
 from engine.drafters import HF_METHODS
 from engine.drafters.recycling import TEMPLATES, template_size
-from engine.jobs.frequency import default_frequency_file
+from engine.jobs.frequency import FrequencyError, with_default_ranking
 from engine.harness import generate
 from engine.models import eos_token_ids, load_model
 from engine.native import BLOCK
@@ -213,18 +213,13 @@ def measure_grid(model, prompts: Sequence[torch.Tensor], method: str, grid: Sequ
 
 
 def runnable_config(cfg: SpecConfig, model, tokenizer=None, info=None, eos_ids=None) -> SpecConfig:
-    """cfg with what a run fills in after its draft size is resolved, as `engine.jobs.bench` does: frspec's
-    default ranking (`engine.jobs.frequency.default_frequency_file`, counted on the training corpus with the
-    model's tokenizer) when `frequency_file` is None. The calibration key keeps None, the value a bench
-    resolves its draft size with (dynaspec's newest fit is found by the policy itself)."""
-    if cfg.vocab != "frspec" or cfg.frequency_file is not None:
-        return cfg
-    if info is None:
-        raise CalibrationError("vocab='frspec' without frequency_file runs on the default ranking of the model's "
-                               "tokenizer: pass tokenizer= and info= (what load_model returns), or frequency_file=")
-    vocab = model.get_output_embeddings().weight.shape[0]
-    path = default_frequency_file(tokenizer, info.tokenizer_name, vocab, eos_ids=list(eos_ids or ()))
-    return cfg.replace(frequency_file=str(path))
+    """cfg with what a run fills in after its draft size is resolved, as `engine.jobs.bench` does (frspec's
+    default ranking: `engine.jobs.frequency.with_default_ranking`). The calibration key keeps None, the value a
+    bench resolves its draft size with (dynaspec's newest fit is found by the policy itself)."""
+    try:
+        return with_default_ranking(cfg, tokenizer, info, eos_ids or ())
+    except FrequencyError as e:
+        raise CalibrationError(str(e)) from None
 
 
 def calibrate(model, prompts: Sequence[torch.Tensor], method: str = "unispec", *, grid: Sequence[int] | None = None,

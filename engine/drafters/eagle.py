@@ -18,7 +18,8 @@ Llama-style `config.json` (num_hidden_layers 1; optional `bias`, `qkv_bias`) and
 `layers.0.mlp.{gate,up,down}_proj.weight`, `layers.0.post_attention_layernorm.weight` and, in most
 releases, `embed_tokens.weight` (used when present; else the target's input embedding). `"random"` builds
 a randomly initialised head shaped after the target (tests). EAGLE-3 heads (three-layer features,
-their own small vocabulary) are a different layout and are rejected.
+their own small vocabulary) are a different layout, rejected here and read by `engine.drafters.eagle3`, which
+shares this module's tree and cache machinery (`EagleTreeDrafter`).
 
 Shipped heads: `engine/heads/<model>/` holds a head trained by `python -m engine.jobs.train_eagle` for each offline model
 (its model card says on what, how long and with which tau). `eagle_head=None` resolves to the shipped head

@@ -400,9 +400,10 @@ CALIBRATED = {
     "unispec": dict(), "recycling": dict(), "pld": dict(), "hf-prompt-lookup": dict(),
     "layerskip": dict(drafter_layers="all"),
     "eagle": dict(eagle_head="random", eagle_depth=2, eagle_topk=3),
+    "eagle3": dict(eagle3_head="random", eagle_depth=2, eagle_topk=3),
 }
 UNCALIBRATED = {"unispec": calib.FALLBACK_DRAFT_SIZE["cpu"], "recycling": 80, "pld": 10, "hf-prompt-lookup": 10,
-                "layerskip": 59, "eagle": 59}
+                "layerskip": 59, "eagle": 59, "eagle3": 59}
 
 
 def _repetitive_prompts():

@@ -158,7 +158,7 @@ def max_draft_size(cfg: SpecConfig, model=None) -> int | None:
     caps = []
     if cfg.method == "recycling" and cfg.recycling_tree in TEMPLATES:
         caps.append(template_size(cfg.recycling_tree))
-    elif cfg.method in ("layerskip", "eagle"):
+    elif cfg.method in ("layerskip", "eagle", "eagle3"):
         caps.append(cfg.eagle_topk + cfg.eagle_topk ** 2 * (cfg.eagle_depth - 1))
     elif cfg.method == "unispec":
         caps.append((2 if cfg.broaden_first_level else 1) * cfg.store_k + cfg.store_k ** 2 * (cfg.tree_depth - 1))

@@ -41,6 +41,7 @@ from engine.models import cache_root, eos_token_ids, load_model
 from engine.prompts import Prompt, PromptError, encode_prompt, load_prompts
 from engine.target import decoder, lm_logits
 
+from engine.drafters.eagle3 import eagle3_feature_layers
 from engine.jobs.args import add_fields, split_csv
 
 FORMAT = 1
@@ -85,7 +86,10 @@ class DataConfig:
         """The settings a data folder depends on: a folder holds one of them."""
         keep = ("model", "sources", "prompts", "languages", "tasks", "num_prompts", "heldout_prompts", "max_tokens",
                 "max_prompt_tokens", "greedy_new_tokens", "topk", "eagle3_features", "feature_dtype", "seed", "dtype", "system_prompt")
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in ((k, getattr(self, k)) for k in keep)}
+        key = {k: (list(v) if isinstance(v, tuple) else v) for k, v in ((k, getattr(self, k)) for k in keep)}
+        if self.eagle3_features:      # folders written before the features were taken at layer inputs differ
+            key["eagle3_features_at"] = "layer inputs"
+        return key
 
     def validate(self) -> "DataConfig":
         bad = [s for s in self.sources if s not in SOURCES]
@@ -124,11 +128,6 @@ class Sample:
     extra: dict[str, torch.Tensor] = field(default_factory=dict)   # hidden_low / hidden_mid / hidden_high
 
 
-def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
-    """The decoder layers whose outputs an EAGLE-3 head reads: low, middle, high (EAGLE-3 takes 2, L/2, L-3)."""
-    return (min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0))
-
-
 @torch.no_grad()
 def target_features(model, ids: Sequence[int], *, topk: int, eagle3: bool = False) -> dict[str, torch.Tensor]:
     """One prefill of the target over ids: hidden [L, d] (its LM head's input), top-k logits [L, k] and, with
@@ -158,9 +157,11 @@ def target_features_batch(model, seqs: Sequence[Sequence[int]], *, topk: int, ea
             idx.append(i)
         f = {"hidden": hidden.cpu(), "topk_logits": torch.cat(vals).float().cpu(), "topk_ids": torch.cat(idx).cpu()}
         if eagle3:
-            layers = eagle3_layers(len(out.hidden_states) - 1)
+            layers = eagle3_feature_layers(len(out.hidden_states) - 1)
             for name, layer in zip(("hidden_low", "hidden_mid", "hidden_high"), layers):
-                f[name] = out.hidden_states[layer + 1][r, : len(q)].cpu()   # [0] is the embedding output
+                # the residual stream ENTERING layer i, as the official EAGLE-3 target forward collects it:
+                # HF's hidden_states[i] ([0] is the embedding output, [i] layer i-1's output)
+                f[name] = out.hidden_states[layer][r, : len(q)].cpu()
         res.append(f)
     return res
 

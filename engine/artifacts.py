@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from engine.atomic import _fsync_dir, _fsync_file, atomic_dir, atomic_write, sidecar_path  # noqa: F401
+from engine.atomic import atomic_dir, atomic_write, sidecar_path  # noqa: F401 (the writing rule, re-exported)
 from kernels.tensor_ops import row_chunks
 
 # --- writing: one rule (engine.atomic; the torch writers below) -----------------------------------------

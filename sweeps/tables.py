@@ -18,6 +18,10 @@ cells') = the fraction of generated tokens in the window or shortlist over a rec
 for a prompt set split by language (the multilingual set), or both when a set has several of each; `panel`
 adds the prompt set and the model when a sweep holds several. Every table keeps `model`: a sweep of several
 models (`paper.toml`) is drawn per model (`sweeps.charts`).
+
+About 700 lines, over the ~600 of issue #17, on purpose: one section per family of figures (coverage, bench,
+UniSpec, DynaSpec's choices), each builder short and documented with the figure it feeds; split it by section
+when one grows.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ METHOD_GRIDS: dict[str, dict[str, tuple[int, ...]]] = {
     "recycling": {"cuda": tuple(range(8, 81, 8))},
 }
 # The methods with a draft size to calibrate (every method but `ar`, which drafts nothing).
-DRAFTING_METHODS = ("unispec", "recycling", "layerskip", "eagle", "pld", "hf-prompt-lookup")
+DRAFTING_METHODS = ("unispec", "recycling", "layerskip", "eagle", "eagle3", "pld", "hf-prompt-lookup")
 # With no cached calibration: CPU 8 (where a tree forward starts to cost clearly more than one token on
 # the small models this package runs on a CPU); CUDA 64 (a mid value of a 16-160 grid).
 FALLBACK_DRAFT_SIZE = {"cpu": 8, "cuda": 64}
@@ -327,6 +327,7 @@ CALIBRATION_FIELDS: dict[str, tuple[str, ...]] = {
                 "threshold_scope", "cache_exclude_root"),
     "layerskip": (*_SAMPLING, *_TARGET, *_TREE, "drafter_layers", "vocab"),
     "eagle": (*_SAMPLING, *_TARGET, *_TREE, "eagle_head", "vocab"),
+    "eagle3": (*_SAMPLING, *_TARGET, *_TREE, "eagle3_head", "vocab"),
 }
 POLICY_FIELDS: dict[str, tuple[str, ...]] = {
     "full": (),

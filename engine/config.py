@@ -10,7 +10,7 @@ arguments.
 
 Draft size: one field, `draft_size` = g, the draft tokens per step (root excluded), for every method.
 `None` means the calibrated size of every drafter on this model, device, dtype and config (UniSpec §3,
-App. F: `engine.calibration.resolve_draft_size`, made by `python -m engine.jobs.calibrate --method M`), resolved
+App. F: `engine.calibration.resolve_draft_size`, made by `python -m engine.jobs.calibrate --method <method>`), resolved
 once where a run's config is resolved (`engine.harness.resolve_config`), never inside a drafter. With no
 calibration cached, the method's uncalibrated default, with one warning naming the command: unispec a
 per-device g, recycling its whole static template, pld and the EAGLE-style drafters `DEFAULT_DRAFT_SIZE`.
@@ -24,7 +24,7 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
-Method = Literal["ar", "pld", "hf-prompt-lookup", "recycling", "unispec", "layerskip", "eagle"]
+Method = Literal["ar", "pld", "hf-prompt-lookup", "recycling", "unispec", "layerskip", "eagle", "eagle3"]
 Backend = Literal["auto", "native", "hf"]   # how the target runs (engine.target)
 Policy = Literal["full", "frspec", "microspec", "oracle", "dynaspec"]     # draft vocabulary policies (engine.vocab)
 
@@ -37,7 +37,7 @@ POLICIES: tuple[str, ...] = typing.get_args(Policy)
 #   layerskip / eagle: 59 = EAGLE-2's 60 draft tokens (MicroSpec §4.1, FR-Spec §4.1) minus the root.
 # Uncalibrated, recycling uses its whole static template (Token Recycling's Figure 5 tree: 80 nodes) and
 # unispec a per-device g (engine.calibration.FALLBACK_DRAFT_SIZE); resolved in engine.harness.resolve_config.
-DEFAULT_DRAFT_SIZE: dict[str, int] = {"pld": 10, "hf-prompt-lookup": 10, "layerskip": 59, "eagle": 59}
+DEFAULT_DRAFT_SIZE: dict[str, int] = {"pld": 10, "hf-prompt-lookup": 10, "layerskip": 59, "eagle": 59, "eagle3": 59}
 
 _LABELS = {"method": "method", "vocab": "vocab policy"}      # how error messages name a field's values
 
@@ -94,6 +94,8 @@ class SpecConfig:
     eagle_depth: int = 5
     eagle_topk: int = 10
     eagle_head: str | None = None     # eagle: EAGLE-1/2 draft head - hub id, local dir, or "random" (tests)
+    eagle3_head: str | None = None    # eagle3: EAGLE-3 draft head - hub id, local dir in the official layout, or
+                                      # "random" (tests); None = the head shipped for the model (none ships yet)
 
     # --- draft vocabulary policy (MicroSpec §3.2, §4.1, App. A.3; FR-Spec §3) ----------------------------
     vocab: Policy = "full"
@@ -209,6 +211,7 @@ PRESETS: dict[str, SpecConfig] = {
     "unispec": SpecConfig(method="unispec"),
     "layerskip": SpecConfig(method="layerskip"),
     "eagle": SpecConfig(method="eagle"),
+    "eagle3": SpecConfig(method="eagle3"),
     "microspec": SpecConfig(method="layerskip", vocab="microspec"),
     "frspec": SpecConfig(method="layerskip", vocab="frspec"),
 }

@@ -163,6 +163,9 @@ class NativeModel:
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope_len = 0
         self._compiled = None
+        # feature_tap(layer index, x [n, d]): called with the residual stream entering each layer a forward runs
+        # (EAGLE-3's target features: engine.drafters.eagle3 sets it); None = nothing called
+        self.feature_tap = None
 
     def compiled_layer(self):
         """`_layer` under torch.compile (inductor), made once per model: the decode forward's layer with its
@@ -254,7 +257,10 @@ class NativeModel:
         feats = []
         masks = {}
         layer = self.compiled_layer() if compiled and exact else self._layer
+        tap = self.feature_tap
         for slot, li in enumerate(ids_run):
+            if tap is not None:
+                tap(li, x)
             L = self.layers[li]
             cos, sin = (t[positions] for t in rope[L.kind])            # [n, hd]
             if L.kind not in masks:                                     # once per forward and layer type

@@ -14,7 +14,7 @@ import polars as pl
 import pytest
 import torch
 
-from engine import calibrate as cal
+import engine.jobs.calibrate as cal
 from engine import calibration as calib
 from engine.config import METHODS, POLICIES, SpecConfig, parse_overrides
 from engine.harness import generate, resolve_config
@@ -400,9 +400,10 @@ CALIBRATED = {
     "unispec": dict(), "recycling": dict(), "pld": dict(), "hf-prompt-lookup": dict(),
     "layerskip": dict(drafter_layers="all"),
     "eagle": dict(eagle_head="random", eagle_depth=2, eagle_topk=3),
+    "eagle3": dict(eagle3_head="random", eagle_depth=2, eagle_topk=3),
 }
 UNCALIBRATED = {"unispec": calib.FALLBACK_DRAFT_SIZE["cpu"], "recycling": 80, "pld": 10, "hf-prompt-lookup": 10,
-                "layerskip": 59, "eagle": 59}
+                "layerskip": 59, "eagle": 59, "eagle3": 59}
 
 
 def _repetitive_prompts():
@@ -553,7 +554,7 @@ def test_cli_calibrates_eagle_end_to_end(cache_dir, capsys):
     """`python -m engine.jobs.calibrate --method eagle` measures the grid through the harness, fits, prints and caches
     the record under eagle's key, where resolve_config finds it."""
     overrides = ["eagle_head=random", "eagle_depth=2", "eagle_topk=3"]
-    cal._cli(["--model", "random-llama", "--method", "eagle", "--dtype", "fp32", "--grid", "1,2,3", "--prompts", "2",
+    cal.main(["--model", "random-llama", "--method", "eagle", "--dtype", "fp32", "--grid", "1,2,3", "--prompts", "2",
               "--warmup", "1", "--max-new-tokens", "8", "--no-compare", *(x for o in overrides for x in ("--set", o))])
     (key, rec), = calib.load_calibrations().items()
     assert key.split("|")[3] == "eagle" and rec["method"] == "eagle" and [r["g"] for r in rec["rows"]] == [1, 2, 3]
@@ -564,4 +565,4 @@ def test_cli_calibrates_eagle_end_to_end(cache_dir, capsys):
     eagle = SpecConfig.preset("eagle", **parse_overrides(overrides))
     assert resolve_config(eagle, model=model).draft_size == rec["g_star"]
     with pytest.raises(SystemExit):
-        cal._cli(["--model", "random-llama", "--method", "ar"])
+        cal.main(["--model", "random-llama", "--method", "ar"])

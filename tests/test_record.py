@@ -6,7 +6,7 @@ import polars as pl
 import pytest
 import torch
 
-from engine import record
+import engine.jobs.record as record
 from engine.harness import generate
 from engine.models import RANDOM_MODELS, eos_token_ids, load_random_model
 from engine.prompts import PromptTooLongError, encode_prompt, load_prompts
@@ -103,7 +103,7 @@ def test_cli_writes_traces_and_prints_a_summary(tmp_path, capsys):
     kwargs = record._parse(["--model", "random-gemma3", "--prompts", "multilingual", "--per-category", "1",
                             "--categories", "qa,multi_turn", "--languages", "en,zh", "--max-new-tokens", "5",
                             "--topk", "3", "--out", str(out), "--no-progress", "--report"])
-    path = record.main(**kwargs)
+    path = record.record(**kwargs)
     assert path == out / "traces.parquet"
     traces = read_traces(path)
     assert sorted((t.meta["language"], t.meta["category"], t.meta["turn"]) for t in traces) == [

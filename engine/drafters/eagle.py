@@ -18,7 +18,8 @@ Llama-style `config.json` (num_hidden_layers 1; optional `bias`, `qkv_bias`) and
 `layers.0.mlp.{gate,up,down}_proj.weight`, `layers.0.post_attention_layernorm.weight` and, in most
 releases, `embed_tokens.weight` (used when present; else the target's input embedding). `"random"` builds
 a randomly initialised head shaped after the target (tests). EAGLE-3 heads (three-layer features,
-their own small vocabulary) are a different layout and are rejected.
+their own small vocabulary) are a different layout, rejected here and read by `engine.drafters.eagle3`, which
+shares this module's tree and cache machinery (`EagleTreeDrafter`).
 
 Shipped heads: `engine/heads/<model>/` holds a head trained by `python -m engine.jobs.train_eagle` for each offline model
 (its model card says on what, how long and with which tau). `eagle_head=None` resolves to the shipped head
@@ -110,11 +111,12 @@ def random_eagle_head(target, seed: int = 0) -> EagleHead:
     return head
 
 
-def _resolve_dir(source: str) -> Path:
+def _resolve_dir(source: str, field: str = "eagle_head", layout: str = "EAGLE-1/2") -> Path:
+    """The local directory of a checkpoint named by a `specvocab:` name, a path or a hub id (downloaded)."""
     if source.startswith(SHIPPED_PREFIX):
         name = source[len(SHIPPED_PREFIX):]
         if name not in shipped_heads():
-            raise DrafterError(f"eagle_head={source!r}: no head ships for {name!r}; shipped: "
+            raise DrafterError(f"{field}={source!r}: no head ships for {name!r}; shipped: "
                                f"{[SHIPPED_PREFIX + n for n in shipped_heads()] or 'none'}")
         return shipped_heads()[name]
     path = Path(source).expanduser()
@@ -123,8 +125,8 @@ def _resolve_dir(source: str) -> Path:
     try:
         return Path(snapshot_download(source, allow_patterns=["config.json", "*.bin", "*.safetensors", "*.json"]))
     except Exception as e:   # offline, unknown repo, auth: all end here
-        raise DrafterError(f"eagle_head={source!r} is neither a local directory nor a downloadable hub repo "
-                           f"({type(e).__name__}: {e}); download the EAGLE checkpoint where a hub is reachable "
+        raise DrafterError(f"{field}={source!r} is neither a local directory nor a downloadable hub repo "
+                           f"({type(e).__name__}: {e}); download the {layout} checkpoint where a hub is reachable "
                            f"and pass its local directory") from None
 
 
@@ -132,13 +134,13 @@ _STATE_CACHE: dict[tuple, dict[str, torch.Tensor]] = {}    # the last checkpoint
                                                            # per prompt, and a GPU-sized head is ~1 GB of reads
 
 
-def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+def _read_state_dict(path: Path, layout: str = "EAGLE-1/2") -> dict[str, torch.Tensor]:
     # model*.safetensors (sharded or not); other .safetensors beside a head (a DynaSpec fit for it) are not its weights
     files = (sorted(path.glob("model*.safetensors"))
              or [f for f in sorted(path.glob("*.safetensors")) if not f.name.startswith("dynaspec")]
              or sorted(path.glob("pytorch_model*.bin")))
     if not files:
-        raise DrafterError(f"{path} holds no *.safetensors or pytorch_model*.bin; an EAGLE-1/2 checkpoint "
+        raise DrafterError(f"{path} holds no *.safetensors or pytorch_model*.bin; an {layout} checkpoint "
                            f"directory has config.json plus pytorch_model.bin or model.safetensors")
     key = tuple((str(f.resolve()), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
     if key in _STATE_CACHE:
@@ -225,8 +227,65 @@ def load_eagle_head(source: str) -> EagleHead:
     return head
 
 
+class EagleTreeDrafter(LMHeadDrafter):
+    """The backbone bookkeeping EAGLE-1/2 and EAGLE-3 share: one decoder layer over pairs (target feature f_i,
+    token x_{i+1}) at position i in a `DraftKVCache`, tree levels fed the head's own output at the parent, the
+    tree rows dropped after each step and the accepted path re-run with the target's features.
+
+    Subclasses set `self.feature_dtype` and implement
+      `_run(tokens [q], feats [q, *], positions [q], visible [q, length + q], own) -> h [q, d]`
+          (own: feats are the head's own outputs, not target features),
+      `_prompt_features(prompt_ids, prefill_hidden) -> [L, *]`   the target's features at the prompt,
+      `_step_features(step) -> [n, *]`                           ... at every node of a verified tree."""
+
+    def _reset_backbone(self):
+        self.cache = DraftKVCache([0])
+        self.n_ctx = 0                         # pairs (f_i, x_{i+1}) in the cache: positions 0..n_ctx-1
+        self.pending: torch.Tensor | None = None   # target features at positions n_ctx.. not yet paired
+
+    def _feed(self, tokens, feats):
+        q, p0 = tokens.numel(), self.cache.length
+        positions = torch.arange(p0, p0 + q, device=tokens.device)
+        visible = torch.ones(q, p0 + q, dtype=torch.bool, device=tokens.device)
+        visible[:, p0:] = torch.tril(visible[:, p0:])
+        h = self._run(tokens, feats, positions, visible, own=False)
+        self.n_ctx = self.cache.length
+        return h
+
+    def _backbone_begin(self, prompt_ids, prefill_hidden):
+        feats = self._prompt_features(prompt_ids, prefill_hidden).to(self.feature_dtype)
+        self.cache = DraftKVCache([0], capacity=max(256, 2 * prompt_ids.numel()))
+        self.n_ctx = 0
+        if prompt_ids.numel() > 1:
+            self._feed(prompt_ids[1:], feats[:-1])
+        self.pending = feats[-1:]
+
+    def _catch_up(self, ids):
+        self.cache.crop(self.n_ctx)
+        tokens = ids[self.n_ctx + 1:]
+        if self.pending is None or tokens.numel() != self.pending.shape[0]:
+            raise DrafterError(f"{self.name} holds target features for "
+                               f"{0 if self.pending is None else self.pending.shape[0]} positions but "
+                               f"{tokens.numel()} new committed tokens arrived; propose() must follow begin() or "
+                               f"observe()")
+        h = self._feed(tokens, self.pending)
+        self.pending = None
+        return h[-1:]
+
+    def _forward_tree(self, tokens, parent_h, tree_mask, depth):
+        r = tokens.numel()
+        positions = torch.full((r,), self.n_ctx - 1 + depth, dtype=torch.long, device=tokens.device)
+        visible = torch.cat([torch.ones(r, self.n_ctx, dtype=torch.bool, device=tokens.device), tree_mask], dim=1)
+        return self._run(tokens, parent_h, positions, visible, own=True)
+
+    def _after_step(self, step: StepResult, expansion: Expansion | None) -> None:
+        self.cache.crop(self.n_ctx)
+        feats = self._step_features(step)
+        self.pending = feats[step.accepted.to(feats.device)].to(self.feature_dtype)   # [a, *]
+
+
 @register_drafter("eagle")
-class EagleDrafter(LMHeadDrafter):
+class EagleDrafter(EagleTreeDrafter):
     name = "eagle"
 
     def __init__(self, target, cfg, head: EagleHead | None = None):
@@ -255,14 +314,14 @@ class EagleDrafter(LMHeadDrafter):
         self.cache_kw = cache_kwarg(self.eagle.layers[0])              # `cache` from transformers 5.24 on
         self.embed = self.eagle.embed_tokens if self.eagle.embed_tokens is not None else target.get_input_embeddings()
         self.head_weight = out_emb
+        self.feature_dtype = out_emb.dtype
         self.softcap = getattr(t, "final_logit_softcapping", None)
         self._make_policy()
-        self.cache = DraftKVCache([0])
-        self.n_ctx = 0                         # pairs (f_i, x_{i+1}) in the cache: positions 0..n_ctx-1
-        self.pending: torch.Tensor | None = None   # target features at positions n_ctx.. not yet paired
+        self._reset_backbone()
 
-    def _run(self, tokens, feats, positions, visible):
-        """Pairs (feats [q, d], tokens [q]) at positions [q]; visible [q, length + q] -> h [q, d]."""
+    def _run(self, tokens, feats, positions, visible, own=False):
+        """Pairs (feats [q, d], tokens [q]) at positions [q]; visible [q, length + q] -> h [q, d]. EAGLE-1/2
+        runs fc over [embedding; feature] whether the feature is the target's or its own (`own`)."""
         q = tokens.numel()
         self.cache.reserve(q, tokens.device)
         x = self.eagle.fc(torch.cat([self.embed(tokens).to(feats.dtype), feats], dim=-1))[None]   # [1, q, d]
@@ -276,45 +335,13 @@ class EagleDrafter(LMHeadDrafter):
         self.cache.advance(q, positions)
         return out[0]                                                  # [q, d]
 
-    def _feed(self, tokens, feats):
-        q, p0 = tokens.numel(), self.cache.length
-        positions = torch.arange(p0, p0 + q, device=tokens.device)
-        visible = torch.ones(q, p0 + q, dtype=torch.bool, device=tokens.device)
-        visible[:, p0:] = torch.tril(visible[:, p0:])
-        h = self._run(tokens, feats, positions, visible)
-        self.n_ctx = self.cache.length
-        return h
-
-    def _backbone_begin(self, prompt_ids, prefill_hidden):
+    def _prompt_features(self, prompt_ids, prefill_hidden):
         if prefill_hidden is None or prefill_hidden.shape[0] != prompt_ids.numel():
             raise DrafterError("eagle needs the target's hidden states at every prompt position (prefill_hidden "
                                "[L, d]); run it through engine.harness.generate, which passes them")
-        self.cache = DraftKVCache([0], capacity=max(256, 2 * prompt_ids.numel()))
-        self.n_ctx = 0
-        feats = prefill_hidden.to(self.head_weight.dtype)
-        if prompt_ids.numel() > 1:
-            self._feed(prompt_ids[1:], feats[:-1])
-        self.pending = feats[-1:]
+        return prefill_hidden
 
-    def _catch_up(self, ids):
-        self.cache.crop(self.n_ctx)
-        tokens = ids[self.n_ctx + 1:]
-        if self.pending is None or tokens.numel() != self.pending.shape[0]:
-            raise DrafterError(f"eagle holds target features for {0 if self.pending is None else self.pending.shape[0]} "
-                               f"positions but {tokens.numel()} new committed tokens arrived; propose() must follow "
-                               f"begin() or observe()")
-        h = self._feed(tokens, self.pending)
-        self.pending = None
-        return h[-1:]
-
-    def _forward_tree(self, tokens, parent_h, tree_mask, depth):
-        r = tokens.numel()
-        positions = torch.full((r,), self.n_ctx - 1 + depth, dtype=torch.long, device=tokens.device)
-        visible = torch.cat([torch.ones(r, self.n_ctx, dtype=torch.bool, device=tokens.device), tree_mask], dim=1)
-        return self._run(tokens, parent_h, positions, visible)
-
-    def _after_step(self, step: StepResult, expansion: Expansion | None) -> None:
-        self.cache.crop(self.n_ctx)
+    def _step_features(self, step):
         if step.hidden is None:
             raise DrafterError("eagle needs the target's hidden state at every tree node (StepResult.hidden)")
-        self.pending = step.hidden[step.accepted.to(step.hidden.device)].to(self.head_weight.dtype)   # [a, d]
+        return step.hidden

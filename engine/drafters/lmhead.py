@@ -181,7 +181,7 @@ class LMHeadDrafter(Drafter, ABC):
         with self.timer.phase("backbone"):
             h_root = self._catch_up(ids)                                # [1, d]
         self.policy.route(ids[-1:], h_root, 0)                          # the root row of draft step 0
-        self._last = expand_tree(ids[-1], h_root, self._timed_forward, self.policy.head_topk,
+        self._last = expand_tree(ids[-1], h_root, self._timed_forward, self._head_topk,
                                  depth=self.cfg.eagle_depth, topk=self.cfg.eagle_topk,
                                  total_tokens=self.cfg.require_draft_size() + 1, timer=self.timer)
         self.policy.record_step()
@@ -204,6 +204,11 @@ class LMHeadDrafter(Drafter, ABC):
     def stats(self) -> dict[str, float]:
         """Steps drafted and the vocabulary policy's active-vocab statistics."""
         return {"steps": float(self.steps), **self.policy.stats()}
+
+    def _head_topk(self, h, k):
+        """The LM-head step of the tree (`HeadFn`): the policy's head over the backbone's output (a drafter
+        whose head input is not its backbone's output, EAGLE-3's final norm, overrides this)."""
+        return self.policy.head_topk(h, k)
 
     def _timed_forward(self, tokens, parent_h, tree_mask, depth):
         self.policy.route(tokens, parent_h, depth)      # before the backbone, so a router can overlap it

@@ -94,7 +94,7 @@ from engine.harness import generate, resolve_config
 from engine.models import eos_token_ids, load_model
 from engine.prompts import Prompt, decode_answer, encode_prompt, load_prompts
 from engine.target import backend_label
-from engine.jobs.frequency import default_frequency_file
+from engine.jobs.frequency import with_default_ranking
 from engine.metrics import (ALL, DRAFTERS, PHASES, ROW_SCHEMA, RUN, compare_vocabs, comparison_lines,  # noqa: F401
                             describe_bench, divergence_lines, divergences, policy, row_verdicts, summarize, table2)
 from kernels.hardware import HardwareError, parse_device, parse_dtype
@@ -334,11 +334,7 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
     prompt_list = load_prompts(prompts, per_category=per_category, categories=categories, languages=languages)
     if not prompt_list:
         raise BenchError(f"prompt set {prompts!r} with these filters is empty")
-    if any(r.policy == "frspec" and r.cfg.frequency_file is None for r in runs):
-        ranking = str(default_frequency_file(tokenizer, info.tokenizer_name, info.vocab_size,   # says which corpus
-                                             eos_ids=eos))
-        runs = [replace(r, cfg=r.cfg.replace(frequency_file=ranking)) if r.policy == "frspec"
-                and r.cfg.frequency_file is None else r for r in runs]
+    runs = [replace(r, cfg=with_default_ranking(r.cfg, tokenizer, info, eos)) for r in runs]   # says which corpus
     head = target.get_output_embeddings().weight                 # [V, d] what a draft policy restricts
     runs = [_resolve_dynaspec(r, head, show) if r.policy == "dynaspec" else r for r in runs]
     runs = [_check_drafter(r, target) if r.method in DRAFTERS else r for r in runs]

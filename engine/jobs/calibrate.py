@@ -42,7 +42,7 @@ from engine.calibration import (DRAFTING_METHODS, EAGLE_CANDIDATES, CalibrationE
 from engine.config import SpecConfig, parse_overrides
 from engine.drafters import HF_METHODS
 from engine.drafters.recycling import TEMPLATES, template_size
-from engine.jobs.frequency import default_frequency_file
+from engine.jobs.frequency import FrequencyError, with_default_ranking
 from engine.harness import generate
 from engine.models import eos_token_ids, load_model
 from engine.native import BLOCK
@@ -158,7 +158,7 @@ def max_draft_size(cfg: SpecConfig, model=None) -> int | None:
     caps = []
     if cfg.method == "recycling" and cfg.recycling_tree in TEMPLATES:
         caps.append(template_size(cfg.recycling_tree))
-    elif cfg.method in ("layerskip", "eagle"):
+    elif cfg.method in ("layerskip", "eagle", "eagle3"):
         caps.append(cfg.eagle_topk + cfg.eagle_topk ** 2 * (cfg.eagle_depth - 1))
     elif cfg.method == "unispec":
         caps.append((2 if cfg.broaden_first_level else 1) * cfg.store_k + cfg.store_k ** 2 * (cfg.tree_depth - 1))
@@ -213,18 +213,13 @@ def measure_grid(model, prompts: Sequence[torch.Tensor], method: str, grid: Sequ
 
 
 def runnable_config(cfg: SpecConfig, model, tokenizer=None, info=None, eos_ids=None) -> SpecConfig:
-    """cfg with what a run fills in after its draft size is resolved, as `engine.jobs.bench` does: frspec's
-    default ranking (`engine.jobs.frequency.default_frequency_file`, counted on the training corpus with the
-    model's tokenizer) when `frequency_file` is None. The calibration key keeps None, the value a bench
-    resolves its draft size with (dynaspec's newest fit is found by the policy itself)."""
-    if cfg.vocab != "frspec" or cfg.frequency_file is not None:
-        return cfg
-    if info is None:
-        raise CalibrationError("vocab='frspec' without frequency_file runs on the default ranking of the model's "
-                               "tokenizer: pass tokenizer= and info= (what load_model returns), or frequency_file=")
-    vocab = model.get_output_embeddings().weight.shape[0]
-    path = default_frequency_file(tokenizer, info.tokenizer_name, vocab, eos_ids=list(eos_ids or ()))
-    return cfg.replace(frequency_file=str(path))
+    """cfg with what a run fills in after its draft size is resolved, as `engine.jobs.bench` does (frspec's
+    default ranking: `engine.jobs.frequency.with_default_ranking`). The calibration key keeps None, the value a
+    bench resolves its draft size with (dynaspec's newest fit is found by the policy itself)."""
+    try:
+        return with_default_ranking(cfg, tokenizer, info, eos_ids or ())
+    except FrequencyError as e:
+        raise CalibrationError(str(e)) from None
 
 
 def calibrate(model, prompts: Sequence[torch.Tensor], method: str = "unispec", *, grid: Sequence[int] | None = None,
@@ -284,7 +279,7 @@ def calibration_prompts(tokenizer, info, n: int = 5, warmup: int = 2, max_new_to
     return enc[:n], enc[n:]
 
 
-def main(model: str = "smollm2-135m-instruct", method: str = "unispec", grid: Sequence[int] | None = None,
+def calibrate_model(model: str = "smollm2-135m-instruct", method: str = "unispec", grid: Sequence[int] | None = None,
          pipeline: str = "default", mode: str | None = None, timing: str | None = None, prompts: int = 5,
          warmup: int = 2, max_new_tokens: int = 96, repeats: int = 1, compare: bool = True, save: bool = True,
          threads: int | None = None, device: str | None = None, dtype: str | None = None, **overrides) -> dict:
@@ -333,8 +328,9 @@ def main(model: str = "smollm2-135m-instruct", method: str = "unispec", grid: Se
     return rec
 
 
-def _cli(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m engine.jobs.calibrate", description=main.__doc__.split("\n")[0])
+def main(argv=None) -> dict | None:
+    ap = argparse.ArgumentParser(prog="python -m engine.jobs.calibrate",
+                                 description=calibrate_model.__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--method", default="unispec", choices=DRAFTING_METHODS,
                     help="the drafting method whose draft size g* to calibrate (default unispec)")
@@ -369,13 +365,13 @@ def _cli(argv=None):
         except CalibrationError as e:
             raise SystemExit(f"error: {e}") from None
         print(f"{rec['key']}: g* = {rec['g_star']} ({rec['pipeline']}, {rec['mode']}), grid g* = {rec['g_star_grid']}")
-        return
+        return rec
     grid = None if a.grid is None else [int(x) for x in a.grid.split(",")]
-    main(model=a.model, method=a.method, grid=grid, pipeline=a.pipeline or "default", mode=a.mode, timing=a.timing,
+    return calibrate_model(model=a.model, method=a.method, grid=grid, pipeline=a.pipeline or "default", mode=a.mode, timing=a.timing,
          prompts=a.prompts, warmup=a.warmup, max_new_tokens=a.max_new_tokens, repeats=a.repeats,
          compare=not a.no_compare, save=not a.no_save, threads=a.threads, device=a.device, dtype=a.dtype,
          **overrides)
 
 
 if __name__ == "__main__":
-    _cli()
+    main()

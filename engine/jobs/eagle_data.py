@@ -227,7 +227,7 @@ def _save_shard(samples: list[Sample], path: Path, feature_dtype: torch.dtype, m
 def load_shard(path: str | Path) -> list[Sample]:
     """The samples of one shard; a damaged or foreign file raises TrainError naming it and the fix."""
     path = Path(path)
-    fix = f"delete {path} and rerun `python -m engine.jobs.train_eagle data` with the same settings to write it again"
+    fix = f"delete {path} and rerun `python -m engine.jobs.eagle_data` with the same settings to write it again"
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {}).get("specvocab", "null"))
@@ -258,7 +258,7 @@ def read_manifest(folder: str | Path) -> dict:
     path = folder / "manifest.json"
     if not path.is_file():
         raise TrainError(f"{folder} holds no training data (no manifest.json); make it with "
-                         f"`python -m engine.jobs.train_eagle data --model <name> --out {folder}`")
+                         f"`python -m engine.jobs.eagle_data --model <name> --out {folder}`")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:

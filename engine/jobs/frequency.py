@@ -350,6 +350,20 @@ def default_frequency_file(tokenizer, tokenizer_name: str, vocab_size: int,
     return path
 
 
+def with_default_ranking(cfg, tokenizer, info, eos_ids: Sequence[int] = ()):
+    """cfg as a run needs it: for vocab='frspec' without a `frequency_file`, the default ranking of the model's
+    tokenizer (`default_frequency_file`, counted on the training corpus and cached); any other cfg unchanged.
+    The one rule the bench and the calibration both follow, so that a calibrated frspec draft size is measured
+    on the list the bench then runs."""
+    if cfg.vocab != "frspec" or cfg.frequency_file is not None:
+        return cfg
+    if info is None:
+        raise FrequencyError("vocab='frspec' without frequency_file runs on the default ranking of the model's "
+                             "tokenizer: pass tokenizer= and info= (what load_model returns), or frequency_file=")
+    path = default_frequency_file(tokenizer, info.tokenizer_name, info.vocab_size, eos_ids=list(eos_ids or ()))
+    return cfg.replace(frequency_file=str(path))
+
+
 # --- CLI -------------------------------------------------------------------------------------------------------
 
 def main(argv=None) -> dict[int, dict[str, Path]]:

@@ -84,7 +84,7 @@ def _split(s: str | None) -> list[str] | None:
     return [x.strip() for x in s.split(",") if x.strip()] if s else None
 
 
-def main(*, model: str, prompts: str, out: str, per_category: int | None = None, categories=None,
+def record(*, model: str, prompts: str, out: str, per_category: int | None = None, categories=None,
          languages=None, max_new_tokens: int = 128, topk: int = 16, report: bool = False,
          dtype: str | None = None, device: str | None = None, progress: bool = True,
          resume: bool = False) -> Path:
@@ -128,5 +128,9 @@ def _parse(argv=None) -> dict:
     return vars(ap.parse_args(argv))
 
 
+def main(argv=None) -> Path:
+    return record(**_parse(argv))
+
+
 if __name__ == "__main__":
-    main(**_parse())
+    main()

@@ -1,0 +1,90 @@
+"""The `specvocab` command: one entry point whose verbs run the jobs and the sweeps.
+
+    specvocab bench --model smollm2-135m-instruct --methods ar,unispec,eagle     # = python -m engine.jobs.bench ...
+    specvocab train data --model smollm2-135m-instruct                           # = python -m engine.jobs.eagle_data
+    specvocab sweep sweeps/configs/quick.toml --out results/quick                # = python -m sweeps.run ...
+    specvocab render results/quick                                               # = python -m sweeps.render ...
+    specvocab <verb> --help
+
+Each verb hands the rest of the command line to its module's `main(argv)`; `python -m <module>` runs the same
+code. The module is imported only when its verb runs, so `specvocab --help` loads neither torch nor Ray.
+
+It lives here, at the top of the layers (locality <- engine <- engine.jobs <- sweeps), because it is the one
+place that dispatches to both the jobs and the sweeps; nothing imports it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Sequence
+
+# verb -> (module whose main(argv) runs it, one line for the help); a dict value groups sub-verbs
+VERBS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
+    "bench": ("engine.jobs.bench", "Table 2 / methods benchmark: methods x vocabulary policies against ar"),
+    "record": ("engine.jobs.record", "record traces (prompt, generated tokens, the target's top-k) for coverage"),
+    "coverage": ("locality.__main__", "coverage report of recorded traces (pure, token-only)"),
+    "calibrate": ("engine.jobs.calibrate", "measure a drafting method's draft size g* on this machine (UniSpec App. F)"),
+    "frequency": ("engine.jobs.frequency", "FR-Spec frequency lists from the training corpus, with SGLang / EAGLE-3 "
+                                           "exports"),
+    "forward": ("engine.jobs.forward", "the target's forward against the machine's copy bound and bare matmuls"),
+    "train": {
+        "data": ("engine.jobs.eagle_data", "the target's features over training prompts, in resumable shards"),
+        "eagle": ("engine.jobs.train_eagle", "train an EAGLE-2 draft head on a data folder"),
+    },
+    "dynaspec": {
+        "fit": ("engine.jobs.fit_dynaspec", "fit DynaSpec's clusters and router for a model and drafter"),
+        "choices": ("engine.jobs.dynaspec_choices", "sweep M, router width and L on a fit's logged rows"),
+    },
+    "sweep": ("sweeps.run", "run a sweep config on Ray (local, or --address of a cluster)"),
+    "render": ("sweeps.render", "draw every figure of a sweep folder (PNG + HTML + executed notebooks)"),
+}
+
+
+class CliError(ValueError):
+    """An unknown verb; the message lists the known ones."""
+
+
+def _usage(verbs: dict, prefix: str = "specvocab") -> str:
+    lines = [f"usage: {prefix} <verb> [args ...]   ({prefix} <verb> --help for a verb's options)", "", "verbs:"]
+    for name, value in verbs.items():
+        if isinstance(value, dict):
+            for sub, (module, text) in value.items():
+                lines.append(f"  {name + ' ' + sub:18s} {text}")
+        else:
+            lines.append(f"  {name:18s} {value[1]}")
+    return "\n".join(lines)
+
+
+def resolve(argv: Sequence[str]) -> tuple[str, list[str]]:
+    """(module, the arguments left for its main(argv)) for a command line; CliError naming the known verbs."""
+    argv = list(argv)
+    table: dict = VERBS
+    named: list[str] = []
+    while argv and argv[0] in table:
+        named.append(argv.pop(0))
+        value = table[named[-1]]
+        if isinstance(value, tuple):
+            return value[0], argv
+        table = value
+    said = " ".join(["specvocab", *named, *argv[:1]])
+    raise CliError(f"unknown command {said!r}: choose one of {sorted(table)}\n\n"
+                   + _usage(table, " ".join(["specvocab", *named])))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage(VERBS))
+        return 0
+    try:
+        module, rest = resolve(argv)
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = importlib.import_module(module).main(rest)
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""`eagle3`: EAGLE-3 heads in the official layout, their draft vocabulary, and every policy inside it.
+
+- a hand-built checkpoint (official names, safetensors or pytorch_model.bin) loads with each tensor in its
+  module, checked by drafting: the drafter's tree log-probs over several steps (with multi-token accepted paths)
+  equal a plain-torch forward of the raw tensors (tests/eagle3_testing.py), children mapped through d2t;
+- the target features: the residual stream entering layers 2, L//2, L-3, on the prefill and on every tree
+  node, through the HF hooks and the native forward's tap;
+- every vocabulary policy scores what it should inside the draft vocabulary (a plain reference per policy),
+  and speculative greedy decoding with each equals autoregressive decoding token for token;
+- the errors: a head for another target, d2t / t2d that disagree, d2t outside the vocabulary, draft_vocab_size
+  against lm_head, a hub id offline, no head given, dynaspec.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import SpecConfig
+from engine.drafters import make_drafter
+from engine.drafters.eagle3 import Eagle3Drafter, eagle3_feature_layers, load_eagle3_head
+from engine.drafters.lmhead import DrafterError
+from engine.harness import forward_tree, generate, prefill
+from engine import kv
+from engine.models import load_model
+from engine.target import make_target
+from engine.tree import StepResult
+from engine.verify import tree_layout
+from engine.vocab import VocabError
+from tests.eagle3_testing import official_state, reference_logp, target_features, write_checkpoint
+
+V = 384
+ARCHS = ("random-llama", "random-gemma3", "random-qwen3")
+
+
+def _draft_ids(K=200, seed=0):
+    return np.sort(np.random.default_rng(seed).choice(V, K, replace=False))
+
+
+def _prompt(seed, n=30):
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, V, n // 3)
+    return torch.tensor(np.concatenate([base, rng.integers(0, V, n - 2 * base.size), base]))
+
+
+def _cfg(head, **kw):
+    return SpecConfig.preset("eagle3", eagle3_head=str(head), eagle_depth=3, eagle_topk=4, draft_size=11).replace(**kw)
+
+
+def test_feature_layers_are_the_inputs_of_2_mid_and_L_minus_3():
+    assert eagle3_feature_layers(32) == (2, 16, 29)          # Llama-3.1-8B: the official 2, L//2, L-3
+    assert eagle3_feature_layers(8) == (2, 4, 5)
+    assert eagle3_feature_layers(2) == (1, 1, 0)             # clamped for tiny targets
+
+
+# --- drafting equals a plain reference of the raw tensors ---------------------------------------------------------
+
+def _child_logp(tree):
+    p = tree.parents
+    return (tree.scores[1:].double() / tree.scores[p[1:]].double()).log()
+
+
+def _drive_forced(model, drafter, prompt, steps):
+    """Greedy-style steps through the harness's hf pieces, except that the accepted path is forced to the tree's
+    deepest node (so several draft tokens enter the context each step) plus the target's next token; yields
+    (committed ids, tree) before each observe."""
+    with torch.inference_mode():
+        cache = kv.new_cache(model)
+        hidden, logits = prefill(model, prompt, cache)
+        drafter.begin(prompt, logits, hidden)
+        ids = torch.cat([prompt, logits[-1].argmax()[None]])
+        committed = prompt.numel()
+        for _ in range(steps):
+            tree = drafter.propose(ids)
+            h, lg = forward_tree(model, cache, committed, tree.tokens, tree.parents)
+            yield ids, tree
+            deepest = int(tree_layout(tree.parents)[0].argmax())
+            accepted = torch.tensor(tree.path_to(deepest))
+            new = torch.cat([tree.tokens[accepted[1:]], lg[accepted[-1]].argmax()[None]])
+            committed = kv.compact(cache, committed, tree.size, accepted.tolist())
+            drafter.observe(StepResult(tree=tree, logits=lg, hidden=h, accepted=accepted, new_tokens=new))
+            ids = torch.cat([ids, new])
+
+
+@pytest.mark.parametrize("arch,fmt,hidden", [("random-llama", "safetensors", None), ("random-qwen3", "bin", None),
+                                              ("random-llama", "safetensors", 32)])
+def test_drafts_equal_a_plain_reference_of_the_checkpoint(tmp_path, arch, fmt, hidden):
+    """Catches any tensor landing in the wrong module (q/k swapped, the two input norms swapped, fc bypassed),
+    a feature taken after instead of before a layer or in another order, the embedding/feature halves of the
+    attention input swapped, the wrong state fed back in the tree, and draft ids not mapped through d2t."""
+    model, _, _ = load_model(arch, vocab_size=V, hidden_size=48, num_layers=8, seed=4)
+    state, config = official_state(model, draft_ids=_draft_ids(), seed=1, hidden=hidden,
+                                   with_embedding=hidden is not None)
+    head_dir = write_checkpoint(tmp_path / "head", state, config, fmt)
+    head = load_eagle3_head(str(head_dir))
+    for k, v in state.items():                   # every official tensor is in the module of the same name
+        torch.testing.assert_close(head.state_dict()[k], v.to(head.state_dict()[k].dtype))
+    drafter = make_drafter(model, _cfg(head_dir))
+    assert isinstance(drafter, Eagle3Drafter)
+    t2d = state["t2d"]
+    checked = 0
+    # all steps first: the reference's own target forwards would replace the features the drafter reads next
+    for ids, tree in list(_drive_forced(model, drafter, _prompt(5, n=20), steps=3)):
+        assert bool(t2d[tree.tokens[1:]].all())                  # every draft token is in the draft vocabulary
+        children = tree.children()
+        for node in range(tree.size):
+            if not children[node]:
+                continue
+            path = [int(tree.tokens[i]) for i in tree.path_to(node)[1:]]
+            ref = reference_logp(state, config, model, ids, path)
+            kids = children[node]
+            torch.testing.assert_close(_child_logp(tree)[[c - 1 for c in kids]], ref[tree.tokens[kids]],
+                                       atol=2e-4, rtol=0)
+            if node == 0:                                        # the root's children: the reference's top-k
+                assert sorted(tree.tokens[kids].tolist()) == sorted(ref.topk(len(kids)).indices.tolist())
+            checked += 1
+        assert max(tree_layout(tree.parents)[0].tolist()) >= 2   # the forced path takes several tokens
+    assert checked >= 6
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_the_tap_holds_the_inputs_of_the_three_layers(tmp_path, backend):
+    """On the prefill and on every node of a tree (native: a fixed-shape forward with padded rows), the features
+    the drafter reads are the reference's for the node's own path."""
+    model, _, _ = load_model("random-llama", vocab_size=V, hidden_size=48, num_layers=8, seed=2)
+    state, config = official_state(model, draft_ids=_draft_ids(), seed=0)
+    drafter = make_drafter(model, _cfg(write_checkpoint(tmp_path, state, config), backend=backend))
+    prompt = _prompt(1, n=12)
+    target = make_target(model, backend)
+    target.begin(64)
+    with torch.inference_mode():
+        target.prefill(prompt)
+        torch.testing.assert_close(drafter.tap.take(prompt.numel()), target_features(model, prompt), atol=1e-5, rtol=0)
+        tokens, parents = torch.tensor([7, 3, 9, 4, 11]), torch.tensor([-1, 0, 0, 1, 3])
+        depths, anc = tree_layout(parents)
+        target.forward_tree(tokens, parents, depths, anc)
+        got = drafter.tap.take(tokens.numel())
+        with pytest.raises(DrafterError, match="no target features"):
+            drafter.tap.take(1)                                      # read once: never a stale forward
+    for node in range(tokens.numel()):
+        path = [int(tokens[i]) for i in range(tokens.numel()) if anc[node, i]]
+        ref = target_features(model, torch.cat([prompt, torch.tensor(path)]))[-1]
+        torch.testing.assert_close(got[node], ref, atol=1e-5, rtol=0)
+
+
+# --- vocabulary policies inside the draft vocabulary ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama_head(tmp_path_factory):
+    model, _, _ = load_model("random-llama", vocab_size=V, hidden_size=48, num_layers=4, seed=5)
+    state, config = official_state(model, draft_ids=_draft_ids(), seed=2)
+    folder = write_checkpoint(tmp_path_factory.mktemp("e3") / "head", state, config)
+    ranking = tmp_path_factory.mktemp("freq") / "ranking.npy"
+    np.save(ranking, np.random.default_rng(0).permutation(V))
+    return model, state, folder, ranking
+
+
+@pytest.mark.parametrize("vocab", ["full", "frspec", "microspec", "oracle"])
+def test_each_policy_scores_its_candidates_that_t2d_admits(llama_head, vocab):
+    """Catches a MicroSpec window gathering lm_head[target id] instead of the draft row, slots t2d does not admit
+    left live, FR-Spec packing rows by target id or ignoring t2d, and slots not mapped through d2t."""
+    model, state, folder, ranking = llama_head
+    drafter = make_drafter(model, _cfg(folder, vocab=vocab, frspec_k=96, frequency_file=str(ranking), w_max=200,
+                                       k_pre=3))
+    prompt = _prompt(2)
+    logits = torch.randn(prompt.numel(), V, generator=torch.Generator().manual_seed(0))
+    drafter.policy.begin(prompt, logits)
+    t2d = state["t2d"]
+    if vocab == "frspec":
+        candidates = torch.as_tensor(np.load(ranking)[:96])
+    elif vocab == "microspec":                                   # S_init fits the window: I = its distinct ids
+        candidates = torch.cat([prompt, logits.topk(3, dim=-1).indices.reshape(-1)]).unique()
+    else:
+        candidates = torch.arange(V)
+    allowed = torch.zeros(V, dtype=torch.bool)
+    allowed[candidates] = True
+    allowed &= t2d
+    h = torch.randn(3, 48, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        got_lp, got_ids = drafter._head_topk(h, 6)
+    # reference: h through the final norm and the draft head, restricted to the allowed target ids
+    hn = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * state["norm.weight"]
+    draft_logits = hn @ state["lm_head.weight"].T                    # [3, K] by draft id
+    to_target = torch.arange(state["d2t"].numel()) + state["d2t"]
+    full = torch.full((3, V), float("-inf"))
+    full[:, to_target] = draft_logits
+    full[:, ~allowed] = float("-inf")
+    ref = torch.log_softmax(full.double(), -1).topk(6, dim=-1)
+    torch.testing.assert_close(got_lp.double(), ref.values, atol=1e-5, rtol=0)
+    assert got_ids.tolist() == ref.indices.tolist()
+    drafter.policy.record_step()
+    stats = drafter.policy.stats()
+    assert stats["mean_active_vocab"] == int(allowed.sum())
+    if vocab == "microspec":
+        assert stats["window_vocab"] == candidates.numel() > stats["window_admitted"] == int(allowed.sum())
+    if vocab == "frspec":
+        assert stats["frspec_candidates"] == 96 and stats["frspec_admitted"] == int(allowed.sum())
+
+
+VOCAB_VARIANTS = [
+    dict(vocab="full"),
+    dict(vocab="frspec", frspec_k=96),
+    dict(vocab="microspec", w_max=64),
+    dict(vocab="microspec", w_max=24, window_mode="fifo_unique", ver_rows="all_tree", draft_tree_tokens="all_expanded",
+         prefill_order="last"),
+    dict(vocab="microspec", w_max=48, sources="ext", ver_rows="last"),
+    dict(vocab="oracle", w_max=32),
+]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lossless_greedy_every_policy(tmp_path, arch):
+    model, _, _ = load_model(arch, vocab_size=V, hidden_size=48, num_layers=4, seed=5)
+    state, config = official_state(model, draft_ids=_draft_ids(seed=3), seed=2)
+    folder = write_checkpoint(tmp_path / "head", state, config)
+    ranking = tmp_path / "ranking.npy"
+    np.save(ranking, np.random.default_rng(0).permutation(V))
+    for i, variant in enumerate(VOCAB_VARIANTS):
+        prompt = _prompt(i)
+        ar = generate(model, prompt, method="ar", max_new_tokens=20, eos_ids=[]).output_ids.tolist()
+        out = generate(model, prompt, method="eagle3", eagle3_head=str(folder), max_new_tokens=20, eos_ids=[],
+                       frequency_file=str(ranking), eagle_depth=4, draft_size=19, record=True, **variant)
+        assert out.output_ids.tolist() == ar, variant
+        assert all(bool(state["t2d"][r.tree_tokens[1:]].all()) for r in out.records), variant
+        assert out.drafter_stats["draft_vocab"] == 200
+        if variant["vocab"] == "microspec":
+            s = out.drafter_stats
+            assert s["window_admitted"] == s["mean_active_vocab"] < s["window_vocab"], s
+
+
+def test_oracle_proposes_what_the_draft_vocabulary_proposes(llama_head):
+    model, _, folder, _ = llama_head
+    prompt = _prompt(8)
+    full = generate(model, prompt, _cfg(folder, max_new_tokens=16, draft_size=19), eos_ids=[], record=True)
+    oracle = generate(model, prompt, _cfg(folder, vocab="oracle", w_max=16, max_new_tokens=16, draft_size=19),
+                      eos_ids=[], record=True)
+    assert [r.tree_tokens for r in oracle.records] == [r.tree_tokens for r in full.records]
+    assert oracle.drafter_stats["mean_active_vocab"] == 16
+
+
+# --- errors ----------------------------------------------------------------------------------------------------------
+
+def test_a_head_for_another_target_is_refused(tmp_path, llama_head):
+    model, _, _, _ = llama_head
+    wider, _, _ = load_model("random-llama", vocab_size=V, hidden_size=64, num_layers=4, seed=1)
+    state, config = official_state(wider, draft_ids=_draft_ids(), seed=0)
+    with pytest.raises(DrafterError, match=r"width 64 .* target's hidden size is 48"):
+        make_drafter(model, _cfg(write_checkpoint(tmp_path / "wide", state, config)))
+    bigger, _, _ = load_model("random-llama", vocab_size=V + 16, hidden_size=48, num_layers=4, seed=1)
+    state, config = official_state(bigger, draft_ids=_draft_ids(), seed=0)
+    with pytest.raises(DrafterError, match=r"vocabulary \(400\) differs from the target's \(384\)"):
+        make_drafter(model, _cfg(write_checkpoint(tmp_path / "big", state, config)))
+
+
+def test_inconsistent_maps_and_sizes_have_clear_errors(tmp_path, llama_head):
+    model, _, _, _ = llama_head
+    state, config = official_state(model, draft_ids=_draft_ids(), seed=0)
+
+    def load(**changes):
+        s = {**state, **{k: v for k, v in changes.items() if k in state}}
+        c = {**config, **{k: v for k, v in changes.items() if k not in state}}
+        return load_eagle3_head(str(write_checkpoint(tmp_path / "h", s, c)))
+
+    t2d = state["t2d"].clone()
+    t2d[int((~t2d).nonzero()[0])] = True                         # one id t2d admits that d2t never names
+    with pytest.raises(DrafterError, match=r"d2t and t2d disagree .* exactly the set"):
+        load(t2d=t2d)
+    d2t = state["d2t"].clone()
+    d2t[0] = d2t[1] + 1                                          # draft ids 0 and 1 name the same target id
+    with pytest.raises(DrafterError, match="d2t and t2d disagree"):
+        load(d2t=d2t)
+    d2t = state["d2t"].clone()
+    d2t[-1] = V                                                  # beyond the vocabulary
+    with pytest.raises(DrafterError, match=r"outside the vocabulary \[0, 384\)"):
+        load(d2t=d2t)
+    with pytest.raises(DrafterError, match=r"draft_vocab_size=199 but lm_head.weight has 200 rows"):
+        load(draft_vocab_size=199)
+    with pytest.raises(DrafterError, match="no d2t"):
+        load_eagle3_head(str(write_checkpoint(tmp_path / "h", {k: v for k, v in state.items() if k != "d2t"}, config)))
+    layer12 = {"fc.weight": torch.zeros(48, 96), "layers.0.self_attn.q_proj.weight": torch.zeros(48, 48)}
+    with pytest.raises(DrafterError, match="EAGLE-1/2 head, use method='eagle'"):
+        load_eagle3_head(str(write_checkpoint(tmp_path / "h", layer12, config)))
+    swapped = {**state, "midlayer.self_attn.q_proj.weight": state["midlayer.self_attn.k_proj.weight"]}
+    with pytest.raises(DrafterError, match="does not match its config.json"):
+        load_eagle3_head(str(write_checkpoint(tmp_path / "h", swapped, config)))
+    loaded = load()                                              # the untouched checkpoint loads
+    assert loaded.draft_vocab_size == 200
+
+
+def test_missing_head_hub_offline_and_dynaspec_name_the_fix(tmp_path, llama_head):
+    model, _, folder, _ = llama_head
+    with pytest.raises(DrafterError, match="no EAGLE-3 head ships for this model.*eagle3_head="):
+        make_drafter(model, SpecConfig.preset("eagle3", draft_size=8))
+    with pytest.raises(DrafterError, match="eagle3_head='nobody/no-such-eagle3-head' is neither a local directory "
+                                           "nor a downloadable hub repo"):
+        make_drafter(model, SpecConfig.preset("eagle3", eagle3_head="nobody/no-such-eagle3-head", draft_size=8))
+    with pytest.raises(DrafterError, match="no EAGLE-3 head ships"):
+        load_eagle3_head("specvocab:random-llama")
+    with pytest.raises(VocabError, match="dynaspec.*draft vocabulary"):
+        make_drafter(model, _cfg(folder, vocab="dynaspec"))
+    assert isinstance(make_drafter(model, SpecConfig.preset("eagle3", eagle3_head="random", draft_size=8)),
+                      Eagle3Drafter)

@@ -86,7 +86,7 @@ import torch
 from scipy.interpolate import BSpline
 from scipy.optimize import differential_evolution
 
-from engine.artifacts import atomic_write
+from engine.atomic import atomic_write
 from engine.config import SpecConfig
 
 DEFAULT_GRIDS = {"cpu": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32), "cuda": tuple(range(16, 161, 16))}

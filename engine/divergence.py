@@ -44,12 +44,10 @@ import math
 from collections import defaultdict
 from typing import Callable, Sequence
 
-import polars as pl
 import torch
 
+from engine.metrics import VERDICTS, first_divergence, run_verdict  # noqa: F401 (the row verdicts, defined once)
 from engine.target import make_target
-
-VERDICTS = ("exact", "near-tie", "mismatch")
 
 # Fraction bits stored per dtype: a float x has ulp(x) = 2^(floor(log2|x|) - FRACTION_BITS) - bf16 keeps 8
 # significant bits (7 stored), fp16 11 (10), fp32 24 (23). Keys: torch's names, as the bench's `dtype` column.
@@ -106,16 +104,6 @@ def near_tie_bound(top1_logit: float, dtype) -> float:
     return NEAR_TIE_ULPS[name] * ulp(top1_logit, name)
 
 
-def first_divergence(reference: Sequence[int], output: Sequence[int]) -> int | None:
-    """The first index where `output` differs from `reference` (ar's), None if they are equal; where one is a
-    prefix of the other, the shorter length (one stopped where the other chose another token)."""
-    reference, output = list(reference), list(output)
-    for i, (a, b) in enumerate(zip(reference, output)):
-        if a != b:
-            return i
-    return None if len(reference) == len(output) else min(len(reference), len(output))
-
-
 def margin_at(next_logits: Callable[[list[int]], torch.Tensor], prompt: Sequence[int], ar_output: Sequence[int],
               output: Sequence[int], pos: int) -> tuple[float | None, float | None, float | None]:
     """(ar_margin, ar_gap, top-1 logit) at new-token index `pos`, from the target's logits for the token after
@@ -144,15 +132,6 @@ def classify(ar_margin: float | None, ar_gap: float | None, top1_logit: float | 
         return "mismatch"
     worst = max(abs(ar_margin), abs(ar_gap) if ar_gap is not None else 0.0)
     return "near-tie" if worst <= near_tie_bound(top1_logit, dtype) else "mismatch"
-
-
-def run_verdict(verdict: pl.Expr) -> pl.Expr:
-    """A polars aggregation of row verdicts into one for a run: "exact" if every row is exact, else
-    "mismatch" if any row is one (a bug anywhere outweighs rounding elsewhere), else "near-tie". Null rows
-    (nothing to compare with) are left out; null if all are."""
-    return (pl.when(verdict.eq("mismatch").any()).then(pl.lit("mismatch"))
-            .when(verdict.eq("near-tie").any()).then(pl.lit("near-tie"))
-            .when(verdict.eq("exact").any()).then(pl.lit("exact")))
 
 
 def next_logits(model, ids: Sequence[int], *, backend: str = "auto", fixed_shape: bool = True,

@@ -35,39 +35,39 @@ out_dir = ""                     # default: {results_dir}/figures
 import altair as alt
 import polars as pl
 
-from sweeps import figures as fig
+from sweeps import charts, tables
 
 out_dir = out_dir or f"{results_dir}/figures"
-record = fig.read(results_dir, "record", fig.RECORD_COLUMNS)
-coverage = fig.read(results_dir, "coverage")
+record = tables.read(results_dir, "record", tables.RECORD_COLUMNS)
+coverage = tables.read(results_dir, "coverage")
 
 # %% [markdown]
 # ## Coverage vs vocabulary size: dynamic window against static shortlists (MicroSpec Fig. 1b)
 
 # %%
-table = fig.coverage_vs_vocab(coverage)
+table = tables.coverage_vs_vocab(coverage)
 if table is not None:
     star = "M0,-1L0.24,-0.33L0.95,-0.31L0.39,0.12L0.59,0.81L0,0.4L-0.59,0.81L-0.39,0.12L-0.95,-0.31L-0.24,-0.33Z"
     base = alt.Chart(table).encode(
-        x=fig.log2_axis("vocab:Q", "vocabulary size (tokens)"),
+        x=charts.log2_axis("vocab:Q", "vocabulary size (tokens)"),
         y=alt.Y("coverage:Q", title="coverage of generated tokens", scale=alt.Scale(domain=[0, 1]),
                 axis=alt.Axis(format="%")),
         tooltip=["panel", "series", "w_max", "k", alt.Tooltip("vocab:Q", format=".0f"),
                  alt.Tooltip("coverage:Q", format=".1%"), "tokens"])
-    static = base.transform_filter(alt.datum.series == fig.STATIC).mark_line(
+    static = base.transform_filter(alt.datum.series == tables.STATIC).mark_line(
         strokeDash=[6, 4], color="#555", point=alt.OverlayMarkDef(color="#555", size=18)).encode(
         detail="series:N")
-    window = base.transform_filter(alt.datum.series == fig.WINDOW).mark_point(
+    window = base.transform_filter(alt.datum.series == tables.WINDOW).mark_point(
         shape=star, filled=True, size=140, opacity=0.9).encode(
         color=alt.Color("w_max:O", title="window w_max", scale=alt.Scale(scheme="viridis")))
-    trail = base.transform_filter(alt.datum.series == fig.WINDOW).mark_line(color="#bbb", strokeWidth=1)
+    trail = base.transform_filter(alt.datum.series == tables.WINDOW).mark_line(color="#bbb", strokeWidth=1)
     chart = (alt.layer(static, trail, window).properties(width=170, height=130)
              .facet(facet=alt.Facet("panel:N", title=None, header=alt.Header(labelFontWeight="bold")), columns=5)
-             .properties(title=fig.title(
+             .properties(title=charts.title(
                  "Coverage vs draft vocabulary size, per task (MicroSpec Fig. 1b)", coverage, record,
                  notes=["stars: MicroSpec's window, one per w_max, at its mean active vocabulary; dashed grey: "
                         "static top-K shortlists (FR-Spec) ranked on the training corpus"])))
-    fig.save_chart(chart, out_dir, "coverage_vs_vocab")
+    charts.save_chart(chart, out_dir, "coverage_vs_vocab")
     display(chart)  # noqa: F821 (IPython)
 
 # %% [markdown]
@@ -82,27 +82,27 @@ if table is not None:
 # ## LRU vocabulary vs FIFO window at equal mean size
 
 # %%
-miss = fig.miss_ratios(coverage)
+miss = tables.miss_ratios(coverage)
 if miss is not None:
     lines = alt.Chart(miss).mark_line(point=True).encode(
-        x=fig.log2_axis("mean_active_vocab:Q", "mean active vocabulary (tokens)"),
+        x=charts.log2_axis("mean_active_vocab:Q", "mean active vocabulary (tokens)"),
         y=alt.Y("miss_ratio:Q", title="miss ratio", axis=alt.Axis(format="%")),
-        color=alt.Color("policy:N", title=None, scale=alt.Scale(domain=[fig.LRU, fig.FIFO],
+        color=alt.Color("policy:N", title=None, scale=alt.Scale(domain=[tables.LRU, tables.FIFO],
                                                                 range=["#d62728", "#1f77b4"]),
                         legend=alt.Legend(orient="top", symbolType="stroke", symbolStrokeWidth=3,
                                           symbolFillColor="transparent")),
-        strokeDash=alt.StrokeDash("policy:N", title=None, scale=alt.Scale(domain=[fig.LRU, fig.FIFO],
+        strokeDash=alt.StrokeDash("policy:N", title=None, scale=alt.Scale(domain=[tables.LRU, tables.FIFO],
                                                                           range=[[6, 3], [1, 0]])),
         tooltip=["panel", "policy", "capacity", "w_max", alt.Tooltip("mean_active_vocab:Q", format=".0f"),
                  alt.Tooltip("miss_ratio:Q", format=".1%")])
     # LRU's dashes drawn over FIFO's solid line: where the two coincide both stay visible
-    fifo, lru = (lines.transform_filter(alt.datum.policy == name) for name in (fig.FIFO, fig.LRU))
+    fifo, lru = (lines.transform_filter(alt.datum.policy == name) for name in (tables.FIFO, tables.LRU))
     chart = (alt.layer(fifo, lru).properties(width=170, height=130)
              .facet(facet=alt.Facet("panel:N", title=None, header=alt.Header(labelFontWeight="bold")), columns=5)
-             .properties(title=fig.title(
+             .properties(title=charts.title(
                  "Miss ratio per task: LRU vocabulary vs FIFO window at equal mean size", coverage, record,
                  notes=["LRU: the C most recently used tokens of the candidate stream; FIFO: MicroSpec's window, "
                         "its w_max chosen to match the LRU's mean active vocabulary; where the curves coincide "
                         "the red dashes lie on the blue line"])))
-    fig.save_chart(chart, out_dir, "lru_vs_fifo")
+    charts.save_chart(chart, out_dir, "lru_vs_fifo")
     display(chart)  # noqa: F821 (IPython)

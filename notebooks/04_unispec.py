@@ -30,19 +30,18 @@ out_dir = ""                     # default: {results_dir}/figures
 # %load_ext autoreload
 # %autoreload 2
 import altair as alt
-import polars as pl
 
-from sweeps import figures as fig
+from sweeps import charts, tables
 
 out_dir = out_dir or f"{results_dir}/figures"
-bench = fig.read(results_dir, "bench")
-calibrate = fig.read(results_dir, "calibrate")
+bench = tables.read(results_dir, "bench")
+calibrate = tables.read(results_dir, "calibrate")
 
 # %% [markdown]
 # ## Acceptance rate against confidence score, with sample density (UniSpec Fig. 3)
 
 # %%
-conf = fig.confidence_bins(bench)
+conf = tables.confidence_bins(bench)
 if conf is not None:
     base = alt.Chart(conf).encode(x=alt.X("bin_lo:Q", title="confidence score of the draft node",
                                           scale=alt.Scale(domain=[0, 1])))
@@ -62,79 +61,67 @@ if conf is not None:
     # one panel per model and method: Vega-Lite cannot facet layers with independent y axes
     chart = alt.hconcat(*[alt.layer(density, rate).transform_filter((alt.datum.model == m) & (alt.datum.method == d))
                           .resolve_scale(y="independent").properties(width=320, height=220, title=f"{d} · {m}")
-                          for m, d in keys]).properties(title=fig.title(
+                          for m, d in keys]).properties(title=charts.title(
         "Acceptance rate against the draft node's confidence score (UniSpec Fig. 3)", bench,
         notes=["line: accepted / proposed nodes in each score bin; bars: share of all drafted nodes in the bin; "
                "every bench step of the method"]))
-    fig.save_chart(chart, out_dir, "acceptance_vs_confidence")
+    charts.save_chart(chart, out_dir, "acceptance_vs_confidence")
     display(chart)  # noqa: F821 (IPython)
 
 # %% [markdown]
 # ## The calibration: tau(g), s(g), tau/s and g* (UniSpec App. F)
 
 # %%
-curves = fig.calibration_curves(calibrate)
+curves = tables.calibration_curves(calibrate)
 if curves is not None:
     settings = curves["setting"].unique(maintain_order=True).to_list()
-    color = alt.Color("setting:N", title="model · method · device", scale=fig.color_scale(len(settings)),
-                      legend=alt.Legend(orient="bottom", direction="vertical", labelLimit=600))
+    # above 20 settings a second channel: the fits' dash (`charts.series_channels`)
+    series = charts.series_channels("setting", settings, "model · method · device", orient="bottom",
+                                    direction="vertical", labelLimit=600)
     base = alt.Chart(curves).encode(x=alt.X("g:Q", title="draft size g (nodes per step, root excluded)"),
-                                    color=color)
+                                    color=series.pop("color"))
     tip = ["setting", "curve", alt.Tooltip("g:Q", format=".1f"), alt.Tooltip("value:Q", format=".3f"), "g_star"]
     fit = base.transform_filter(alt.datum.curve == "fit").mark_line(strokeWidth=2).encode(
-        y=alt.Y("value:Q", title=None, scale=alt.Scale(zero=False)), detail="setting:N")
+        y=alt.Y("value:Q", scale=alt.Scale(zero=False)), detail="setting:N", **series)
     measured = base.transform_filter(alt.datum.curve == "measured").mark_point(size=60, filled=True).encode(
         y="value:Q", tooltip=tip)
     star = base.transform_filter(alt.datum.curve == "g_star").mark_point(
         shape="diamond", size=220, filled=True, stroke="black", strokeWidth=1).encode(y="value:Q", tooltip=tip)
-    chart = alt.hconcat(*[alt.layer(fit, measured, star).transform_filter(alt.datum.quantity == q)
-                          .properties(width=260, height=200, title=q) for q in fig.QUANTITIES.values()]
-                        ).properties(title=fig.title(
+    # the y title of each panel: its quantity with its unit (tokens per step, ms per step, tokens per second)
+    chart = alt.hconcat(*[alt.layer(fit.encode(y=alt.Y("value:Q", title=q, scale=alt.Scale(zero=False))),
+                                    measured, star).transform_filter(alt.datum.quantity == q)
+                          .properties(width=260, height=200, title=q) for q in tables.QUANTITIES.values()]
+                        ).properties(title=charts.title(
         "Device-aware calibration: measured and fitted tau(g), s(g), tau/s; g* maximises tau/s (UniSpec App. F)",
         calibrate, notes=["points: measured on the calibration prompts; lines: the fits; diamond: g*"]))
-    fig.save_chart(chart, out_dir, "calibration_fits")
+    charts.save_chart(chart, out_dir, "calibration_fits")
     display(chart)  # noqa: F821 (IPython)
 
 # %% [markdown]
 # ## g* per device (UniSpec Fig. 5)
 
 # %%
-stars = fig.g_stars(calibrate)
+stars = tables.g_stars(calibrate)
 if stars is not None:
     display(stars)  # noqa: F821 (IPython)
     base = alt.Chart(stars).encode(
         x=alt.X("device:N", title="device (torch threads in the name on CPUs)", axis=alt.Axis(labelAngle=0,
                                                                                                labelLimit=300)),
         xOffset="setting:N", y=alt.Y("g_star:Q", title="g* (draft nodes per step)"),
-        color=alt.Color("setting:N", title="model · method · device", scale=fig.color_scale(stars.height),
+        color=alt.Color("setting:N", title="model · method · device", scale=charts.color_scale(stars.height),
                         legend=alt.Legend(orient="bottom", direction="vertical", labelLimit=600)))
     chart = alt.layer(base.mark_bar(), base.mark_text(dy=-8, fontSize=13).encode(text="g_star:Q")).properties(
-        width=alt.Step(60), height=220, title=fig.title("Calibrated optimal draft size g* per device (UniSpec Fig. 5)",
+        width=alt.Step(60), height=220, title=charts.title("Calibrated optimal draft size g* per device (UniSpec Fig. 5)",
                                                         calibrate))
-    fig.save_chart(chart, out_dir, "g_star_by_device")
+    charts.save_chart(chart, out_dir, "g_star_by_device")
     display(chart)  # noqa: F821 (IPython)
 
 # %% [markdown]
 # ## Speedup over ar per language (UniSpec Fig. 4)
 
 # %%
-langs = fig.language_speedup(fig.method_summary(bench))
+langs = tables.language_speedup(tables.method_summary(bench))
 if langs is not None:
-    runs = fig.run_order(langs)
-    base = alt.Chart(langs).encode(
-        x=alt.X("task:N", sort=fig.task_order(langs), title="language", axis=alt.Axis(labelAngle=0)),
-        xOffset=alt.XOffset("run:N", sort=runs),
-        color=alt.Color("run:N", sort=runs, title="method · vocabulary", scale=fig.color_scale(len(runs))),
-        tooltip=["prompt_set", "task", "run", alt.Tooltip("speedup:Q", format=".2f"),
-                 alt.Tooltip("tau:Q", format=".2f"),
-                 alt.Tooltip("tokens_per_s:Q", format=".1f"), "rows"])
-    one = alt.Chart(pl.DataFrame({"y": [1.0]})).mark_rule(strokeDash=[4, 3], color="#333").encode(y="y:Q")
-    speed = alt.layer(base.mark_bar().encode(y=alt.Y("speedup:Q", title="speedup over ar (×)")), one)
-    tau = alt.layer(base.mark_bar().encode(y=alt.Y("tau:Q", title="tau (tokens per step)")), one)
-    chart = alt.vconcat(speed.properties(width=alt.Step(8), height=200),
-                        tau.properties(width=alt.Step(8), height=150)).properties(title=fig.title(
-        "Speedup over ar and tau per language (UniSpec Fig. 4)", bench.filter(
-            pl.col("prompt_set").is_in(langs["prompt_set"].unique().to_list())),
-        notes=["dashed: 1.0 (ar); avg: the mean over languages"]))
-    fig.save_chart(chart, out_dir, "speedup_by_language")
+    chart = charts.speedup_by_language(langs, bench)
+    charts.save_chart(chart, out_dir, "speedup_by_language")
     display(chart)  # noqa: F821 (IPython)

@@ -33,25 +33,25 @@ out_dir = ""                     # default: {results_dir}/figures
 import altair as alt
 import polars as pl
 
-from sweeps import figures as fig
+from sweeps import charts, tables
 
 out_dir = out_dir or f"{results_dir}/figures"
-record = fig.read(results_dir, "record", fig.RECORD_COLUMNS)
-coverage = fig.read(results_dir, "coverage")
-multilingual = fig.languages_only(coverage, "temporal locality across languages")
+record = tables.read(results_dir, "record", tables.RECORD_COLUMNS)
+coverage = tables.read(results_dir, "coverage")
+multilingual = tables.languages_only(coverage, "temporal locality across languages")
 
 # %% [markdown]
 # ## Reuse distances per language
 
 # %%
-dist = fig.distances(multilingual)
+dist = tables.distances(multilingual)
 if dist is not None:
     reuse = dist.filter(pl.col("metric") == "reuse_distance").with_columns(
         stream=pl.col("stream").replace({"generated": "generated tokens only",
                                          "candidate": "MicroSpec candidate stream"}))
     langs = reuse["panel"].unique().sort().to_list()
-    enc = dict(x=fig.log2_axis("bin_hi:Q", "reuse distance (stream entries; bin upper edge)", ticks=fig.POW2),
-               color=alt.Color("panel:N", title="language", sort=langs, scale=fig.color_scale(len(langs))),
+    enc = dict(x=charts.log2_axis("bin_hi:Q", "reuse distance (stream entries; bin upper edge)", ticks=charts.POW2),
+               color=alt.Color("panel:N", title="language", sort=langs, scale=charts.color_scale(len(langs))),
                tooltip=["panel", "stream", "bin_lo", "bin_hi", "count", alt.Tooltip("fraction:Q", format=".1%"),
                         alt.Tooltip("cum_fraction:Q", format=".1%"),
                         alt.Tooltip("new_fraction:Q", format=".1%", title="never seen before")])
@@ -63,11 +63,11 @@ if dist is not None:
         y=alt.Y("cum_fraction:Q", title="cumulative share (= FIFO window coverage)", axis=alt.Axis(format="%"),
                 scale=alt.Scale(domain=[0, 1])), **enc
     ).properties(width=330, height=190).facet(column=column)
-    chart = alt.vconcat(share, cdf).properties(title=fig.title(
+    chart = alt.vconcat(share, cdf).properties(title=charts.title(
         "Reuse-distance distributions of generated tokens, per language", multilingual, record,
         notes=["reuse distance: stream entries since the token's last occurrence; top: share per power-of-two "
                "bin; bottom: cumulative (never-seen tokens keep it below 100 %)"]))
-    fig.save_chart(chart, out_dir, "reuse_distance_by_language")
+    charts.save_chart(chart, out_dir, "reuse_distance_by_language")
     display(chart)  # noqa: F821 (IPython)
     never = reuse.group_by("panel", "stream").agg(pl.col("new_fraction").first().alias("never seen before"))
     display(never.sort("stream", "panel"))  # noqa: F821 (IPython)
@@ -76,30 +76,9 @@ if dist is not None:
 # ## Coverage per language: against w_max, and against vocabulary size beside static shortlists
 
 # %%
-by_lang = fig.window_coverage(multilingual, by=("task",))
-vocab = fig.coverage_vs_vocab(multilingual)
+by_lang = tables.window_coverage(multilingual, by=("task",))
+vocab = tables.coverage_vs_vocab(multilingual)
 if by_lang is not None and vocab is not None:
-    langs = by_lang["task"].unique().sort().to_list()
-    color = alt.Color("task:N", title="language", sort=langs, scale=fig.color_scale(len(langs)))
-    left = alt.Chart(by_lang).mark_line(point=True).encode(
-        x=fig.log2_axis("w_max:Q", "w_max (candidate-stream entries)", ticks=fig.POW2),
-        y=alt.Y("coverage:Q", title="coverage of generated tokens", axis=alt.Axis(format="%"),
-                scale=alt.Scale(zero=False)),
-        color=color, tooltip=["task", "w_max", alt.Tooltip("coverage:Q", format=".1%"),
-                              alt.Tooltip("mean_active_vocab:Q", format=".0f"), "tokens"]
-    ).properties(width=330, height=240, title="MicroSpec window vs w_max")
-    right = alt.Chart(vocab).mark_line(point=True).encode(
-        x=fig.log2_axis("vocab:Q", "vocabulary size (tokens; window: mean active)"),
-        y=alt.Y("coverage:Q", title="coverage of generated tokens", axis=alt.Axis(format="%"),
-                scale=alt.Scale(domain=[0, 1])),
-        color=color,
-        strokeDash=alt.StrokeDash("series:N", title=None, legend=fig.stroke_legend(),
-                                  scale=alt.Scale(domain=[fig.WINDOW, fig.STATIC], range=[[1, 0], [6, 4]])),
-        detail="series:N",
-        tooltip=["task", "series", "w_max", "k", alt.Tooltip("vocab:Q", format=".0f"),
-                 alt.Tooltip("coverage:Q", format=".1%")]
-    ).properties(width=330, height=240, title="window (solid) vs static top-K of the training corpus (dashed)")
-    chart = alt.hconcat(left, right).properties(title=fig.title(
-        "Coverage of generated tokens per language", multilingual, record))
-    fig.save_chart(chart, out_dir, "coverage_by_language")
+    chart = charts.coverage_by_language(by_lang, vocab, multilingual, record)
+    charts.save_chart(chart, out_dir, "coverage_by_language")
     display(chart)  # noqa: F821 (IPython)

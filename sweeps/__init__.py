@@ -1,7 +1,6 @@
 """Sweeps over models, prompt sets, methods and their parameters, run on Ray (`python -m sweeps.run`), and
-`load(DIR, kind)` to read their results as one polars LazyFrame. `sweeps.figures` holds the notebooks'
-chart helpers; `sweeps.cli` is the `specvocab` command.
-
+`load(DIR, kind)` to read their results as one polars LazyFrame. `sweeps.tables` (polars) and
+`sweeps.charts` (altair) hold the figure notebooks' tables and charts; `sweeps.cli` is the `specvocab` command.
 `load` is imported on first use, so that `specvocab --help` (sweeps.cli) loads nothing heavy."""
 
 import importlib

@@ -33,7 +33,7 @@ try:            # the notebooks extra (jupytext, papermill, altair, vl-convert);
     import jupytext
     import papermill
 
-    from sweeps.figures import FIGURE_LINE
+    from sweeps.charts import FIGURE_LINE
 except ImportError as e:                                        # pragma: no cover - an install without it
     jupytext = papermill = None
     _IMPORT_ERROR = e
@@ -81,7 +81,7 @@ def check_results(results_dir: str | Path) -> Path:
 
 
 def _figures(executed: Path) -> list[Path]:
-    """The PNGs a notebook announced (`sweeps.figures.save_chart` prints FIGURE_LINE + path) in its outputs."""
+    """The PNGs a notebook announced (`sweeps.charts.save_chart` prints FIGURE_LINE + path) in its outputs."""
     if not executed.is_file():
         return []
     out = []

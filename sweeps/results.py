@@ -21,7 +21,7 @@ from urllib.parse import quote
 
 import polars as pl
 
-from engine.artifacts import atomic_write
+from engine.atomic import atomic_write
 from sweeps.cell import Cell, SweepError, canonical_json
 
 MANIFEST = "sweep.json"

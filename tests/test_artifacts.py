@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine import artifacts
+from engine import atomic
 from engine.artifacts import (FINGERPRINT_KEY, FINGERPRINT_RTOL, atomic_dir, atomic_write, fingerprint_matches,
                               head_fingerprint, head_matches, save_safetensors, save_torch, sidecar_path,
                               stored_fingerprint)
@@ -184,5 +184,5 @@ def test_the_real_models_match_their_shipped_heads_in_fp32_and_bf16(name):
 
 
 def test_temporary_names_are_hidden_unique_and_match_no_finished_files_glob():
-    names = {artifacts._temp_path(Path("/x/a.parquet")).name for _ in range(3)}
+    names = {atomic._temp_path(Path("/x/a.parquet")).name for _ in range(3)}
     assert len(names) == 3 and all(n.startswith(".a.parquet.") and n.endswith(".tmp") for n in names)

@@ -81,7 +81,7 @@ def test_run_bench_rows_file_and_table(loaded, prompt_file, tmp_path, capsys):
     on_disk = pl.read_parquet(out / RESULTS_FILE)
     assert on_disk.equals(df)
     table = summarize(df)
-    assert set(table["category"]) == {"writing", "math", "all"}
+    assert set(table["task"]) == {"writing", "math", "all"}
     assert table["lossless"].to_list() == ["exact"] * table.height
     assert df["verdict"].to_list() == ["exact"] * df.height and df["first_divergence"].is_null().all()
     assert on_disk["verdict"].to_list() == df["verdict"].to_list()                # diagnosed before each write
@@ -103,7 +103,7 @@ def test_summary_flags_a_differing_output(loaded, prompt_file):
         output_ids=pl.when((pl.col("method") == "pld") & (pl.col("prompt_id") == "3"))
         .then(pl.lit([0, 0], dtype=pl.List(pl.Int64))).otherwise(pl.col("output_ids")))
     table = summarize(broken)
-    lossless = {(r["category"], r["method"]): r["lossless"] for r in table.iter_rows(named=True)}
+    lossless = {(r["task"], r["method"]): r["lossless"] for r in table.iter_rows(named=True)}
     # the stored verdict "exact" predates the edit: not trusted; a difference never diagnosed is a mismatch
     assert lossless[("math", "pld")] == "mismatch" and lossless[("all", "pld")] == "mismatch"
     assert lossless[("writing", "pld")] == "exact" and lossless[("all", "ar")] == "exact"
@@ -280,7 +280,7 @@ def test_verdicts_first_divergence_and_run_verdict_on_a_hand_made_frame():
 
     # a run: exact if every row is, mismatch if any row is one, else near-tie - per category and over all
     table = summarize(pl.DataFrame(rows, schema_overrides={"turn": pl.Int32, "repeat": pl.Int32}))
-    lossless = {(r["category"], r["run"]): r["lossless"] for r in table.iter_rows(named=True)}
+    lossless = {(r["task"], r["run"]): r["lossless"] for r in table.iter_rows(named=True)}
     assert {c: lossless[(c, "same")] for c in ("math", "code", "chat", "all")} == dict.fromkeys(
         ("math", "code", "chat", "all"), "exact")
     assert [lossless[(c, "tie")] for c in ("math", "code", "chat", "all")] == ["near-tie", "exact", "exact", "near-tie"]
@@ -409,7 +409,7 @@ def test_run_bench_diagnoses_only_the_rows_that_differ(loaded, prompt_file, monk
     assert bad.select("method", "prompt_id", "turn", "first_divergence").rows() == [("pld", "3", 1, 2)]
     assert bad["verdict"].item() == "mismatch" and bad["ar_margin"].item() > 0
     table = summarize(df)
-    lossless = {(r["category"], r["method"]): r["lossless"] for r in table.iter_rows(named=True)}
+    lossless = {(r["task"], r["method"]): r["lossless"] for r in table.iter_rows(named=True)}
     assert (lossless[("math", "pld")], lossless[("writing", "pld")], lossless[("all", "pld")]) == \
         ("mismatch", "exact", "mismatch")
     assert f"pld full: prompt 3, turn 1, repeat 0: first divergent token 2, ar margin {bad['ar_margin'].item():.4g}" \
@@ -471,7 +471,7 @@ def test_layerskip_every_vocab_is_lossless_with_phase_columns(loaded, prompt_fil
 
     table = summarize(df)
     assert (table["lossless"] == "exact").all()
-    allrows = {(r["method"], r["run"]): r for r in table.filter(pl.col("category") == "all").iter_rows(named=True)}
+    allrows = {(r["method"], r["run"]): r for r in table.filter(pl.col("task") == "all").iter_rows(named=True)}
     assert {k: (r["policy"], r["vocab_size"]) for k, r in allrows.items()} == {
         ("ar", "full"): ("full", None), ("layerskip", "full"): ("full", None),
         ("layerskip", "frspec"): ("frspec", 100), ("layerskip", "microspec"): ("microspec", 64),
@@ -585,7 +585,7 @@ def test_table2_on_one_eagle_head(loaded, prompt_file, cache, capsys):
 
     table = summarize(df)
     assert (table["lossless"] == "exact").all()
-    allrows = {r["run"]: r for r in table.filter((pl.col("category") == "all") & (pl.col("method") == "eagle"))
+    allrows = {r["run"]: r for r in table.filter((pl.col("task") == "all") & (pl.col("method") == "eagle"))
                .iter_rows(named=True)}
     rows = df.filter(pl.col("run") == "dynaspec:64")
     drafted = (rows["steps"] - 1).sum()
@@ -599,7 +599,7 @@ def test_table2_on_one_eagle_head(loaded, prompt_file, cache, capsys):
         ("microspec", "frspec"), ("microspec", "dynaspec"), ("microspec", "dynaspec:64"),
         ("dynaspec", "frspec"), ("dynaspec:64", "frspec")]
 
-    # what was compared, then Table 2's layout, a table per category, the overall block, the ratio lines
+    # what was compared, then Table 2's layout, a table per task, the overall block, the ratio lines
     assert f"DynaSpec {fit}" in printed and "k_max = 4 clusters per row at draft steps 0-1 (~64 tokens)" in printed
     assert "bench: random-llama on cpu, float32, native target forward, 1 torch thread(s)" in printed
     assert "prompts: " in printed and "(3 prompts, 4 turns, 2 categories, 1 repeat(s))" in printed
@@ -721,7 +721,7 @@ def test_smollm2_layerskip_every_vocab_lossless(smollm2, cache, capsys):
 def test_compare_vocabs_pairs_microspec_with_every_frspec_size():
     rows = [("full", 10.0, 2.0, 1.0, None), ("frspec", 4.0, 1.9, 1.5, 32768.0), ("frspec:1024", 3.0, 1.5, 1.6, 1024.0),
             ("microspec", 2.5, 1.8, 1.9, 700.0)]
-    table = pl.DataFrame([{"category": "all", "method": "layerskip", "run": v, "draft_ms": d, "tau": t,
+    table = pl.DataFrame([{"task": "all", "method": "layerskip", "run": v, "draft_ms": d, "tau": t,
                            "tokens_per_s": s, "mean_active_vocab": m} for v, d, t, s, m in rows])
     cmp = compare_vocabs(table)
     assert cmp.select("run", "base").rows() == [("frspec", "full"), ("frspec:1024", "full"), ("microspec", "full"),

@@ -26,10 +26,10 @@ def _modules(package) -> list[str]:
     return [package.__name__] + [f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)]
 
 
-def _loaded_by(names: list[str]) -> list[str]:
-    """Top-level packages among FORBIDDEN that importing `names` in a fresh interpreter loads."""
+def _loaded_by(names: list[str], forbidden: tuple[str, ...] = FORBIDDEN) -> list[str]:
+    """Top-level packages among `forbidden` that importing `names` in a fresh interpreter loads."""
     root = Path(locality.__file__).parents[1]
-    out = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(names), json.dumps(FORBIDDEN)], cwd=root,
+    out = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(names), json.dumps(forbidden)], cwd=root,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -274,7 +274,8 @@ def test_the_engine_import_graph_has_no_cycle():
     imports = _engine_imports()
     top = import_graph(imports)
     assert {"engine.target", "engine.shipped", "engine.drafters"} <= top["engine.harness"]     # the parser sees edges
-    assert top["engine.artifacts"] == set()                      # the bottom: imports nothing from engine
+    assert top["engine.atomic"] == set()                         # the bottom: imports nothing from engine
+    assert top["engine.artifacts"] == {"engine.atomic"}
     cycle = find_cycle(top)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
     cycle = find_cycle(import_graph(imports, functions=True))
@@ -302,3 +303,23 @@ def test_engine_config_imports_without_torch():
     """The config (presets, `--set` parsing) loads in a process without torch: a driver or a notebook can build
     and check configs cheaply. The probe's power: test_the_probe_sees_a_forbidden_import."""
     assert _loaded_by(["engine.config"]) == ["engine"]
+
+
+def test_the_metrics_and_the_sweeps_tables_and_charts_import_without_torch():
+    """What summarises a bench (engine.metrics: tau, speedup, draft time, Table 2) and what reads a sweep's results
+    and draws them (sweeps.tables, sweeps.charts) load in a process without torch or transformers (issue #17:
+    sweeps/figures.py used to import engine.bench, and with it torch, to draw charts); the tables not even
+    altair. The probe's power: test_the_probe_sees_a_forbidden_import."""
+    heavy = ("torch", "transformers", "safetensors", "altair", "kernels")
+    assert _loaded_by(["engine.metrics"], heavy) == []
+    assert _loaded_by(["sweeps.results", "sweeps.tables"], heavy) == []
+    assert _loaded_by(["sweeps.charts"], heavy) == ["altair"]
+    assert "altair" in _loaded_by(["sweeps.charts"], heavy)               # the probe sees altair
+
+
+def test_the_sweep_kinds_are_one_list():
+    """sweeps.tables reads the kinds from sweeps.cell (light); sweeps.config's list must say the same."""
+    import sweeps.cell
+    import sweeps.config
+
+    assert sweeps.config.KINDS == sweeps.cell.KINDS

@@ -17,10 +17,12 @@ import ray
 # the notebooks extra (papermill, jupytext, altair, vl-convert): skip before importing what needs it
 pytest.importorskip("papermill", reason="the notebooks extra (pip install -e '.[notebooks]') is not installed")
 
-import engine.jobs.dynaspec_choices as choices_job  # noqa: E402
-import engine.jobs.fit_dynaspec as ds  # noqa: E402
+from engine.jobs.dynaspec_choices import ChoicesConfig, sweep_choices  # noqa: E402
+from engine.jobs.fit_dynaspec import FitConfig, fit  # noqa: E402
 from engine.models import load_model  # noqa: E402
-from sweeps import figures as fig  # noqa: E402
+import altair as alt  # noqa: E402
+
+from sweeps import charts, tables  # noqa: E402
 from sweeps.cell import SweepError  # noqa: E402
 from sweeps.cluster import start_local  # noqa: E402
 from sweeps.config import load_sweep  # noqa: E402
@@ -40,7 +42,15 @@ FIGURES = {
 
 # the smallest sweep that gives every figure its data: both prompt sets (categories; languages), the
 # coverage grid over several w_max, k_pre and k_ver, ar + speculative methods + the layer-skip drafter with
-# the full vocabulary and MicroSpec's window at two w_max, and a calibration
+# the full vocabulary and MicroSpec's window at two w_max, and a calibration; two models (a second random
+# Llama, other sizes), so that every chart must tell models apart (issue #18)
+SECOND_MODEL = '''
+[[models]]
+name = "random-llama"
+label = "tiny2"
+options = { vocab_size = 512, hidden_size = 32, num_layers = 2 }
+'''
+MODELS = ("tiny", "tiny2")
 SWEEP = tiny_toml(name="notebooks", coverage="k_pre = [1, 3]\nk_ver = [1, 3]", bench='''
 [[bench]]
 methods = ["ar", "pld", "unispec"]
@@ -57,21 +67,21 @@ per_category = 1
 categories = ["qa"]
 languages = ["de", "ja"]
 split = "language"
-''')
+''').replace("[[prompts]]", SECOND_MODEL + "\n[[prompts]]", 1)
 
 
 def dynaspec_choices(folder: Path, out: Path) -> Path:
     """A tiny DynaSpec fit on the random model and its sweep of M, router width and L into `out` (as
-    `tests/test_dynaspec.py`'s end-to-end test: 4 prompts, 16 clusters; here one epoch): 4 settings, one
+    `tests/test_fit_dynaspec.py`'s end-to-end test: 4 prompts, 16 clusters; here one epoch): 4 settings, one
     Parquet file each, every one at 4 token budgets."""
     fitted = folder / "fitted.safetensors"
     cfg = tiny_dynaspec_fit(folder, fitted, epochs=1)
-    ds.fit(cfg)
+    fit(cfg)
     vocab = load_model("random-llama")[0].get_output_embeddings().weight.shape[0]
-    choices = choices_job.ChoicesConfig(work_dir=f"{fitted}.work", out=str(out), num_clusters=(8, 16), router_width=(8,),
+    choices = ChoicesConfig(work_dir=f"{fitted}.work", out=str(out), num_clusters=(8, 16), router_width=(8,),
                                top_l=(1, 4), budget_tokens=(vocab // 8, vocab // 4, vocab // 2, vocab),
                                heldout=0.25, epochs=1, threads=None, progress=False)
-    return choices_job.sweep_choices(choices)
+    return sweep_choices(choices)
 
 
 @pytest.fixture(scope="module")
@@ -112,52 +122,58 @@ def test_every_notebook_writes_its_figures(results, capsys):
 
 
 def test_tables_agree_with_the_raw_results(results):
-    bench = fig.read(results, "bench")
-    coverage = fig.read(results, "coverage")
-    summary = fig.method_summary(bench)
-    # speedup is tokens/s over ar's on the same task; ar's is 1; tau = sum new tokens / sum steps
-    assert summary.filter(pl.col("method") == "ar")["speedup"].to_list() == pytest.approx([1.0] * 6)
-    pld = bench.filter((pl.col("method") == "pld") & (pl.col("category") == "writing"))
-    row = summary.filter((pl.col("run") == "pld") & (pl.col("task") == "writing")).row(0, named=True)
-    ar = bench.filter((pl.col("method") == "ar") & (pl.col("category") == "writing"))
+    bench = tables.read(results, "bench")
+    coverage = tables.read(results, "coverage")
+    summary = tables.method_summary(bench)
+    assert set(summary["model"]) == set(MODELS)
+    # speedup is tokens/s over ar's on the same model and task; ar's is 1; tau = sum new tokens / sum steps
+    # (2 models x (spec_bench: qa, writing, avg; multilingual: de, ja, avg))
+    assert summary.filter(pl.col("method") == "ar")["speedup"].to_list() == pytest.approx([1.0] * 12)
+    tiny = (pl.col("model") == "tiny") & (pl.col("category") == "writing")
+    pld, ar = bench.filter(tiny & (pl.col("method") == "pld")), bench.filter(tiny & (pl.col("method") == "ar"))
+    row = summary.filter((pl.col("model") == "tiny") & (pl.col("run") == "pld") & (pl.col("task") == "writing")
+                         ).row(0, named=True)
     assert row["tau"] == pytest.approx(pld["new_tokens"].sum() / pld["steps"].sum())
     assert row["speedup"] == pytest.approx(pld["tokens_per_s"].mean() / ar["tokens_per_s"].mean())
-    pld_sb = summary.filter((pl.col("run") == "pld") & (pl.col("prompt_set") == "spec_bench"))
-    avg, tasks = pld_sb.filter(pl.col("task") == fig.AVG), pld_sb.filter(pl.col("task") != fig.AVG)
+    pld_sb = summary.filter((pl.col("model") == "tiny") & (pl.col("run") == "pld")
+                            & (pl.col("prompt_set") == "spec_bench"))
+    avg, tasks = pld_sb.filter(pl.col("task") == tables.AVG), pld_sb.filter(pl.col("task") != tables.AVG)
     assert avg["tokens_per_s"][0] == pytest.approx(tasks["tokens_per_s"].mean())
     assert set(summary["run"]) == {"ar", "pld", "unispec", "layerskip · full", "layerskip · microspec 64",
                                    "layerskip · microspec 256"}
     # languages are the multilingual set's tasks
-    assert set(summary.filter(pl.col("prompt_set") == "multilingual")["task"]) == {"de", "ja", fig.AVG}
+    assert set(summary.filter(pl.col("prompt_set") == "multilingual")["task"]) == {"de", "ja", tables.AVG}
 
     # acceptance by confidence: every drafted node of the method counted once
-    conf = fig.confidence_bins(bench)
-    uni = bench.filter(pl.col("method") == "unispec")
-    got = conf.filter(pl.col("method") == "unispec")
+    conf = tables.confidence_bins(bench)
+    uni = bench.filter((pl.col("method") == "unispec") & (pl.col("model") == "tiny"))
+    got = conf.filter((pl.col("method") == "unispec") & (pl.col("model") == "tiny"))
     assert got["proposed"].sum() == uni["score_bins_proposed"].list.sum().sum() > 0
     assert got["accepted"].sum() == uni["score_bins_accepted"].list.sum().sum()
     assert got["density"].sum() == pytest.approx(1.0)
     assert "pld" not in set(conf["method"])                   # no confidence score: every node in one bin
 
     # Fig. 1(b): one window point per w_max and one static point per K, per task
-    vocab = fig.coverage_vs_vocab(coverage)
-    per = vocab.group_by("task", "series").len()
-    assert set(per.filter(pl.col("series") == fig.WINDOW)["len"]) == {3}
-    assert set(per.filter(pl.col("series") == fig.STATIC)["len"]) == {2}
-    assert set(vocab["task"]) == {"qa", "writing", "de", "ja"}
-    sweep = fig.wmax_sweep(bench)
-    assert sweep.group_by("prompt_set").len()["len"].to_list() == [2, 2]
-    grid = fig.window_coverage(coverage, at_default=False)
+    vocab = tables.coverage_vs_vocab(coverage)
+    per = vocab.group_by("model", "task", "series").len()
+    assert set(per.filter(pl.col("series") == tables.WINDOW)["len"]) == {3}
+    assert set(per.filter(pl.col("series") == tables.STATIC)["len"]) == {2}
+    assert set(vocab["task"]) == {"qa", "writing", "de", "ja"} and set(vocab["model"]) == set(MODELS)
+    sweep = tables.wmax_sweep(bench)
+    assert sweep.group_by("model", "prompt_set").len()["len"].to_list() == [2, 2, 2, 2]
+    grid = tables.window_coverage(coverage, at_default=False)
     assert grid.select("k_pre", "k_ver").unique().height == 4
 
     # DynaSpec's choices: the centre (the fit's M and L, FitConfig's width) in every factor's panel, each
     # setting's DynaSpec-PA rows, the static baseline of the centre's M in each panel
-    raw = fig.read_choices(results / "dynaspec_choices")
-    assert fig.choices_centre(raw) == (16, ds.FitConfig.router_width, 4)
-    shaped = fig.dynaspec_choices(raw)
+    raw = tables.read_choices(results / "dynaspec_choices")
+    assert tables.choices_centre(raw) == (16, FitConfig.router_width, 4)            # as the job recorded it
+    # a folder from before the job recorded its centre: the value shared by the most settings
+    assert tables.choices_centre(raw.drop(*tables.CENTRE_COLUMNS)) == (16, FitConfig.router_width, 4)
+    shaped = tables.dynaspec_choices(raw)
     panels = {f: sorted(set(part.filter(pl.col("series") == "router")["value"]))
               for (f,), part in shaped.group_by("factor")}
-    assert panels == {"M (clusters)": [8, 16], "router width": [8, ds.FitConfig.router_width],
+    assert panels == {"M (clusters)": [8, 16], "router width": [8, FitConfig.router_width],
                       "L (label top-L)": [1, 4]}
     assert shaped.filter(pl.col("centre"))["factor"].value_counts().height == 3
     static = shaped.filter(pl.col("series") == "static")
@@ -168,9 +184,65 @@ def test_tables_agree_with_the_raw_results(results):
                         & (pl.col("budget_tokens") == small)).row(0, named=True)
     assert row["token_recall"] == pa.filter((pl.col("num_clusters") == 8) & (pl.col("budget_tokens") == small)
                                             )["token_recall"][0]
-    table = fig.choices_table(shaped, near=8192)                     # V = 512: the largest budget is closest
+    table = tables.choices_table(shaped, near=8192)                     # V = 512: the largest budget is closest
     assert table["budget_tokens"].to_list() == [large] * 5 and table["varied"].to_list() == [
         "centre", "M (clusters)", "router width", "L (label top-L)", "static baseline"]
+
+
+def _splits_by_model(spec, models) -> bool:
+    """Whether a Vega-Lite spec tells `models` apart: a facet (row / column / facet) or a series encoding on
+    `model`, or, for each model, a filter that keeps only that model's rows (one panel per model)."""
+    fields, filters = set(), []
+
+    def walk(node, key=None):
+        if isinstance(node, dict):
+            if key in ("facet", "row", "column", "color", "shape", "strokeDash", "xOffset", "detail") \
+                    and isinstance(node.get("field"), str):
+                fields.add(node["field"])
+            for k, v in node.items():
+                if k == "filter" and isinstance(v, str):          # datum.model or datum['model']
+                    filters.append(v.replace('"', "'").replace("datum['model']", "datum.model"))
+                walk(v, k)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v, key)
+
+    walk(spec)
+    return "model" in fields or all(any("datum.model" in f and f"'{m}'" in f for f in filters) for m in models)
+
+
+def test_every_bench_and_coverage_chart_tells_the_models_apart(results):
+    """Issue #18: with two models in the sweep, each chart that drew bench or coverage results without `model`
+    has a panel or a facet per model (the charts of 01 facet on `panel`, which names the model)."""
+    bench, coverage = tables.read(results, "bench"), tables.read(results, "coverage")
+    record = tables.read(results, "record", tables.RECORD_COLUMNS)
+    summary = tables.method_summary(bench)
+    multilingual = tables.languages_only(coverage, "languages")
+    built = {
+        "methods_table": charts.methods_table(summary, bench),
+        "methods_speed": charts.methods_speed(summary, bench),
+        "draft_time_by_phase": charts.draft_time_by_phase(tables.phase_times(summary), bench),
+        "wmax_sensitivity": charts.wmax_sensitivity(tables.window_coverage(coverage), tables.wmax_sweep(bench),
+                                                    bench, coverage, record),
+        "kpre_kver_sensitivity": charts.kpre_kver_sensitivity(tables.window_coverage(coverage, at_default=False),
+                                                              coverage, record),
+        "speedup_by_language": charts.speedup_by_language(tables.language_speedup(summary), bench),
+        "coverage_by_language": charts.coverage_by_language(tables.window_coverage(multilingual, by=("task",)),
+                                                            tables.coverage_vs_vocab(multilingual), multilingual,
+                                                            record),
+    }
+    apart = {name: _splits_by_model(chart.to_dict(), MODELS) for name, chart in built.items()}
+    assert apart == {name: True for name in built}
+    # the check can fail: a chart over both models' rows with no model in it (as these charts were)
+    blind = alt.Chart(summary).mark_bar().encode(x="task:N", y="tokens_per_s:Q", color="run:N")
+    assert not _splits_by_model(blind.to_dict(), MODELS)
+    one = blind.transform_filter(alt.datum.model == "tiny")                  # one model's panel only
+    assert not _splits_by_model(one.to_dict(), MODELS)
+    # above 20 series the colours get a second channel
+    many = [f"run {i}" for i in range(25)]
+    assert "strokeDash" in charts.series_channels("run", many, "run")
+    assert "shape" in charts.series_channels("run", many, "run", mark="point")
+    assert set(charts.series_channels("run", many[:20], "run")) == {"color"}
 
 
 def test_a_sweep_without_bench_or_calibrate_cells_still_renders(results, tmp_path):

@@ -59,24 +59,17 @@ Rows benched without ar in the same call (a sweep's cells) are diagnosed afterwa
 `tokens_per_s` = new_tokens / (wall_s - uncharged_s) (= new_tokens / wall_s except for oracle rows).
 
 Then prints (`print_summary`) what was compared (model, device, dtype, threads, prompts, tokens, each
-drafter's head and runs), MicroSpec Table 2's layout (a row per run: tokens/s per category, then overall
-tokens/s with its speedup over ar, tau and lossless), a compact table per category and the overall block,
-per run: tokens/s (mean over rows), speedup (that mean over `ar`'s), tau (sum new_tokens / sum steps; ar =
-1.00), mean_active_vocab (mean over drafted steps: sum of row mean x drafted steps / sum of drafted steps),
-the draft time per drafted step in ms and its split by phase, and `lossless` (greedy only): "exact" if every
-output of the run equals `ar`'s, else "mismatch" if any row is a mismatch, else "near-tie" (`summarize`),
-
-    draft_ms   = sum over rows (draft_s - draft_prefill_s - uncharged_s) / sum over rows (steps - 1)
-    <phase>_ms = sum over rows <phase>_s / sum over rows (steps - 1)
-                 phase = backbone | router | gather | lm_head | tree
-
-(steps - 1: the prefill, step 0, drafts nothing; draft_s includes the drafter's `begin`, so the per-prompt
-set-up of the policy - microspec's Eq. 2 window - is spread over the steps; a phase column is printed when
-some run spent time in it). Last, for a drafter benched with several policies, one line per pair measured in
-this run (`compare_vocabs`): every other policy against `full`, microspec against frspec and dynaspec, and
-dynaspec against frspec: draft-time ratio, tau ratio and tokens/s ratio, with the papers' claims as targets;
-and for every output that differs from ar's a line: run, prompt_id, turn, first divergent token, ar's margin
-there, verdict (`divergence_lines`).
+drafter's head and runs), MicroSpec Table 2's layout (a row per run: tokens/s per task - the category, or the
+language of a set split by language - then over all rows tokens/s with its speedup over ar, tau and lossless),
+a compact table per task and the overall block, per run: tokens/s, speedup over ar, tau (bonus token included;
+ar = 1.00), mean_active_vocab, the draft time per drafted step in ms and its split by phase, draft_coverage and
+`lossless` (greedy only): "exact" if every output of the run equals `ar`'s, else "mismatch" if any row is a
+mismatch, else "near-tie". Each measure is defined once, in `engine.metrics` (its docstring: the formulas,
+e.g. draft_ms = sum (draft_s - draft_prefill_s - uncharged_s) / sum (steps - 1); `summarize`). Last, for a
+drafter benched with several policies, one line per pair measured in this run (`compare_vocabs`): every other
+policy against `full`, microspec against frspec and dynaspec, and dynaspec against frspec: draft-time ratio,
+tau ratio and tokens/s ratio, with the papers' claims as targets; and for every output that differs from ar's a
+line: run, prompt_id, turn, first divergent token, ar's margin there, verdict (`divergence_lines`).
 
 `run_bench(**kwargs)` is what the CLI calls and what a Ray sweep cell calls: one call per cell.
 """
@@ -94,7 +87,7 @@ from tqdm.auto import tqdm
 
 from engine.artifacts import atomic_write
 from engine.config import POLICIES, ConfigError, SpecConfig, parse_overrides
-from engine.divergence import VERDICTS, diagnose_rows, first_divergence, next_logits, run_verdict
+from engine.divergence import diagnose_rows, next_logits
 from engine.drafters import available_methods, make_drafter
 from engine.vocab.dynaspec import find_fitted, fitted_sizes, k_max_for_tokens, tokens_for_k_max
 from engine.harness import generate, resolve_config
@@ -102,36 +95,13 @@ from engine.models import eos_token_ids, load_model
 from engine.prompts import Prompt, decode_answer, encode_prompt, load_prompts
 from engine.target import backend_label
 from engine.jobs.frequency import with_default_ranking
+from engine.metrics import (ALL, DRAFTERS, PHASES, ROW_SCHEMA, RUN, compare_vocabs, comparison_lines,  # noqa: F401
+                            describe_bench, divergence_lines, divergences, policy, row_verdicts, summarize, table2)
 from kernels.hardware import HardwareError, parse_device, parse_dtype
 
 RESULTS_FILE = "results.parquet"
-DRAFTERS = ("layerskip", "eagle")              # drafters with an LM head behind a vocabulary policy
-PHASES = ("backbone", "router", "gather", "lm_head", "tree")   # drafter phases (engine.drafters.lmhead)
-ROW_SCHEMA = {
-    "model": pl.String, "device": pl.String, "dtype": pl.String, "backend": pl.String, "method": pl.String, "run": pl.String,
-    "policy": pl.String, "vocab_size": pl.Int64, "dynaspec_k_max": pl.Int64, "draft_head": pl.String,
-    "vocab_file": pl.String, "draft_size": pl.Int64, "max_new_tokens": pl.Int64, "prompt_set": pl.String,
-    "prompt_id": pl.String,
-    "category": pl.String, "language": pl.String, "turn": pl.Int32,
-    "repeat": pl.Int32, "prompt_tokens": pl.Int64, "new_tokens": pl.Int64, "steps": pl.Int64,
-    "tau": pl.Float64, "g": pl.Float64, "wall_s": pl.Float64, "prefill_s": pl.Float64, "draft_s": pl.Float64,
-    "verify_s": pl.Float64, "tokens_per_s": pl.Float64,
-    **{f"{p}_s": pl.Float64 for p in PHASES}, "draft_prefill_s": pl.Float64, "uncharged_s": pl.Float64,
-    "mean_active_vocab": pl.Float64, "max_active_vocab": pl.Float64, "mean_union_vocab": pl.Float64,
-    "draft_coverage": pl.Float64, "bonus_coverage": pl.Float64, "threads": pl.Int32, "stop_reason": pl.String,
-    "temperature": pl.Float64,
-    "seed": pl.Int64, "output_ids": pl.List(pl.Int64),
-    "score_bins_proposed": pl.List(pl.Int64), "score_bins_accepted": pl.List(pl.Int64),
-    # against ar's row of the same (prompt_id, turn, repeat), greedy only (`engine.divergence`, `diagnose`)
-    "verdict": pl.String, "first_divergence": pl.Int64, "ar_margin": pl.Float64, "ar_gap": pl.Float64,
-    "prompt_differs": pl.Boolean,
-}
 RUN_KEY = ("method", "run", "prompt_id", "repeat")
 DIAGNOSIS = ("verdict", "first_divergence", "ar_margin", "ar_gap", "prompt_differs")   # `diagnose`'s columns
-RUN = ["method", "run"]                         # one benched configuration
-# MicroSpec's claims against full of the same drafter, as targets: draft time per step cut several-fold
-# (MicroSpec §4.4, Fig. 4), tau kept (§4.3), faster end to end (§4.2)
-TARGET_DRAFT_RATIO, TARGET_TAU_RATIO, TARGET_SPEED_RATIO = 3.0, 0.95, 1.0
 # the SpecConfig field that is a policy's size, read into the vocab_size column (and set by a sweep's
 # `vocab_sizes`); dynaspec's size is a token budget with no field of its own (module docstring, `Run.size`)
 REQUESTED_SIZE = {"frspec": "frspec_k", "microspec": "w_max", "oracle": "w_max"}
@@ -209,11 +179,6 @@ def parse_vocab(label: str) -> tuple[dict, int | None]:
     if name == "dynaspec":
         return {"vocab": name}, int(size)
     return {"vocab": name, LABEL_SIZE[name]: int(size)}, None
-
-
-def policy(label: str) -> str:
-    """The vocabulary policy of a run label ("frspec:1024" -> "frspec")."""
-    return label.partition(":")[0]
 
 
 def plan_runs(methods: str | Sequence[str] | None, drafter: str | None = None,
@@ -482,7 +447,9 @@ def diagnose(frame: pl.DataFrame, loaded, prompts: str | Path | Sequence[Prompt]
     target, tokenizer, _ = loaded
     try:
         if prompts is None:
-            prompt_list = [p for name in _values(frame, "prompt_set") for p in load_prompts(name)]
+            sets = frame["prompt_set"].drop_nulls().unique(maintain_order=True).to_list() \
+                if "prompt_set" in frame.columns else []
+            prompt_list = [p for name in sets for p in load_prompts(name)]
         elif isinstance(prompts, (str, Path)):
             prompt_list = load_prompts(str(prompts))
         else:
@@ -500,305 +467,36 @@ def diagnose(frame: pl.DataFrame, loaded, prompts: str | Path | Sequence[Prompt]
     return frame.with_columns([pl.Series(c, [r.get(c) for r in rows], dtype=ROW_SCHEMA[c]) for c in DIAGNOSIS])
 
 
-# --- summaries ------------------------------------------------------------------------------------------
-
-def _with_optional(frame: pl.DataFrame, needs: Sequence[str] = ("category",)) -> pl.DataFrame:
-    """`frame` with every ROW_SCHEMA column (null where a hand-made frame or an older file lacks one)."""
-    missing = [c for c in (*RUN, "prompt_id", "turn", "repeat", *needs) if c not in frame.columns]
-    if missing:
-        raise BenchError(f"summarize needs engine.jobs.bench's columns; missing {missing} (a results file from an "
-                         f"older engine.jobs.bench: bench again)")
-    return frame.with_columns([pl.lit(None, dtype=dt).alias(col) for col, dt in ROW_SCHEMA.items()
-                               if col not in frame.columns])
-
-
-def row_verdicts(frame: pl.DataFrame) -> pl.DataFrame | None:
-    """`frame` with `ar_output` (ar's output for the row's prompt_id, turn, repeat) and `row_verdict`, the
-    verdict `summarize` counts: null without an ar row; "exact" where the output equals ar's (whatever an
-    older `verdict` said: a stale one from before a hand edit is not trusted), except a later turn whose
-    prompt already differed (`prompt_differs`: it keeps the verdict of the turn where the conversation
-    parted); else the row's diagnosed `verdict` (near-tie | mismatch); a differing row never diagnosed (an
-    older results file, ar benched in another call: `diagnose`) counts as a mismatch - nothing shows that
-    rounding explains it. None when outputs are not token-comparable: no ar rows, or any row sampled."""
-    frame = _with_optional(frame, ())
-    key = ["prompt_id", "turn", "repeat"]
-    ar_out = (frame.filter(pl.col("method") == "ar").unique(key, keep="first", maintain_order=True)
-              .select(*key, ar_output=pl.col("output_ids")))
-    if not ar_out.height or not bool((frame["temperature"] == 0).all()):
-        return None
-    stored = pl.col("verdict")
-    diverged = stored.is_in(list(VERDICTS[1:]))
-    return (frame.join(ar_out, on=key, how="left", maintain_order="left")
-            .with_columns(row_verdict=pl.when(pl.col("ar_output").is_null()).then(pl.lit(None, dtype=pl.String))
-                          .when(pl.col("prompt_differs") & diverged).then(stored)
-                          .when(pl.col("output_ids") == pl.col("ar_output")).then(pl.lit("exact"))
-                          .when(diverged).then(stored)
-                          .otherwise(pl.lit("mismatch"))))
-
-
-def divergences(frame: pl.DataFrame) -> pl.DataFrame:
-    """The rows whose `row_verdicts` verdict is not exact, one per (method, run, prompt_id, turn, repeat):
-    first_divergence (from the outputs where the row was never diagnosed), ar_margin, ar_gap, prompt_differs,
-    verdict, and `diagnosed` (whether `engine.divergence` measured it)."""
-    schema = {"method": pl.String, "run": pl.String, "prompt_id": pl.String, "turn": pl.Int32, "repeat": pl.Int32,
-              "first_divergence": pl.Int64, "ar_margin": pl.Float64, "ar_gap": pl.Float64,
-              "prompt_differs": pl.Boolean, "verdict": pl.String, "diagnosed": pl.Boolean}
-    rows = row_verdicts(frame)
-    if rows is None:
-        return pl.DataFrame(schema=schema)
-    out = []
-    differ = rows.filter(pl.col("row_verdict").is_not_null() & (pl.col("row_verdict") != "exact"))
-    for r in differ.iter_rows(named=True):
-        diagnosed = r["verdict"] in VERDICTS[1:]
-        pos = r["first_divergence"] if diagnosed else first_divergence(r["ar_output"], r["output_ids"])
-        out.append({**{k: r[k] for k in ("method", "run", "prompt_id", "turn", "repeat")}, "first_divergence": pos,
-                    "ar_margin": r["ar_margin"] if diagnosed else None, "ar_gap": r["ar_gap"] if diagnosed else None,
-                    "prompt_differs": r["prompt_differs"] if diagnosed else None, "verdict": r["row_verdict"],
-                    "diagnosed": diagnosed})
-    return pl.DataFrame(out, schema=schema)
-
-
-def divergence_lines(frame: pl.DataFrame) -> list[str]:
-    """One line per `divergences` row: run, prompt_id, turn (and repeat), the first divergent new token, ar's
-    margin there (and the gap to the method's token), the verdict."""
-    lines = []
-    for r in divergences(frame).iter_rows(named=True):
-        who = r["run"] if r["run"].startswith(r["method"]) else f"{r['method']} {r['run']}"
-        where = f"{who}: prompt {r['prompt_id']}, turn {r['turn']}, repeat {r['repeat']}: "
-        if r["prompt_differs"]:
-            what = "prompt differs (an earlier turn diverged; its verdict)"
-        elif not r["diagnosed"]:
-            what = f"first divergent token {r['first_divergence']}, ar margin n/a (not diagnosed: `diagnose`)"
-        else:
-            what = (f"first divergent token {r['first_divergence']}, ar margin {_fmt(r['ar_margin'], '.4g')}, "
-                    f"gap to the method's token {_fmt(r['ar_gap'], '.4g')}")
-        lines.append(where + what + f" -> {r['verdict']}")
-    return lines
-
-
-def summarize(frame: pl.DataFrame) -> pl.DataFrame:
-    """Per (category incl. "all", method, run): policy, vocab_size, dynaspec_k_max, draft_head, rows,
-    tokens_per_s (mean over rows), speedup over ar, tau, g, mean_active_vocab and mean_union_vocab (means over
-    drafted steps), draft_ms and the per-phase ms per drafted step (module docstring), draft and bonus
-    coverage, and `lossless`, a string: "exact" - every output equals ar's token for token; "near-tie" - some
-    differ, each where the target's top two logits were within rounding (`engine.divergence.near_tie_bound`);
-    "mismatch" - some output differs where ar's token led clearly, a bug (or was never diagnosed:
-    `row_verdicts`); null when outputs are not comparable (no ar rows, or sampling)."""
-    frame = _with_optional(frame)
-    both = pl.concat([frame, frame.with_columns(category=pl.lit("all"))], how="vertical_relaxed")
-    drafted = (pl.col("steps") - 1).clip(lower_bound=0)
-    per_step = (lambda e: pl.when(drafted.sum() > 0).then(e.sum() / drafted.sum() * 1e3))
-    step_mean = (lambda c: (pl.col(c) * drafted).sum() / drafted.filter(pl.col(c).is_not_null()).sum())
-    agg = (both.group_by("category", *RUN)
-           .agg(policy=pl.col("policy").first(), vocab_size=pl.col("vocab_size").first(),
-                dynaspec_k_max=pl.col("dynaspec_k_max").first(), draft_head=pl.col("draft_head").first(),
-                rows=pl.len(), tokens_per_s=pl.col("tokens_per_s").mean(),
-                tau=pl.col("new_tokens").sum() / pl.col("steps").sum(), g=pl.col("g").mean(),
-                mean_active_vocab=step_mean("mean_active_vocab"), mean_union_vocab=step_mean("mean_union_vocab"),
-                draft_ms=per_step(pl.col("draft_s") - pl.col("draft_prefill_s").fill_null(0.0)
-                                  - pl.col("uncharged_s").fill_null(0.0)),
-                **{f"{p}_ms": per_step(pl.col(f"{p}_s")) for p in PHASES},
-                coverage=(pl.col("draft_coverage") * pl.col("new_tokens")).sum()
-                / pl.col("new_tokens").filter(pl.col("draft_coverage").is_not_null()).sum(),
-                has_phases=pl.col("backbone_s").is_not_null().any()))
-    agg = agg.with_columns([pl.when(pl.col("has_phases")).then(pl.col(f"{p}_ms")).alias(f"{p}_ms")
-                            for p in PHASES]).drop("has_phases")
-    agg = agg.with_columns([pl.when(pl.col(c).is_finite()).then(pl.col(c)).alias(c)
-                            for c in ("mean_active_vocab", "mean_union_vocab", "coverage")])
-    ar_speed = (agg.filter(pl.col("method") == "ar").group_by("category")
-                .agg(ar_tokens_per_s=pl.col("tokens_per_s").first()))
-    agg = (agg.join(ar_speed, on="category", how="left")
-           .with_columns(speedup=pl.col("tokens_per_s") / pl.col("ar_tokens_per_s")).drop("ar_tokens_per_s"))
-    verdicts = row_verdicts(frame)
-    if verdicts is not None:
-        verdicts = pl.concat([verdicts, verdicts.with_columns(category=pl.lit("all"))])
-        lossless = verdicts.group_by("category", *RUN).agg(lossless=run_verdict(pl.col("row_verdict")))
-        agg = agg.join(lossless, on=["category", *RUN], how="left")
-    else:                                                        # no ar rows, or sampling: not token-comparable
-        agg = agg.with_columns(lossless=pl.lit(None, dtype=pl.String))
-    runs = frame.select(RUN).unique(maintain_order=True).with_row_index("_r")
-    return (agg.join(runs, on=RUN, how="left").with_columns(_cat_all=pl.col("category") == "all")
-            .sort("_cat_all", "category", "_r").drop("_cat_all", "_r")
-            .select("category", *RUN, "policy", "vocab_size", "dynaspec_k_max", "draft_head", "rows",
-                    "tokens_per_s", "speedup", "tau", "g", "mean_active_vocab", "mean_union_vocab",
-                    "draft_ms", *[f"{p}_ms" for p in PHASES], "coverage", "lossless"))
-
-
-def _policy_of(row: dict) -> str:
-    """A summary row's policy: its `policy` column, else read from the run label ("frspec:1024")."""
-    return row.get("policy") or policy(row["run"])
-
-
-# pairs compared per drafter: (policy, base policy); `full` is every other policy's base
-PAIRS = (("microspec", "frspec"), ("microspec", "dynaspec"), ("dynaspec", "frspec"))
-
-
-def compare_vocabs(table: pl.DataFrame) -> pl.DataFrame:
-    """From `summarize`'s "all" rows: per drafter, each non-full run against every `full` run of the same
-    drafter, then every microspec run against every frspec and dynaspec run, and every dynaspec run against
-    every frspec run (e.g. frspec and frspec:1024, to compare tau at an equal or smaller mean vocabulary).
-    Policies come from the `policy` column (else the run label). Ratios: draft_ratio = base draft_ms /
-    draft_ms (how many times less draft time per step), tau_ratio = tau / base tau, speed_ratio =
-    tokens_per_s / base tokens_per_s; `speedup` is the run's own over ar."""
-    allrows = table.filter(pl.col("category") == "all")
-    out = []
-    for method in allrows["method"].unique(maintain_order=True).to_list():
-        mine = {r["run"]: r for r in allrows.filter(pl.col("method") == method).iter_rows(named=True)}
-        of = (lambda name: [v for v, r in mine.items() if _policy_of(r) == name])
-        pairs = [(v, b) for b in of("full") for v, r in mine.items() if _policy_of(r) != "full"]
-        pairs += [(v, b) for a, base in PAIRS for v in of(a) for b in of(base)]
-        for v, base in pairs:
-            a, b = mine[v], mine[base]
-            ratio = (lambda x, y: x / y if x is not None and y else None)
-            out.append({"method": method, "run": v, "base": base, "policy": _policy_of(a),
-                        "base_policy": _policy_of(b), "draft_ms": a["draft_ms"],
-                        "base_draft_ms": b["draft_ms"], "draft_ratio": ratio(b["draft_ms"], a["draft_ms"]),
-                        "tau": a["tau"], "base_tau": b["tau"], "tau_ratio": ratio(a["tau"], b["tau"]),
-                        "tokens_per_s": a["tokens_per_s"], "base_tokens_per_s": b["tokens_per_s"],
-                        "speed_ratio": ratio(a["tokens_per_s"], b["tokens_per_s"]), "speedup": a.get("speedup"),
-                        "mean_active_vocab": a["mean_active_vocab"], "base_mean_active_vocab": b["mean_active_vocab"]})
-    schema = {"method": pl.String, "run": pl.String, "base": pl.String, "policy": pl.String, "base_policy": pl.String,
-              **{c: pl.Float64 for c in ("draft_ms", "base_draft_ms", "draft_ratio", "tau", "base_tau", "tau_ratio",
-                                         "tokens_per_s", "base_tokens_per_s", "speed_ratio", "speedup",
-                                         "mean_active_vocab", "base_mean_active_vocab")}}
-    return pl.DataFrame(out, schema=schema)
-
-
-def _fmt(x, spec: str = ".2f") -> str:
-    return "n/a" if x is None else format(x, spec)
-
-
-def comparison_lines(cmp: pl.DataFrame) -> list[str]:
-    """One line per `compare_vocabs` row, with the papers' claims as targets where one applies:
-    microspec vs full (MicroSpec §4.2-4.4: draft time TARGET_DRAFT_RATIO x less, tau kept within
-    TARGET_TAU_RATIO, faster than full and than ar), microspec vs frspec (higher tau at no larger vocab,
-    faster; MicroSpec Table 2), microspec vs dynaspec (faster; MicroSpec Table 2), dynaspec vs frspec (higher
-    tau at no larger vocab; DynaSpec Table 1)."""
-    met = (lambda ok: "n/a" if ok is None else ("met" if ok else "MISSED"))
-    ge = (lambda x, t: None if x is None else x >= t)
-    gt = (lambda x, t: None if x is None else x > t)
-    lines = []
-    for r in cmp.iter_rows(named=True):
-        who = r["run"] if r["run"].startswith(r["method"]) else f"{r['method']} {r['run']}"   # sweep labels
-        line = (f"{who} vs {r['base']}: draft {_fmt(r['draft_ms'])} vs "
-                f"{_fmt(r['base_draft_ms'])} ms/step = {_fmt(r['draft_ratio'])}x less; tau {_fmt(r['tau'])} vs "
-                f"{_fmt(r['base_tau'])} = {_fmt(r['tau_ratio'], '.3f')}x; tokens/s {_fmt(r['tokens_per_s'])} vs "
-                f"{_fmt(r['base_tokens_per_s'])} = {_fmt(r['speed_ratio'], '.3f')}x; mean active vocab "
-                f"{_fmt(r['mean_active_vocab'], '.0f')} vs {_fmt(r['base_mean_active_vocab'], '.0f')}")
-        pol = r.get("policy") or policy(r["run"])
-        base = r.get("base_policy") or policy(r["base"])
-        smaller = (None if r["mean_active_vocab"] is None or r["base_mean_active_vocab"] is None
-                   else r["mean_active_vocab"] <= r["base_mean_active_vocab"])
-        better = gt(r["tau_ratio"], 1.0)
-        tau_at_vocab = met(None if better is None or smaller is None else better and smaller)
-        if (pol, base) == ("microspec", "full"):
-            line += (f"  | targets: draft >= {TARGET_DRAFT_RATIO:g}x less "
-                     f"{met(ge(r['draft_ratio'], TARGET_DRAFT_RATIO))}"
-                     f", tau >= {TARGET_TAU_RATIO:g}x {met(ge(r['tau_ratio'], TARGET_TAU_RATIO))}"
-                     f", tokens/s > full {met(gt(r['speed_ratio'], TARGET_SPEED_RATIO))}"
-                     f", tokens/s > ar {met(gt(r.get('speedup'), 1.0))}")
-        elif (pol, base) == ("microspec", "frspec"):
-            line += (f"  | targets: tau > frspec at <= its vocab {tau_at_vocab}"
-                     f", tokens/s > frspec {met(gt(r['speed_ratio'], TARGET_SPEED_RATIO))}")
-        elif (pol, base) == ("microspec", "dynaspec"):
-            line += f"  | target: tokens/s > dynaspec {met(gt(r['speed_ratio'], TARGET_SPEED_RATIO))}"
-        elif (pol, base) == ("dynaspec", "frspec"):
-            line += f"  | target (DynaSpec Table 1): tau > frspec at <= its vocab {tau_at_vocab}"
-        lines.append(line)
-    return lines
-
-
-def _values(frame: pl.DataFrame, col: str) -> list:
-    return [] if col not in frame.columns else [v for v in frame[col].unique(maintain_order=True).to_list()
-                                                 if v is not None]
-
-
-def describe(frame: pl.DataFrame) -> list[str]:
-    """What a bench compared, from its rows: model, device, dtype, threads; the prompts (set, prompts, turns,
-    categories, languages, repeats); the tokens (max_new_tokens, generated, greedy or sampled); each drafter's
-    head and the runs benched on it, with their sizes and files; the other methods."""
-    join = (lambda col, sep="/": sep.join(str(v) for v in _values(frame, col)))
-    where = [join("device"), join("dtype")]
-    if _values(frame, "backend"):
-        where.append(f"{join('backend')} target forward")
-    if _values(frame, "threads"):
-        where.append(f"{join('threads')} torch thread(s)")
-    lines = [f"bench: {join('model', ', ') or '?'} on {', '.join(w for w in where if w) or '?'}"]
-    for name in _values(frame, "prompt_set"):
-        part = frame.filter(pl.col("prompt_set") == name)
-        bits = [f"{part['prompt_id'].n_unique()} prompts", f"{part.select('prompt_id', 'turn').unique().height} turns"]
-        bits += [f"{len(_values(part, c))} {w}" for c, w in (("category", "categories"), ("language", "languages"))
-                 if len(_values(part, c)) > 1]
-        bits.append(f"{part['repeat'].n_unique()} repeat(s)")
-        lines.append(f"prompts: {name} ({', '.join(bits)})")
-    temps = _values(frame, "temperature")
-    mode = "greedy" if set(temps) <= {0.0} else f"sampling at temperature {'/'.join(map(str, temps))}"
-    lines.append(f"tokens: max_new_tokens {join('max_new_tokens') or '?'} per turn, {int(frame['new_tokens'].sum())} "
-                 f"generated in all; {mode}")
-    others = []
-    for method in _values(frame, "method"):
-        rows = frame.filter(pl.col("method") == method)
-        if method not in DRAFTERS:
-            g = _values(rows, "draft_size") if method != "ar" else []
-            others.append(method + (f" (draft_size {'/'.join(map(str, g))})" if g else ""))
-            continue
-        heads = "/".join(map(str, _values(rows, "draft_head"))) or "?"
-        sizes = "/".join(map(str, _values(rows, "draft_size"))) or "?"
-        lines.append(f"drafter: {method}, {'layers' if method == 'layerskip' else 'head'} {heads}, "
-                     f"draft_size {sizes}; runs:")
-        for run in _values(rows, "run"):
-            r = rows.filter(pl.col("run") == run).row(0, named=True)
-            bits = [f"policy {r['policy']}"] if r.get("policy") not in (None, policy(run)) else []
-            if r.get("vocab_size") is not None:
-                bits.append(f"vocab_size {r['vocab_size']}")
-            if r.get("dynaspec_k_max") is not None:
-                bits.append(f"k_max {r['dynaspec_k_max']} clusters")
-            if r.get("vocab_file"):
-                bits.append(str(r["vocab_file"]))
-            lines.append(f"  {run}" + (f": {', '.join(bits)}" if bits else ""))
-    if others:
-        lines.append("methods: " + ", ".join(others))
-    return lines
-
-
-def table2(table: pl.DataFrame) -> pl.DataFrame:
-    """MicroSpec Table 2's layout from `summarize`: a row per run, tokens/s per category, then over all rows
-    ("all") tokens/s, its speedup over ar, tau and lossless."""
-    keep = pl.col("category") != "all"
-    wide = table.filter(keep).pivot("category", index=RUN, values="tokens_per_s", aggregate_function="first")
-    total = table.filter(~keep).select(*RUN, all=pl.col("tokens_per_s"), speedup=pl.col("speedup"),
-                                       tau=pl.col("tau"), lossless=pl.col("lossless"))
-    order = table.select(RUN).unique(maintain_order=True).with_row_index("_r")
-    return (order.join(wide, on=RUN, how="left").join(total, on=RUN, how="left").sort("_r").drop("_r"))
-
+# --- printing (the summaries are engine.metrics') ------------------------------------------------------
 
 def print_summary(frame: pl.DataFrame) -> pl.DataFrame:
-    """Prints what was compared (`describe`), MicroSpec Table 2's layout (`table2`), a compact table per
-    category (a row per run: tokens/s, speedup, tau, mean active vocab, draft ms per drafted step and its
-    phases, lossless), the overall block with every column, and the policy comparisons (`compare_vocabs`).
-    Phase columns no run spent time in, and columns no run has, are left out. Returns `summarize`'s table."""
+    """Prints what was compared (`engine.metrics.describe_bench`), MicroSpec Table 2's layout (`table2`), a
+    compact table per task (a row per run: tokens/s, speedup, tau, mean active vocab, draft ms per drafted step
+    and its phases, lossless), the overall block (ALL) with every column, and the policy comparisons
+    (`compare_vocabs`). Phase columns no run spent time in, and columns no run has, are left out. Returns
+    `engine.metrics.summarize`'s table."""
     full = summarize(frame)
     num = ["tokens_per_s", "speedup", "tau", "g", "draft_ms", *[f"{p}_ms" for p in PHASES]]
     table = full.with_columns(pl.col(num).round(2), pl.col("mean_active_vocab", "mean_union_vocab").round(0),
-                              pl.col("coverage").round(3))
+                              pl.col("draft_coverage").round(3))
     phases = [f"{p}_ms" for p in PHASES if (full[f"{p}_ms"].fill_null(0.0) > 0).any()]
     shown = (lambda cols: [c for c in cols if full[c].null_count() < full.height])
-    per_cat = shown(["tokens_per_s", "speedup", "tau", "mean_active_vocab", "draft_ms", *phases, "lossless"])
+    per_task = shown(["tokens_per_s", "speedup", "tau", "mean_active_vocab", "draft_ms", *phases, "lossless"])
     overall = shown(["policy", "vocab_size", "dynaspec_k_max", "rows", "tokens_per_s", "speedup", "tau", "g",
-                     "mean_active_vocab", "mean_union_vocab", "draft_ms", *phases, "coverage", "lossless"])
-    for line in describe(frame):
+                     "mean_active_vocab", "mean_union_vocab", "draft_ms", *phases, "draft_coverage", "lossless"])
+    for line in describe_bench(frame):
         print(line)
     with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True,
                    tbl_width_chars=250, fmt_str_lengths=60):
-        print("MicroSpec Table 2's layout: tokens/s per category; all: over every row, with its speedup over ar, "
+        print(f"MicroSpec Table 2's layout: tokens/s per task; {ALL}: over every row, with its speedup over ar, "
               "tau and lossless")
         print(table2(table))
-        print("per category; draft time in ms per drafted step (steps - 1), split by drafter phase:")
-        for cat in table.filter(pl.col("category") != "all")["category"].unique(maintain_order=True).to_list():
-            print(f"{cat}:")
-            print(table.filter(pl.col("category") == cat).select(*RUN, *per_cat))
+        print("per task; draft time in ms per drafted step (steps - 1), split by drafter phase:")
+        for task in table.filter(pl.col("task") != ALL)["task"].unique(maintain_order=True).to_list():
+            print(f"{task}:")
+            print(table.filter(pl.col("task") == task).select(*RUN, *per_task))
         print("overall:")
-        print(table.filter(pl.col("category") == "all").select(*RUN, *overall))
+        print(table.filter(pl.col("task") == ALL).select(*RUN, *overall))
     for line in comparison_lines(compare_vocabs(full)):
         print(line)
     differ = divergence_lines(frame)

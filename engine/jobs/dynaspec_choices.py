@@ -3,7 +3,9 @@
     python -m engine.jobs.dynaspec_choices --work-dir <fit work dir> --out DIR      # or: specvocab dynaspec choices
 
 One factor at a time around the fit's settings; each router is scored offline on the fit's held-out prompts
-(`engine.jobs.fit_dynaspec.router_metrics`). One Parquet file per setting; a rerun skips finished settings.
+(`engine.jobs.fit_dynaspec.router_metrics`). One Parquet file per setting; a rerun skips finished settings. Every
+row records the centre it was varied around (`centre_num_clusters`, `centre_router_width`, `centre_top_l`), which
+`sweeps.tables.choices_centre` reads.
 """
 
 from __future__ import annotations
@@ -139,7 +141,9 @@ def sweep_choices(cfg: ChoicesConfig) -> Path:
                                        ("static", "position", static)):
                 o = router_metrics(router, held_rows, wf, layout, k_max, budget, scores_fn=fn)["overall"]
                 recs.append({"model": base["model"], "drafter": base["drafter"], "num_clusters": m,
-                             "router_width": w, "top_l": el, "logged_top_l": base["top_l"], "scorer": scorer,
+                             "router_width": w, "top_l": el, "logged_top_l": base["top_l"],
+                             "centre_num_clusters": settings[0][0], "centre_router_width": settings[0][1],
+                             "centre_top_l": settings[0][2], "scorer": scorer,
                              "budget": budget, "budget_tokens": tokens, "k_max": k_max, **o,
                              "train_rows": len(train_rows), "final_loss": float(np.mean(losses[-20:])),
                              "train_s": train_s, "kmeans_s": km_s})

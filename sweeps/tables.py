@@ -1,18 +1,27 @@
-"""Tidy tables and shared chart pieces for the figure notebooks (`notebooks/NN_*.py`), and `save_chart`.
+"""Tidy tables for the figure notebooks (`notebooks/NN_*.py`), from the frames a sweep wrote; polars only.
 
 Every table builder takes the frames a sweep wrote (`read(DIR, kind)`, i.e. `sweeps.load(DIR, kind)`
 collected) and returns a small aggregated polars frame (altair refuses frames over 5,000 rows), or None
-after printing why it cannot (a kind or an axis the sweep did not run). The notebooks only filter and
-encode. Words as in `locality`'s glossary: the *window* is MicroSpec's FIFO suffix of the candidate stream
-(MicroSpec §3.2, Eq. 4), its `w_max` counted in stream entries; a *static shortlist* is FR-Spec's top-K of
-a token ranking counted on the training corpus (FR-Spec §3); *coverage* = the fraction of generated tokens
-in the draft vocabulary; tau = tokens committed per step (bonus included, ar = 1.00).
+after printing why it cannot (a kind or an axis the sweep did not run). `sweeps.charts` draws them; the
+notebooks only call the two. No torch and no altair at import (tests/test_layering.py): a results folder is
+read and summarised in a process that never loads a model.
 
-`task` names what a paper calls a task: the Spec-Bench category, or the language for a prompt set split by
-language (the multilingual set), or both when a set has several of each; `panel` adds the prompt set and
-the model when a sweep holds several. Figures are written as PNG (`vl-convert-python`, offline) and
-self-contained HTML (`inline=True`: altair's default HTML loads JavaScript from a CDN an offline machine
-cannot reach).
+The measures - tokens/s, speedup over ar, tau (bonus token included, ar = 1.00), draft time per drafted
+step and by phase, draft_coverage - are `engine.metrics`' (its docstring names each once); the bench tables
+here (`method_summary`, the Table 2 of MicroSpec; `one_head_tables`, Table 2 on one head) are its summaries
+with the sweep's run labels. Words as in `locality`'s glossary: the *window* is MicroSpec's FIFO suffix of the
+candidate stream (MicroSpec §3.2, Eq. 4), its `w_max` counted in stream entries; a *static shortlist* is
+FR-Spec's top-K of a token ranking counted on the training corpus (FR-Spec §3); *coverage* (the coverage
+cells') = the fraction of generated tokens in the window or shortlist over a recorded trace.
+
+`task` names what a paper calls a task (`engine.metrics.with_task`): the Spec-Bench category, or the language
+for a prompt set split by language (the multilingual set), or both when a set has several of each; `panel`
+adds the prompt set and the model when a sweep holds several. Every table keeps `model`: a sweep of several
+models (`paper.toml`) is drawn per model (`sweeps.charts`).
+
+About 700 lines, over the ~600 of issue #17, on purpose: one section per family of figures (coverage, bench,
+UniSpec, DynaSpec's choices), each builder short and documented with the figure it feeds; split it by section
+when one grows.
 """
 
 from __future__ import annotations
@@ -21,14 +30,15 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-import altair as alt
 import polars as pl
 
-from engine.jobs.bench import DRAFTERS, PHASES
-from engine.config import POLICIES, SpecConfig
-from sweeps.cell import SweepError
-from sweeps.config import KINDS
+from engine.config import SpecConfig
+from engine.metrics import (AVG, DRAFTERS, PHASE_MS, PHASES, compare_vocabs, comparison_lines, draft_coverage,
+                            summarize, table2_summary, tau, tokens_per_s, with_task)
+from sweeps.cell import KINDS, SweepError
 from sweeps.results import load
+
+__all__ = ["AVG", "PHASES", "with_task"]      # re-exported for the notebooks (defined in engine.metrics)
 
 # a record cell's scalar columns: enough to say what was recorded without reading the traces' token lists
 RECORD_COLUMNS = ("model", "model_name", "prompt_set", "category", "language", "prompt_id", "turn",
@@ -38,10 +48,6 @@ WINDOW = "MicroSpec window"
 STATIC = "static top-K (FR-Spec)"
 LRU = "LRU vocabulary"
 FIFO = "FIFO window (MicroSpec)"
-AVG = "avg"                                                 # the across-tasks column of MicroSpec's Table 2
-FIGURE_LINE = "figure: "                                    # how save_chart announces a written PNG
-TEN = "tableau10"
-TWENTY = "category20"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -143,79 +149,6 @@ def describe(frame: pl.DataFrame, record: pl.DataFrame | None = None) -> list[st
     if where:
         lines[0] += " on " + ", ".join(where)
     return lines
-
-
-def title(what: str, frame: pl.DataFrame, record: pl.DataFrame | None = None, notes: Sequence[str] = ()
-          ) -> alt.TitleParams:
-    """A chart title: `what` the figure shows; the subtitle: `notes` (how to read it), then `describe`'s lines
-    (what was run)."""
-    return alt.TitleParams(what, subtitle=[*notes, *describe(frame, record)], anchor="start", fontSize=15,
-                           subtitleColor="#444", subtitleFontSize=12)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Tasks, panels and colours
-# ----------------------------------------------------------------------------------------------------------
-
-def with_task(frame: pl.DataFrame) -> pl.DataFrame:
-    """Add `task` (category; language in a set split by language; "category/language" when a set has
-    several of both) and `panel` (the task, prefixed with the prompt set and the model when the frame holds
-    several)."""
-    cat = pl.col("category").fill_null("-")
-    lang = pl.col("language").fill_null("-")
-    over = "prompt_set" if "prompt_set" in frame.columns else None
-    n_cat = cat.n_unique().over(over) if over else cat.n_unique()
-    n_lang = lang.n_unique().over(over) if over else lang.n_unique()
-    frame = frame.with_columns(task=pl.when(n_lang <= 1).then(cat).when(n_cat <= 1).then(lang)
-                               .otherwise(cat + "/" + lang))
-    panel = pl.col("task")
-    if "prompt_set" in frame.columns and frame["prompt_set"].n_unique() > 1:
-        panel = pl.col("prompt_set") + " · " + panel
-    if "model" in frame.columns and frame["model"].n_unique() > 1:
-        panel = pl.col("model") + " · " + panel
-    return frame.with_columns(panel=panel)
-
-
-def stroke_legend(**kwargs) -> alt.Legend:
-    """A legend that draws line dashes (a strokeDash encoding), visible also on lines with point markers."""
-    return alt.Legend(symbolType="stroke", symbolStrokeColor="#333", symbolStrokeWidth=2,
-                      symbolFillColor="transparent", **kwargs)
-
-
-def color_scale(n: int, **kwargs) -> alt.Scale:
-    """10 distinguishable colours, or 20 when there are more series (13 Spec-Bench categories)."""
-    return alt.Scale(scheme=TEN if n <= 10 else TWENTY, **kwargs)
-
-
-def highlight_scale(domain: Sequence[str], highlight: str, color: str = "#222") -> alt.Scale:
-    """A colour scale over `domain` (in order) that draws `highlight` in `color` (near-black) and the rest in
-    tableau10's colours: one series (a centre setting, a default) reads the same in every panel."""
-    others = iter(["#4c78a8", "#f58518", "#e45756", "#72b7b2", "#54a24b", "#eeca3b", "#b279a2", "#ff9da6",
-                   "#9d755d", "#bab0ac"] * (len(domain) // 10 + 1))
-    return alt.Scale(domain=list(domain), range=[color if d == highlight else next(others) for d in domain])
-
-
-POW4 = [4 ** k for k in range(1, 10)]                       # 4 ... 262144: log-2 axis ticks that do not crowd
-POW2 = [2 ** k for k in range(1, 19)]                       # 2 ... 262144: for short ranges (w_max 64 ... 8192)
-
-
-def log2_axis(field: str, title_: str, ticks: Sequence[int] = POW4, **kwargs) -> alt.X:
-    """A log-2 x axis (window and vocabulary sizes), ticks at `ticks`, labelled 64, 256, 1k, 4k, 16k."""
-    label = "datum.value >= 1024 ? format(datum.value / 1024, '~g') + 'k' : format(datum.value, '~g')"
-    return alt.X(field, title=title_, scale=alt.Scale(type="log", base=2),
-                 axis=alt.Axis(values=list(ticks), labelExpr=label), **kwargs)
-
-
-def save_chart(chart, out_dir: str | Path, name: str, scale: float = 2.0) -> dict[str, Path]:
-    """Write `out_dir/name.png` (vl-convert, offline) and `out_dir/name.html` (self-contained: the
-    JavaScript inline, no CDN), print the PNG's path; returns both paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    png, html = out / f"{name}.png", out / f"{name}.html"
-    chart.save(str(png), scale_factor=scale)
-    chart.save(str(html), inline=True)
-    print(f"{FIGURE_LINE}{png}")                    # `sweeps.render` lists what each notebook wrote from these
-    return {"png": png, "html": html}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -400,58 +333,43 @@ def with_run(bench: pl.DataFrame) -> pl.DataFrame:
 
 
 def method_summary(bench: pl.DataFrame | None) -> pl.DataFrame | None:
-    """MicroSpec Table 2 / Fig. 4 in tidy form: per model, prompt set, task and run - rows, tokens_per_s
-    (mean over prompts, turns, repeats and seeds), tau (sum of new tokens / sum of steps), speedup (tokens/s
-    over ar's on the same model, prompt set and task), draft_ms and <phase>_ms (per drafted step: the
-    prefill, step 0, drafts nothing), draft_coverage (token-weighted). One more row per (model, prompt set,
-    run) with task = AVG: the mean over tasks of tokens/s and tau, speedup = that mean over ar's (Table 2's
-    "Avg. Speed" and "Avg. Len.")."""
+    """MicroSpec Table 2 / Fig. 4 in tidy form: `engine.metrics.table2_summary` of the bench rows with the
+    sweep's run labels (`with_run`) - per model, prompt set, task and run: rows, tokens_per_s, tau, speedup
+    over ar on the same model, prompt set and task, draft_ms and <phase>_ms per drafted step, draft_coverage,
+    and one more row per (model, prompt set, run) with task = AVG, the mean over tasks (Table 2's "Avg. Speed"
+    and "Avg. Len.")."""
     if not _present(bench, "the method comparison", "method", "tokens_per_s", "tau", "new_tokens", "steps"):
         return None
-    frame = with_run(bench)
-    for p in PHASES:
-        if f"{p}_s" not in frame.columns:
-            frame = frame.with_columns(pl.lit(None, pl.Float64).alias(f"{p}_s"))
-    for col in ("draft_prefill_s", "uncharged_s", "draft_coverage"):
-        if col not in frame.columns:
-            frame = frame.with_columns(pl.lit(None, pl.Float64).alias(col))
-    keys = ["model", "prompt_set", "run"]
-    drafted = (pl.col("steps") - 1).clip(lower_bound=0).sum()
-    per_step = (lambda e: pl.when(drafted > 0).then(e.sum() / drafted * 1e3))
-    agg = (frame.group_by(*keys, "task", "panel")
-           .agg(method=pl.col("method").first(), policy=pl.col("policy").first(),
-                vocab_size=pl.col("vocab_size").first(), rows=pl.len(),
-                tokens_per_s=pl.col("tokens_per_s").mean(), tau=pl.col("new_tokens").sum() / pl.col("steps").sum(),
-                draft_ms=per_step(pl.col("draft_s") - pl.col("draft_prefill_s").fill_null(0.0)
-                                  - pl.col("uncharged_s").fill_null(0.0)),
-                **{f"{p}_ms": per_step(pl.col(f"{p}_s")) for p in PHASES},
-                has_phases=pl.col("backbone_s").is_not_null().any(),
-                draft_coverage=(pl.col("draft_coverage") * pl.col("new_tokens")).sum()
-                / pl.col("new_tokens").filter(pl.col("draft_coverage").is_not_null()).sum()))
-    agg = agg.with_columns([pl.when(pl.col("has_phases")).then(pl.col(f"{p}_ms")).alias(f"{p}_ms")
-                            for p in PHASES]).drop("has_phases")
-    avg = (agg.group_by(*keys).agg(pl.col("method", "policy", "vocab_size").first(), rows=pl.col("rows").sum(),
-                                   tokens_per_s=pl.col("tokens_per_s").mean(), tau=pl.col("tau").mean(),
-                                   **{c: pl.col(c).mean() for c in ("draft_ms", *[f"{p}_ms" for p in PHASES],
-                                                                     "draft_coverage")})
-           .with_columns(task=pl.lit(AVG), panel=pl.lit(AVG)))
-    both = pl.concat([agg, avg], how="diagonal_relaxed")
-    both = both.with_columns(pl.when(pl.col("draft_coverage").is_finite()).then(pl.col("draft_coverage"))
-                             .alias("draft_coverage"))
-    ar = (both.filter(pl.col("method") == "ar").group_by("model", "prompt_set", "task")
-          .agg(ar_tokens_per_s=pl.col("tokens_per_s").mean()))
-    if ar.is_empty():
+    if bench.filter(pl.col("method") == "ar").is_empty():
         print("note: no ar runs in this sweep: speedup is not defined (add \"ar\" to a [[bench]] entry)")
-    both = (both.join(ar, on=["model", "prompt_set", "task"], how="left")
-            .with_columns(speedup=pl.col("tokens_per_s") / pl.col("ar_tokens_per_s")).drop("ar_tokens_per_s"))
-    order = {m: i for i, m in enumerate(("ar", "pld", "hf-prompt-lookup", "recycling", "unispec", "dynaspec",
-                                         "layerskip", "eagle"))}
-    policies = {p: i for i, p in enumerate(POLICIES)}
-    both = both.with_columns(_m=pl.col("method").replace_strict(order, default=len(order), return_dtype=pl.Int64),
-                             _p=pl.col("policy").replace_strict(policies, default=len(policies), return_dtype=pl.Int64),
-                             _avg=pl.col("task") == AVG)
-    return (both.sort("model", "prompt_set", "_avg", "task", "_m", "_p", "vocab_size", "run", nulls_last=True)
-            .drop("_m", "_p", "_avg"))
+    return table2_summary(with_run(bench))
+
+
+def one_head_tables(bench: pl.DataFrame | None) -> list[tuple[str, pl.DataFrame, list[str]]]:
+    """Table 2 on one head: per model, prompt set and drafter (DRAFTERS) benched with two or more vocabulary
+    policies, `engine.metrics.summarize` of its runs and ar's over every row (the ALL rows: run, policy,
+    vocab_size, rows, tokens_per_s, speedup, tau, mean_active_vocab, draft_ms, the phases some run spent time
+    in, lossless) and `comparison_lines` (draft-time, tau and tokens/s ratios against full; microspec against
+    frspec and dynaspec; dynaspec against frspec). A list of ("model · prompt set · drafter", table with model
+    and prompt_set first, lines); empty (printed) when no drafter ran two policies."""
+    out = []
+    if bench is not None and {"policy", "vocab_size"} <= set(bench.columns):
+        runs = with_run(bench)
+        for (model, prompt_set, method), part in runs.filter(pl.col("method").is_in(DRAFTERS)).group_by(
+                "model", "prompt_set", "method", maintain_order=True):
+            if part["policy"].n_unique() < 2:
+                continue
+            rows = runs.filter((pl.col("model") == model) & (pl.col("prompt_set") == prompt_set)
+                               & pl.col("method").is_in(["ar", method]))
+            table = summarize(rows).filter(pl.col("task") == "all")
+            phases = [c for c in PHASE_MS if (table[c].fill_null(0.0) > 0).any()]
+            shown = table.select(pl.lit(model).alias("model"), pl.lit(prompt_set).alias("prompt_set"), "run",
+                                 "policy", "vocab_size", "rows", "tokens_per_s", "speedup", "tau",
+                                 "mean_active_vocab", "draft_ms", *phases, "lossless")
+            out.append((f"{model} · {prompt_set} · {method}", shown, comparison_lines(compare_vocabs(table))))
+    if not out:
+        print("skipped Table 2 on one head: no drafter was benched with two or more vocabulary policies")
+    return out
 
 
 def run_order(summary: pl.DataFrame) -> list[str]:
@@ -522,10 +440,7 @@ def wmax_sweep(bench: pl.DataFrame | None) -> pl.DataFrame | None:
     drafter = pl.col("method") + pl.col("run").str.extract(r"(\(.*\))$").fill_null("")
     frame = frame.with_columns(drafter=drafter)
     keys = ["model", "prompt_set", "drafter"]
-    per = (lambda f: f.agg(tokens_per_s=pl.col("tokens_per_s").mean(),
-                           tau=pl.col("new_tokens").sum() / pl.col("steps").sum(),
-                           draft_coverage=(pl.col("draft_coverage") * pl.col("new_tokens")).sum()
-                           / pl.col("new_tokens").sum(), rows=pl.len()))
+    per = (lambda f: f.agg(tokens_per_s=tokens_per_s(), tau=tau(), draft_coverage=draft_coverage(), rows=pl.len()))
     micro = per(frame.filter(pl.col("policy") == "microspec").group_by(*keys, "vocab_size"))
     micro = micro.filter(pl.col("vocab_size").n_unique().over(keys) >= 2)
     if micro.is_empty():
@@ -553,8 +468,7 @@ def k_sweep(bench: pl.DataFrame | None) -> pl.DataFrame | None:
     out = []
     for k in axes:
         out.append(frame.group_by("model", "prompt_set", "vocab_size", pl.col(k).cast(pl.Int64).alias("k"))
-                   .agg(tokens_per_s=pl.col("tokens_per_s").mean(),
-                        tau=pl.col("new_tokens").sum() / pl.col("steps").sum())
+                   .agg(tokens_per_s=tokens_per_s(), tau=tau())
                    .with_columns(parameter=pl.lit(k)))
     return pl.concat(out).sort("model", "prompt_set", "parameter", "vocab_size", "k")
 
@@ -690,20 +604,26 @@ def read_choices(folder: str | Path) -> pl.DataFrame | None:
     return frame if _present(frame, "the DynaSpec choices", *CHOICES_COLUMNS) else None
 
 
+CENTRE_COLUMNS = ("centre_num_clusters", "centre_router_width", "centre_top_l")   # written by the choices job
+
+
 def choices_centre(frame: pl.DataFrame) -> tuple[int, int, int]:
     """The centre (M, router width, L) a choices sweep varied its factors around (one fit's rows).
 
-    One factor at a time, the centre's value of a factor is in every setting of the other factors' groups, so
-    it is the value shared by the most distinct settings. A tie happens only when no other factor varied;
-    then L is the fit's logged L (`logged_top_l`, the L `choice_settings` centres on), the width
-    `FitConfig.router_width` and M the fit's own clusters (kmeans_s == 0: reused, not re-run), each when
-    present, else the smallest tied value."""
-    from engine.jobs.fit_dynaspec import FitConfig                      # lazily: torch is not needed to draw
-
+    Read from the rows where the job wrote it (CENTRE_COLUMNS: `engine.jobs.dynaspec_choices` records the fit's
+    M and L and the width it centred on). In a folder written before those columns: one factor at a time, the
+    centre's value of a factor is in every setting of the other factors' groups, so it is the value shared by
+    the most distinct settings. A tie happens only when no other factor varied; then L is the fit's logged L
+    (`logged_top_l`, the L the job centres on) and M the fit's own clusters (kmeans_s == 0: reused, not re-run),
+    each when present, else (and for the width) the smallest tied value."""
+    if set(CENTRE_COLUMNS) <= set(frame.columns):
+        centres = frame.select(*CENTRE_COLUMNS).drop_nulls().unique()
+        if centres.height == 1:
+            return tuple(int(v) for v in centres.row(0))
     settings = frame.group_by(*CHOICE_FACTORS).agg(kmeans_s=pl.col("kmeans_s").max(),
                                                    logged=pl.col("logged_top_l").max())
     prefer = {"num_clusters": set(settings.filter(pl.col("kmeans_s") == 0)["num_clusters"].to_list()),
-              "router_width": {FitConfig.router_width}, "top_l": set(settings["logged"].to_list())}
+              "router_width": set(), "top_l": set(settings["logged"].to_list())}
     centre = []
     for col in CHOICE_FACTORS:
         counts = settings.group_by(col).len()

@@ -45,7 +45,6 @@ from __future__ import annotations
 import json
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn

@@ -323,3 +323,26 @@ def test_the_sweep_kinds_are_one_list():
     import sweeps.config
 
     assert sweeps.config.KINDS == sweeps.cell.KINDS
+
+
+def _private_imports(paths) -> list[str]:
+    """`from <package module> import _name` across modules of the package's own folders (a private helper used
+    from another module should be public, with a name that says what it is; #17)."""
+    out = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and (
+                    node.module.split(".")[0] in ("engine", "sweeps", "kernels", "locality")):
+                out += [f"{path.name}: {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    return out
+
+
+def test_no_module_imports_another_modules_private_helper():
+    paths = [p for d in ("engine", "sweeps", "kernels", "locality") for p in sorted((ROOT / d).rglob("*.py"))]
+    assert _private_imports(paths) == []
+
+
+def test_the_private_import_check_sees_one(tmp_path):
+    (tmp_path / "m.py").write_text("from engine.drafters.eagle import EagleHead, _helper\nfrom os import _exit\n")
+    assert _private_imports([tmp_path / "m.py"]) == ["m.py: engine.drafters.eagle._helper"]

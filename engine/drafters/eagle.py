@@ -76,7 +76,7 @@ class EagleHead(nn.Module):
         return self.fc.out_features
 
 
-def _llama_config(values: dict):
+def llama_config(values: dict):
     kept = {k: values[k] for k in _CONFIG_KEYS if values.get(k) is not None}
     missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size") if k not in kept]
     if missing:
@@ -96,7 +96,7 @@ def random_eagle_head(target, seed: int = 0) -> EagleHead:
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None
     if isinstance(rope, dict) and "full_attention" in rope:       # Gemma 3: per-layer-type RoPE
         theta = rope["full_attention"].get("rope_theta")
-    cfg = _llama_config(dict(hidden_size=d, intermediate_size=t.intermediate_size, num_attention_heads=heads,
+    cfg = llama_config(dict(hidden_size=d, intermediate_size=t.intermediate_size, num_attention_heads=heads,
                              num_key_value_heads=kv, rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
                              rope_theta=theta or 10000.0, max_position_embeddings=t.max_position_embeddings,
                              vocab_size=t.vocab_size))
@@ -111,7 +111,7 @@ def random_eagle_head(target, seed: int = 0) -> EagleHead:
     return head
 
 
-def _resolve_dir(source: str, field: str = "eagle_head", layout: str = "EAGLE-1/2") -> Path:
+def resolve_head_dir(source: str, field: str = "eagle_head", layout: str = "EAGLE-1/2") -> Path:
     """The local directory of a checkpoint named by a `specvocab:` name, a path or a hub id (downloaded)."""
     if source.startswith(SHIPPED_PREFIX):
         name = source[len(SHIPPED_PREFIX):]
@@ -134,7 +134,7 @@ _STATE_CACHE: dict[tuple, dict[str, torch.Tensor]] = {}    # the last checkpoint
                                                            # per prompt, and a GPU-sized head is ~1 GB of reads
 
 
-def _read_state_dict(path: Path, layout: str = "EAGLE-1/2") -> dict[str, torch.Tensor]:
+def read_state_dict(path: Path, layout: str = "EAGLE-1/2") -> dict[str, torch.Tensor]:
     # model*.safetensors (sharded or not); other .safetensors beside a head (a DynaSpec fit for it) are not its weights
     files = (sorted(path.glob("model*.safetensors"))
              or [f for f in sorted(path.glob("*.safetensors")) if not f.name.startswith("dynaspec")]
@@ -205,7 +205,7 @@ def check_head_target(head_source: str, block: dict | None, target) -> None:
 
 def load_eagle_head(source: str) -> EagleHead:
     """An EAGLE-1/2 head from a local directory, `specvocab:<model>` or a hub id (see the module docstring)."""
-    path = _resolve_dir(source)
+    path = resolve_head_dir(source)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise DrafterError(f"{path} has no config.json; an EAGLE-1/2 checkpoint directory needs one")
@@ -213,11 +213,11 @@ def load_eagle_head(source: str) -> EagleHead:
     if values.get("num_hidden_layers", 1) != 1:
         raise DrafterError(f"{source}: config.json has num_hidden_layers={values['num_hidden_layers']}; "
                            f"this loader reads one-layer EAGLE-1/2 heads")
-    state = _read_state_dict(path)
+    state = read_state_dict(path)
     if any(k.startswith("midlayer.") or k == "d2t" for k in state):
         raise DrafterError(f"{source} is an EAGLE-3 checkpoint (midlayer/d2t keys); eagle here reads EAGLE-1/2 heads")
     state = {k.removeprefix("model."): v for k, v in state.items()}
-    head = EagleHead(_llama_config(values), bias="fc.bias" in state, qkv_bias=bool(values.get("qkv_bias", False))
+    head = EagleHead(llama_config(values), bias="fc.bias" in state, qkv_bias=bool(values.get("qkv_bias", False))
                      or "layers.0.self_attn.q_proj.bias" in state, with_embedding="embed_tokens.weight" in state)
     result = head.load_state_dict(state, strict=False)
     head.target_block = values.get("specvocab")

@@ -51,7 +51,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from engine.drafters import register_drafter
-from engine.drafters.eagle import EagleTreeDrafter, _llama_config, _read_state_dict, _resolve_dir, random_eagle_head
+from engine.drafters.eagle import EagleTreeDrafter, llama_config, read_state_dict, resolve_head_dir, random_eagle_head
 from engine.drafters.layerskip import text_config
 from engine.drafters.lmhead import DrafterError, attention_bias
 from engine.shipped import SHIPPED_PREFIX
@@ -201,7 +201,7 @@ def load_eagle3_head(source: str) -> Eagle3Head:
     if source.startswith(SHIPPED_PREFIX):
         raise DrafterError(f"eagle3_head={source!r}: no EAGLE-3 head ships with specvocab yet; pass "
                            f"eagle3_head=<local EAGLE-3 checkpoint directory or hub id>")
-    path = _resolve_dir(source, field="eagle3_head", layout="EAGLE-3")
+    path = resolve_head_dir(source, field="eagle3_head", layout="EAGLE-3")
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise DrafterError(f"{path} has no config.json; an EAGLE-3 checkpoint directory needs one")
@@ -209,7 +209,7 @@ def load_eagle3_head(source: str) -> Eagle3Head:
     if values.get("num_hidden_layers", 1) != 1:
         raise DrafterError(f"{source}: config.json has num_hidden_layers={values['num_hidden_layers']}; this "
                            f"loader reads one-layer EAGLE-3 heads (one midlayer)")
-    state = {k.removeprefix("model."): v for k, v in _read_state_dict(path, layout="EAGLE-3").items()}
+    state = {k.removeprefix("model."): v for k, v in read_state_dict(path, layout="EAGLE-3").items()}
     if not any(k.startswith("midlayer.") for k in state):
         hint = " (it has layers.0.* keys: an EAGLE-1/2 head, use method='eagle')" if any(
             k.startswith("layers.0.") for k in state) else ""
@@ -231,7 +231,7 @@ def load_eagle3_head(source: str) -> Eagle3Head:
             raise DrafterError(f"{source}: {name} has {state[name].numel()} entries but config.json's {what} is "
                                f"{size}")
     check_maps(state["d2t"].long(), state["t2d"].bool(), source)
-    head = Eagle3Head(_llama_config(values), draft_vocab_size=draft_vocab,
+    head = Eagle3Head(llama_config(values), draft_vocab_size=draft_vocab,
                       target_hidden_size=values.get("target_hidden_size"),
                       with_embedding="embed_tokens.weight" in state,
                       attention_bias="midlayer.self_attn.q_proj.bias" in state, fc_bias="fc.bias" in state)

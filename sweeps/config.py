@@ -11,13 +11,18 @@
     calibration_cache = true             # calibrate cells also save g* in the calibration cache of the machine
                                          # they run on ($SPECVOCAB_CACHE, default ~/.cache/specvocab), where
                                          # `generate` finds unispec's default draft size; false: results only;
-                                         # a folder: its calibration.json instead
+                                         # a folder: its calibration.json instead. Default: true on a local
+                                         # Ray, false under --address (a cluster's workers are not your machine)
+    max_crashes = 3                      # actor deaths per model (after Ray's own restarts) before the sweep
+                                         # stops that model: its remaining cells fail, naming the count
 
     [[models]]
     name = "smollm2-135m-instruct"       # an offline name, random-*, a local folder or a hub id (owner/name)
     # label = "tiny"                     # optional: the name in results (needed when a name repeats)
     # options = { vocab_size = 512 }     # random-* models only: load_model's size arguments
     # params = { drafter_layers = "skip:6,8" }    # SpecConfig fields for this model's bench / calibrate cells
+    # memory = "24GiB"  num_cpus = 4     # Ray resources of each of this model's actors (default: 1 CPU, no
+                                         # memory reservation); on CPUs torch runs num_cpus threads per actor
 
     [[prompts]]
     set = "spec_bench"                   # engine.prompts.PROMPT_SETS or a .jsonl path
@@ -49,9 +54,16 @@
     prompts = 3      warmup = 1
     # policies = ["full", "microspec"]   vocab_sizes = [1024]   params = { eagle_depth = 3 }   (as [[bench]])
 
+    [timeouts]                           # seconds per cell, per kind; 0 = no limit (defaults shown)
+    load = 3600                          # an actor loading its model (before its first cell's clock starts)
+    record = 3600    calibrate = 7200    bench = 3600
+    coverage = 600                       # per coverage cell (a task of n cells gets n times this)
+
     [testing]                            # tests only
     crash_once = "/tmp/marker"           # the first model cell to create this file kills its actor
+    crash = true                         # every model cell kills its actor
     delay_s = 0.5                        # every model cell sleeps this long first
+    hang = ["pld"]                       # model cells of these kinds or methods sleep until killed
 
 Cells: record = model x prompt entry x split value; bench = that x method x policy x vocab size x params x
 seed; calibrate = model x method x policy x vocab size x params; coverage = model x prompt entry x analysis x
@@ -66,6 +78,10 @@ cell has no result (`sweeps.model_cells.bench_cell`), rather than run at another
 calibrated method that no calibrate cell matches is a config error naming the settings that differ. Bench
 cells of methods the sweep does not calibrate take the engine's default (`engine.harness.resolve_config`:
 a calibration cached on the machine, else the method's uncalibrated default with a warning).
+
+Run-time settings - `[timeouts]`, `[sweep] max_crashes`, a model's `memory` and `num_cpus` - change how cells
+are run, not what they compute: they are left out of the config hash (`sweep.json`), so an output folder
+resumes under new values of them.
 
 Checked before anything runs, each error naming the entry and the fix: unknown keys, models, methods,
 SpecConfig fields, policies, prompt sets, categories and languages, and prompts that do not fit a model's
@@ -107,15 +123,23 @@ RESERVED_FIELDS = {"method": "methods", "vocab": "policies", "max_new_tokens": "
                    "record_topk": "[record] topk"}
 
 SECTION_KEYS = {
-    "sweep": {"name", "kinds", "max_new_tokens", "repeats", "seeds", "warmup", "dtype", "calibration_cache"},
-    "models": {"name", "label", "options", "params"},
+    "sweep": {"name", "kinds", "max_new_tokens", "repeats", "seeds", "warmup", "dtype", "calibration_cache",
+              "max_crashes"},
+    "models": {"name", "label", "options", "params", "memory", "num_cpus"},
     "prompts": {"set", "per_category", "categories", "languages", "split"},
     "record": {"topk", "max_new_tokens"},
     "coverage": {"analyses", "w_max", "k_pre", "k_ver", "sources", "by", "shortlist_k", "capacities"},
     "bench": {"methods", "policies", "vocab_sizes", "params", "max_new_tokens", "prompt_sets"},
     "calibrate": {"methods", "grid", "prompts", "warmup", "max_new_tokens", "params", "policies", "vocab_sizes"},
-    "testing": {"crash_once", "delay_s"},
+    "timeouts": {"load", "record", "calibrate", "bench", "coverage"},
+    "testing": {"crash_once", "crash", "delay_s", "hang"},
 }
+TIMEOUT_DEFAULTS = {"load": 3600.0, "record": 3600.0, "calibrate": 7200.0, "bench": 3600.0, "coverage": 600.0}
+MAX_CRASHES = 3
+# run-time settings, left out of the config hash (a folder resumes under new values): section -> keys, "*" all
+RUNTIME_KEYS = {"timeouts": "*", "sweep": {"max_crashes"}, "models": {"memory", "num_cpus"}}
+MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+                "gib": 2**30, "tib": 2**40}
 COVERAGE_DEFAULTS = {
     "analyses": list(ANALYSES), "w_max": [1024, 2048, 3072, 4096, 8192], "k_pre": [3], "k_ver": [3],
     "sources": ["ctx+ext"], "by": ["category", "language"],
@@ -132,6 +156,8 @@ class ModelSpec:
     label: str
     options: dict
     params: dict            # SpecConfig fields under every bench / calibrate grid point of this model
+    memory: int | None = None           # Ray `memory` (bytes) each of its actors reserves
+    num_cpus: float | None = None       # Ray CPUs per actor (default 1); also torch's threads on CPUs
 
 
 @dataclass(frozen=True)
@@ -144,8 +170,13 @@ class Sweep:
     cells: tuple[Cell, ...]
     dtype: str | None = None            # the models' dtype; None = kernels.hardware's default
     calibration_cache: bool | str = True    # where calibrate cells also save g* (model_cells.calibration_file)
-    crash_once: str | None = None       # tests only: [testing] crash_once, delay_s
+    crash_once: str | None = None       # tests only: [testing] crash_once, crash, delay_s, hang
     delay_s: float = 0.0
+    timeouts: dict = dataclasses.field(default_factory=lambda: dict(TIMEOUT_DEFAULTS))   # kind -> s (0: none)
+    max_crashes: int = MAX_CRASHES      # actor deaths per model before its remaining cells fail
+    calibration_cache_set: bool = True  # [sweep] calibration_cache given (else its default depends on --address)
+    crash: bool = False
+    hang: tuple[str, ...] = ()
 
     def by_kind(self, kind: str) -> list[Cell]:
         return [c for c in self.cells if c.kind == kind]
@@ -237,7 +268,39 @@ def _check_model(spec: dict, i: int) -> ModelSpec:
             raise SweepError(f"{where}.params.{key}: a model's params are single values (e.g. the layers its "
                              f"drafter skips); put grid axes in a [[bench]] entry's params")
         params[key] = values[0]
-    return ModelSpec(name=name, label=label, options=dict(sorted(options.items())), params=params)
+    memory = _memory(spec["memory"], f"{where}.memory") if "memory" in spec else None
+    num_cpus = spec.get("num_cpus")
+    if num_cpus is not None and (isinstance(num_cpus, bool) or not isinstance(num_cpus, (int, float))
+                                 or num_cpus <= 0):
+        raise SweepError(f"{where}.num_cpus must be a number of CPUs > 0 per actor, got {num_cpus!r}")
+    return ModelSpec(name=name, label=label, options=dict(sorted(options.items())), params=params, memory=memory,
+                     num_cpus=None if num_cpus is None else float(num_cpus))
+
+
+def _memory(value, where: str) -> int:
+    """Bytes of a memory request: an integer of bytes or a string like "24GiB", "512MiB", "8GB"."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", value) if isinstance(value, str) else None
+    if m and m.group(2).lower() in MEMORY_UNITS and float(m.group(1)) > 0:
+        return int(float(m.group(1)) * MEMORY_UNITS[m.group(2).lower()])
+    raise SweepError(f"{where}: {value!r} is not a memory size; give bytes (an integer) or a string such as "
+                     f"\"24GiB\", \"512MiB\" or \"8GB\"")
+
+
+def config_identity(config: dict) -> dict:
+    """`config` without its run-time settings (`RUNTIME_KEYS`): what the config hash is taken over."""
+    out = {}
+    for section, value in config.items():
+        drop = RUNTIME_KEYS.get(section)
+        if drop == "*":
+            continue
+        if drop and isinstance(value, dict):
+            value = {k: v for k, v in value.items() if k not in drop}
+        elif drop and isinstance(value, list):
+            value = [{k: v for k, v in e.items() if k not in drop} if isinstance(e, dict) else e for e in value]
+        out[section] = value
+    return out
 
 
 def _check_params(params: dict, where: str) -> dict[str, list]:
@@ -457,6 +520,14 @@ def parse_sweep(config: dict, default_name: str = "sweep") -> Sweep:
     if dtype is not None and dtype not in DTYPES:
         raise SweepError(f"[sweep].dtype: {dtype!r} is not one of {list(DTYPES)} (leave it out for the device's "
                          f"default)")
+    max_crashes = _int(top.get("max_crashes", MAX_CRASHES), "[sweep].max_crashes")
+    timeouts = dict(TIMEOUT_DEFAULTS)
+    tables = config.get("timeouts", {})
+    _check_keys(tables, SECTION_KEYS["timeouts"], "[timeouts]")
+    for kind, secs in tables.items():
+        if isinstance(secs, bool) or not isinstance(secs, (int, float)) or secs < 0:
+            raise SweepError(f"[timeouts].{kind} must be a number of seconds >= 0 (0: no limit), got {secs!r}")
+        timeouts[kind] = float(secs)
     cal_cache = top.get("calibration_cache", True)
     if isinstance(cal_cache, str) and cal_cache:
         cal_cache = str(Path(cal_cache).expanduser().resolve())
@@ -484,6 +555,8 @@ def parse_sweep(config: dict, default_name: str = "sweep") -> Sweep:
     testing = config.get("testing", {})
     _check_keys(testing, SECTION_KEYS["testing"], "[testing]")
     crash_once = testing.get("crash_once")
+    crash = testing.get("crash", False)
+    hang = tuple(_list(testing.get("hang", []), "[testing].hang", str)) if testing.get("hang") else ()
     delay_s = testing.get("delay_s", 0.0)
     if isinstance(delay_s, bool) or not isinstance(delay_s, (int, float)) or delay_s < 0:
         raise SweepError(f"[testing].delay_s must be a number of seconds >= 0, got {delay_s!r}")
@@ -516,9 +589,10 @@ def parse_sweep(config: dict, default_name: str = "sweep") -> Sweep:
     if len(set(ids)) != len(ids):
         dup = sorted({c.describe() for c in cells if ids.count(c.id) > 1})
         raise SweepError(f"the grid repeats cells ({dup[:3]}); remove the duplicate values")
-    return Sweep(name=name, config=config, config_hash=digest(config), kinds=tuple(kinds), models=tuple(models),
-                 cells=tuple(cells), dtype=dtype, calibration_cache=cal_cache, crash_once=crash_once,
-                 delay_s=float(delay_s))
+    return Sweep(name=name, config=config, config_hash=digest(config_identity(config)), kinds=tuple(kinds),
+                 models=tuple(models), cells=tuple(cells), dtype=dtype, calibration_cache=cal_cache,
+                 crash_once=crash_once, delay_s=float(delay_s), timeouts=timeouts, max_crashes=max_crashes,
+                 calibration_cache_set="calibration_cache" in top, crash=bool(crash), hang=hang)
 
 
 def _methods(entry: dict, where: str) -> list[str]:

@@ -133,11 +133,13 @@ class ModelWorker:
     """One loaded model serving many cells. `threads`: torch threads (1 on CPU, so that timed cells on
     different cores do not share one). `calibration_cache`: where calibrate cells also save g*
     (`calibration_file`). Tests only: `crash_once`, a marker file - the first cell to create it
-    kills this process (the Ray actor restarts and the cell is retried); `delay_s`, a sleep before each cell
-    (so a test can interrupt a sweep between cells)."""
+    kills this process (the Ray actor restarts and the cell is retried); `crash`, every cell kills it; `delay_s`,
+    a sleep before each cell (so a test can interrupt a sweep between cells); `hang`, kinds or methods whose
+    cells sleep until the process is killed (a hung cell, for the driver's timeouts)."""
 
     def __init__(self, name: str, options: dict, dtype: str | None, threads: int | None,
-                 crash_once: str | None = None, delay_s: float = 0.0, calibration_cache: bool | str = False):
+                 crash_once: str | None = None, delay_s: float = 0.0, calibration_cache: bool | str = False,
+                 crash: bool = False, hang: tuple[str, ...] = ()):
         global _LOADS
         if threads is not None:
             torch.set_num_threads(threads)
@@ -145,6 +147,7 @@ class ModelWorker:
         self.calibration_cache = calibration_cache
         self.crash_once = crash_once
         self.delay_s = delay_s
+        self.crash, self.hang = crash, tuple(hang)
         self.warmed: set[str] = set()      # bench configurations this process has warmed up
         t0 = time.perf_counter()
         self.loaded = load_model(name, dtype=DTYPES[dtype] if dtype else DEFAULT_DTYPE, device=DEVICE, **options)
@@ -155,6 +158,8 @@ class ModelWorker:
         return {"pid": os.getpid(), "loads": _LOADS, "load_s": self.load_s}
 
     def _maybe_crash(self) -> None:
+        if self.crash:
+            os._exit(1)
         if self.crash_once is None:
             return
         try:
@@ -168,6 +173,8 @@ class ModelWorker:
     def run(self, kind: str, method: str, params: dict) -> tuple[pl.DataFrame, dict]:
         self._maybe_crash()
         time.sleep(self.delay_s)
+        while kind in self.hang or method in self.hang:
+            time.sleep(1.0)
         t0 = time.perf_counter()
         if kind == "record":
             frame = record_cell(params, self.loaded)

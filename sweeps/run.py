@@ -45,7 +45,7 @@ from sweeps.cluster import connect, resources
 from sweeps.cell import Cell, SweepError, canonical_json
 from sweeps.config import MODEL_KINDS, Sweep, load_sweep, plan
 from sweeps.coverage_cells import timed_coverage_cells
-from sweeps.model_cells import ModelWorker, bench_config
+from sweeps.model_cells import SHIPPED, ModelWorker, bench_config, shipped_prompts
 from sweeps.results import (cell_path, check_output_folder, finished, is_finished, lock_output, prepare_output,
                             ranking_path, write_cell, write_error, write_frame)
 
@@ -211,6 +211,22 @@ class _Driver:
         # the moment a slot frees); under a --max-workers cap, one per slot, so the cap holds
         self.task_queue = QUEUED_PER_SLOT * self.task_slots if self.task_slots >= cpus else self.task_slots
         self.live = sys.stderr.isatty()
+        self.prompts: dict[str, list | None] = {}     # selection -> the prompts sent with its cells
+
+    def _with_prompts(self, cell: Cell, params: dict) -> dict:
+        """A record / bench cell's run-time params with the driver's prompts (`sweeps.model_cells.SHIPPED`):
+        workers do not read prompt sets from their own data root."""
+        if cell.kind not in ("record", "bench"):
+            return params
+        key = canonical_json([params[k] for k in ("prompt_set", "per_category", "categories", "languages")])
+        if key not in self.prompts:
+            try:
+                self.prompts[key] = shipped_prompts(params)
+            except Exception as e:  # noqa: BLE001 - the config check loaded them once; if not now, the worker tries
+                self.bar.write(f"could not load the prompts of {cell.describe()} here ({_error_text(e)}); the "
+                               f"worker loads them from its own data root")
+                self.prompts[key] = None
+        return {**params, SHIPPED: self.prompts[key]}
 
     def slots(self, spec) -> int:
         """Actors of `spec`'s model at a time: one per GPU, or per `num_cpus` CPUs (default 1), capped."""
@@ -314,7 +330,7 @@ class _Driver:
             while idle and queue:
                 actor, cell = idle.pop(), queue.popleft()
                 params, source = _with_calibrated_size(cell, calibrated)
-                ref = actor.handle.run.remote(cell.kind, cell.method, params)
+                ref = actor.handle.run.remote(cell.kind, cell.method, self._with_prompts(cell, params))
                 inflight[ref] = _Job(actor, cell, source, time.monotonic())
             if not inflight:
                 continue

@@ -12,6 +12,7 @@ import polars as pl
 import pytest
 import ray
 
+from sweeps.cell import SweepError
 from sweeps.cluster import start_local
 from sweeps.config import load_sweep, parse_sweep
 from sweeps.results import cell_path, result_files
@@ -144,3 +145,253 @@ def test_a_model_whose_actors_keep_dying_is_stopped_after_max_crashes(local_ray,
                                                             "actor crash 2 of at most 2 for tiny"]
     rest = [f for f in s.failed if f not in crashed]
     assert rest and all("its actors died 2 times ([sweep] max_crashes = 2" in f.error for f in rest)
+
+
+# ---- 6. one driver per output folder ---------------------------------------------------------------------
+
+def test_a_second_driver_on_the_same_folder_is_refused_naming_the_first(tmp_path):
+    """Before: two drivers on one folder both ran every unfinished cell (and raced on the manifest)."""
+    import socket
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from sweeps.results import lock_output; "
+                               f"held = lock_output({str(out)!r}); print('locked', flush=True); time.sleep(120)"],
+        cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        sweep = _sweep(tiny_toml(kinds=("record",)))
+        with pytest.raises(SweepError) as err:
+            run_sweep(sweep, out, progress=False)
+        msg = str(err.value)
+        assert f"in use by another sweeps.run driver (pid {holder.pid} on host {socket.gethostname()}" in msg
+        assert not (out / "sweep.json").exists()                 # refused before touching anything
+    finally:
+        holder.kill()
+        holder.wait()
+    from sweeps.results import lock_output
+
+    with lock_output(out):                                       # the OS released the dead holder's lock
+        assert (out / ".sweep.lock.owner").is_file()
+    assert not (out / ".sweep.lock.owner").exists()
+
+
+# ---- 7. a damaged result file is set aside and its cell runs again -----------------------------------------
+
+def test_a_damaged_result_file_is_moved_aside_and_not_counted_finished(tmp_path):
+    """Before: "finished" meant "the file exists": a truncated file counted as done forever (and broke
+    `sweeps.load`)."""
+    from sweeps.results import finished, write_cell
+
+    sweep = _sweep(tiny_toml(kinds=("record",)))
+    a, b = sweep.cells[:2]
+    out = tmp_path / "out"
+    for c in (a, b):
+        write_cell(out, c, pl.DataFrame({"x": [1, 2, 3]}), sweep.name)
+    path = cell_path(out, b)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])                      # cut short, as by a full disk or a bad copy
+    damaged: list = []
+    assert finished(out, [a, b], damaged) == {a.id}
+    assert not path.exists() and damaged == [(path, damaged[0][1])]
+    moved = damaged[0][1]
+    assert moved.parent == path.parent and moved.name.startswith(f"{path.name}.damaged-")
+    assert moved.read_bytes() == data[: len(data) // 2]           # kept, not deleted
+    assert result_files(out) == [cell_path(out, a)]               # and invisible to load
+
+
+def test_publishing_a_result_fsyncs_the_file_and_every_folder_it_created(tmp_path, monkeypatch):
+    import os
+
+    from sweeps import results
+
+    synced: list = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    sweep = _sweep(tiny_toml(kinds=("record",)))
+    path = results.write_cell(tmp_path, sweep.cells[0], pl.DataFrame({"x": [1]}), sweep.name)
+    # the file (under its temporary name), its folder, and the parents of the hive folders made for it
+    assert any(".parquet" in s and s.endswith(".tmp") for s in synced)
+    for folder in (path.parent, path.parent.parent, path.parent.parent.parent, tmp_path):
+        assert str(folder) in synced, (folder, synced)
+
+
+@pytest.mark.timeout(300)
+def test_a_damaged_cell_runs_again(local_ray, tmp_path):
+    sweep = load_sweep(write_toml(tmp_path, tiny_toml(kinds=("record",))))
+    out = tmp_path / "out"
+    assert run_sweep(sweep, out, progress=False).ok
+    path = cell_path(out, sweep.cells[0])
+    path.write_bytes(path.read_bytes()[:100])
+    s = run_sweep(sweep, out, progress=False)
+    assert s.ok and s.ran["record"] == 1 and s.skipped == len(sweep.cells) - 1
+    assert "damaged result file" in "\n".join(s.lines())
+    assert len(list(path.parent.glob(f"{path.name}.damaged-*"))) == 1
+    pl.read_parquet(path)
+
+
+# ---- 8. provenance ---------------------------------------------------------------------------------------
+
+def test_provenance_is_recorded_and_a_changed_environment_is_named_on_resume(tmp_path, monkeypatch, capsys):
+    """Before: sweep.json said nothing of the code, libraries or data that made the results."""
+    import json
+
+    from sweeps import provenance
+    from sweeps.results import prepare_output
+
+    sweep = _sweep(tiny_toml(kinds=("record",)))
+    out = prepare_output(tmp_path / "out", sweep)
+    prov = json.loads((out / "sweep.json").read_text())["provenance"]
+    assert prov["specvocab"] and prov["torch"] and prov["transformers"]
+    if provenance.checkout() is not None:
+        assert len(prov["git_commit"]) == 40
+    assert set(prov["data"]) >= {"spec_bench/question.jsonl", "train_corpus/prompts.jsonl"}
+    assert all(len(v) == 16 for v in prov["data"].values())
+    # a resume under another torch and other data: a warning naming both ...
+    changed = {**prov, "torch": "0.0.1", "data": {**prov["data"], "spec_bench/question.jsonl": "0" * 16}}
+    monkeypatch.setattr(provenance, "provenance", lambda s: changed)
+    capsys.readouterr()
+    prepare_output(out, sweep)
+    err = capsys.readouterr().err
+    assert f"torch {prov['torch']} -> 0.0.1" in err and "data file spec_bench/question.jsonl changed" in err
+    # ... or, with --strict-provenance, an error (exit status 2 from the command line)
+    with pytest.raises(SweepError, match=r"started under another environment: .*torch"):
+        prepare_output(out, sweep, strict_provenance=True)
+    manifest = json.loads((out / "sweep.json").read_text())
+    assert manifest["provenance"] == prov and manifest["runs"][-1]["provenance"]["torch"] == "0.0.1"
+
+
+# ---- 9. --extend -----------------------------------------------------------------------------------------
+
+def test_extend_takes_a_superset_config_into_the_folder_without_recomputing(tmp_path):
+    """Before: any other config hash was refused, even one that only adds a seed or a window size."""
+    import json
+
+    from sweeps.results import prepare_output, write_cell
+
+    base = tiny_toml(kinds=("record", "coverage", "bench"), bench='[[bench]]\nmethods = ["ar"]\n')
+    old = _sweep(base)
+    out = prepare_output(tmp_path / "out", old)
+    for c in old.cells:
+        write_cell(out, c, pl.DataFrame({"x": [1]}), old.name)
+    wider = _sweep(base.replace("warmup = 0", "warmup = 0\nseeds = [0, 1]").replace("w_max = [64, 256, 1024]",
+                                                                                    "w_max = [64, 256, 1024, 2048]"))
+    assert {c.id for c in old.cells if c.kind != "coverage"} < {c.id for c in wider.cells}
+    with pytest.raises(SweepError, match="pass --extend"):
+        prepare_output(out, wider)
+    stamps = {f: f.stat().st_mtime_ns for f in result_files(out)}
+    prepare_output(out, wider, extend=True)
+    manifest = json.loads((out / "sweep.json").read_text())
+    assert manifest["config_hash"] == wider.config_hash and manifest["extended"][0]["config_hash"] == old.config_hash
+    from sweeps.results import finished
+
+    done = finished(out, wider.cells)
+    kept = {c.id for c in old.cells if c.id in {w.id for w in wider.cells}}
+    assert done == kept                                        # old cells finished, nothing recomputed
+    assert {f: stamps[f] for f in result_files(out)} == {f: f.stat().st_mtime_ns for f in result_files(out)}
+    # the window cell with the shorter w_max list moved aside (its rows would count twice), not deleted
+    window = [c for c in old.cells if c.kind == "coverage" and c.params["analysis"] == "window"]
+    assert window and not any(cell_path(out, c).exists() for c in window)
+    assert len(list((out / "_superseded").rglob("*.parquet"))) == len(window)
+    assert prepare_output(out, wider) == out                  # the extended folder resumes as usual
+    # not a superset (another max_new_tokens changes every model cell): refused, even with --extend
+    with pytest.raises(SweepError, match="does not extend"):
+        prepare_output(out, _sweep(base.replace("max_new_tokens = 8", "max_new_tokens = 9")), extend=True)
+
+
+# ---- 10. multi-node --------------------------------------------------------------------------------------
+
+def test_address_needs_an_absolute_out(tmp_path, capsys):
+    """Before: a relative --out under `ray job submit` landed in the job's temporary copy of the working dir."""
+    from sweeps.run import main
+
+    config = write_toml(tmp_path, tiny_toml(kinds=("record",)))
+    assert main([str(config), "--out", "results/x", "--address", "auto"]) == 2
+    assert "--out results/x is a relative path; with --address give an absolute one" in capsys.readouterr().err
+
+
+def test_attaching_from_a_checkout_ships_it_unless_inside_a_ray_job(monkeypatch):
+    from sweeps import cluster, provenance
+
+    for var in cluster.JOB_ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SPECVOCAB_DATA", "/shared/data")
+    monkeypatch.setattr(provenance, "checkout", lambda: Path("/src/specvocab"))
+    env = cluster.checkout_runtime_env()
+    assert env["working_dir"] == "/src/specvocab" and ".git" in env["excludes"]
+    assert env["env_vars"] == {"SPECVOCAB_DATA": "/shared/data"}
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")           # what `ray job submit` sets
+    assert cluster.checkout_runtime_env() is None
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    monkeypatch.setattr(provenance, "checkout", lambda: None)         # an installed package
+    assert cluster.checkout_runtime_env() is None
+
+
+def test_models_request_memory_and_cpus_for_their_actors():
+    text = tiny_toml(kinds=("record",)).replace("num_layers = 2 }", 'num_layers = 2 }\nmemory = "2GiB"\nnum_cpus = 2', 1)
+    (m,) = _sweep(text).models
+    assert (m.memory, m.num_cpus) == (2 * 2**30, 2.0)
+    assert _sweep(text).config_hash == _sweep(tiny_toml(kinds=("record",))).config_hash   # run-time settings
+    with pytest.raises(SweepError, match="is not a memory size"):
+        _sweep(text.replace('"2GiB"', '"lots"'))
+    with pytest.raises(SweepError, match="num_cpus must be a number of CPUs > 0"):
+        _sweep(text.replace("num_cpus = 2", "num_cpus = 0"))
+
+
+def test_calibration_cache_defaults_off_under_address(tmp_path, monkeypatch):
+    from sweeps import run as run_module
+
+    seen = {}
+    sweep = _sweep(tiny_toml(kinds=("calibrate",)).replace("calibration_cache = false\n", ""))
+    assert sweep.calibration_cache is True and not sweep.calibration_cache_set
+
+    class Stop(Exception):
+        pass
+
+    def driver(sweep, out, summary, bar, max_workers, calibration_cache=None):
+        seen["cache"] = calibration_cache
+        raise Stop
+
+    monkeypatch.setattr(run_module, "connect", lambda address, num_cpus: False)
+    monkeypatch.setattr(run_module, "_Driver", driver)
+    with pytest.raises(Stop):
+        run_sweep(sweep, tmp_path / "a", address="auto", progress=False)
+    assert seen["cache"] is False
+    with pytest.raises(Stop):
+        run_sweep(sweep, tmp_path / "b", progress=False)
+    assert seen["cache"] is True
+    explicit = _sweep(tiny_toml(kinds=("calibrate",), calibration_cache=str(tmp_path / "cal")))
+    with pytest.raises(Stop):
+        run_sweep(explicit, tmp_path / "c", address="auto", progress=False)
+    assert seen["cache"] == str((tmp_path / "cal").resolve())
+
+
+def test_workers_get_their_prompts_from_the_driver(tmp_path, monkeypatch):
+    """Before: record and bench cells loaded their prompt set from the worker's own data root (absent on
+    another machine). Now the driver sends them: a worker whose data root is empty still runs both."""
+    from sweeps import model_cells
+    from sweeps.model_cells import SHIPPED, ModelWorker, shipped_prompts
+
+    sweep = _sweep(tiny_toml(kinds=("record", "bench"), bench='[[bench]]\nmethods = ["ar"]\n'))
+    cells = {c.kind: c for c in sweep.cells}
+    sent = {k: {**c.params, SHIPPED: shipped_prompts(c.params)} for k, c in cells.items()}
+    direct = {k: model_cells.load_selected(c.params) for k, c in cells.items()}
+    empty = tmp_path / "empty-data"
+    empty.mkdir()
+    monkeypatch.setenv("SPECVOCAB_DATA", str(empty))                  # a worker node without the data sets
+    with pytest.raises(Exception, match="missing from the data root"):
+        model_cells.load_selected(cells["record"].params)
+    spec = sweep.models[0]
+    worker = ModelWorker(spec.name, spec.options, None, 1)
+    record, _ = worker.run("record", "-", sent["record"])
+    assert record.height == sum(len(p.turns) for p in direct["record"])
+    bench, _ = worker.run("bench", "ar", sent["bench"])
+    assert set(bench["prompt_set"]) == {"spec_bench"}
+    assert set(bench["prompt_id"]) == {p.prompt_id for p in direct["bench"]}

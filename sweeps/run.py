@@ -1,4 +1,5 @@
-"""Run a sweep on Ray: `python -m sweeps.run CONFIG --out DIR [--address auto|HOST:PORT|ray://HOST:PORT]`.
+"""Run a sweep on Ray: `python -m sweeps.run CONFIG --out DIR [--address auto|HOST:PORT|ray://HOST:PORT]
+[--extend] [--strict-provenance]`.
 
     python -m sweeps.run sweeps/configs/quick.toml --out results/quick          # a local Ray on 127.0.0.1
     ray job submit --working-dir . --runtime-env-json '{"env_vars": {"SPECVOCAB_DATA": "/shared/data"}}' \\
@@ -9,16 +10,42 @@ record and calibrate cells, then its bench cells - a bench cell of a calibrated 
 of its own runs at the g* just measured (`draft_size_from` names the calibrate cell); the actors are then
 released and the next model's pool starts. Last, the coverage cells run as plain Ray tasks (no model) on
 the record cells' traces, several cells to a task (they take milliseconds each). On a cluster with GPUs
-each actor takes one GPU; on CPUs each actor takes one core and runs torch on one thread, so timed cells
-never share a core. Actors restart up to twice (`max_restarts=2`) and a cell whose actor died is retried
-on the restarted actor (`max_task_retries=2`); an actor that fails to load its model fails that model's
-cells.
+each actor takes one GPU; on CPUs each actor takes one core (or the model's `num_cpus`) and runs torch on
+that many threads, so timed cells never share a core. The driver loads each record / bench cell's prompts
+and sends them with it (`sweeps.model_cells.SHIPPED`).
+
+Trouble fails cells, never the sweep:
+- a cell that raises fails with its error; its actor serves on;
+- an actor that dies is restarted by Ray up to twice (`max_restarts=2`) and its cell retried there
+  (`max_task_retries=2`); when Ray gives up, or any other Ray error comes back (worker crashed, out of
+  memory, node died, object lost, runtime env failed: `ray.exceptions.RayError`), the cell fails and counts
+  as one crash of its model; the actor is killed and the pool replaces it. After `[sweep] max_crashes`
+  (default 3) crashes the model is stopped: its remaining cells fail, naming the count;
+- an actor whose constructor raised (the model could not load: `ActorDiedError.actor_init_failed`; Ray does
+  not restart those) stops its model at once, for the rest of the run: every remaining cell of it fails with
+  the load error;
+- a cell past its kind's `[timeouts]` (from when its actor had loaded the model; the load itself has
+  `[timeouts] load`) fails; its actor is killed (`ray.kill`, no restart) and replaced. A coverage task past
+  its time is cancelled;
+- every failed cell's full error (remote traceback included) goes to `DIR/_errors/<cell id>.txt`, named in
+  the summary; the file goes when the cell later finishes.
 
 The driver writes every finished cell's frame to `DIR/kind=.../model=.../method=.../<id>.parquet`
-(`sweeps.results`), so results need no shared file system; a rerun of the same command skips cells whose
-file exists. At the end the files are counted against the cell list and a summary says what ran, what was
-skipped and what failed (with the error). Exit status: 0 when every cell has its file, 1 otherwise, 2 for a
-bad config, output folder or address.
+(`sweeps.results`: written atomically and fsynced), so results need no shared file system; a rerun of the
+same command skips cells whose file reads (a damaged one is moved aside and its cell rerun). The folder is
+locked while a driver runs in it: a second one is refused, naming the first one's pid and host.
+`sweep.json` records the config, the package version and git commit, torch / transformers versions and a
+digest of the data files (`sweeps.provenance`); a resume under another environment warns, naming what
+changed (`--strict-provenance`: refused). `--extend` takes a config whose cells include every cell of the
+folder's own (another seed, model, w_max ...) into the same folder, keeping what is finished. At the end
+the files are counted against the cell list and a summary says what ran, what was skipped and what failed
+(with the error). Exit status: 0 when every cell has its file, 1 otherwise, 2 for a bad config, output
+folder or address.
+
+Multi-node (`--address`): `--out` must be an absolute path (exit 2 otherwise); attaching from a checkout
+ships it to the workers as the job's runtime_env working_dir (`sweeps.cluster.checkout_runtime_env`; not
+inside `ray job submit`, which has its own); each model may ask for `memory` and `num_cpus` per actor; the
+calibration cache defaults to off (a cluster's workers are not the machine you run `generate` on).
 """
 
 from __future__ import annotations
@@ -359,7 +386,8 @@ class _Driver:
             idle.append(actor)
             return
         except RayActorError as e:
-            self._drop(actor, pool, kill=False)
+            # dead, or unavailable (restarting): either way this run has done with it - no stray actor left
+            self._drop(actor, pool, kill=True)
             if e.actor_init_failed:
                 why = f"the model could not load in its actor: {_error_text(e)}"
                 self._stop(spec, why)
@@ -415,7 +443,7 @@ class _Driver:
         out: dict = defaultdict(list)
         for c in self.sweep.cells:
             path = cell_path(self.out, c)
-            if c.kind == "calibrate" and c.model == spec.label and is_finished(path, self.summary.damaged):
+            if c.kind == "calibrate" and c.model == spec.label and is_finished(path):
                 g = pl.read_parquet(path, columns=["g_star"])["g_star"].drop_nulls()
                 if g.len():
                     fields = calibration_fields(SpecConfig.preset(c.method, **c.params["config"]))
@@ -435,7 +463,7 @@ class _Driver:
             if missing:
                 self._fail(cell, f"{len(missing)} of its {len(cell.needs)} record cells have no traces "
                                  f"(failed or not run): {missing[:3]}")
-            elif cell.params["analysis"] == "shortlist" and not ranking_path(self.out, cell.model).is_file():
+            elif cell.params["analysis"] == "shortlist" and not is_finished(ranking_path(self.out, cell.model)):
                 self._fail(cell, f"no token ranking for {cell.model} ({ranking_path(self.out, cell.model)}); its "
                                  f"model actor could not count one - see the messages above")
             else:

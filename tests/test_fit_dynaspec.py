@@ -9,6 +9,7 @@
 """
 
 import dataclasses
+import math
 import json
 
 import numpy as np
@@ -235,3 +236,52 @@ def test_cli_set_takes_only_specconfig_fields(monkeypatch):
         ds.main(["--model", "smollm2-135m-instruct", "--set", "drafter_layer=skip:12"])
     with pytest.raises(SystemExit, match="expected FIELD=VALUE"):
         ds.main(["--model", "smollm2-135m-instruct", "--set", "eagle_depth"])
+
+
+# --- known answers (issue #18 §3: tests that would catch the mutants) ---------------------------------------
+
+def test_router_loss_is_the_hand_computed_bce():
+    """BCE over all M clusters, summed over clusters and averaged over rows (§4.2), on numbers whose sigmoid
+    is exact: s = 0 -> 1/2, s = ln 3 -> 3/4, s = -ln 3 -> 1/4. Catches reduction="mean" (a factor 1/M) and a
+    softmax cross-entropy in its place."""
+    ln3 = math.log(3.0)
+    scores = torch.tensor([[0.0, ln3, -ln3], [ln3, 0.0, 0.0]], dtype=torch.float64)
+    targets = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    # row 0: -ln(1/2) - ln(1 - 3/4) - ln(1/4) = ln 2 + ln 4 + ln 4;  row 1: -ln(3/4) - ln(1/2) - ln(1/2)
+    row0 = math.log(2) + 2 * math.log(4)
+    row1 = math.log(4 / 3) + 2 * math.log(2)
+    got = ds.router_loss(scores, targets)
+    assert float(got) == pytest.approx((row0 + row1) / 2, rel=1e-12)
+    # one row, one cluster: the plain binary cross-entropy, -ln(3/4)
+    assert float(ds.router_loss(torch.tensor([[ln3]]), torch.tensor([[1.0]]))) == pytest.approx(math.log(4 / 3))
+
+
+# --- k-means at its fixed point ----------------------------------------------------------------------------
+
+def _overlapping(n=300, d=8, m=6, seed=0):
+    """Rows drawn around m random directions with so much noise that the clusters overlap: Lloyd needs many
+    iterations, and an assignment or centroid step done wrong leaves rows at a centroid that is not their best."""
+    g = torch.Generator().manual_seed(seed)
+    dirs = F.normalize(torch.randn(m, d, generator=g), dim=1)
+    x = dirs[torch.randint(0, m, (n,), generator=g)] + 0.8 * torch.randn(n, d, generator=g)
+    return x * (0.2 + 5 * torch.rand(n, 1, generator=g))                 # norms must not matter
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kmeans_ends_at_its_fixed_point_on_overlapping_data(seed):
+    """Spherical k-means' result is a fixed point of both Lloyd steps: every row sits at the centroid of highest
+    cosine, and every centroid is the L2-normalised mean (= normalised sum) of its rows. Catches centroids left
+    unnormalised and a loop that stops after one iteration."""
+    x = _overlapping(seed=seed)
+    m = 6
+    km = spherical_kmeans(x, m, iters=200, seed=seed)
+    xn = F.normalize(x.double(), dim=1)
+    c = km.centroids.double()
+    assert torch.bincount(km.assign, minlength=m).min() >= 1
+    sims = xn @ c.T                                                        # [n, M]
+    own = sims.gather(1, km.assign[:, None])[:, 0]
+    assert bool((own >= sims.max(1).values - 1e-6).all()), "a row is not at its best centroid"
+    means = torch.zeros(m, x.shape[1], dtype=torch.float64).index_add_(0, km.assign, xn)
+    torch.testing.assert_close(c, F.normalize(means, dim=1), rtol=0, atol=1e-5)
+    assert km.mean_cosine == pytest.approx(float(own.mean()), abs=1e-5)
+    assert km.converged and km.iterations > 2                              # the data needs several iterations

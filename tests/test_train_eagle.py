@@ -11,9 +11,11 @@
 """
 
 import json
+import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.config import SpecConfig
 from engine.drafters.eagle import (EagleDrafter, default_eagle_head, load_eagle_head, random_eagle_head,
@@ -224,3 +226,114 @@ def test_shipped_head_is_the_default_and_lossless(name, request):
     untrained = generate(model, ids, method="eagle", eagle_head="random", max_new_tokens=24, tokenizer=tok, info=info)
     assert trained.output_ids.tolist() == ar.output_ids.tolist()
     assert trained.tau > untrained.tau + 0.3, (trained.tau, untrained.tau)
+
+
+# --- training targets: known answers (issue #18 §3) --------------------------------------------------------------
+# A bigram "target" over V = d = 4 tokens: its feature after reading x_i is f_i = E[x_i] = 2 e_{x_i} and its LM
+# head is the identity, so its next-token logits at i are f_i (top-1: x_i). EAGLE pairs (f_i, x_{i+1}) at
+# position i with the targets at i + 1: the feature f_{i+1} and the distribution after x_{i+1}. A head that
+# outputs E[x_{i+1}] is then exactly right, and one that outputs f_i is one position behind.
+
+D = 4
+
+
+def _bigram_sample(ids, mask, prompt_id="p"):
+    x = torch.tensor(ids)
+    return data_job.Sample(prompt_id=prompt_id, source="teacher", input_ids=x, loss_mask=torch.tensor(mask),
+                           hidden=2.0 * F.one_hot(x, D).float(),
+                           topk_ids=torch.stack([x, (x + 1) % D], 1),                       # [L, 2]
+                           topk_logits=torch.tensor([[2.0, 0.0]]).expand(len(ids), 2).clone())
+
+
+def _bigram_samples():
+    return [_bigram_sample([0, 1, 2, 3], [False, False, True, True], "a"),
+            _bigram_sample([3, 1, 0], [False, True, True], "b")]
+
+
+def _linear_head(which: str) -> tuple:
+    """An EAGLE head whose decoder layer is the identity (o_proj and down_proj zero: the residual passes x
+    through) and whose fc reads only the token embedding ("embedding": h_i = E[x_{i+1}]) or only the feature
+    ("feature": h_i = f_i). Returns (head, embed) with embed = 2 I."""
+    from engine.drafters.eagle import EagleHead, _llama_config
+    head = EagleHead(_llama_config(dict(hidden_size=D, intermediate_size=8, num_attention_heads=1,
+                                        num_key_value_heads=1, vocab_size=D, max_position_embeddings=64)))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_()                                       # everything else random: it must not matter
+        head.layers[0].self_attn.o_proj.weight.zero_()
+        head.layers[0].mlp.down_proj.weight.zero_()
+        head.fc.bias.zero_()
+        eye, zero = torch.eye(D), torch.zeros(D, D)
+        head.fc.weight.copy_(torch.cat([eye, zero] if which == "embedding" else [zero, eye], 1))
+    embed = torch.nn.Embedding(D, D)
+    with torch.no_grad():
+        embed.weight.copy_(2.0 * torch.eye(D))
+    return head.float().eval(), embed
+
+
+def test_make_batch_pairs_each_feature_with_the_next_token_and_the_targets_after_it():
+    b = tr.make_batch(_bigram_samples(), loss_on="response")
+    e = lambda *ids: (2.0 * F.one_hot(torch.tensor(ids), D)).float()             # noqa: E731
+    assert b.tokens.tolist() == [1, 2, 3, 1, 0]                                   # x_{i+1}
+    assert torch.equal(b.feats, e(0, 1, 2, 3, 1))                                 # f_i
+    assert torch.equal(b.target, e(1, 2, 3, 1, 0))                                # f_{i+1}
+    assert b.top_ids.tolist() == [[1, 2], [2, 3], [3, 0], [1, 2], [0, 1]]         # the target's top-k at i+1
+    p0 = math.exp(2) / (math.exp(2) + 1)
+    torch.testing.assert_close(b.top_p, torch.tensor([[p0, 1 - p0]] * 5), rtol=0, atol=1e-7)
+    assert b.mask.tolist() == [False, True, True, True, True]                     # x_{i+1} is a response token
+    assert tr.make_batch(_bigram_samples(), loss_on="all").mask.tolist() == [True] * 5
+    assert b.positions.tolist() == [0, 1, 2, 0, 1]
+    assert torch.equal(b.bias, tr._block_causal_bias([3, 2], torch.float32))
+
+
+def test_head_forward_and_eagle_loss_known_answers():
+    b = tr.make_batch(_bigram_samples(), loss_on="response")
+    weight = torch.eye(D)                                     # the target's LM head
+    kw = dict(feature_rms=1.0, noise=0.0, w_reg=1.0, w_cls=0.1, chunk=2, backward=False)
+    # the right head: h_i = E[x_{i+1}] = f_{i+1}
+    head, embed = _linear_head("embedding")
+    with torch.no_grad():
+        h = tr.head_forward(head, embed, b.tokens, b.feats, b.positions, b.bias)
+    assert torch.equal(h, b.target)
+    r = tr.eagle_loss(head, embed, weight, b, **kw)
+    # every loss row: logits 2 e_{x_{i+1}}, target (x_{i+1}: p0, x_{i+1}+1: 1-p0) -> CE = log(e^2 + 3) - 2 p0
+    p0 = math.exp(2) / (math.exp(2) + 1)
+    ce = math.log(math.exp(2) + 3) - 2 * p0
+    assert r["rows"] == 4 and r["reg"] == 0.0 and r["acc"] == 1.0
+    assert r["cls"] == pytest.approx(ce, rel=1e-6) and r["loss"] == pytest.approx(0.1 * ce, rel=1e-6)
+    # a head one position behind: h_i = f_i. Regression: |f_i - f_{i+1}| = 2 at two of the 4 coordinates,
+    # SmoothL1(2) = 1.5 -> 3 / 4 per element; CE: the target's top-1 gets logit 0, x_i (p = 0) gets 2
+    head, embed = _linear_head("feature")
+    with torch.no_grad():
+        h = tr.head_forward(head, embed, b.tokens, b.feats, b.positions, b.bias)
+    assert torch.equal(h, b.feats)
+    r = tr.eagle_loss(head, embed, weight, b, **kw)
+    assert r["reg"] == pytest.approx(0.75, rel=1e-6) and r["acc"] == 0.0
+    # rows 1..4 (x_i, x_{i+1}): (1,2), (2,3), (3,1), (1,0); the target's second token x_{i+1}+1 equals x_i
+    # only for (1,0), where it gets logit 2
+    z = math.log(math.exp(2) + 3)
+    per_row = [z, z, z, z - 2 * (1 - p0)]
+    assert r["cls"] == pytest.approx(sum(per_row) / 4, rel=1e-6)
+
+
+def test_head_forward_keeps_packed_sequences_apart():
+    """The packed forward of two samples equals each sample's forward alone (block-causal mask, positions
+    restarting at 0 per sample), with a random head."""
+    from engine.drafters.eagle import EagleHead, _llama_config
+    torch.manual_seed(0)
+    head = EagleHead(_llama_config(dict(hidden_size=8, intermediate_size=16, num_attention_heads=2,
+                                        num_key_value_heads=1, vocab_size=D, max_position_embeddings=64))).eval()
+    embed = torch.nn.Embedding(D, 8)
+    g = torch.Generator().manual_seed(1)
+    samples = [data_job.Sample(prompt_id=str(n), source="teacher", input_ids=torch.randint(0, D, (n,), generator=g),
+                               loss_mask=torch.ones(n, dtype=torch.bool), hidden=torch.randn(n, 8, generator=g),
+                               topk_ids=torch.zeros(n, 1, dtype=torch.long), topk_logits=torch.zeros(n, 1))
+               for n in (5, 3, 6)]
+    with torch.no_grad():
+        b = tr.make_batch(samples)
+        packed = tr.head_forward(head, embed, b.tokens, b.feats, b.positions, b.bias)
+        alone = []
+        for s in samples:
+            one = tr.make_batch([s])
+            alone.append(tr.head_forward(head, embed, one.tokens, one.feats, one.positions, one.bias))
+    torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-5, atol=1e-6)

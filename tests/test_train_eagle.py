@@ -5,8 +5,9 @@
   continuations equal to the harness' AR decoding, the held-out split by prompt, resume after a lost shard
   (finished shards untouched), and clear errors for other settings, a damaged shard, an empty corpus;
 - a head trained a few steps lowers its loss, saves in the EAGLE-1/2 layout with the official tensor names,
-  loads back through the `eagle` drafter, decodes losslessly, resumes after an interruption, and refuses a
-  target it was not trained for;
+  loads back through the `eagle` drafter, decodes losslessly, resumes after an interruption to the same
+  weights and losses as an uninterrupted run (bitwise), and refuses a target it was not trained for;
+- known answers of `make_batch`, `head_forward` and `eagle_loss` on a hand-built bigram target;
 - the shipped heads: found by default for both offline models, lossless, and better than an untrained head.
 """
 
@@ -161,7 +162,11 @@ def test_training_lowers_the_loss_and_saves_the_eagle_layout(data_dir, tmp_path)
         assert res.output_ids.tolist() == ar.output_ids.tolist()
 
 
-def test_interrupted_training_resumes(data_dir, tmp_path, monkeypatch):
+def test_interrupted_training_resumes_to_the_same_run(data_dir, tmp_path, monkeypatch):
+    """Killed after 4 steps and resumed from the step-4 checkpoint, a run ends bit for bit where the
+    uninterrupted run ends: head weights, optimiser state, per-step losses, learning curve. This needs the
+    noise generator's state in the checkpoint (reseeding it on resume draws other noise)."""
+    full = tr.train_eagle(tr.TrainConfig(**TRAIN, data=str(data_dir), out=str(tmp_path / "full")))
     out = tmp_path / "head"
     real, calls = tr.eagle_loss, {"n": 0}
 
@@ -176,11 +181,22 @@ def test_interrupted_training_resumes(data_dir, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         tr.train_eagle(tr.TrainConfig(**TRAIN, data=str(data_dir), out=str(out)))
     state = torch.load(out / "train_state.pt", weights_only=False)
-    assert state["step"] == 4                             # the checkpoint before the crash
+    assert state["step"] == 4 and len(state["losses"]) == 4   # the checkpoint before the crash
     monkeypatch.setattr(tr, "eagle_loss", real)
     tr.train_eagle(tr.TrainConfig(**TRAIN, data=str(data_dir), out=str(out)))
-    final = torch.load(out / "train_state.pt", weights_only=False)
-    assert final["step"] > 4 and (out / "model.safetensors").is_file()
+    a = torch.load(full / "train_state.pt", weights_only=False)
+    b = torch.load(out / "train_state.pt", weights_only=False)
+    assert a["step"] == b["step"] > 4 and (out / "model.safetensors").is_file()
+    assert b["losses"] == a["losses"] and len(a["losses"]) == a["step"]          # the loss curve, exactly
+    assert json.dumps(b["curve"]) == json.dumps(a["curve"])                      # held-out points (tau may be nan)
+    for k, w in a["head"].items():
+        assert torch.equal(w, b["head"][k]), k                                     # bitwise
+    for (i, sa), sb in zip(a["opt"]["state"].items(), b["opt"]["state"].values()):
+        assert all(torch.equal(sa[n], sb[n]) for n in sa), i
+    assert torch.equal(a["rng"], b["rng"])
+    from safetensors.torch import load_file
+    fa, fb = load_file(str(full / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(fa[k], fb[k]) for k in fa)
     with pytest.raises(data_job.TrainError, match="other settings"):
         tr.train_eagle(tr.TrainConfig(**{**TRAIN, "lr": 0.5}, data=str(data_dir), out=str(out)))
 

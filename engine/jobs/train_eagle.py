@@ -25,7 +25,8 @@ speculative decoding with the head, greedy, on held-out prompts) against trainin
 written as `learning_curve.parquet`. The head is saved in the EAGLE checkpoint layout (`config.json` +
 `model.safetensors` with the official tensor names, `save_eagle_head`), with a `specvocab` block in its
 config that names the target and its LM-head fingerprint (so loading it for another model fails clearly)
-and a model card `README.md`. A run checkpoints its state every `save_every` steps and resumes from it.
+and a model card `README.md`. A run checkpoints its state every `save_every` steps (head, optimiser, the noise
+generator's state, the per-step losses) and resumes from it to the same weights as an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -301,7 +302,10 @@ def train_eagle(cfg: TrainConfig) -> Path:
                if k not in ("out", "threads", "progress", "eval_prompts", "eval_new_tokens")}
     run_key["data_manifest"] = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
     state_path = out / "train_state.pt"
-    step, tokens_seen, curve, next_eval = 0, 0, [], 0
+    step, tokens_seen, curve, next_eval, losses = 0, 0, [], 0, []
+    # the noise and the cross-entropy rows are drawn from this generator; its state is checkpointed with the
+    # head and the optimiser, so a resumed run draws what the uninterrupted run would have drawn
+    gen = torch.Generator().manual_seed(cfg.seed)
     if state_path.is_file():
         state = torch.load(state_path, map_location="cpu", weights_only=False)
         if state.get("run_key") != run_key:
@@ -309,6 +313,13 @@ def train_eagle(cfg: TrainConfig) -> Path:
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         step, tokens_seen, curve, next_eval = state["step"], state["tokens_seen"], state["curve"], state["next_eval"]
+        losses = list(state.get("losses", []))
+        if "rng" in state:
+            gen.set_state(state["rng"])
+        else:                                    # a checkpoint from before the generator was saved
+            gen.manual_seed(cfg.seed + step)
+            print(f"[train eagle] {state_path} holds no generator state: the resumed run's noise differs from "
+                  f"an uninterrupted run's", flush=True)
         print(f"[train eagle] resuming {out} at step {step} ({tokens_seen:,} tokens)", flush=True)
 
     eos = eos_token_ids(model, tokenizer)
@@ -339,13 +350,13 @@ def train_eagle(cfg: TrainConfig) -> Path:
 
     def save_state():
         save_torch({"run_key": run_key, "head": head.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "tokens_seen": tokens_seen, "curve": curve, "next_eval": next_eval}, state_path)
+                    "tokens_seen": tokens_seen, "curve": curve, "next_eval": next_eval, "losses": losses,
+                    "rng": gen.get_state()}, state_path)
 
-    gen = torch.Generator().manual_seed(cfg.seed + step)
     bar = tqdm(total=total_steps, initial=step, unit="step", desc=f"train eagle {cfg.model}",
                disable=not cfg.progress)
     t0 = time.perf_counter()
-    recent: list[float] = []
+    recent: list[float] = losses[-20:]
     for b in itertools.islice(schedule(), step, total_steps):      # a resumed run skips the steps it made
         if tokens_seen >= next_eval:
             point = evaluate()
@@ -364,6 +375,7 @@ def train_eagle(cfg: TrainConfig) -> Path:
         opt.step()
         step += 1
         tokens_seen += int(batch.tokens.numel())
+        losses.append(r["loss"])
         recent = (recent + [r["loss"]])[-20:]
         bar.update(1)
         bar.set_postfix(loss=f"{np.mean(recent):.3f}", tokens=f"{tokens_seen:,}")

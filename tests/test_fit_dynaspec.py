@@ -196,7 +196,7 @@ def test_fit_end_to_end_on_a_random_model(tmp_path, monkeypatch):
     vocab = model.get_output_embeddings().weight.shape[0]
     choices = choices_job.ChoicesConfig(work_dir=str(work), out=str(tmp_path / "choices"), num_clusters=(8, 16),
                                router_width=(8,), top_l=(1, 4), budget_tokens=(vocab // 8, vocab, vocab + 1),
-                               heldout=0.25, epochs=1, threads=None, progress=False)
+                               epochs=1, threads=None, progress=False)
     settings = choices_job.choice_settings(choices, json.loads((work / "fit.json").read_text()))
     assert settings == [(16, 512, 4), (8, 512, 4), (16, 8, 4), (16, 512, 1)]        # the fit's own first
     out = choices_job.sweep_choices(choices)
@@ -204,6 +204,10 @@ def test_fit_end_to_end_on_a_random_model(tmp_path, monkeypatch):
     assert len(files) == 4
     table = pl.read_parquet(files)
     assert table.height == 4 * 2 * 3                                 # settings x valid budgets x scorers
+    split = json.loads((work / "split.json").read_text())           # the fit's own split, which the sweep used
+    assert split["heldout_prompt_ids"] == meta["training"]["prompt_ids"][-1:]
+    assert split["train_prompt_ids"] == meta["training"]["prompt_ids"][:-1]
+    assert (table["train_rows"] == meta["training"]["train_rows"]).all()
     # every cluster picked at every step (DynaSpec-F at k_max = M): nothing is missed
     full = table.filter((pl.col("budget_tokens") == vocab) & (pl.col("budget") == "fixed"))
     assert (full["token_recall"] == 1.0).all() and (full["mean_row_vocab"] == vocab).all()
@@ -214,6 +218,11 @@ def test_fit_end_to_end_on_a_random_model(tmp_path, monkeypatch):
     assert {p.name: p.stat().st_mtime_ns for p in sorted(out.glob("*.parquet"))} == before
     with pytest.raises(DynaSpecError, match="the fit logged"):
         choices_job.sweep_choices(dataclasses.replace(choices, top_l=(5,)))
+    # a fit that held out two prompts (the first and the last): the sweep trains on the other two only
+    ds.write_split(work, shards[1:3], [shards[0], shards[3]], 0.5)
+    one = choices_job.sweep_choices(dataclasses.replace(choices, out=str(tmp_path / "one"), num_clusters=(16,),
+                                                        router_width=(512,), top_l=(4,), budget_tokens=(vocab,)))
+    assert (pl.read_parquet(sorted(one.glob("*.parquet")))["train_rows"] == len(ds.load_rows(shards[1:3]))).all()
     with pytest.raises(DynaSpecError, match="not a DynaSpec fit's work dir"):
         choices_job.sweep_choices(dataclasses.replace(choices, work_dir=str(tmp_path)))
 
@@ -285,3 +294,141 @@ def test_kmeans_ends_at_its_fixed_point_on_overlapping_data(seed):
     torch.testing.assert_close(c, F.normalize(means, dim=1), rtol=0, atol=1e-5)
     assert km.mean_cosine == pytest.approx(float(own.mean()), abs=1e-5)
     assert km.converged and km.iterations > 2                              # the data needs several iterations
+
+
+# --- fit quality (issue #18 §3) and row logging (§2) ----------------------------------------------------------
+
+def _full_head_top(weight, h, el):
+    return (h.double() @ weight.double().T).topk(el, dim=1).indices
+
+
+def assert_rows_are_the_full_heads_top(rows: RouterRows, weight: torch.Tensor) -> None:
+    """Recompute the logged labels from the logged router inputs. A row's parent_h is the input of the head
+    call that proposed its token: at t = 0 it is the root's own head input (h_root), and at t >= 1 it is the
+    head input of the row's parent, one level up in the same draft step. So the full head's top-L of parent_h
+    is the logged top of the t = 0 row itself, and of some row of level t - 1 for the others."""
+    el = rows.top.shape[1]
+    top = rows.top.long()
+    starts = (rows.t == 0).nonzero().flatten().tolist() + [len(rows)]
+    assert starts[0] == 0
+    for a, b in zip(starts[:-1], starts[1:]):                       # one draft step per t = 0 row
+        t = rows.t[a:b].long()
+        recomputed = _full_head_top(weight, rows.parent_h[a:b], el)        # [rows, L]
+        assert torch.equal(recomputed[0], top[a]), "the root row's logged top-L is not the full head's"
+        assert int(recomputed[0, 0]) == int(top[a, 0])
+        for level in range(1, int(t.max()) + 1):
+            sel = (t == level).nonzero().flatten()
+            parents = {tuple(r) for r in top[a:b][t == level - 1].tolist()}
+            for i in sel.tolist():
+                assert tuple(recomputed[i].tolist()) in parents, \
+                    f"row {a + i} (t={level}): the full head's top-L of its parent_h is no logged row's top"
+                # its token was proposed by that head call: it is among the parent's top tokens
+                assert int(rows.tokens[a + i]) in _full_head_top(weight, rows.parent_h[a + i:a + i + 1], 10)[0]
+
+
+def test_fit_logs_the_full_heads_top_and_the_router_beats_the_static_list(tmp_path):
+    """A fit on the random Llama with enough rows to learn from (16 prompts): the logged labels are the full
+    head's top-L recomputed from the logged hidden states, the hidden states are logged in the drafter's dtype,
+    and on the held-out prompts the router beats the static baseline (the most frequent clusters) at a budget
+    below M (k_max = 4 of M = 16)."""
+    prompts = tmp_path / "many.jsonl"
+    with open(prompts, "w") as f:
+        for i in range(20):
+            f.write(json.dumps({"question_id": f"q{i}", "category": "chat",
+                                "turns": [f"Item {i}: write about {i * 7 % 13} and {i * 3}. " * 2]}) + "\n")
+    out = tmp_path / "fitted.safetensors"
+    cfg = dataclasses.replace(tiny_dynaspec_fit(tmp_path, out), prompts=str(prompts), num_prompts=16,
+                              max_new_tokens=24, epochs=30, router_width=64, lr=3e-3)
+    ds.fit(cfg)
+    model, _, _ = load_model("random-llama")
+    weight = model.get_output_embeddings().weight.detach()
+    rows = ds.load_rows(sorted((tmp_path / "fitted.safetensors.work").glob("log-*.safetensors")))
+    assert rows.parent_h.dtype == weight.dtype == torch.float32           # not rounded to fp16
+    assert int(rows.t.max()) == 2                                          # eagle_depth 3: levels 0, 1, 2
+    assert_rows_are_the_full_heads_top(rows, weight)
+    meta = json.loads((tmp_path / "fitted.safetensors.json").read_text())
+    assert cfg.k_max < cfg.num_clusters
+    router, static = meta["heldout"]["router"]["overall"], meta["heldout"]["static_baseline"]["overall"]
+    assert router["rows"] == static["rows"] > 200
+    assert router["token_recall"] > static["token_recall"] + 0.1, (router, static)
+    assert router["cluster_recall"] > static["cluster_recall"] + 0.1, (router, static)
+    assert router["mean_row_vocab"] <= static["mean_row_vocab"] * 1.05    # not by a larger shortlist
+
+
+class _HeadOnly:
+    """A full-vocabulary policy stand-in: head_topk over a fixed weight."""
+
+    def __init__(self, weight):
+        self.weight = weight
+
+    def head_topk(self, h, k):
+        logp = torch.log_softmax(h.float() @ self.weight.float().T, -1)
+        return logp.topk(k, dim=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_inputs_are_logged_in_the_drafters_dtype(dtype):
+    """The router reads parent_h upcast to fp32 from the drafter's dtype (`Router.forward`): the log keeps
+    exactly those values. fp16 would round 1 + 2^-20 to 1 and overflow 1e5 (in bf16's range) to inf."""
+    weight = torch.randn(12, 4, generator=torch.Generator().manual_seed(0))
+    log = ds.RouterDataLogger(_HeadOnly(weight), top_l=3)
+    h = torch.tensor([[1 + 2 ** -20, 1e5, -3e-6, 0.1], [2.0, -1e5, 7.0, 1 / 3]]).to(dtype)
+    log.route(torch.tensor([5, 7]), h, 0)
+    _, ids = log.head_topk(h, 2)
+    rows = log.take()
+    assert rows.parent_h.dtype == dtype and torch.equal(rows.parent_h, h)
+    assert torch.isfinite(rows.parent_h.float()).all()
+    assert torch.equal(rows.top.long(), _HeadOnly(weight).head_topk(h, 3)[1]) and ids.shape == (2, 2)
+
+
+def test_router_training_refuses_changed_hyper_parameters(tmp_path):
+    d, m, vocab = 16, 8, 48
+    weight = torch.randn(vocab, d, generator=torch.Generator().manual_seed(1))
+    assign = torch.arange(vocab) % m
+    train = _mapping_rows(200, seed=0)
+    cfg = FitConfig(model="synthetic", router_width=8, epochs=1, batch_size=50, lr=1e-2, progress=False)
+    router, losses = train_router(cfg, train, weight, assign, tmp_path)
+    again, losses2 = train_router(cfg, train, weight, assign, tmp_path)          # the same settings: resumes
+    assert losses2 == losses and all(torch.equal(a, b) for a, b in zip(router.state_dict().values(),
+                                                                       again.state_dict().values()))
+    for change in (dict(lr=2e-2), dict(batch_size=40), dict(weight_decay=0.1), dict(seed=1), dict(epochs=2),
+                   dict(router_width=16)):
+        (name, value), = change.items()
+        with pytest.raises(DynaSpecError, match=rf"other hyper-parameters \({name} .* -> {value}\).*delete it"):
+            train_router(dataclasses.replace(cfg, **change), train, weight, assign, tmp_path)
+    with pytest.raises(DynaSpecError, match=r"train_rows 200 -> 150"):
+        train_router(cfg, RouterRows(*(getattr(train, f.name)[:150] for f in dataclasses.fields(RouterRows))),
+                     weight, assign, tmp_path)
+
+
+def _fake_shards(work, ids):
+    from engine.artifacts import save_safetensors
+    paths = []
+    for j, pid in enumerate(ids):
+        rows = _mapping_rows(3 + j, seed=j)
+        p = work / f"log-{j:05d}.safetensors"
+        save_safetensors(rows.tensors(), p, metadata={"prompt_id": pid})
+        paths.append(p)
+    return paths
+
+
+def test_choices_use_the_fits_own_split(tmp_path):
+    """The choices sweep holds out the prompts the fit held out (its split.json), whatever fraction the sweep
+    would pick itself; a work dir without split.json is refused unless a re-split is asked for."""
+    shards = _fake_shards(tmp_path, ["p0", "p1", "p2", "p3", "p4"])
+    with pytest.raises(DynaSpecError, match="no split.json"):
+        choices_job.fit_split(tmp_path, shards)
+    ds.write_split(tmp_path, [shards[0], shards[2], shards[4]], [shards[1], shards[3]], 0.4)
+    train, held = choices_job.fit_split(tmp_path, shards)
+    assert train == [shards[0], shards[2], shards[4]] and held == [shards[1], shards[3]]
+    assert choices_job.fit_split(tmp_path, shards, heldout=0.2) == (shards[:4], shards[4:])   # asked for
+    with pytest.raises(DynaSpecError, match=r"no log shard for"):
+        choices_job.fit_split(tmp_path, shards[:4])
+    # a work dir from before split.json: the fitted file's sidecar names the prompts, the held-out ones last
+    work = tmp_path / "f.safetensors.work"
+    work.mkdir()
+    shards = _fake_shards(work, ["p0", "p1", "p2", "p3", "p4"])
+    (tmp_path / "f.safetensors.json").write_text(json.dumps(
+        {"training": {"prompt_ids": ["p4", "p0", "p3", "p1", "p2"], "heldout_prompts": 2}}))
+    train, held = choices_job.fit_split(work, shards)
+    assert train == [shards[4], shards[0], shards[3]] and held == [shards[1], shards[2]]

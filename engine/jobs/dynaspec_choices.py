@@ -2,10 +2,10 @@
 
     python -m engine.jobs.dynaspec_choices --work-dir <fit work dir> --out DIR      # or: specvocab dynaspec choices
 
-One factor at a time around the fit's settings; each router is scored offline on the fit's held-out prompts
-(`engine.jobs.fit_dynaspec.router_metrics`). One Parquet file per setting; a rerun skips finished settings. Every
-row records the centre it was varied around (`centre_num_clusters`, `centre_router_width`, `centre_top_l`), which
-`sweeps.tables.choices_centre` reads.
+One factor at a time around the fit's settings; each router is scored offline on the prompts the fit held out (its
+`split.json`; `engine.jobs.fit_dynaspec.router_metrics`). One Parquet file per setting; a rerun skips finished
+settings. Every row records the centre it was varied around (`centre_num_clusters`, `centre_router_width`,
+`centre_top_l`), which `sweeps.tables.choices_centre` reads.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from engine.artifacts import atomic_write, save_safetensors
-from engine.jobs.fit_dynaspec import (FitConfig, cluster_targets, load_rows, router_metrics, spherical_kmeans,
-                                      train_router)
+from engine.artifacts import atomic_write, save_safetensors, sidecar_path
+from engine.jobs.fit_dynaspec import (SPLIT_FILE, FitConfig, _shard_prompt, cluster_targets, load_rows,
+                                      router_metrics, spherical_kmeans, train_router)
 from engine.models import load_model
 from engine.vocab.dynaspec import ClusterLayout, DynaSpecError, k_max_for_tokens, tokens_for_k_max
 
@@ -49,7 +49,9 @@ class ChoicesConfig:
     router_width: tuple[int, ...] = (128, 256, 512, 1024)
     top_l: tuple[int, ...] = (1, 3, 10)
     budget_tokens: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384, 32768)
-    heldout: float = 0.125                              # as the fit split its prompts
+    heldout: float | None = None                        # None: the fit's own split (its split.json); a
+                                                        # fraction re-splits the logged prompts, the last ones
+                                                        # held out (a work dir from before split.json)
     epochs: int = 12
     threads: int | None = 1
     progress: bool = True
@@ -93,6 +95,34 @@ def _choice_clusters(work: Path, base: dict, weight: torch.Tensor, m: int) -> tu
     return km.assign, time.perf_counter() - t0
 
 
+def fit_split(work: Path, shards: list[Path], heldout: float | None = None) -> tuple[list[Path], list[Path]]:
+    """(train shards, held-out shards) of a fit's work dir: the fit's own split by prompt id (`split.json`,
+    written by `fit`; for an older fit, its fitted file's sidecar beside the work dir), so the sweep scores its routers on the prompts the fit held out; with `heldout`, a
+    re-split instead (the last round(heldout * n) shards, as `fit` splits)."""
+    if heldout is not None:
+        n_held = max(1, round(heldout * len(shards)))
+        return shards[: len(shards) - n_held], shards[len(shards) - n_held:]
+    path = work / SPLIT_FILE
+    fitted = work.with_name(work.name[: -len(".work")]) if work.name.endswith(".work") else None
+    if path.is_file():
+        split = json.loads(path.read_text())
+    elif fitted is not None and sidecar_path(fitted).is_file():      # a fit from before split.json: its sidecar
+        path = sidecar_path(fitted)
+        meta = json.loads(path.read_text())["training"]
+        ids, n_held = meta["prompt_ids"], meta["heldout_prompts"]
+        split = {"train_prompt_ids": ids[: len(ids) - n_held], "heldout_prompt_ids": ids[len(ids) - n_held:]}
+    else:
+        raise DynaSpecError(f"{work} has no {SPLIT_FILE} (the fit's held-out prompts), nor a fitted file's sidecar "
+                            f"beside it: run the fit to its end (`python -m engine.jobs.fit_dynaspec ... --work-dir "
+                            f"{work}` resumes and writes it), or pass ChoicesConfig(heldout=...) to re-split")
+    by_id = {_shard_prompt(s): s for s in shards}
+    missing = [p for p in split["train_prompt_ids"] + split["heldout_prompt_ids"] if p not in by_id]
+    if missing:
+        raise DynaSpecError(f"{path} names logged prompts {missing[:5]} that {work} has no log shard for; "
+                            f"rerun the fit on this work dir")
+    return [by_id[p] for p in split["train_prompt_ids"]], [by_id[p] for p in split["heldout_prompt_ids"]]
+
+
 def sweep_choices(cfg: ChoicesConfig) -> Path:
     """Run the sweep (resumable: a setting whose Parquet file exists is skipped) and return the out folder;
     `pl.scan_parquet(out / "*.parquet")` reads it."""
@@ -114,8 +144,11 @@ def sweep_choices(cfg: ChoicesConfig) -> Path:
     budgets = [b for b in cfg.budget_tokens if 1 <= b <= vocab]
     if not budgets:
         raise DynaSpecError(f"no budget in {cfg.budget_tokens} is within [1, V={vocab}]")
-    n_held = max(1, round(cfg.heldout * len(shards)))
-    train_rows, held_rows = load_rows(shards[: len(shards) - n_held]), load_rows(shards[len(shards) - n_held:])
+    train_shards, held_shards = fit_split(work, shards, cfg.heldout)
+    if not train_shards or not held_shards:
+        raise DynaSpecError(f"the split of {work} leaves {len(train_shards)} training and {len(held_shards)} "
+                            f"held-out prompts; the sweep needs both")
+    train_rows, held_rows = load_rows(train_shards), load_rows(held_shards)
     out = Path(cfg.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     wf = weight.float()
@@ -126,7 +159,9 @@ def sweep_choices(cfg: ChoicesConfig) -> Path:
         assign, km_s = _choice_clusters(work, base, weight, m)
         fit_cfg = FitConfig(model=base["model"], num_clusters=m, router_width=w, top_l=el, epochs=cfg.epochs,
                             seed=base["seed"], progress=cfg.progress)
-        sub = work / "choices" / f"M{m}-w{w}-L{el}"
+        # the router checkpoints live with the sweep that trains them: another sweep of the same fit (other
+        # epochs, another split) must not resume them (train_router refuses other hyper-parameters or rows)
+        sub = out / "_routers" / f"M{m}-w{w}-L{el}"
         sub.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         router, losses = train_router(fit_cfg, train_rows.first_l(el), weight, assign, sub)

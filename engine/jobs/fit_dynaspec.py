@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from engine.artifacts import FINGERPRINT_KEY, head_fingerprint, save_safetensors, save_torch
+from engine.artifacts import FINGERPRINT_KEY, atomic_write, head_fingerprint, save_safetensors, save_torch
 from engine.config import ConfigError, SpecConfig, parse_overrides
 from engine.drafters import make_drafter
 from engine.harness import generate, resolve_config
@@ -173,7 +173,8 @@ class RouterRows:
     vocabulary; a log shard holds these four tensors under these names."""
 
     tokens: torch.Tensor          # [n] int32   x: the token whose children the row's head call scores
-    parent_h: torch.Tensor        # [n, d] fp16 the drafter hidden state that proposed x (the router's h)
+    parent_h: torch.Tensor        # [n, d]      the drafter hidden state that proposed x (the router's h), in the
+                                  #             drafter's own dtype: the values the router reads at decode time
     t: torch.Tensor               # [n] int8    draft step (0: the root's children)
     top: torch.Tensor             # [n, L] int32 the full head's top-L tokens at that row, best first
 
@@ -215,8 +216,11 @@ class RouterDataLogger:
         return getattr(self.inner, name)
 
     def route(self, tokens, parent_h, t):
-        # to the host at once: an offline logging run, where a sync per level costs nothing that matters
-        self._pending = (tokens.reshape(-1).to("cpu", torch.int32), parent_h.to("cpu", torch.float16), t)
+        # to the host at once: an offline logging run, where a sync per level costs nothing that matters.
+        # parent_h keeps the drafter's dtype: at decode time `Router.forward` upcasts exactly these values to
+        # fp32, so the router trains on what it will read (fp16 would round an fp32 model's states to 11 bits
+        # and overflow a bf16 model's large activations to inf)
+        self._pending = (tokens.reshape(-1).to("cpu", torch.int32), parent_h.detach().to("cpu"), t)
 
     def head_topk(self, h, k):
         logp, ids = self.inner.head_topk(h, max(k, self.top_l))                 # [r, K] sorted, best first
@@ -351,6 +355,16 @@ def _shard_prompt(path: Path) -> str | None:
         return (f.metadata() or {}).get("prompt_id")
 
 
+SPLIT_FILE = "split.json"
+
+
+def write_split(work: Path, train: list[Path], held: list[Path], fraction: float) -> None:
+    """The fit's split of its logged prompts (`split.json` in the work dir), which `dynaspec_choices` reuses."""
+    split = {"heldout": fraction, "train_prompt_ids": [_shard_prompt(s) for s in train],
+             "heldout_prompt_ids": [_shard_prompt(s) for s in held]}
+    atomic_write(work / SPLIT_FILE, json.dumps(split, indent=1))
+
+
 def load_rows(paths: list[Path]) -> RouterRows | None:
     """The rows of log shards, concatenated in order (None for no shards)."""
     parts = [RouterRows.from_tensors(load_file(str(p)), str(p)) for p in paths]
@@ -396,7 +410,8 @@ def train_router(cfg: FitConfig, train: RouterRows, weight: torch.Tensor, assign
                  work: Path) -> tuple[Router, list[float]]:
     """AdamW on the BCE of §4.2; checkpoints `router.pt` atomically every 100 batches and at each epoch's
     end, and resumes from it (the shuffle of epoch e is seeded by (seed, e), so a resumed run sees the
-    same batches)."""
+    same batches). A checkpoint of other hyper-parameters (lr, batch size, weight decay, seed, epochs, width,
+    or other rows) is refused with a DynaSpecError naming what changed."""
     d, m = weight.shape[1], int(assign.max()) + 1
     torch.manual_seed(cfg.seed)
     router = Router(d, m, cfg.router_width)
@@ -405,13 +420,21 @@ def train_router(cfg: FitConfig, train: RouterRows, weight: torch.Tensor, assign
     per_epoch = math.ceil(n / cfg.batch_size)
     total = per_epoch * cfg.epochs
     ckpt = work / "router.pt"
+    hparams = {"lr": cfg.lr, "batch_size": cfg.batch_size, "weight_decay": cfg.weight_decay, "seed": cfg.seed,
+               "epochs": cfg.epochs, "router_width": cfg.router_width, "train_rows": n, "num_clusters": m,
+               "hidden_size": d}
     step, losses = 0, []
     if ckpt.is_file():
         state = torch.load(ckpt, map_location="cpu", weights_only=True)
-        if state.get("total") == total and state.get("width") == cfg.router_width:
-            router.load_state_dict(state["router"])
-            opt.load_state_dict(state["opt"])
-            step, losses = state["step"], list(state["losses"])
+        saved = state.get("hparams")
+        if saved != hparams:
+            what = ("it records none (written before they were checked)" if saved is None else
+                    ", ".join(f"{k} {saved.get(k)!r} -> {v!r}" for k, v in hparams.items() if saved.get(k) != v))
+            raise DynaSpecError(f"{ckpt} is a router training with other hyper-parameters ({what}); resume it with "
+                                f"its own settings, or delete it to train from scratch")
+        router.load_state_dict(state["router"])
+        opt.load_state_dict(state["opt"])
+        step, losses = state["step"], list(state["losses"])
     emb = weight.detach().float()
     h_all, tok_all, top_all = train.parent_h, train.tokens.long(), train.top.long()
     bar = tqdm(total=total, initial=step, desc="train router", disable=not cfg.progress)
@@ -438,7 +461,7 @@ def train_router(cfg: FitConfig, train: RouterRows, weight: torch.Tensor, assign
             bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}", epoch=epoch)
         if step % 100 == 0 or step % per_epoch == 0 or step == total:
             save_torch({"router": router.state_dict(), "opt": opt.state_dict(), "step": step,
-                        "losses": losses, "total": total, "width": cfg.router_width}, ckpt)
+                        "losses": losses, "total": total, "hparams": hparams}, ckpt)
     bar.close()
     return router.eval(), losses
 
@@ -485,6 +508,7 @@ def fit(cfg: FitConfig) -> Path:
     shards = log_rows(cfg, model, tokenizer, info, work)
     n_held = max(1, round(cfg.heldout * len(shards))) if len(shards) > 1 else 0
     train_rows, held_rows = load_rows(shards[: len(shards) - n_held]), load_rows(shards[len(shards) - n_held:])
+    write_split(work, shards[: len(shards) - n_held], shards[len(shards) - n_held:], cfg.heldout)
     if not train_rows:
         raise DynaSpecError("no training rows were logged; raise --num-prompts")
     router, losses = train_router(cfg, train_rows, weight, assign, work)

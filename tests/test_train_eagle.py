@@ -270,8 +270,8 @@ def _linear_head(which: str) -> tuple:
     """An EAGLE head whose decoder layer is the identity (o_proj and down_proj zero: the residual passes x
     through) and whose fc reads only the token embedding ("embedding": h_i = E[x_{i+1}]) or only the feature
     ("feature": h_i = f_i). Returns (head, embed) with embed = 2 I."""
-    from engine.drafters.eagle import EagleHead, _llama_config
-    head = EagleHead(_llama_config(dict(hidden_size=D, intermediate_size=8, num_attention_heads=1,
+    from engine.drafters.eagle import EagleHead, llama_config
+    head = EagleHead(llama_config(dict(hidden_size=D, intermediate_size=8, num_attention_heads=1,
                                         num_key_value_heads=1, vocab_size=D, max_position_embeddings=64)))
     with torch.no_grad():
         for p in head.parameters():
@@ -335,9 +335,9 @@ def test_head_forward_and_eagle_loss_known_answers():
 def test_head_forward_keeps_packed_sequences_apart():
     """The packed forward of two samples equals each sample's forward alone (block-causal mask, positions
     restarting at 0 per sample), with a random head."""
-    from engine.drafters.eagle import EagleHead, _llama_config
+    from engine.drafters.eagle import EagleHead, llama_config
     torch.manual_seed(0)
-    head = EagleHead(_llama_config(dict(hidden_size=8, intermediate_size=16, num_attention_heads=2,
+    head = EagleHead(llama_config(dict(hidden_size=8, intermediate_size=16, num_attention_heads=2,
                                         num_key_value_heads=1, vocab_size=D, max_position_embeddings=64))).eval()
     embed = torch.nn.Embedding(D, 8)
     g = torch.Generator().manual_seed(1)

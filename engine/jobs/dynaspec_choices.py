@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from engine.artifacts import atomic_write, save_safetensors, sidecar_path
-from engine.jobs.fit_dynaspec import (SPLIT_FILE, FitConfig, _shard_prompt, cluster_targets, load_rows,
+from engine.jobs.fit_dynaspec import (SPLIT_FILE, FitConfig, shard_prompt, cluster_targets, load_rows,
                                       router_metrics, spherical_kmeans, train_router)
 from engine.models import load_model
 from engine.vocab.dynaspec import ClusterLayout, DynaSpecError, k_max_for_tokens, tokens_for_k_max
@@ -115,7 +115,7 @@ def fit_split(work: Path, shards: list[Path], heldout: float | None = None) -> t
         raise DynaSpecError(f"{work} has no {SPLIT_FILE} (the fit's held-out prompts), nor a fitted file's sidecar "
                             f"beside it: run the fit to its end (`python -m engine.jobs.fit_dynaspec ... --work-dir "
                             f"{work}` resumes and writes it), or pass ChoicesConfig(heldout=...) to re-split")
-    by_id = {_shard_prompt(s): s for s in shards}
+    by_id = {shard_prompt(s): s for s in shards}
     missing = [p for p in split["train_prompt_ids"] + split["heldout_prompt_ids"] if p not in by_id]
     if missing:
         raise DynaSpecError(f"{path} names logged prompts {missing[:5]} that {work} has no log shard for; "

@@ -316,7 +316,7 @@ def log_rows(cfg: FitConfig, model, tokenizer, info, work: Path) -> list[Path]:
         except StopIteration:
             break
         # a prompt already logged under a lower shard number is skipped by its id
-        if any(_shard_prompt(s) == p.prompt_id for s in shards):
+        if any(shard_prompt(s) == p.prompt_id for s in shards):
             continue
         try:
             ids = encode_prompt(tokenizer, info, p.turns[:1], [], max_new_tokens=cfg.max_new_tokens,
@@ -350,7 +350,7 @@ def log_rows(cfg: FitConfig, model, tokenizer, info, work: Path) -> list[Path]:
     return shards
 
 
-def _shard_prompt(path: Path) -> str | None:
+def shard_prompt(path: Path) -> str | None:
     with safe_open(str(path), framework="pt") as f:
         return (f.metadata() or {}).get("prompt_id")
 
@@ -360,8 +360,8 @@ SPLIT_FILE = "split.json"
 
 def write_split(work: Path, train: list[Path], held: list[Path], fraction: float) -> None:
     """The fit's split of its logged prompts (`split.json` in the work dir), which `dynaspec_choices` reuses."""
-    split = {"heldout": fraction, "train_prompt_ids": [_shard_prompt(s) for s in train],
-             "heldout_prompt_ids": [_shard_prompt(s) for s in held]}
+    split = {"heldout": fraction, "train_prompt_ids": [shard_prompt(s) for s in train],
+             "heldout_prompt_ids": [shard_prompt(s) for s in held]}
     atomic_write(work / SPLIT_FILE, json.dumps(split, indent=1))
 
 
@@ -528,7 +528,7 @@ def fit(cfg: FitConfig) -> Path:
             FINGERPRINT_KEY: head_fingerprint(weight), "top_l": cfg.top_l, "kmeans": {
                 "iters": cfg.kmeans_iters, "init": cfg.kmeans_init, "init_sample": cfg.kmeans_init_sample,
                 "seed": cfg.seed, **km_info},
-            "training": {"prompts": cfg.prompts, "prompt_ids": [_shard_prompt(s) for s in shards],
+            "training": {"prompts": cfg.prompts, "prompt_ids": [shard_prompt(s) for s in shards],
                          "heldout_prompts": n_held, "max_new_tokens": cfg.max_new_tokens,
                          "train_rows": len(train_rows),
                          "heldout_rows": len(held_rows) if held_rows else 0,

@@ -17,7 +17,7 @@ from sweeps.cluster import start_local
 from sweeps.config import load_sweep, parse_sweep
 from sweeps.results import cell_path, result_files
 from sweeps.run import run_sweep
-from tests.sweeps_testing import TINY_MODEL, tiny_toml, write_toml
+from tests.sweeps_testing import tiny_toml, write_toml
 
 
 def _sweep(text: str):

@@ -36,7 +36,7 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     """Make a rename in `folder` durable. Windows has no directory handle to fsync, and some file systems
     refuse fsync on a directory (EINVAL): the rename is still atomic there, only not yet on disk."""
     if not hasattr(os, "O_DIRECTORY"):
@@ -85,7 +85,7 @@ def atomic_write(path: str | Path, content: bytes | str | Callable[[Path], objec
             _fsync_file(src)
         for src, dst in moves:
             os.replace(src, dst)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
         side_tmp.unlink(missing_ok=True)
@@ -106,14 +106,14 @@ def atomic_dir(final: str | Path, *, finished: Callable[[Path], bool] | None = N
         for f in sorted(tmp.rglob("*")):
             if f.is_file():
                 _fsync_file(f)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         try:
             os.rename(tmp, final)
         except OSError:
             if finished is None or not finished(final):
                 raise
         else:
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -36,7 +36,7 @@ from urllib.parse import quote
 
 import polars as pl
 
-from engine.atomic import atomic_write
+from engine.atomic import atomic_write, fsync_dir
 from sweeps.cell import Cell, SweepError, canonical_json
 
 MANIFEST = "sweep.json"
@@ -63,23 +63,6 @@ def ranking_path(out: str | Path, model_label: str) -> Path:
 
 def error_path(out: str | Path, cell: Cell) -> Path:
     return Path(out) / ERRORS / f"{cell.id}.txt"
-
-
-def fsync_dir(folder: Path) -> None:
-    """Make the entries of `folder` (a rename, a new subfolder) durable; a no-op where the OS or the file
-    system cannot fsync a folder."""
-    if not hasattr(os, "O_DIRECTORY"):
-        return
-    try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def make_dirs(folder: Path) -> None:

@@ -61,3 +61,13 @@ def smollm2_bf16(smollm2):
 def gemma_bf16(gemma):
     """Gemma-3-270M in bf16."""
     return _offline("gemma-3-270m", "bf16", reuse=gemma)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls: one thread is faster than two on a shared machine (no BLAS fan-out to wait on). A test file
+    opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -27,13 +27,7 @@ from engine.vocab.dynaspec import ClusterLayout, DynaSpecError, load_dynaspec, s
 from tests.engine_testing import tiny_dynaspec_fit
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is faster than two on this shared machine (no BLAS fan-out to wait on)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py: tiny matmuls run faster on one thread
 
 
 # --- spherical k-means ---------------------------------------------------------------------------------------

@@ -32,12 +32,7 @@ EXCLUDE = 3                  # the target's top tokens at x2 that no shortlist h
 RUNS = 2000
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py: tiny matmuls run faster on one thread
 
 
 def _second_token_marginal(model, prompt: torch.Tensor) -> np.ndarray:

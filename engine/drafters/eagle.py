@@ -55,6 +55,7 @@ from engine.shipped import SHIPPED_PREFIX, default_eagle_head, shipped_heads
 from engine.drafters.lmhead import DraftKVCache, DrafterError, Expansion, LMHeadDrafter, attention_bias
 from engine.drafters.layerskip import text_config
 from engine.target import cache_kwarg
+from engine.vocab.dynaspec import drafter_key as dynaspec_drafter_key
 from engine.tree import StepResult
 
 _CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
@@ -341,6 +342,7 @@ class EagleDrafter(LMHeadDrafter):
         if head.config.vocab_size != out_emb.shape[0]:
             raise DrafterError(f"the EAGLE head's vocabulary ({head.config.vocab_size}) differs from the target's "
                                f"({out_emb.shape[0]}); use the EAGLE checkpoint trained for this target")
+        self.head_sha = head_digest(head)                              # before the cast: the file's weights
         self.eagle = head.to(device=self.device, dtype=out_emb.dtype).eval()
         self.cache_kw = cache_kwarg(self.eagle.layers[0])              # `cache` from transformers 5.24 on
         self.embed = self._embedding(target, head)
@@ -350,6 +352,9 @@ class EagleDrafter(LMHeadDrafter):
         self.cache = DraftKVCache([0])
         self.n_ctx = 0                         # pairs (f_i, x_{i+1}) in the cache: positions 0..n_ctx-1
         self.pending: torch.Tensor | None = None   # target features at positions n_ctx.. not yet paired
+
+    def drafter_key(self) -> dict:
+        return dynaspec_drafter_key(self.cfg, head_sha=self.head_sha)
 
     @staticmethod
     def _embedding(target, head: EagleHead):

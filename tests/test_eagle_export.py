@@ -158,3 +158,17 @@ def test_the_shipped_gemma_heads_drafts_are_unchanged_by_the_reexport(dtype):
                    draft_size=59)
     assert res.output_ids.tolist() == want["output_ids"]
     assert [[r.tree_tokens, r.tree_parents] for r in res.records] == want["trees"]
+
+
+def test_the_recipe_is_stated_as_eagles_code_has_it():
+    """#18: the comments said EAGLE clips by norm, adds noise of a fixed scale and fine-tunes its head. EAGLE's
+    eagle/train/main.py clips by value (clip_grad_value_), scales its uniform noise by 512 / sequence length,
+    and trains the head from scratch: the module, its config comments and the model cards now say so."""
+    import inspect
+    import engine.jobs.train_eagle as tr
+    assert "clip_grad_value_" in tr.__doc__ and "512 / L" in tr.__doc__ and "from scratch" in tr.__doc__
+    source = inspect.getsource(tr.TrainConfig)
+    assert "fine-tunes" not in source and "EAGLE clips each element by value" in source
+    for card in SHIPPED_HEADS.glob("*/README.md"):
+        text = card.read_text()
+        assert "clips each element" in text and "512 / sequence length" in text, card

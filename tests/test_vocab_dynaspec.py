@@ -270,3 +270,4 @@ def test_a_retrained_head_or_another_depth_does_not_reuse_a_stale_router(tmp_pat
     sidecar_path(fit).write_text(json.dumps(old))
     with pytest.raises(DynaSpecError, match="made before #18"):
         EagleDrafter(model, cfg.replace(dynaspec_file=str(fit)))
+

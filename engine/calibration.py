@@ -331,7 +331,7 @@ CALIBRATION_FIELDS: dict[str, tuple[str, ...]] = {
 }
 POLICY_FIELDS: dict[str, tuple[str, ...]] = {
     "full": (),
-    "frspec": ("frspec_k", "frequency_file"),
+    "frspec": ("frspec_k", "frequency_file", "frspec_budget"),
     "microspec": ("w_max", "k_pre", "k_ver", "sources", "ver_rows", "window_mode", "draft_tree_tokens",
                   "prefill_order"),
     "oracle": ("w_max",),
@@ -350,7 +350,13 @@ def calibration_fields(cfg: SpecConfig) -> dict:
         names = tuple(f.name for f in dataclasses.fields(cfg) if f.name not in NOT_CALIBRATION_FIELDS)
     elif "vocab" in names:
         names = (*names, *POLICY_FIELDS.get(cfg.vocab, ()))
-    return {n: getattr(cfg, n) for n in names}
+    return {n: getattr(cfg, n) for n in names
+            if not (n in ADDED_AT_DEFAULT and getattr(cfg, n) == ADDED_AT_DEFAULT[n])}
+
+
+# Fields added after calibrations were cached, left out of the key at their default so those keys stay valid
+# (the default is the behaviour the cached calibrations were measured with).
+ADDED_AT_DEFAULT = {"frspec_budget": "fixed"}
 
 
 def config_fingerprint(cfg: SpecConfig) -> str:

@@ -109,6 +109,9 @@ class SpecConfig:
     prefill_order: Literal["first", "last"] = "first"   # order of the Eq. 2 prefill union (first or
                                                        # last occurrence); "first" = locality.stream's default
     frspec_k: int = 32768
+    frspec_budget: Literal["fixed", "position"] = "fixed"   # fixed = FR-Spec as published (the top frspec_k at
+                                      # every draft step); position = FR-Spec-PA (DynaSpec App. A.1): the top
+                                      # floor(frspec_k / (t + 1)) ids at draft step t (t = 0: the root's children)
     frequency_file: str | None = None
     # DynaSpec (engine.vocab.dynaspec): a fitted clusters + router file (`python -m engine.jobs.fit_dynaspec`); None =
     # the newest one in the specvocab cache fitted for this LM head and drafter

@@ -337,8 +337,8 @@ def load_model(name_or_path: str, *, dtype: str | torch.dtype | None = None,
     and to `from_pretrained` for hub ids and local folders (revision, local_files_only, ...).
     """
     if name_or_path in RANDOM_MODELS:
-        return load_random_model(name_or_path, dtype=torch.float32 if dtype is None else parse_dtype(dtype),
-                                 device="cpu" if device is None else parse_device(device), **kwargs)
+        return _stamped(*load_random_model(name_or_path, dtype=torch.float32 if dtype is None else parse_dtype(dtype),
+                                           device="cpu" if device is None else parse_device(device), **kwargs))
     dtype, device = parse_dtype(dtype), parse_device(device)
     check_dtype(dtype, device)
     if kwargs and name_or_path in OFFLINE_MODELS:
@@ -355,7 +355,19 @@ def load_model(name_or_path: str, *, dtype: str | torch.dtype | None = None,
         raise ModelError(f"unknown model {name_or_path!r}: not a known name, an existing folder or a hub id. "
                          f"Known names: {', '.join(known_models())}. Hub ids look like `owner/name` "
                          f"(e.g. meta-llama/Llama-3.1-8B-Instruct) and need access to the Hugging Face hub.")
-    return model, tok, _info(name_or_path, model, tok, source, tok_name)
+    return _stamped(model, tok, _info(name_or_path, model, tok, source, tok_name))
+
+
+def _stamped(model, tok, info: ModelInfo):
+    model.specvocab_info = info              # what a drafter's policy reads back (`tokenizer_name`)
+    return model, tok, info
+
+
+def tokenizer_name(model) -> str | None:
+    """The tokenizer name of a model loaded by `load_model` (`ModelInfo.tokenizer_name`, e.g. "smollm2"); None
+    for a random model or one loaded elsewhere (files made for a tokenizer are then checked by size only)."""
+    info = getattr(model, "specvocab_info", None)
+    return (info.tokenizer_name or None) if info is not None else None
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

@@ -180,6 +180,7 @@ def _ar(tiny, seed, T=20):
 VOCAB_VARIANTS = [
     dict(vocab="full"),
     dict(vocab="frspec", frspec_k=96),
+    dict(vocab="frspec", frspec_k=96, frspec_budget="position"),      # FR-Spec-PA (DynaSpec App. A.1)
     dict(vocab="microspec", w_max=64),
     dict(vocab="microspec", w_max=24, window_mode="fifo_unique", ver_rows="all_tree", draft_tree_tokens="all_expanded",
          prefill_order="last"),

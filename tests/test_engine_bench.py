@@ -529,6 +529,13 @@ def test_eagle_vocabs_lossless(loaded, prompt_file, cache):
 M = 32                                        # clusters of the test DynaSpec: 16 tokens each on average (V = 512)
 
 
+def _random_eagle_key(model) -> dict:
+    """The drafter key of eagle_head="random" (seed 0) at DRAFT_CFG's depth: what a fit for it records (#18)."""
+    from engine.drafters.eagle import head_digest, random_eagle_head
+    return {"drafter": "eagle", "eagle_head_sha": head_digest(random_eagle_head(model, 0)),
+            "eagle_depth": DRAFT_CFG["eagle_depth"]}
+
+
 def _save_random_dynaspec(model, folder, drafter_config: dict):
     """A DynaSpec for the random model's LM head, where `find_fitted` looks: spherical k-means clusters and
     an untrained router (the bench needs a file the policy loads; routing quality is test_dynaspec's)."""
@@ -556,7 +563,7 @@ def test_dynaspec_token_budget_sets_k_max():
 
 
 def test_table2_on_one_eagle_head(loaded, prompt_file, cache, capsys):
-    fit = _save_random_dynaspec(loaded[0], cache / "dynaspec", {"drafter": "eagle", "eagle_head": "random"})
+    fit = _save_random_dynaspec(loaded[0], cache / "dynaspec", _random_eagle_key(loaded[0]))
     vocabs = ["full", "frspec", "dynaspec", "dynaspec:64", "microspec"]
     df = run_bench(prompts=str(prompt_file), drafter="eagle", vocab=",".join(vocabs), max_new_tokens=8,
                    loaded=loaded, progress=False, warmup=0, threads=1,
@@ -639,7 +646,7 @@ def test_drafter_problems_fail_before_any_prompt(loaded, prompt_file, cache, mon
         run_bench(drafter="eagle", vocab="full", config=DRAFT_CFG, **common)
     with pytest.raises(BenchError, match="eagle dynaspec: .*python -m engine.jobs.fit_dynaspec"):   # nothing fitted
         run_bench(drafter="eagle", vocab="dynaspec", config={**DRAFT_CFG, "eagle_head": "random"}, **common)
-    _save_random_dynaspec(loaded[0], cache / "dynaspec", {"drafter": "eagle", "eagle_head": "random"})
+    _save_random_dynaspec(loaded[0], cache / "dynaspec", _random_eagle_key(loaded[0]))
     with pytest.raises(BenchError, match="dynaspec:513: .*token budget must be in \\[1, V=512\\]"):
         run_bench(drafter="eagle", vocab="dynaspec:513", config={**DRAFT_CFG, "eagle_head": "random"}, **common)
 

@@ -21,6 +21,13 @@ a randomly initialised head shaped after the target (tests). EAGLE-3 heads (thre
 their own small vocabulary) are a different layout, rejected here and read by `engine.drafters.eagle3`, which
 shares this module's tree and cache machinery (`EagleTreeDrafter`).
 
+Embedding scale: EAGLE's code (cnets1.py) and SGLang embed with a plain table lookup. Gemma's
+`get_input_embeddings()` multiplies by sqrt(d) (~25 at d = 640), and the package trains and drafts through it,
+so a head trained here on Gemma expects embeddings ~25x larger than the raw table (`EagleHead.embed_scale`).
+`save_eagle_head` folds that scale into fc's token half, so the exported head is right for a raw lookup, and
+`load_eagle_head` divides it out again, so the package's own drafting does not change. A head with scale 1
+(every official checkpoint) is drafted with the raw lookup here too.
+
 Shipped heads: `engine/heads/<model>/` holds a head trained by `python -m engine.jobs.train_eagle` for each offline model
 (its model card says on what, how long and with which tau). `eagle_head=None` resolves to the shipped head
 whose target LM head matches the model's (`default_eagle_head`, called where the run's config is resolved);
@@ -30,11 +37,14 @@ LM-head fingerprint in config.json (`specvocab` block), so loading it for anothe
 
 from __future__ import annotations
 
+import hashlib
 import json
+import uuid
 from pathlib import Path
 
 import torch
 from huggingface_hub import snapshot_download
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 from transformers import LlamaConfig
@@ -46,6 +56,7 @@ from engine.shipped import SHIPPED_PREFIX, default_eagle_head, shipped_heads
 from engine.drafters.lmhead import DraftKVCache, DrafterError, Expansion, LMHeadDrafter, attention_bias
 from engine.drafters.layerskip import text_config
 from engine.target import cache_kwarg
+from engine.vocab.dynaspec import drafter_key as dynaspec_drafter_key
 from engine.tree import StepResult
 
 _CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
@@ -70,6 +81,10 @@ class EagleHead(nn.Module):
         self.layers = nn.ModuleList([layer])
         self.rotary_emb = LlamaRotaryEmbedding(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, d) if with_embedding else None
+        # the scale of the token embeddings fc expects, relative to the raw embedding table: 1 for EAGLE's own
+        # heads (cnets1.py: a plain nn.Embedding lookup); sqrt(d) for a head trained here on a Gemma target,
+        # whose `get_input_embeddings()` scales (module docstring, "Embedding scale")
+        self.embed_scale = 1.0
 
     @property
     def hidden_size(self) -> int:
@@ -108,7 +123,32 @@ def random_eagle_head(target, seed: int = 0) -> EagleHead:
                 nn.init.normal_(p, std=0.02)
             elif "norm" not in name:
                 nn.init.zeros_(p)
+    head.embed_scale = embed_scale(target)          # trained and drafted through get_input_embeddings()
     return head
+
+
+def embed_scale(target) -> float:
+    """The factor the target's `get_input_embeddings()` multiplies its table rows by: sqrt(d) for Gemma
+    (`Gemma3TextScaledWordEmbedding`, as a Python float: the value of an fp32 model), else 1."""
+    emb = target.get_input_embeddings()
+    scale = getattr(emb, "scalar_embed_scale", None)
+    if scale is None and getattr(emb, "embed_scale", None) is not None:
+        scale = float(emb.embed_scale)
+    return float(scale) if scale is not None else 1.0
+
+
+def head_digest(head: EagleHead) -> str:
+    """sha256 (16 hex digits) of a head's weights (fp32, the embedding table and RoPE buffers left out) and its
+    embedding scale: what names the drafter a DynaSpec router was trained on (a head retrained into the same
+    folder gets another digest). Cached on the head; recomputed when its weights change in place is not
+    tracked, so training code must not rely on it."""
+    digest = hashlib.sha256(f"embed_scale={head.embed_scale!r}".encode())
+    for name, t in sorted(head.state_dict().items()):
+        if name.startswith(("rotary_emb.", "embed_tokens.")):
+            continue
+        digest.update(name.encode())
+        digest.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def resolve_head_dir(source: str, field: str = "eagle_head", layout: str = "EAGLE-1/2") -> Path:
@@ -170,23 +210,59 @@ def eagle_config_dict(head: EagleHead) -> dict:
 
 
 def save_eagle_head(head: EagleHead, folder: str | Path, *, target_name: str, target_weight: torch.Tensor,
-                    training: dict | None = None, dtype: torch.dtype = torch.float32) -> Path:
+                    training: dict | None = None, dtype: torch.dtype = torch.float32,
+                    embed_tokens: torch.Tensor | None = None) -> Path:
     """Write `folder/config.json` + `folder/model.safetensors` in the EAGLE-1/2 layout (official tensor names:
-    fc.*, layers.0.*; the target's embedding is not stored), each atomically. config.json carries a
-    `specvocab` block: the target's name, vocabulary, hidden size and LM-head fingerprint (`FINGERPRINT_KEY`;
-    heads saved before #17 have it as `target_fingerprint`, which `engine.artifacts` reads too), and `training`."""
+    fc.*, layers.0.*), as a pair. config.json carries a `specvocab` block: the target's name, vocabulary, hidden
+    size and LM-head fingerprint (`FINGERPRINT_KEY`), and `training`.
+
+    - Portable: a head trained on scaled embeddings (`head.embed_scale` s != 1, Gemma's sqrt(d)) is written with
+      s folded into the token half of fc, fc.weight[:, :d] * s (fc's input is [embed(x); f], embedding first),
+      so that EAGLE's code and SGLang, which embed with a plain table lookup, compute the same fc output;
+      the block records `embed_scale_folded: s` and `load_eagle_head` divides it out again. A folded
+      fc.weight is stored in fp32 whatever `dtype` (its rounding would otherwise change the head's output).
+    - `embed_tokens` (the target's raw input-embedding table [V, d], `get_input_embeddings().weight`): also
+      written as `embed_tokens.weight`, which EAGLE checkpoints from before March 2025 load with strict=True.
+    - A pair: the weights are written first, then config.json, each atomically; both carry the same
+      `weights_id`, and `load_eagle_head` refuses a config.json whose id is not its weights' (a save that died
+      between the two renames)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in head.state_dict().items()
              if not k.startswith("rotary_emb.") and not k.startswith("embed_tokens.")}
+    d = head.hidden_size
+    if head.embed_scale is None:
+        raise DrafterError("this head was saved before #18 without its embedding scale; set head.embed_scale = "
+                           "engine.drafters.eagle.embed_scale(target) first (python -m engine.jobs.export_eagle does)")
+    scale = float(head.embed_scale)
+    if scale != 1.0:       # the stored-dtype values, scaled in fp32: loading divides and rounds back exactly
+        fc = head.fc.weight.detach().to("cpu", dtype).float().clone()
+        fc[:, :d] *= scale
+        state["fc.weight"] = fc.contiguous()
+    if embed_tokens is not None:
+        if tuple(embed_tokens.shape) != (head.config.vocab_size, d):
+            raise DrafterError(f"embed_tokens must be the target's input embedding table [{head.config.vocab_size}, "
+                               f"{d}], got {tuple(embed_tokens.shape)}")
+        state["embed_tokens.weight"] = embed_tokens.detach().to("cpu", dtype).contiguous()
+    pair_id = uuid.uuid4().hex
     config = eagle_config_dict(head)
     config["torch_dtype"] = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
     config["specvocab"] = {"target": target_name, "vocab_size": int(target_weight.shape[0]),
                            "hidden_size": int(target_weight.shape[1]),
-                           FINGERPRINT_KEY: head_fingerprint(target_weight), "training": training or {}}
-    save_safetensors(state, folder / "model.safetensors", metadata={"format": "pt"})
+                           FINGERPRINT_KEY: head_fingerprint(target_weight), "weights_id": pair_id,
+                           **({"embed_scale_folded": scale} if scale != 1.0 else {}),
+                           "training": training or {}}
+    save_safetensors(state, folder / "model.safetensors", metadata={"format": "pt", "specvocab_weights_id": pair_id})
     atomic_write(folder / "config.json", json.dumps(config, indent=1))
     return folder
+
+
+def _weights_ids(path: Path) -> set[str]:
+    ids = set()
+    for f in sorted(path.glob("model*.safetensors")):
+        with safe_open(str(f), framework="pt") as g:
+            ids.add((g.metadata() or {}).get("specvocab_weights_id"))
+    return ids
 
 
 def check_head_target(head_source: str, block: dict | None, target) -> None:
@@ -220,10 +296,25 @@ def load_eagle_head(source: str) -> EagleHead:
     head = EagleHead(llama_config(values), bias="fc.bias" in state, qkv_bias=bool(values.get("qkv_bias", False))
                      or "layers.0.self_attn.q_proj.bias" in state, with_embedding="embed_tokens.weight" in state)
     result = head.load_state_dict(state, strict=False)
-    head.target_block = values.get("specvocab")
+    block = values.get("specvocab")
+    head.target_block = block
+    head.stored_dtype = values.get("torch_dtype")
     if result.missing_keys or result.unexpected_keys:
         raise DrafterError(f"{source} does not match the EAGLE-1/2 layout: missing {result.missing_keys}, "
                            f"unexpected {result.unexpected_keys}")
+    if block and block.get("weights_id") and _weights_ids(path) != {block["weights_id"]}:
+        raise DrafterError(f"{source}: config.json and the weights beside it come from different saves (a save "
+                           f"stopped between the two files); save the head again (save_eagle_head)")
+    scale = float((block or {}).get("embed_scale_folded", 1.0))
+    if scale != 1.0:                                # undo save_eagle_head's folding (its docstring)
+        stored = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(values.get("torch_dtype"), torch.float32)
+        with torch.no_grad():
+            w = head.fc.weight[:, : head.hidden_size] / scale
+            head.fc.weight[:, : head.hidden_size] = w.to(stored).float()   # the values before folding, exactly
+        head.embed_scale = scale
+    elif block and "weights_id" not in block:
+        # saved here before #18: trained through get_input_embeddings(), scale not recorded - the target's own
+        head.embed_scale = None
     return head
 
 
@@ -310,14 +401,39 @@ class EagleDrafter(EagleTreeDrafter):
         if head.config.vocab_size != out_emb.shape[0]:
             raise DrafterError(f"the EAGLE head's vocabulary ({head.config.vocab_size}) differs from the target's "
                                f"({out_emb.shape[0]}); use the EAGLE checkpoint trained for this target")
+        self.head_sha = head_digest(head)                              # before the cast: the file's weights
         self.eagle = head.to(device=self.device, dtype=out_emb.dtype).eval()
         self.cache_kw = cache_kwarg(self.eagle.layers[0])              # `cache` from transformers 5.24 on
-        self.embed = self.eagle.embed_tokens if self.eagle.embed_tokens is not None else target.get_input_embeddings()
+        self.embed = self._embedding(target, head)
         self.head_weight = out_emb
         self.feature_dtype = out_emb.dtype
         self.softcap = getattr(t, "final_logit_softcapping", None)
         self._make_policy()
         self._reset_backbone()
+
+    def drafter_key(self) -> dict:
+        return dynaspec_drafter_key(self.cfg, head_sha=self.head_sha)
+
+    @staticmethod
+    def _embedding(target, head: EagleHead):
+        """tokens -> the embeddings the head's fc expects. EAGLE's heads (embed_scale 1): a plain table lookup, as
+        EAGLE's cnets1.py embeds - the head's own embed_tokens, else the target's raw table (for Gemma this is
+        not `get_input_embeddings()`, which scales by sqrt(d)). A head trained here on scaled embeddings
+        (embed_scale s != 1): the target's `get_input_embeddings()`, which must scale by s."""
+        if head.embed_scale is None:                  # a head saved here before #18 (load_eagle_head)
+            return target.get_input_embeddings()
+        if head.embed_scale != 1.0:
+            have = embed_scale(target)
+            if abs(have / head.embed_scale - 1) > 1e-6:
+                raise DrafterError(f"the EAGLE head was trained on token embeddings scaled by {head.embed_scale:g} but "
+                                   f"this target's input embedding scales by {have:g}; use the head trained for it")
+            return target.get_input_embeddings()
+        if head.embed_tokens is not None:
+            return head.embed_tokens
+        table = target.get_input_embeddings()
+        if embed_scale(target) == 1.0:
+            return table
+        return lambda ids: nn.functional.embedding(ids, table.weight)
 
     def _run(self, tokens, feats, positions, visible, own=False):
         """Pairs (feats [q, d], tokens [q]) at positions [q]; visible [q, length + q] -> h [q, d]. EAGLE-1/2

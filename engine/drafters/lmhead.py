@@ -48,7 +48,9 @@ import torch
 
 from engine.timing import PhaseTimer
 from engine.tree import DraftTree, Drafter, StepResult
+from engine.models import tokenizer_name
 from engine.vocab import make_policy
+from engine.vocab.dynaspec import drafter_key as dynaspec_drafter_key
 
 
 class DrafterError(ValueError):
@@ -164,7 +166,12 @@ class LMHeadDrafter(Drafter, ABC):
         self.steps = 0
 
     def _make_policy(self):
-        self.policy = make_policy(self.cfg, self.head_weight, softcap=self.softcap, timer=self.timer)
+        self.policy = make_policy(self.cfg, self.head_weight, softcap=self.softcap, timer=self.timer,
+                                  drafter_key=self.drafter_key(), tokenizer=tokenizer_name(self.target))
+
+    def drafter_key(self) -> dict:
+        """What a DynaSpec router fitted on this drafter's states is keyed by (`engine.vocab.dynaspec.drafter_key`)."""
+        return dynaspec_drafter_key(self.cfg)
 
     # Drafter hooks ------------------------------------------------------------------------------------
     def begin(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:

@@ -33,7 +33,7 @@ from engine.harness import generate, resolve_config
 from engine.models import load_model
 from engine.prompts import PromptError, encode_prompt, load_prompts
 from engine.vocab.dynaspec import (ClusterLayout, DynaSpecError, FittedDynaSpec, Router, cluster_budget,
-                                   default_dynaspec_path, drafter_key, save_dynaspec, select_clusters)
+                                   default_dynaspec_path, save_dynaspec, select_clusters)
 
 
 # --- spherical k-means (§4.2) ---------------------------------------------------------------------------
@@ -475,7 +475,12 @@ def fit(cfg: FitConfig) -> Path:
     model, tokenizer, info = load_model(cfg.model)
     # resolved as a run resolves it, so the key names the drafter a run will use (eagle: the shipped head)
     spec = resolve_config(cfg.spec_config(), model=model)
-    out = Path(cfg.out).expanduser() if cfg.out else default_dynaspec_path(cfg.model, spec)
+    drafter = make_drafter(model, spec)
+    if not hasattr(drafter, "drafter_key"):
+        raise DynaSpecError(f"drafter {cfg.drafter!r} has no LM head to restrict; use layerskip or eagle")
+    key_of_drafter = drafter.drafter_key()       # eagle: the head's hash and the depth (a run checks both)
+    del drafter
+    out = Path(cfg.out).expanduser() if cfg.out else default_dynaspec_path(cfg.model, spec, key_of_drafter)
     work = Path(cfg.work_dir).expanduser() if cfg.work_dir else out.with_name(out.name + ".work")
     work.mkdir(parents=True, exist_ok=True)
     key_file = work / "fit.json"
@@ -524,7 +529,7 @@ def fit(cfg: FitConfig) -> Path:
                    "router_fixed_budget": router_metrics(router, held_rows, weight.float(), layout, cfg.k_max,
                                                          budget="fixed")}
     fit_s = time.perf_counter() - t_start
-    meta = {"model": cfg.model, "drafter_config": drafter_key(spec), "created": time.time(),
+    meta = {"model": cfg.model, "drafter_config": key_of_drafter, "created": time.time(),
             FINGERPRINT_KEY: head_fingerprint(weight), "top_l": cfg.top_l, "kmeans": {
                 "iters": cfg.kmeans_iters, "init": cfg.kmeans_init, "init_sample": cfg.kmeans_init_sample,
                 "seed": cfg.seed, **km_info},

@@ -12,9 +12,13 @@ not stored) trained with the EAGLE recipe (EAGLE §4.2-4.3):
     logits W h_i          cross-entropy against the target's next-token distribution at i+1
     loss = w_reg * L_reg + w_cls * L_cls                  w_reg = 1, w_cls = 0.1 (EAGLE's weights)
 
-Choices where EAGLE is silent or its setting does not transfer, each said beside its default in `TrainConfig`:
-the noise is uniform U(-0.5, 0.5) x 0.2 x RMS(f) (EAGLE adds U-noise of scale 0.2 to features of unit scale;
-scaled here so it means the same for every target); the classification target is the target's top-k
+Where this differs from EAGLE's own training code (SafeAILab/EAGLE, eagle/train/main.py), each said beside its
+default in `TrainConfig`. Like EAGLE, the head is trained from scratch (EAGLE's `Model` is initialised fresh and
+only its embedding is loaded from the target). Unlike it: the noise is U(-0.5, 0.5) x 0.2 x RMS(f), the same
+for every sequence and scaled to the target's features, where EAGLE's `AddUniformNoise` adds U(-0.5, 0.5) x
+0.2 x 512 / L in the features' own units, L the sequence's length (so short sequences get more); gradients
+are clipped by their global norm (`clip_grad_norm_`, 0.5), where EAGLE clips every element by value
+(`clip_grad_value_`, 0.5); the learning rate is larger (see `lr`); the classification target is the target's top-k
 distribution (k = 16 stored in the shards, renormalised) rather than its full softmax, which saves a third of
 the LM-head work on a 262k vocabulary and leaves the ranking of the tokens a draft tree uses unchanged; the
 LM-head loss runs over chunks of rows with the gradient taken chunk by chunk (the fused linear + cross-entropy
@@ -69,15 +73,18 @@ class TrainConfig:
     tokens: int = 1_000_000                 # the budget: sequence tokens processed (all epochs together)
     max_epochs: int = 8                     # passes over the data at most (the budget usually ends first)
     batch_tokens: int = 2048                # tokens per optimiser step (whole sequences, packed)
-    lr: float = 1e-3                        # AdamW; EAGLE's 3e-5 fine-tunes a 7B-sized layer, this one is
-                                            # trained from scratch and ~100x smaller
+    lr: float = 1e-3                        # AdamW. EAGLE trains from scratch too, at 3e-5 (2000 warmup steps,
+                                            # linear decay over 800k steps) on 7B-sized layers; this head is ~100x
+                                            # smaller and gets a few hundred steps on a CPU budget
     warmup_steps: int = 50
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)   # EAGLE's
-    grad_clip: float = 0.5                  # EAGLE's
+    grad_clip: float = 0.5                  # EAGLE's 0.5, but as a bound on the global gradient norm
+                                            # (clip_grad_norm_); EAGLE clips each element by value
     w_reg: float = 1.0                      # EAGLE's v_w
     w_cls: float = 0.1                      # EAGLE's p_w
-    noise: float = 0.2                      # uniform noise on input features, x RMS(f) (EAGLE: U-noise 0.2)
+    noise: float = 0.2                      # U(-0.5, 0.5) x noise x RMS(f) on input features; EAGLE: U(-0.5, 0.5)
+                                            # x 0.2 x 512 / L, L the sequence length, in the features' own units
     loss_on: str = "all"                    # all | response: positions that get a loss. EAGLE masks the prompt;
                                             # the target's next-token distribution is a valid target at every
                                             # position, and the corpus's references are short (median 35 chars),
@@ -431,7 +438,9 @@ def model_card(cfg: TrainConfig, summary: dict, curve: list[dict]) -> str:
              + (f" ({cfg.threads} CPU threads)" if cfg.threads else ""),
              f"- loss: SmoothL1 on features / RMS x {cfg.w_reg} + cross-entropy on the target's top-k x {cfg.w_cls}; "
              f"AdamW lr {cfg.lr}, betas {list(cfg.betas)}, warmup {cfg.warmup_steps} steps, cosine; "
-             f"feature noise U(-0.5, 0.5) x {cfg.noise} x RMS",
+             f"feature noise U(-0.5, 0.5) x {cfg.noise} x RMS (EAGLE's code: x 0.2 x 512 / sequence length); "
+             f"gradients clipped to global norm {cfg.grad_clip} (EAGLE's code clips each element to +-0.5); "
+             f"trained from scratch, as EAGLE's heads are",
              f"- loss on {'every position' if cfg.loss_on == 'all' else 'response positions'}; cross-entropy on "
              f"{cfg.cls_rows or 'all'} random rows per step, LM-head matmul in {cfg.head_dtype}; the data's "
              f"target ran in {d.get('dtype') or 'the default dtype'}", "",

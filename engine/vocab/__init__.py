@@ -62,8 +62,12 @@ _POLICIES = {"full": FullVocab, "frspec": FrSpecVocab, "microspec": MicroSpecVoc
              "dynaspec": DynaSpecVocab}
 
 
-def make_policy(cfg, weight: torch.Tensor, *, softcap: float | None = None, timer=None) -> VocabPolicy:
-    """The policy `cfg.vocab` over LM head `weight [V, d]`."""
+def make_policy(cfg, weight: torch.Tensor, *, softcap: float | None = None, timer=None,
+                drafter_key: dict | None = None, tokenizer: str | None = None) -> VocabPolicy:
+    """The policy `cfg.vocab` over LM head `weight [V, d]`. What the drafter knows and a policy checks its files
+    against: `drafter_key` (`engine.vocab.dynaspec.drafter_key` with the head's hash; dynaspec) and the target's
+    `tokenizer` name (`engine.models.ModelInfo.tokenizer_name`; frspec refuses a list made for another)."""
     if cfg.vocab not in _POLICIES:
         raise VocabError(f"unknown vocab policy {cfg.vocab!r}; choose one of {list(POLICIES)}")
-    return _POLICIES[cfg.vocab](weight, cfg, softcap=softcap, timer=timer)
+    extra = {"dynaspec": {"drafter_key": drafter_key}, "frspec": {"tokenizer": tokenizer}}.get(cfg.vocab, {})
+    return _POLICIES[cfg.vocab](weight, cfg, softcap=softcap, timer=timer, **extra)

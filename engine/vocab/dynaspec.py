@@ -57,7 +57,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from engine.artifacts import (FINGERPRINT_KEY, fingerprint_matches, head_fingerprint, save_safetensors, sidecar_path,
+from engine.artifacts import (FINGERPRINT_KEY, fingerprint_matches, save_safetensors, sidecar_path,
                               stored_fingerprint)
 from engine.config import SpecConfig
 from engine.models import cache_root
@@ -248,7 +248,7 @@ def check_head(meta: dict, weight: torch.Tensor, where: str = "this DynaSpec",
                             f"{fix}")
     if not fingerprint_matches(stored_fingerprint(meta), weight, fingerprint):
         raise DynaSpecError(f"{where} was fitted for model {model!r}, whose LM head has the same shape as this one "
-                            f"but other weights (row-norm fingerprint differs); {fix}")
+                            f"but other weights (LM-head fingerprint differs); {fix}")
 
 
 def load_dynaspec(path: str | Path, weight: torch.Tensor | None = None) -> FittedDynaSpec:
@@ -280,18 +280,39 @@ def load_dynaspec(path: str | Path, weight: torch.Tensor | None = None) -> Fitte
     return FittedDynaSpec(assign=assign, router=router.eval(), meta=meta)
 
 
-def drafter_key(cfg: SpecConfig) -> dict:
-    """What identifies the drafter whose hidden states a router was trained on."""
+def drafter_key(cfg: SpecConfig, head_sha: str | None = None) -> dict:
+    """What identifies the drafter whose hidden states a router was trained on: the drafter, the draft-tree
+    depth (the router is trained on the steps t = 0..depth-1 it will score) and its weights - layerskip's layer
+    choice, eagle's head by a hash of its weights (`engine.drafters.eagle.head_digest`; a head retrained into
+    the same folder is another head). The drafter passes `head_sha`; a key built from `cfg` alone leaves it
+    None, and None matches any value (`key_matches`): bench sizing, which needs only M and V, uses that."""
     if cfg.method == "layerskip":
-        return {"drafter": "layerskip", "drafter_layers": cfg.drafter_layers}
+        return {"drafter": "layerskip", "drafter_layers": cfg.drafter_layers, "eagle_depth": cfg.eagle_depth}
     if cfg.method == "eagle":
-        return {"drafter": "eagle", "eagle_head": cfg.eagle_head}
+        return {"drafter": "eagle", "eagle_head_sha": head_sha, "eagle_depth": cfg.eagle_depth}
     return {"drafter": cfg.method}
 
 
-def default_dynaspec_path(model: str, cfg: SpecConfig) -> Path:
+def key_matches(stored: dict | None, key: dict) -> bool:
+    """A fit's `drafter_config` is this drafter's `key` (None values in `key` match anything). Fits made before
+    #18 stored no depth or head hash, so they match no eagle or layerskip drafter: refit them."""
+    stored = stored or {}
+    return all(v is None or stored.get(k) == v for k, v in key.items())
+
+
+def check_drafter(meta: dict, key: dict, where: str) -> None:
+    """Raise unless the fit in `meta` was made for the drafter `key` (an explicit `dynaspec_file`)."""
+    if not key_matches(meta.get("drafter_config"), key):
+        raise DynaSpecError(f"{where} was fitted for drafter {meta.get('drafter_config')}, not for this one {key} "
+                            f"(another head, another eagle_depth or layer choice, or a fit made before #18, which "
+                            f"recorded neither): its router would score steps and states it never saw; fit one "
+                            f"for this drafter with `python -m engine.jobs.fit_dynaspec --model <name> --drafter "
+                            f"{key['drafter']}` (with the same --set eagle_depth=...)")
+
+
+def default_dynaspec_path(model: str, cfg: SpecConfig, key: dict | None = None) -> Path:
     """Where `fit` writes by default: <specvocab cache>/dynaspec/<model>-<drafter>-<digest>.safetensors."""
-    key = drafter_key(cfg)
+    key = key or drafter_key(cfg)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in model)
     return cache_root() / "dynaspec" / f"{safe}-{key['drafter']}-{digest}.safetensors"
@@ -300,14 +321,15 @@ def default_dynaspec_path(model: str, cfg: SpecConfig) -> Path:
 SHIPPED_FITS = SHIPPED_HEADS                                 # engine/heads/<model>/dynaspec-*.safetensors
 
 
-def find_fitted(weight: torch.Tensor, cfg: SpecConfig, folder: str | Path | None = None) -> Path:
+def find_fitted(weight: torch.Tensor, cfg: SpecConfig, folder: str | Path | None = None,
+                key: dict | None = None) -> Path:
     """The newest fitted DynaSpec in `folder` (default: the cache's dynaspec/, then the fits shipped beside
-    the trained EAGLE heads in engine/heads/<model>/) made for this LM head and this drafter (`drafter_key`);
-    a clear error when there is none."""
+    the trained EAGLE heads in engine/heads/<model>/) made for this LM head and this drafter (`key`, default
+    `drafter_key(cfg)`); a clear error when there is none."""
     folders = [Path(folder)] if folder is not None else [cache_root() / "dynaspec",
                                                          *sorted(SHIPPED_FITS.glob("*/"))]
-    key = drafter_key(cfg)
-    fingerprint = head_fingerprint(weight)
+    key = key or drafter_key(cfg)
+    fingerprint = None
     found = []
     sides = [side for f in folders if f.is_dir() for side in sorted(f.glob("*.safetensors.json"))]
     folder = folders[0]
@@ -318,7 +340,7 @@ def find_fitted(weight: torch.Tensor, cfg: SpecConfig, folder: str | Path | None
             check_head(meta, weight, fingerprint=fingerprint)
         except (DynaSpecError, KeyError):
             continue
-        if all(meta.get("drafter_config", {}).get(k) == v for k, v in key.items()) and path.is_file():
+        if key_matches(meta.get("drafter_config"), key) and path.is_file():
             found.append((meta.get("created", 0), path.name, path))
     if not found:
         raise DynaSpecError(f"vocab='dynaspec' needs a fitted DynaSpec for this model and drafter {key}, and none is "
@@ -463,17 +485,22 @@ class DynaSpecVocab(VocabPolicy):
     each row's top-k_c(t) clusters (`dynaspec_k_max`, `dynaspec_budget`, `dynaspec_k_min`), on its own
     stream on CUDA. `logits(h)` runs the head once over the union of the level's shortlists, each row
     masked to its own. The clusters and router come from `cfg.dynaspec_file`, or when None from the newest
-    DynaSpec in `<specvocab cache>/dynaspec/` fitted for this LM head and drafter (`find_fitted`).
+    DynaSpec in `<specvocab cache>/dynaspec/` fitted for this LM head and drafter (`find_fitted`); an explicit
+    file is checked against the drafter too (`check_drafter`: head hash, depth, layer choice).
     Active vocab of a step = its mean per-row shortlist (the paper's "vocab size", Table 1); coverage counts
     committed tokens inside the union of the step's shortlists; `stats()` adds `mean_row_vocab` (over all
     rows) and `mean_union_vocab` / `max_union_vocab` (rows of W the head read per call)."""
 
     name = "dynaspec"
 
-    def __init__(self, weight, cfg, *, softcap=None, timer=None, fitted: FittedDynaSpec | None = None):
+    def __init__(self, weight, cfg, *, softcap=None, timer=None, fitted: FittedDynaSpec | None = None,
+                 drafter_key: dict | None = None):
         super().__init__(weight, cfg, softcap=softcap, timer=timer)
+        key = drafter_key or globals()["drafter_key"](cfg)
         if fitted is None:
-            fitted = load_dynaspec(cfg.dynaspec_file or find_fitted(weight, cfg), weight)
+            path = cfg.dynaspec_file or find_fitted(weight, cfg, key=key)
+            fitted = load_dynaspec(path, weight)
+            check_drafter(fitted.meta, key, str(path))
         self.head = DynaSpecHead(fitted, weight, k_max=cfg.dynaspec_k_max, budget=cfg.dynaspec_budget,
                                  k_min=cfg.dynaspec_k_min)
 

@@ -12,6 +12,7 @@ A file made for another tokenizer or vocabulary size is refused.
 from __future__ import annotations
 
 import json
+import pickle
 import warnings
 from pathlib import Path
 from typing import Sequence
@@ -130,27 +131,40 @@ def load_eagle3_maps(path: str | Path, *, tokenizer: str | None = None,
 
 # --- the policy ------------------------------------------------------------------------------------------
 
-def load_frequency_ranking(path: str | Path, vocab_size: int | None = None) -> np.ndarray:
+def load_frequency_ranking(path: str | Path, vocab_size: int | None = None, *,
+                           tokenizer: str | None = None) -> np.ndarray:
     """Token ids, most frequent first, from a ranking written by `locality.shortlist.save_ranking` (Parquet +
     JSON sidecar; checked against `vocab_size`; ids it never counted are left out), or from .npy / .pt / .txt
-    (one id per line) files, e.g. `engine.jobs.frequency`'s lists (a sidecar `<file>.json` is checked too)."""
+    (one id per line) files, e.g. `engine.jobs.frequency`'s lists (a sidecar `<file>.json` is checked too:
+    a list made for another `tokenizer` or vocabulary size is refused). A .pt list is a token map and loads
+    through `load_token_map` (`torch.load(weights_only=True)`: no pickled code runs)."""
     path = Path(path)
     if not path.exists():
         raise VocabError(f"frequency file {path} does not exist; build one with `python -m engine.jobs.frequency` "
                          f"and pass frequency_file=<path>")
     side = path.with_name(path.name + ".json")
-    if path.suffix != ".parquet" and side.exists() and vocab_size is not None:
-        made_for = json.loads(side.read_text()).get("vocab_size")
-        if made_for not in (None, vocab_size):
+    if path.suffix != ".parquet" and side.exists():
+        meta = json.loads(side.read_text())
+        made_for = meta.get("vocab_size")
+        if vocab_size is not None and made_for not in (None, vocab_size):
             raise VocabError(f"frequency file {path} was made for a vocabulary of {made_for} ids but the model has "
                              f"{vocab_size}; count a list with the target's tokenizer (python -m engine.jobs.frequency)")
+        if tokenizer and meta.get("tokenizer") not in (None, tokenizer):
+            raise FrequencyError(f"frequency file {path} was made for tokenizer {meta['tokenizer']!r}, not this "
+                                 f"target's {tokenizer!r}: its ids mean other tokens. Count a list with "
+                                 f"{tokenizer!r} (python -m engine.jobs.frequency --model ...)")
     if path.suffix == ".parquet":
         frame = load_ranking(path, vocab_size=vocab_size).sort("rank")
         ranking = frame["token_id"].to_numpy()[frame["count"].to_numpy() > 0]   # never-seen ids are not ranked
     elif path.suffix == ".npy":
         ranking = np.load(path)
     elif path.suffix == ".pt":
-        ranking = torch.load(path, map_location="cpu")
+        try:
+            ranking = load_token_map(path, tokenizer=tokenizer or None, vocab_size=vocab_size)
+        except pickle.UnpicklingError as e:
+            raise FrequencyError(f"frequency file {path} is not a plain list of token ids (torch.load with "
+                                 f"weights_only=True refused it: {str(e).splitlines()[0]}); write it with "
+                                 f"engine.vocab.save_token_map") from None
     elif path.suffix == ".txt":
         ranking = np.loadtxt(path, dtype=np.int64, ndmin=1)
     else:
@@ -163,17 +177,23 @@ def load_frequency_ranking(path: str | Path, vocab_size: int | None = None) -> n
 
 
 class FrSpecVocab(VocabPolicy):
-    """Static top-K of a frequency ranking (FR-Spec); the K rows are packed once at construction."""
+    """Static top-K of a frequency ranking (FR-Spec); the K rows are packed once at construction.
+
+    `frspec_budget="position"` is FR-Spec-PA, the position-aware baseline of DynaSpec (App. A.1): draft step t
+    (t = 0 the root's children) scores only the top floor(K / (t + 1)) ids of the list, as DynaSpec-PA
+    shrinks its cluster budget with depth; the drafter's `route(tokens, parent_h, t)` call before each head
+    call sets it. The active vocab and coverage of a step stay those of the whole list (the step's
+    first head call reads all K; later ones a prefix of it)."""
 
     name = "frspec"
 
-    def __init__(self, weight, cfg, *, softcap=None, timer=None, ranking=None):
+    def __init__(self, weight, cfg, *, softcap=None, timer=None, ranking=None, tokenizer: str | None = None):
         super().__init__(weight, cfg, softcap=softcap, timer=timer)
         if ranking is None:
             if cfg.frequency_file is None:
                 raise VocabError("vocab='frspec' needs a frequency ranking: build one with "
                                  "`python -m locality.shortlist` and pass frequency_file=<path>")
-            ranking = load_frequency_ranking(cfg.frequency_file, self.vocab_size)
+            ranking = load_frequency_ranking(cfg.frequency_file, self.vocab_size, tokenizer=tokenizer)
         ranking = torch.as_tensor(np.asarray(ranking), dtype=torch.long).reshape(-1)
         if ranking.numel() and (int(ranking.max()) >= self.vocab_size or int(ranking.min()) < 0):
             raise VocabError(f"the frequency ranking holds token id {int(ranking.max())} outside this model's "
@@ -189,10 +209,26 @@ class FrSpecVocab(VocabPolicy):
         self.packed = weight[self.ids].contiguous()             # [K, d]
         self.mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
         self.mask[self.ids] = True
+        self.budget = getattr(cfg, "frspec_budget", "fixed")
+        if self.budget not in ("fixed", "position"):
+            raise VocabError(f"frspec_budget must be 'fixed' (FR-Spec) or 'position' (FR-Spec-PA), got {self.budget!r}")
+        self.k_step = self.k                                    # rows of `packed` the next head call reads
+        self._step_max = 0                                      # the largest budget of this draft step
+
+    def route(self, tokens, parent_h, t):
+        """FR-Spec-PA (DynaSpec App. A.1): the next head call (draft step t) reads the top floor(K / (t + 1)) of the
+        list, a prefix of the packed rows (no copy). Fixed (FR-Spec): K at every step."""
+        self.k_step = self.k if self.budget == "fixed" else max(1, self.k // (t + 1))
+        self._step_max = self.k_step if t == 0 else max(self._step_max, self.k_step)
 
     def logits(self, h):
         h = self._check_h(h)
-        return softcap(torch.nn.functional.linear(h, self.packed).float(), self.softcap), self.ids
+        k = self.k_step
+        return softcap(torch.nn.functional.linear(h, self.packed[:k]).float(), self.softcap), self.ids[:k]
+
+    def step_sizes(self, depth: int) -> list[int]:
+        """The shortlist size at draft steps t = 0..depth-1."""
+        return [self.k if self.budget == "fixed" else max(1, self.k // (t + 1)) for t in range(depth)]
 
     def active_size(self):
         return self.k

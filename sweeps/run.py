@@ -46,6 +46,9 @@ Multi-node (`--address`): `--out` must be an absolute path (exit 2 otherwise); a
 ships it to the workers as the job's runtime_env working_dir (`sweeps.cluster.checkout_runtime_env`; not
 inside `ray job submit`, which has its own); each model may ask for `memory` and `num_cpus` per actor; the
 calibration cache defaults to off (a cluster's workers are not the machine you run `generate` on).
+
+(Over 600 lines on purpose: the driver's scheduling and every failure it survives - dead or hung actors,
+Ray system errors, crash bounds, the output lock - read in one place, top to bottom.)
 """
 
 from __future__ import annotations

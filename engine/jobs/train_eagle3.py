@@ -650,15 +650,19 @@ def model_card(cfg: Train3Config, summary: dict, curve: list[dict]) -> str:
              "## What differs from EAGLE's own training code", "",
              "- the target distribution is the target's top-k stored in the data shards (renormalised within the "
              "draft vocabulary), not its full softmax;",
-             "- lm_head / norm start from the target's LM head and final norm (the official head starts random);"
-             if cfg.lm_head_init == "target" else "- (lm_head starts random, as in the official code)",
+             *(["- lm_head / norm start from the target's LM head and final norm (the official head starts "
+                "random);"] if cfg.lm_head_init == "target" else []),
              "- learning rate, warmup and cosine schedule sized for a small head trained from scratch on a CPU "
              "(official: 5e-5, 12k warmup steps, linear decay, fp16, 40 epochs);",
-             "- the draft vocabulary is counted over the target's top-1 tokens" if dv["counted"] == "top1"
-             else "- the draft vocabulary is counted over the response tokens (as the official code)",
+             *(["- the loss covers the prompt's positions too (official: the response's only);"]
+               if cfg.loss_on == "all" else []),
+             *(["- the draft vocabulary is counted over the target's top-1 next tokens at the loss positions "
+                "(official: the response tokens; the same tokens on the target's own greedy continuations);"]
+               if dv["counted"] == "top1" else []),
              "- config.json adds `eagle_config.eagle_aux_hidden_state_layer_ids` (SGLang / vLLM read it) and a "
-             "`specvocab` block; `embed_tokens.weight` is not stored (the official loader and SGLang / vLLM take "
-             "the target's embedding when it is absent).", "",
+             "`specvocab` block; `embed_tokens.weight` is not stored (EAGLE's `ea_model.py` reads the target's "
+             "embedding itself, `load_emb=True`, and loads the head with strict=False; not tried in EAGLE's code "
+             "here).", "",
              "## Reproducing", "",
              "The same commands make the same data and the same schedule; a run interrupted and resumed gives the "
              "same head bit for bit on one machine, not across machines or thread counts (CPU matmul reductions).", ""]

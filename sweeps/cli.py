@@ -31,6 +31,7 @@ VERBS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
     "train": {
         "data": ("engine.jobs.eagle_data", "the target's features over training prompts, in resumable shards"),
         "eagle": ("engine.jobs.train_eagle", "train an EAGLE-2 draft head on a data folder"),
+        "eagle3": ("engine.jobs.train_eagle3", "train an EAGLE-3 draft head (TTT, own draft vocabulary) on a data folder"),
     },
     "dynaspec": {
         "fit": ("engine.jobs.fit_dynaspec", "fit DynaSpec's clusters and router for a model and drafter"),

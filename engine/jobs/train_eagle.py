@@ -127,6 +127,9 @@ def _block_causal_bias(lengths: Sequence[int], dtype: torch.dtype) -> torch.Tens
     return torch.zeros(ok.shape, dtype=dtype).masked_fill(~ok, torch.finfo(dtype).min)[None, None]
 
 
+pack_samples = _pack                      # the public name the EAGLE-3 trainer (engine.jobs.train_eagle3) uses
+
+
 def head_forward(head: EagleHead, embed, tokens: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
                  bias: torch.Tensor) -> torch.Tensor:
     """The head over packed pairs (feats [T, d], tokens [T]) -> h [T, d] (the same modules the drafter runs)."""

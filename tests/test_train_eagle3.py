@@ -1,0 +1,255 @@
+"""EAGLE-3 head training (`engine.jobs.train_eagle3`) on random models.
+
+- the draft vocabulary is the most frequent target tokens of the training split (top-1 targets or response
+  tokens), clipped to the tokens seen, and the saved d2t / t2d are its maps;
+- training-time test: step k's midlayer output equals a from-scratch reference of the midlayer run causally over
+  the committed pairs and then the head's OWN earlier outputs (positions shifted by one per step) - it fails if a
+  step reads the target's feature instead;
+- the loss equals a plain reference (0.8^k weights, the target's top-k renormalised inside the draft vocabulary,
+  rows whose target top-1 is outside it masked, the sum divided by every row), gradients included;
+- a tiny overfit run lowers the loss; a run lowers its held-out loss, saves the official EAGLE-3 layout, loads
+  with `load_eagle3_head` and decodes losslessly with the `eagle3` drafter;
+- an interrupted run resumes bit for bit; the CLI verb.
+"""
+
+import json
+from collections import Counter
+
+import polars as pl
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import engine.jobs.eagle_data as data_job
+import engine.jobs.train_eagle3 as t3
+from engine.drafters.eagle3 import DraftVocab, load_eagle3_head
+from engine.harness import generate
+from engine.artifacts import FINGERPRINT_KEY, head_fingerprint, head_matches
+from engine.models import eos_token_ids, load_model
+from engine.vocab.frspec import eagle3_maps
+from tests.eagle3_testing import midlayer_reference
+
+DATA = dict(model="random-llama", num_prompts=6, heldout_prompts=2, max_tokens=160, max_prompt_tokens=120,
+            greedy_new_tokens=12, greedy_batch=3, prompts_per_shard=2, topk=8, progress=False)
+TRAIN = dict(model="random-llama", tokens=2000, batch_tokens=400, warmup_steps=2, eval_every=10 ** 9, eval_prompts=1,
+             eval_new_tokens=8, save_every=2, progress=False, head_dtype="fp32", draft_vocab_size=48, ttt_steps=3,
+             lr=3e-3)
+OFFICIAL_KEYS = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+                 *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
+                 *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+                 *(f"midlayer.{n}.weight" for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm"))}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train3") / "data"
+    return data_job.make_data(data_job.DataConfig(**DATA, sources=("teacher", "greedy"), eagle3_features=True,
+                                                  feature_dtype="fp32", out=str(out)))
+
+
+@pytest.fixture(scope="module")
+def target():
+    model, _, _ = load_model("random-llama", dtype="fp32")
+    return model
+
+
+@pytest.fixture(scope="module")
+def trained(data_dir, tmp_path_factory):
+    return t3.train_eagle3(t3.Train3Config(**TRAIN, data=str(data_dir), out=str(tmp_path_factory.mktemp("h") / "head")))
+
+
+def _head(target, samples, k=40, seed=0, init="random"):
+    V = target.config.vocab_size
+    ids, _ = t3.draft_vocabulary(samples, V, k)
+    d2t, t2d = eagle3_maps(ids, V)
+    head = t3.new_eagle3_head(target, d2t, t2d, seed, init).double()
+    with torch.no_grad():                                    # norms away from 1, so that a wrong input shows
+        for name, p in head.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)), dtype=p.dtype))
+            else:
+                p.mul_(4)
+    return head, DraftVocab.of(head, "cpu")
+
+
+# --- the draft vocabulary ----------------------------------------------------------------------------------------
+
+def test_draft_vocabulary_is_the_most_frequent_target_tokens(data_dir, trained):
+    train = data_job.load_split(data_dir, "train")
+    top1 = Counter(t for s in train for t in s.topk_ids[1:, 0].tolist())
+    ranked = sorted(top1, key=lambda t: (-top1[t], t))
+    ids, counts = t3.draft_vocabulary(train, 512, 10)
+    assert ids.tolist() == ranked[:10] and counts.tolist() == [top1[t] for t in ranked[:10]]
+    ids, _ = t3.draft_vocabulary(train, 512, 10 ** 6)                       # clipped to the tokens seen
+    assert sorted(ids.tolist()) == sorted(top1)
+    resp = Counter(t for s in train for t in s.input_ids[s.loss_mask].tolist())
+    ids, _ = t3.draft_vocabulary(train, 512, 7, how="response")
+    assert ids.tolist() == sorted(resp, key=lambda t: (-resp[t], t))[:7]
+    # the saved head's maps are those of the top-48 target tokens
+    state = load_file(str(trained / "model.safetensors"))
+    d2t, t2d = eagle3_maps(ranked[:48], 512)
+    assert torch.equal(state["d2t"], d2t) and torch.equal(state["t2d"], t2d)
+    info = json.loads((trained / "config.json").read_text())
+    assert info["draft_vocab_size"] == 48 and info["specvocab"]["training"]["draft_vocab"]["size"] == 48
+
+
+# --- training-time test --------------------------------------------------------------------------------------------
+
+def test_ttt_step_k_reads_the_heads_own_hidden(data_dir, target):
+    train = data_job.load_split(data_dir, "train")
+    samples = [train[0], train[3]]                           # two sequences packed, different lengths
+    head, maps = _head(target, train)
+    steps = 3
+    batch = t3.make_batch3(samples, maps, steps, dtype=torch.float64)
+    outs = t3.ttt_forward(head, lambda t: target.get_input_embeddings()(t).double(), batch)
+    S = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary")}
+    C = t3.eagle3_config_dict(head, (0, 1, 1))
+    emb_w = target.get_input_embeddings().weight.detach().double()
+    checked = 0
+    for j, s in enumerate(samples):
+        L = s.input_ids.numel()
+        g = torch.cat([s.extra[f] for f in t3.FEATURES], -1).double()
+        rows = (batch.seg == j).nonzero().flatten()
+        for p in (0, 5, L - 4):
+            h = g[: p + 1] @ S["fc.weight"].T                  # committed pairs (g_i, x_{i+1}), i <= p
+            toks = s.input_ids[1: p + 2].tolist()
+            for k in range(steps):
+                if k:                                          # step k: the previous step's OWN output, x_{p+1+k}
+                    h = torch.cat([h, ref[-1:]])
+                    toks.append(int(s.input_ids[p + 1 + k]))
+                ref = midlayer_reference(S, C, emb_w[toks], h)
+                torch.testing.assert_close(outs[k][rows[p]], ref[-1], rtol=1e-4, atol=1e-4)   # RoPE angles in fp32
+                checked += 1
+    assert checked == 18
+
+
+def test_loss_equals_reference_and_masks_out_of_vocabulary_targets(data_dir, target):
+    train = data_job.load_split(data_dir, "train")
+    samples = train[:3]
+    head, maps = _head(target, train, k=12)                   # a small draft vocabulary: many targets outside it
+    steps, w = 3, 0.8
+    batch = t3.make_batch3(samples, maps, steps, dtype=torch.float64)
+    embed = lambda t: target.get_input_embeddings()(t).double()
+    # the reference, from the raw samples
+    outs = t3.ttt_forward(head, embed, batch)
+    row_of = {int(t): i for i, t in enumerate(torch.arange(maps.d2t.numel()) + maps.d2t)}
+    total, masked, kept = 0.0, 0, 0
+    for k in range(steps):
+        logq = torch.log_softmax(head.lm_head(head.norm(outs[k])), -1)
+        r = 0
+        lk = 0.0
+        for s in samples:
+            L = s.input_ids.numel()
+            for p in range(L - 1):
+                i = p + 1 + k
+                if i <= L - 1:
+                    ids, logits = s.topk_ids[i].tolist(), s.topk_logits[i].double()
+                    if ids[0] not in row_of:
+                        masked += 1
+                    else:
+                        kept += 1
+                        adm = [a for a, t in enumerate(ids) if t in row_of]
+                        pr = torch.softmax(logits[adm], -1)
+                        lk = lk - (pr * logq[r, [row_of[ids[a]] for a in adm]]).sum()
+                r += 1
+        total = total + w ** k * lk / r
+    assert masked > 20 and kept > 20
+    head.zero_grad()
+    total.backward()
+    ref_grads = {n: p.grad.clone() for n, p in head.named_parameters()}
+    head.zero_grad()
+    got = t3.ttt_loss(head, embed, batch, step_weight=w, head_dtype=torch.float64, chunk=7)
+    assert got["loss"] == pytest.approx(float(total), rel=1e-6)     # chunked_head_ce sums in fp32
+    for n, p in head.named_parameters():
+        err = float((p.grad - ref_grads[n]).abs().max() / ref_grads[n].abs().max())
+        assert err < 1e-6, (n, err)                            # the target's p is computed in fp32
+    assert not batch.mask[~maps.t2d[batch.top1]].any()        # no loss where the target's top-1 is outside
+
+
+def test_a_tiny_overfit_run_lowers_the_loss(data_dir, target):
+    train = data_job.load_split(data_dir, "train")
+    head, maps = _head(target, train, k=64, init="target")
+    head = head.float()
+    batch = t3.make_batch3(train[:2], maps, 3)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(25):
+        opt.zero_grad()
+        losses.append(t3.ttt_loss(head, target.get_input_embeddings(), batch)["loss"])
+        opt.step()
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+# --- a run ---------------------------------------------------------------------------------------------------------
+
+def test_a_run_learns_saves_the_official_layout_and_decodes_losslessly(trained, target):
+    lc = pl.read_parquet(trained / "learning_curve.parquet")
+    assert lc["heldout_loss"][-1] < lc["heldout_loss"][0] and lc["tokens"][-1] >= 2000
+    assert set(load_file(str(trained / "model.safetensors"))) == OFFICIAL_KEYS
+    cfg = json.loads((trained / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    weight = target.get_output_embeddings().weight.detach()
+    assert cfg["specvocab"]["target"] == "random-llama"
+    assert cfg["specvocab"][FINGERPRINT_KEY] == head_fingerprint(weight) and head_matches(cfg["specvocab"], weight)
+    card = (trained / "README.md").read_text()
+    assert "tau" in card and "differs from EAGLE" in card
+    head = load_eagle3_head(str(trained))
+    assert head.draft_vocab_size == 48
+    prompt = torch.arange(3, 40)
+    ar = generate(target, prompt, method="ar", max_new_tokens=20, eos_ids=[])
+    for vocab in ("full", "microspec"):
+        res = generate(target, prompt, method="eagle3", eagle3_head=str(trained), vocab=vocab, w_max=64,
+                       max_new_tokens=20, eos_ids=[])
+        assert res.output_ids.tolist() == ar.output_ids.tolist()
+    # the curve's last tau is the saved checkpoint's
+    manifest = data_job.read_manifest(cfg["specvocab"]["training"]["data"])
+    held = data_job.load_split(cfg["specvocab"]["training"]["data"], "heldout")
+    prompts = t3._heldout_prompts(held, manifest, 1)
+    _, tok, info = load_model("random-llama", dtype="fp32")
+    tau = t3.heldout_tau3(target, tok, info, None, prompts, 8, eos_token_ids(target, tok), head_dir=str(trained))
+    assert tau == pytest.approx(lc["heldout_tau"][-1])
+
+
+def test_interrupted_training_resumes_bit_for_bit(data_dir, trained, tmp_path, monkeypatch):
+    cfg = dict(TRAIN, data=str(data_dir))
+    whole = trained                                           # the same settings, uninterrupted
+    real, calls = t3.ttt_loss, {"n": 0}
+
+    def dies_at_step_4(*a, **k):
+        if k.get("backward", True):                           # training steps only
+            calls["n"] += 1
+            if calls["n"] == 4:
+                raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(t3, "ttt_loss", dies_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        t3.train_eagle3(t3.Train3Config(**cfg, out=str(tmp_path / "cut")))
+    assert torch.load(tmp_path / "cut" / "train_state.pt", weights_only=False)["step"] == 2
+    monkeypatch.setattr(t3, "ttt_loss", real)
+    resumed = t3.train_eagle3(t3.Train3Config(**cfg, out=str(tmp_path / "cut")))
+    a = torch.load(whole / "train_state.pt", weights_only=False)
+    b = torch.load(resumed / "train_state.pt", weights_only=False)
+    assert a["step"] == b["step"] >= 4 and a["tokens_seen"] == b["tokens_seen"]
+    for name in a["head"]:
+        assert torch.equal(a["head"][name], b["head"][name]), name
+    for pid, st in a["opt"]["state"].items():
+        for key, v in st.items():
+            assert torch.equal(v, b["opt"]["state"][pid][key]), (pid, key)
+    assert str(a["curve"]) == str(b["curve"])                  # (nan != nan)
+    sa, sb = load_file(str(whole / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    with pytest.raises(data_job.TrainError, match="other settings"):
+        t3.train_eagle3(t3.Train3Config(**{**cfg, "lr": 0.5}, out=str(tmp_path / "cut")))
+
+
+def test_data_without_eagle3_features_is_refused(tmp_path):
+    data = data_job.make_data(data_job.DataConfig(**{**DATA, "num_prompts": 3, "heldout_prompts": 1},
+                                                  out=str(tmp_path / "d")))
+    with pytest.raises(data_job.TrainError, match="--eagle3-features"):
+        t3.train_eagle3(t3.Train3Config(**TRAIN, data=str(data), out=str(tmp_path / "h")))
+
+
+def test_cli_verb():
+    from sweeps.cli import resolve
+    assert resolve(["train", "eagle3", "--model", "x"]) == ("engine.jobs.train_eagle3", ["--model", "x"])

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import engine.jobs.calibrate as cal
+import engine.jobs.frequency as freq_job
 from engine import calibration as calib
 from engine.config import METHODS, POLICIES, SpecConfig, parse_overrides
 from engine.harness import generate, resolve_config
@@ -534,7 +535,7 @@ def test_frspec_is_calibrated_on_its_default_ranking_and_keyed_as_a_bench_resolv
     the calibration runs on that ranking and keys the record with None, so the bench finds it."""
     model, info = tiny
     ranking = []
-    monkeypatch.setattr(cal, "default_frequency_file", lambda tok, name, vocab, eos_ids=(): ranking.append(vocab)
+    monkeypatch.setattr(freq_job, "default_frequency_file", lambda tok, name, vocab, eos_ids=(): ranking.append(vocab)
                         or "ranking.pt")
     ran = []
     monkeypatch.setattr(cal, "measure_grid", lambda model, prompts, method, grid, cfg, **kw: ran.append(cfg) or [

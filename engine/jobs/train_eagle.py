@@ -104,7 +104,7 @@ class TrainConfig:
     progress: bool = True
 
 
-def _pack(samples: list[Sample], order: Sequence[int], batch_tokens: int) -> list[list[int]]:
+def pack_samples(samples: list[Sample], order: Sequence[int], batch_tokens: int) -> list[list[int]]:
     """Consecutive samples of `order` grouped so that each group holds about batch_tokens tokens."""
     batches, cur, size = [], [], 0
     for i in order:
@@ -127,7 +127,7 @@ def _block_causal_bias(lengths: Sequence[int], dtype: torch.dtype) -> torch.Tens
     return torch.zeros(ok.shape, dtype=dtype).masked_fill(~ok, torch.finfo(dtype).min)[None, None]
 
 
-pack_samples = _pack                      # the public name the EAGLE-3 trainer (engine.jobs.train_eagle3) uses
+
 
 
 def head_forward(head: EagleHead, embed, tokens: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
@@ -296,9 +296,9 @@ def train_eagle(cfg: TrainConfig) -> Path:
     def schedule():
         """Every optimiser step's samples: epoch e packs a permutation seeded by seed + e."""
         for epoch in range(cfg.max_epochs):
-            yield from _pack(train, np.random.default_rng(cfg.seed + epoch).permutation(len(train)), cfg.batch_tokens)
+            yield from pack_samples(train, np.random.default_rng(cfg.seed + epoch).permutation(len(train)), cfg.batch_tokens)
 
-    steps_per_epoch = len(_pack(train, range(len(train)), cfg.batch_tokens))
+    steps_per_epoch = len(pack_samples(train, range(len(train)), cfg.batch_tokens))
     total_steps = max(1, min(sum(1 for _ in schedule()),
                              math.ceil(cfg.tokens / max(1, sum(s.input_ids.numel() for s in train) / steps_per_epoch))))
 
@@ -341,7 +341,7 @@ def train_eagle(cfg: TrainConfig) -> Path:
             prompt_len = int((~s.loss_mask).sum())
             held_prompts.append(s.input_ids[:prompt_len].tolist())
     held_batches = [make_batch([held[i] for i in b], loss_on=cfg.loss_on)
-                    for b in _pack(held, range(len(held)), cfg.batch_tokens)]
+                    for b in pack_samples(held, range(len(held)), cfg.batch_tokens)]
 
     def evaluate():
         head.eval()

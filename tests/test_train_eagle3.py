@@ -113,6 +113,7 @@ def test_ttt_step_k_reads_the_heads_own_hidden(data_dir, target):
         for p in (0, 5, L - 4):
             h = g[: p + 1] @ S["fc.weight"].T                  # committed pairs (g_i, x_{i+1}), i <= p
             toks = s.input_ids[1: p + 2].tolist()
+            ref = None
             for k in range(steps):
                 if k:                                          # step k: the previous step's OWN output, x_{p+1+k}
                     h = torch.cat([h, ref[-1:]])

@@ -23,7 +23,7 @@ from engine.config import SpecConfig
 from engine.drafters import make_drafter
 from engine.harness import generate
 from engine.models import load_model
-from engine.vocab.dynaspec import FittedDynaSpec, Router, save_dynaspec
+from engine.vocab.dynaspec import FittedDynaSpec, Router, drafter_key, save_dynaspec
 from tests.engine_testing import untie_head
 from tests.sampling_stats import ALPHA, assert_fits, chi2_pvalue
 
@@ -82,12 +82,12 @@ def _config(kind: str, tmp_path, model, top: np.ndarray, p: np.ndarray) -> SpecC
     with torch.no_grad():
         router.fc2.weight.zero_()
         router.fc2.bias.copy_(torch.tensor([-100.0, 1.0, 2.0, 3.0]))
+    cfg = SpecConfig.preset("layerskip", vocab="dynaspec", dynaspec_k_max=m - 1, dynaspec_budget="fixed", **base)
     fitted = FittedDynaSpec(assign=assign, router=router.eval(),
                             meta={"model": "random-llama", "head_fingerprint": head_fingerprint(weight),
-                                  "drafter_config": {"drafter": "layerskip", "drafter_layers": "skip:1"}})
+                                  "drafter_config": drafter_key(cfg)})          # the drafter it runs with
     path = save_dynaspec(fitted, tmp_path / "dynaspec.safetensors")
-    return SpecConfig.preset("layerskip", vocab="dynaspec", dynaspec_file=str(path), dynaspec_k_max=m - 1,
-                             dynaspec_budget="fixed", **base)
+    return cfg.replace(dynaspec_file=str(path))
 
 
 def _second_token_counts(model, prompt, cfg, runs: int = RUNS) -> tuple[np.ndarray, set[int]]:

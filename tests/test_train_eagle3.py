@@ -211,6 +211,22 @@ def test_a_run_learns_saves_the_official_layout_and_decodes_losslessly(trained, 
     assert tau == pytest.approx(lc["heldout_tau"][-1])
 
 
+def test_a_head_trained_here_is_refused_on_another_target(trained, target):
+    """The saved `specvocab` block ties the head to its target's LM head: the same shapes with other weights (a
+    1% perturbation, as a fine-tune would be) are refused by the eagle3 drafter, naming the field and the fix."""
+    import copy
+
+    from engine.drafters.lmhead import DrafterError
+
+    other = copy.deepcopy(target)
+    with torch.no_grad():
+        w = other.get_output_embeddings().weight
+        w.add_(0.01 * w.std() * torch.randn(w.shape, generator=torch.Generator().manual_seed(0)))
+    with pytest.raises(DrafterError, match=r"eagle3_head=.*was trained for 'random-llama'.*train_eagle3"):
+        generate(other, torch.arange(3, 20), method="eagle3", eagle3_head=str(trained), max_new_tokens=4, eos_ids=[])
+    generate(target, torch.arange(3, 20), method="eagle3", eagle3_head=str(trained), max_new_tokens=4, eos_ids=[])
+
+
 def test_interrupted_training_resumes_bit_for_bit(data_dir, trained, tmp_path, monkeypatch):
     cfg = dict(TRAIN, data=str(data_dir))
     whole = trained                                           # the same settings, uninterrupted

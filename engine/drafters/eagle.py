@@ -265,18 +265,21 @@ def _weights_ids(path: Path) -> set[str]:
     return ids
 
 
-def check_head_target(head_source: str, block: dict | None, target) -> None:
-    """Raise unless a head whose config.json has `specvocab` block `block` was trained for `target`."""
+def check_head_target(head_source: str, block: dict | None, target, *, field: str = "eagle_head",
+                      retrain: str = "`python -m engine.jobs.train_eagle --model <name>`") -> None:
+    """Raise unless a head whose config.json has `specvocab` block `block` was trained for `target` (its LM-head
+    fingerprint, `engine.artifacts.head_matches`). `field` names the config field in the message; an EAGLE-1/2
+    head also suggests the head shipped for the target."""
     if not block:
         return                                  # an official checkpoint: only the shapes can be checked
     weight = target.get_output_embeddings().weight.detach()
     if not head_matches(block, weight):
-        shipped = default_eagle_head(target)
-        raise DrafterError(f"eagle_head={head_source!r} was trained for {block.get('target')!r} (vocabulary "
+        shipped = default_eagle_head(target) if field == "eagle_head" else None
+        raise DrafterError(f"{field}={head_source!r} was trained for {block.get('target')!r} (vocabulary "
                            f"{block.get('vocab_size')}, hidden {block.get('hidden_size')}), not for this target "
                            f"(LM head {tuple(weight.shape)}, other weights); "
                            + (f"use {shipped!r} (shipped for this target) or " if shipped else "")
-                           + "train one with `python -m engine.jobs.train_eagle --model <name>`")
+                           + f"train one with {retrain}")
 
 
 def load_eagle_head(source: str) -> EagleHead:

@@ -51,7 +51,8 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from engine.drafters import register_drafter
-from engine.drafters.eagle import EagleTreeDrafter, llama_config, read_state_dict, resolve_head_dir, random_eagle_head
+from engine.drafters.eagle import (EagleTreeDrafter, check_head_target, llama_config, random_eagle_head, read_state_dict,
+                                   resolve_head_dir)
 from engine.drafters.layerskip import text_config
 from engine.drafters.lmhead import DrafterError, attention_bias
 from engine.shipped import SHIPPED_PREFIX
@@ -245,6 +246,7 @@ def load_eagle3_head(source: str) -> Eagle3Head:
                            f"unexpected {result.unexpected_keys}")
     head.feature_layers = values.get("eagle_aux_hidden_state_layer_ids") or (
         values.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    head.target_block = values.get("specvocab")          # a head trained here names its target (engine.artifacts)
     return head
 
 
@@ -445,6 +447,10 @@ class Eagle3Drafter(EagleTreeDrafter):
                                    "(config.json + model.safetensors or pytorch_model.bin) or its hub id>, or "
                                    "eagle3_head='random' for an untrained head (tests)")
             head = random_eagle3_head(target, cfg.seed) if source == "random" else load_eagle3_head(source)
+        # a head trained here carries its target's LM-head fingerprint: a same-shape head of another target (or a
+        # fine-tune of it) is refused; an official checkpoint has no block and is checked by its shapes below
+        check_head_target(self.head_source, getattr(head, "target_block", None), target, field="eagle3_head",
+                          retrain="`python -m engine.jobs.train_eagle3 --model <name>`")
         t = text_config(target)
         V = target.get_output_embeddings().weight.shape[0]
         if head.target_hidden_size != t.hidden_size:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 
 def add_fields(parser: argparse.ArgumentParser, cls, skip) -> None:
@@ -28,3 +29,19 @@ def add_fields(parser: argparse.ArgumentParser, cls, skip) -> None:
 def split_csv(v):
     """"a,b" -> ("a", "b"); a tuple stays as it is."""
     return tuple(x for x in v.split(",") if x) if isinstance(v, str) else v
+
+
+def config_main(argv, *, prog: str, description: str, cls, run, skip, errors=()):
+    """`main(argv)` of a job that is one config dataclass and one function: `--model` plus a flag per field of
+    `cls` (not in `skip`) and `--no-progress`; `run(cls(...))`'s result is returned; an error of `errors`
+    exits with its message."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
+    ap.add_argument("--model", required=True)
+    add_fields(ap, cls, skip)
+    ap.add_argument("--no-progress", action="store_true")
+    args = vars(ap.parse_args(argv))
+    progress = not args.pop("no_progress")
+    try:
+        return run(cls(**args, progress=progress))
+    except errors as err:
+        sys.exit(f"error: {err}")

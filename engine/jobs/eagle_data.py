@@ -128,6 +128,15 @@ class Sample:
     extra: dict[str, torch.Tensor] = field(default_factory=dict)   # hidden_low / hidden_mid / hidden_high
 
 
+def data_used(train: Sequence[Sample], held: Sequence[Sample]) -> dict:
+    """What a training run read of a data folder (samples, prompts, tokens per split), for its summary and card."""
+    out = {}
+    for name, split in (("train", train), ("heldout", held)):
+        out.update({f"{name}_samples": len(split), f"{name}_prompts": len({s.prompt_id for s in split}),
+                    f"{name}_tokens": int(sum(s.input_ids.numel() for s in split))})
+    return out
+
+
 @torch.no_grad()
 def target_features(model, ids: Sequence[int], *, topk: int, eagle3: bool = False) -> dict[str, torch.Tensor]:
     """One prefill of the target over ids: hidden [L, d] (its LM head's input), top-k logits [L, k] and, with

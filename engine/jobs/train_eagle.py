@@ -35,13 +35,11 @@ generator's state, the per-step losses) and resumes from it to the same weights 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import itertools
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,8 +57,8 @@ from engine.drafters.eagle import EagleDrafter, EagleHead, random_eagle_head, sa
 from engine.harness import generate, resolve_config
 from engine.models import cache_root, eos_token_ids, load_model
 
-from engine.jobs.args import add_fields
-from engine.jobs.eagle_data import (DTYPES, Sample, TrainError, default_data_dir, load_split, read_manifest)
+from engine.jobs.args import config_main
+from engine.jobs.eagle_data import DTYPES, Sample, TrainError, data_used, default_data_dir, load_split, read_manifest
 
 
 @dataclass(frozen=True)
@@ -397,10 +395,7 @@ def train_eagle(cfg: TrainConfig) -> Path:
     save_state()
     seconds = time.perf_counter() - t0
     summary = {"target": cfg.model, "data": str(data), "data_settings": manifest["settings"],
-               "data_used": {"train_samples": len(train), "train_prompts": len({s.prompt_id for s in train}),
-                             "train_tokens": int(sum(s.input_ids.numel() for s in train)),
-                             "heldout_samples": len(held), "heldout_prompts": len({s.prompt_id for s in held}),
-                             "heldout_tokens": int(sum(s.input_ids.numel() for s in held))},
+               "data_used": data_used(train, held),
                "tokens_seen": tokens_seen, "steps": step, "train_seconds_this_run": round(seconds, 1),
                "heldout_top1": point["heldout_top1"], "heldout_tau": point["heldout_tau"],
                "eval": {"prompts": len(held_prompts), "new_tokens": cfg.eval_new_tokens, "vocab": "full",
@@ -463,16 +458,8 @@ def model_card(cfg: TrainConfig, summary: dict, curve: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    ap = argparse.ArgumentParser(prog="python -m engine.jobs.train_eagle", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True)
-    add_fields(ap, TrainConfig, {"model", "betas", "progress"})
-    ap.add_argument("--no-progress", action="store_true")
-    args = vars(ap.parse_args(argv))
-    progress = not args.pop("no_progress")
-    try:
-        return train_eagle(TrainConfig(**args, progress=progress))
-    except TrainError as err:
-        sys.exit(f"error: {err}")
+    return config_main(argv, prog="python -m engine.jobs.train_eagle", description=__doc__.split("\n")[0], cls=TrainConfig, run=train_eagle,
+                       skip={"model", "betas", "progress"}, errors=(TrainError,))
 
 
 if __name__ == "__main__":

@@ -51,13 +51,11 @@ step, RNG) every `save_every` steps; a rerun with the same settings resumes, bit
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import itertools
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,8 +77,8 @@ from engine.models import cache_root, eos_token_ids, load_model
 from engine.target import decoder
 from engine.vocab.frspec import eagle3_maps
 
-from engine.jobs.args import add_fields
-from engine.jobs.eagle_data import DTYPES, Sample, TrainError, default_data_dir, load_split, read_manifest
+from engine.jobs.args import config_main
+from engine.jobs.eagle_data import DTYPES, Sample, TrainError, data_used, default_data_dir, load_split, read_manifest
 from engine.jobs.train_eagle import chunked_head_ce, pack_samples
 
 FEATURES = ("hidden_low", "hidden_mid", "hidden_high")
@@ -567,10 +565,7 @@ def train_eagle3(cfg: Train3Config) -> Path:
     save_state()
     seconds = time.perf_counter() - t0
     summary = {"target": cfg.model, "data": str(data), "data_settings": manifest["settings"],
-               "data_used": {"train_samples": len(train), "train_prompts": len({s.prompt_id for s in train}),
-                             "train_tokens": int(sum(s.input_ids.numel() for s in train)),
-                             "heldout_samples": len(held), "heldout_prompts": len({s.prompt_id for s in held}),
-                             "heldout_tokens": int(sum(s.input_ids.numel() for s in held))},
+               "data_used": data_used(train, held),
                "draft_vocab": {"size": int(d2t.numel()), "requested": cfg.draft_vocab_size, "counted": cfg.vocab_count,
                                "coverage": float(vocab_counts.sum() / max(total_counted, 1)),
                                "distinct_seen": int(len(vocab_ids)) if len(vocab_ids) < cfg.draft_vocab_size else None},
@@ -670,16 +665,8 @@ def model_card(cfg: Train3Config, summary: dict, curve: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    ap = argparse.ArgumentParser(prog="python -m engine.jobs.train_eagle3", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True)
-    add_fields(ap, Train3Config, {"model", "betas", "progress"})
-    ap.add_argument("--no-progress", action="store_true")
-    args = vars(ap.parse_args(argv))
-    progress = not args.pop("no_progress")
-    try:
-        return train_eagle3(Train3Config(**args, progress=progress))
-    except TrainError as err:
-        sys.exit(f"error: {err}")
+    return config_main(argv, prog="python -m engine.jobs.train_eagle3", description=__doc__.split("\n")[0], cls=Train3Config, run=train_eagle3,
+                       skip={"model", "betas", "progress"}, errors=(TrainError,))
 
 
 if __name__ == "__main__":

@@ -89,6 +89,10 @@ class GenerateResult:
     # verification (before the eos / max_new_tokens cut); None for hf-prompt-lookup
     score_bins_proposed: list[int] | None = None
     score_bins_accepted: list[int] | None = None
+    # tokens committed by each step: step 0 (the prefill) commits one, each draft-verify step its accepted draft
+    # tokens plus the bonus, the last step what was kept after the eos / max_new_tokens cut; sums to new_tokens,
+    # one entry per step (Spec-Bench's and EAGLE's per-step `accept_lengths`; tau is their mean)
+    step_sizes: list[int] | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -103,18 +107,6 @@ class GenerateResult:
     def g(self) -> float:
         """Mean draft tokens per verify step (the prefill proposes none)."""
         return self.draft_tokens / max(self.steps - 1, 1)
-
-    @property
-    def step_sizes(self) -> list[int]:
-        """Tokens committed by each step, the prefill's step 0 (one token) included; the last step's count
-        is what was kept after the eos / max_new_tokens cut, so the sizes sum to `new_tokens`."""
-        if self.records is None:
-            raise HarnessError("step_sizes needs per-step records: run generate(..., record=True)")
-        sizes, left = [], self.new_tokens
-        for n in [1] + [len(r.new_tokens) for r in self.records]:
-            sizes.append(min(n, left))
-            left -= sizes[-1]
-        return sizes
 
     def to_trace(self, meta: dict | None = None) -> Trace:
         """A `locality.Trace` of this run (needs `cfg.record=True`), with what `locality.candidate_stream`
@@ -270,6 +262,7 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
     bins_proposed = torch.zeros(SCORE_BINS, dtype=torch.long, device=device)
     bins_accepted = torch.zeros(SCORE_BINS, dtype=torch.long, device=device)
     stop = "eos" if out[0] in eos_set else None
+    sizes = [1]                                                  # step_sizes: the prefill's token
     while stop is None and len(out) < T:
         t0 = _clock(device)
         tree = drafter.propose(ids[:L + len(out)])
@@ -314,6 +307,7 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
             keep, stop = keep[:hit + 1], "eos"
         ids[L + len(out): L + len(out) + len(keep)] = new_tokens[:len(keep)]
         out.extend(keep)
+        sizes.append(len(keep))
         # new_tokens: the kept ones (the last step may be cut at an eos or max_new_tokens), so a drafter's
         # coverage counts generated tokens only; nothing is drafted after a cut step
         drafter.observe(StepResult(tree=tree, logits=logits, hidden=hidden, accepted=accepted,
@@ -326,7 +320,8 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
                           draft_tokens=num_draft, stop_reason=stop or "max_new_tokens",
                           drafter_timings=dict(drafter.timings()), records=records, prefill_topk=top_rows,
                           drafter_stats=dict(drafter.stats()) if hasattr(drafter, "stats") else {},
-                          score_bins_proposed=bins_proposed.tolist(), score_bins_accepted=bins_accepted.tolist())
+                          score_bins_proposed=bins_proposed.tolist(), score_bins_accepted=bins_accepted.tolist(),
+                          step_sizes=sizes)
 
 
 def score_bins(scores: torch.Tensor) -> torch.Tensor:
@@ -357,10 +352,13 @@ def _generate_hf_prompt_lookup(model, prompt, cfg, eos) -> GenerateResult:
     times: list[float] = []
     starts: list[float] = []
     lengths: list[int] = []                                      # tokens fed to each forward
+    firsts: list[int | None] = []                                # the position of each forward's first token
 
     def pre_hook(module, args, kwargs):
         x = kwargs.get("input_ids", args[0] if args else None)
         lengths.append(0 if x is None else int(x.shape[-1]))
+        pos = kwargs.get("position_ids")
+        firsts.append(None if pos is None else int(pos.reshape(-1)[0]))
         starts.append(_clock(device))
 
     def post_hook(module, args, kwargs, output):
@@ -389,7 +387,13 @@ def _generate_hf_prompt_lookup(model, prompt, cfg, eos) -> GenerateResult:
     stop = "eos" if hit.numel() and int(hit[0]) == out.numel() - 1 else "max_new_tokens"
     # draft tokens: what each forward fed beyond its root (the first forward: beyond the prompt)
     num_draft = sum(lengths[1:]) - len(lengths[1:]) + (lengths[0] - prompt.numel() if lengths else 0)
+    # step sizes: forward k (k >= 1) starts at the position of the last committed token, so the committed
+    # length grows by the difference of consecutive starts; the last forward commits up to the output's end
+    sizes = None
+    if firsts and None not in firsts:
+        ends = [f + 1 for f in firsts[1:]] + [prompt.numel() + out.numel()]
+        sizes = [b - a for a, b in zip([prompt.numel()] + ends[:-1], ends)]
     return GenerateResult(method=cfg.method, prompt_ids=prompt.cpu(), output_ids=out, steps=len(times),
                           wall_s=wall_s, prefill_s=times[0] if times else 0.0,
                           draft_s=wall_s - sum(times), verify_s=sum(times[1:]), draft_tokens=num_draft,
-                          stop_reason=stop)
+                          stop_reason=stop, step_sizes=sizes)

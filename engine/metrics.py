@@ -34,6 +34,10 @@ keep `category` and `language`). Two totals, named apart because they differ:
     AVG = "avg"   the mean over tasks of each task's value (`table2_summary`, MicroSpec Table 2's
                   "Avg. Speed" and "Avg. Len."; speedup = the mean tokens/s over ar's mean tokens/s)
 
+Per row, `step_sizes` lists the tokens each step committed (the prefill's step 0 commits one; they sum to
+new_tokens and their mean is the row's tau): Spec-Bench's per-step `accept_lengths` (`engine.jobs.specbench`).
+Rows written before #18 have it null.
+
 Earlier summaries said `category` for the task and `coverage` for draft_coverage (`summarize`); they were never
 written to a results folder, so no reader needs the old names.
 """
@@ -63,6 +67,7 @@ ROW_SCHEMA = {
     "temperature": pl.Float64,
     "seed": pl.Int64, "output_ids": pl.List(pl.Int64),
     "score_bins_proposed": pl.List(pl.Int64), "score_bins_accepted": pl.List(pl.Int64),
+    "step_sizes": pl.List(pl.Int64),    # tokens each step committed (GenerateResult.step_sizes; null before #18)
     # against ar's row of the same (prompt_id, turn, repeat), greedy only (`engine.divergence`, `diagnose`)
     "verdict": pl.String, "first_divergence": pl.Int64, "ar_margin": pl.Float64, "ar_gap": pl.Float64,
     "prompt_differs": pl.Boolean,

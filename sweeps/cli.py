@@ -27,6 +27,8 @@ VERBS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
     "calibrate": ("engine.jobs.calibrate", "measure a drafting method's draft size g* on this machine (UniSpec App. F)"),
     "frequency": ("engine.jobs.frequency", "FR-Spec frequency lists from the training corpus, with SGLang / EAGLE-3 "
                                            "exports"),
+    "specbench": ("engine.jobs.specbench", "Spec-Bench model-answer .jsonl files of a bench folder (a sweep folder: "
+                                           "render writes them)"),
     "forward": ("engine.jobs.forward", "the target's forward against the machine's copy bound and bare matmuls"),
     "train": {
         "data": ("engine.jobs.eagle_data", "the target's features over training prompts, in resumable shards"),

@@ -10,6 +10,10 @@ Every notebook writes its figures there as PNG and self-contained HTML; the exec
 FIGURES/notebooks/NN_*.ipynb (open them in JupyterLab to explore, or re-run them there). The PNGs each
 notebook wrote are printed. A notebook that fails does not stop the others; the exit
 status is 1 if any failed, 2 when DIR holds no sweep results.
+
+The bench cells' rows also become Spec-Bench model-answer files, DIR/spec_bench_answers/<model>/<prompt
+set>/<run>.jsonl (`engine.jobs.specbench`; Spec-Bench's evaluation/speed.py and equal.py read them), unless
+`--no-answers`.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from engine.jobs.specbench import tokenizer_decoder, write_answer_files
 from sweeps.cell import SweepError
-from sweeps.results import MANIFEST, result_files
+from sweeps.results import MANIFEST, load, result_files
 
 try:            # the notebooks extra (jupytext, papermill, altair, vl-convert); named in the error when missing
     import jupytext
@@ -161,15 +166,36 @@ def render(results_dir: str | Path, out_dir: str | Path | None = None, only: Seq
     return done
 
 
+def spec_bench_answers(results_dir: str | Path, out_dir: str | Path | None = None, show: bool = True) -> list[Path]:
+    """Spec-Bench answer files of a sweep's bench cells (`engine.jobs.specbench`), in OUT (default
+    DIR/spec_bench_answers); [] when the sweep has no bench results. Each model's tokenizer decodes its
+    answers (a cell's `model` is its label; `model_name` is what loads)."""
+    results = check_results(results_dir)
+    if not result_files(results, "bench"):
+        return []
+    frame = load(results, "bench").collect()
+    names = dict(frame.select("model", "model_name").unique().iter_rows()) if "model_name" in frame.columns else {}
+    out = Path(out_dir).expanduser().resolve() if out_dir else results / "spec_bench_answers"
+    written = write_answer_files(frame, out, tokenizer_decoder(names))
+    if show:
+        print(f"Spec-Bench answers: {out}  ({len(written)} files, one per model x prompt set x run; "
+              f"index.json names them)", flush=True)
+    return written
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sweeps.render", description=__doc__.split("\n\n")[0])
     ap.add_argument("results", help="a sweep's output folder (`python -m sweeps.run CONFIG --out DIR`)")
     ap.add_argument("--out", default=None, help="where figures go (default: RESULTS/figures)")
     ap.add_argument("--only", default=None, help="comma list of notebook numbers or names, e.g. 01,04")
     ap.add_argument("--jobs", type=int, default=None, help="notebooks executed at once (default: one per CPU)")
+    ap.add_argument("--no-answers", action="store_true",
+                    help="skip the Spec-Bench answer files (RESULTS/spec_bench_answers)")
     a = ap.parse_args(argv)
     try:
         done = render(a.results, a.out, a.only.split(",") if a.only else None, jobs=a.jobs)
+        if not a.no_answers:
+            spec_bench_answers(a.results)
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

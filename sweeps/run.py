@@ -71,11 +71,11 @@ from tqdm.auto import tqdm
 from engine.calibration import calibration_fields
 from engine.config import SpecConfig
 from locality.trace import read_traces
-from sweeps.cluster import connect, resources
+from sweeps.cluster import connect, is_local, physical_cores, resources
 from sweeps.cell import Cell, SweepError, canonical_json
 from sweeps.config import MODEL_KINDS, Sweep, load_sweep, plan
 from sweeps.coverage_cells import timed_coverage_cells
-from sweeps.model_cells import SHIPPED, ModelWorker, bench_config, shipped_prompts
+from sweeps.model_cells import SHIPPED, ModelWorker, bench_config, data_files, shipped_prompts
 from sweeps.results import (cell_path, check_output_folder, finished, is_finished, lock_output, prepare_output,
                             ranking_path, write_cell, write_error, write_frame)
 
@@ -116,6 +116,8 @@ class Summary:
     crashes: dict = field(default_factory=lambda: defaultdict(int))     # model label -> actor deaths seen
     stopped: dict = field(default_factory=dict)                         # model label -> why it was stopped
     damaged: list = field(default_factory=list)                         # (result file, where it was moved)
+    actor_cores: dict = field(default_factory=dict)                     # actor process id -> CPUs pinned to
+    driver_cpu_s: float = 0.0                                           # this process's CPU time (user + sys)
     wall_s: float = 0.0
 
     @property
@@ -145,6 +147,16 @@ class Summary:
             out.append(f"  actors: {self.actors} started, {self.restarts} restarted; models loaded per actor "
                        f"process: {per} ({sum(self.loads.values())} loads in the {len(self.loads)} processes that "
                        f"finished cells)")
+        if self.actor_cores:
+            cores = sorted({tuple(c) for c in self.actor_cores.values()})
+            shared = len(cores) < len(self.actor_cores) and "; later actors reused the cores of finished ones" or ""
+            out.append(f"  model actors pinned to physical cores (one CPU each, never two on one core at once): "
+                       f"{', '.join('+'.join(map(str, c)) for c in cores)}{shared}")
+        if self.wall_s:
+            share = self.driver_cpu_s / self.wall_s
+            out.append(f"  driver: {self.driver_cpu_s:.1f} s of CPU in {self.wall_s:.1f} s ({share:.0%} of one core) "
+                       f"beside the timed actors" + (" - a share that can slow timed cells on a machine with no "
+                                                     "spare core" if share > 0.1 else ""))
         for path, moved in self.damaged:
             out.append(f"  damaged result file {path} (no readable Parquet footer) moved to {moved.name}; its "
                        f"cell ran again")
@@ -218,6 +230,7 @@ class _Actor:
     created: float
     ready_ref: object
     ready_at: float | None = None
+    cores: tuple[int, ...] = ()       # the physical cores it is pinned to (a local Ray on CPUs), else ()
 
 
 @dataclass
@@ -242,6 +255,9 @@ class _Driver:
         self.task_queue = QUEUED_PER_SLOT * self.task_slots if self.task_slots >= cpus else self.task_slots
         self.live = sys.stderr.isatty()
         self.prompts: dict[str, list | None] = {}     # selection -> the prompts sent with its cells
+        self.data_ref = None                           # the training corpus for the actors (`_worker_data`)
+        # a local Ray on CPUs: timed actors pinned to distinct physical cores (`_take_cores`), else None
+        self.free_cores: list[int] | None = physical_cores() if not gpus and is_local() else None
 
     def _with_prompts(self, cell: Cell, params: dict) -> dict:
         """A record / bench cell's run-time params with the driver's prompts (`sweeps.model_cells.SHIPPED`):
@@ -297,15 +313,41 @@ class _Driver:
         if self.gpus:
             opts["num_gpus"] = 1          # only when the cluster has GPUs: an actor asking for one waits forever
         threads = None if self.gpus else max(1, int(per))
+        cores = self._take_cores(threads or 1)
         s = self.sweep
         handle = ray.remote(_RayModelWorker).options(**opts).remote(
             spec.name, spec.options, s.dtype, threads, s.crash_once, s.delay_s,
-            calibration_cache=self.calibration_cache, crash=s.crash, hang=s.hang)
+            calibration_cache=self.calibration_cache, crash=s.crash, hang=s.hang, data=self._worker_data(),
+            cores=cores or None)
         self.summary.actors += 1
-        return _Actor(self.summary.actors, handle, time.monotonic(), handle.stats.remote())
+        return _Actor(self.summary.actors, handle, time.monotonic(), handle.stats.remote(), cores=cores)
+
+    def _take_cores(self, n: int) -> tuple[int, ...]:
+        """`n` physical cores no live actor holds (a local Ray on CPUs), for a new actor to pin its threads
+        to; () elsewhere, or when fewer are free (more actors than cores: they float, as without pinning)."""
+        if self.free_cores is None or len(self.free_cores) < n:
+            return ()
+        taken, self.free_cores = tuple(self.free_cores[:n]), self.free_cores[n:]
+        return taken
+
+    def _release(self, actor: _Actor) -> None:
+        """An actor's cores back to the free list, once (it was killed or dropped)."""
+        if self.free_cores is not None and actor.cores:
+            self.free_cores = sorted(set(self.free_cores) | set(actor.cores))
+            actor.cores = ()
+
+    def _worker_data(self):
+        """The driver's training corpus (`sweeps.model_cells.data_files`) in Ray's object store, put once and
+        handed to every actor (Ray resolves the reference where the actor starts); None without one here."""
+        if self.data_ref is None:
+            files = data_files()
+            self.data_ref = False if files is None else ray.put(files)
+        return self.data_ref or None
 
     def _note(self, actor: _Actor, stats: dict) -> None:
         self.summary.actor_pids[actor.index].add(stats["pid"])
+        if stats.get("cores") and actor.cores:
+            self.summary.actor_cores[stats["pid"]] = stats["cores"]
         self.summary.loads[stats["pid"]] = stats["loads"]
         if stats.get("restarted"):
             self.summary.restarted.add(stats["pid"])
@@ -344,6 +386,7 @@ class _Driver:
         finally:
             for a in pool:
                 ray.kill(a.handle)
+                self._release(a)
 
     def _run_phase(self, spec, queue: deque, pool: list, idle: list, inflight: dict, calibrated: dict,
                    size: int) -> None:
@@ -375,6 +418,7 @@ class _Driver:
             pool.remove(actor)
         if kill:
             ray.kill(actor.handle, no_restart=True)
+        self._release(actor)
 
     def _collect(self, spec, ref, job: _Job, pool: list, idle: list) -> None:
         """The result of one cell: written, or the cell failed - its own exception (the actor serves on), its
@@ -556,6 +600,7 @@ def run_sweep(sweep: Sweep, out: str | Path, *, address: str | None = None, max_
 
 
 def _run_locked(sweep, out, address, max_workers, num_cpus, progress, show, extend, strict_provenance, t0):
+    cpu0 = time.process_time()
     out = prepare_output(out, sweep, extend=extend, strict_provenance=strict_provenance)
     damaged: list = []
     done = finished(out, sweep.cells, damaged)
@@ -581,6 +626,7 @@ def _run_locked(sweep, out, address, max_workers, num_cpus, progress, show, exte
             ray.shutdown()
     summary.files = len(finished(out, sweep.cells, summary.damaged))
     summary.wall_s = time.perf_counter() - t0
+    summary.driver_cpu_s = time.process_time() - cpu0         # the driver's own work, counted (#18)
     if show:
         print("\n".join(summary.lines()), flush=True)
     return summary

@@ -395,3 +395,114 @@ def test_workers_get_their_prompts_from_the_driver(tmp_path, monkeypatch):
     bench, _ = worker.run("bench", "ar", sent["bench"])
     assert set(bench["prompt_set"]) == {"spec_bench"}
     assert set(bench["prompt_id"]) == {p.prompt_id for p in direct["bench"]}
+
+
+def test_workers_get_the_training_corpus_from_the_driver(tmp_path, monkeypatch):
+    """Before: calibrate cells drew their prompts, and FR-Spec its ranking, from the worker's own training
+    corpus. Now the driver reads it (`data_files`) and the actor installs it as its own data root
+    (`install_data`): a worker whose data root is empty runs a calibrate cell, a frspec bench cell and the
+    token ranking, on the same prompts and counts as with the driver's root - and its data root holds the
+    training corpus only, so no evaluation set can be read there."""
+    from engine.jobs.calibrate import calibration_prompts
+    from engine.prompts import DATA_ENV, data_root
+    from sweeps.model_cells import SHIPPED, ModelWorker, data_files, install_data, model_ranking, shipped_prompts
+
+    monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path / "cache"))   # rankings and the installed data here
+    sweep = _sweep(tiny_toml(kinds=("bench", "calibrate"), bench='''
+[[bench]]
+methods = ["layerskip"]
+policies = ["frspec"]
+vocab_sizes = [128]
+params = { drafter_layers = "first:1", draft_size = 3 }
+''', extra='''
+[[calibrate]]
+methods = ["pld"]
+grid = [1, 2]
+prompts = 1
+warmup = 0
+'''))
+    cells = {c.kind: c for c in sweep.cells}
+    files = data_files()
+    assert set(files) == {"train_corpus/prompts.jsonl"}
+    spec = sweep.models[0]
+    here = ModelWorker(spec.name, spec.options, None, 1)
+    want_prompts = calibration_prompts(None, here.loaded[2], n=1, warmup=0)
+    want_ranking = model_ranking(here.loaded)
+    sent = {**cells["bench"].params, SHIPPED: shipped_prompts(cells["bench"].params)}
+
+    empty = tmp_path / "empty-data"
+    empty.mkdir()
+    monkeypatch.setenv(DATA_ENV, str(empty))                         # a worker node without the data sets
+    worker = ModelWorker(spec.name, spec.options, None, 1, data=files)
+    root = data_root()
+    assert root != empty and root.is_relative_to(tmp_path / "cache")
+    assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) == \
+        ["train_corpus/prompts.jsonl"]
+    assert [t.tolist() for t in calibration_prompts(None, worker.loaded[2], n=1, warmup=0)[0]] == \
+        [t.tolist() for t in want_prompts[0]]
+    assert model_ranking(worker.loaded).equals(want_ranking)
+    cal, _ = worker.run("calibrate", "pld", cells["calibrate"].params)
+    assert cal["g_star"].drop_nulls().len() > 0
+    bench, _ = worker.run("bench", "layerskip", sent)
+    assert set(bench["policy"]) == {"frspec"} and bench["vocab_file"].drop_nulls().len() == bench.height
+    assert install_data(files) == root                                # a second actor reuses the installed root
+
+
+# ---- timed actors on their own physical cores; the driver's work counted ---------------------------------
+
+def _fake_sysfs(root: Path, cores: dict[int, tuple[int, int]]) -> Path:
+    for cpu, (package, core) in cores.items():
+        topo = root / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "physical_package_id").write_text(f"{package}\n")
+        (topo / "core_id").write_text(f"{core}\n")
+    return root
+
+
+def test_physical_cores_take_one_hardware_thread_per_core(tmp_path):
+    """Two sockets x two cores x two hyper-threads (siblings numbered as Linux does: cpu n and n + 4 share a
+    core): one CPU per core, the lowest; core ids repeat across sockets; a CPU without topology is its own."""
+    from sweeps.cluster import physical_cores
+
+    topo = {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1), 4: (0, 0), 5: (0, 1), 6: (1, 0), 7: (1, 1)}
+    sysfs = _fake_sysfs(tmp_path / "cpu", topo)
+    assert physical_cores(set(range(8)), sysfs) == [0, 1, 2, 3]
+    assert physical_cores({4, 5, 6, 7}, sysfs) == [4, 5, 6, 7]         # only the CPUs this process may use
+    assert physical_cores({1, 5, 9}, sysfs) == [1, 9]                  # 1 and 5 share a core; 9 has no topology
+
+
+def test_pin_process_pins_every_thread(tmp_path):
+    """In a child process with a second thread already running: after pin_process, the process and every
+    thread (the running one too, not only later ones) may run on the one CPU only."""
+    import subprocess
+    import sys
+
+    code = '''
+import os, threading, time
+from sweeps.model_cells import pin_process
+stop = threading.Event()
+t = threading.Thread(target=stop.wait); t.start()
+cpu = sorted(os.sched_getaffinity(0))[-1]
+print(pin_process([cpu]) == [cpu], all(os.sched_getaffinity(int(tid)) == {cpu} for tid in os.listdir("/proc/self/task")))
+stop.set(); t.join()
+'''
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "True"]
+
+
+@pytest.mark.timeout(300)
+def test_timed_actors_get_distinct_physical_cores_and_the_driver_is_counted(local_ray, tmp_path):
+    """On a local Ray (2 CPUs here): the actors that run timed cells each hold one physical core, no two the
+    same while alive; the summary names the cores and the driver's own CPU time."""
+    from sweeps.cluster import physical_cores
+
+    sweep = _sweep(tiny_toml(kinds=("bench",), bench='[[bench]]\nmethods = ["ar", "pld"]\n'))
+    s = run_sweep(sweep, tmp_path / "out", progress=False, show=False)
+    assert s.ok
+    cores = physical_cores()
+    assert s.actor_cores and all(len(c) == 1 and c[0] in cores for c in s.actor_cores.values())
+    if len(cores) >= 2 and len(s.actor_cores) >= 2:
+        assert len({tuple(c) for c in s.actor_cores.values()}) == len(s.actor_cores)   # one core each
+    text = "\n".join(s.lines())
+    assert "model actors pinned to physical cores" in text
+    assert 0 < s.driver_cpu_s < s.wall_s and f"driver: {s.driver_cpu_s:.1f} s of CPU" in text

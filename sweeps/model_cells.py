@@ -40,7 +40,7 @@ from pathlib import Path
 import polars as pl
 import torch
 
-from engine.jobs.bench import REQUESTED_SIZE, run_bench
+from engine.jobs.bench import REQUESTED_SIZE, diagnose, run_bench
 from engine.jobs.calibrate import calibrate, calibration_prompts
 from engine.calibration import cache_file, calibration_curves, save_calibration
 from engine.config import SpecConfig
@@ -53,6 +53,7 @@ from kernels.hardware import DEFAULT_DTYPE, DEVICE
 from locality.shortlist import load_ranking
 from locality.trace import traces_to_frame
 from sweeps.cell import SweepError, canonical_json
+from sweeps.results import DIAGNOSIS_COLUMNS, DIAGNOSIS_KEY
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the run's settings that run_bench takes as its own arguments, never through `config`
@@ -297,3 +298,12 @@ class ModelWorker:
 
     def ranking(self) -> pl.DataFrame:
         return model_ranking(self.loaded)
+
+    def diagnose(self, rows: pl.DataFrame, prompts: list[dict] | None) -> pl.DataFrame:
+        """One bench cell's rows that differ from ar's, diagnosed against the ar rows sent with them
+        (`engine.jobs.bench.diagnose`: ar's top-2 margin at the first divergent token); `prompts`: the
+        driver's prompts of the cell (None: the prompt set from here, humaneval). DIAGNOSIS_KEY + the
+        verdict columns of the cell's rows."""
+        chosen = [Prompt(**{**r, "turns": tuple(r["turns"])}) for r in prompts] if prompts else None
+        out = diagnose(rows, self.loaded, chosen)
+        return out.filter(pl.col("method") != "ar").select(*DIAGNOSIS_KEY, *DIAGNOSIS_COLUMNS)

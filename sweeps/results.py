@@ -43,6 +43,10 @@ MANIFEST = "sweep.json"
 HIVE_KEYS = ("kind", "model", "method")
 RANKINGS = "_rankings"
 ERRORS = "_errors"
+DIAGNOSES = "_diagnoses"       # per model: bench rows that differ from ar's, diagnosed after its cells ran
+DIAGNOSIS_KEY = ("cell_id", "prompt_id", "turn", "repeat")
+# engine.jobs.bench.DIAGNOSIS: what `diagnose` measures (named here too: this module loads without torch)
+DIAGNOSIS_COLUMNS = ("verdict", "first_divergence", "ar_margin", "ar_gap", "prompt_differs")
 SUPERSEDED = "_superseded"
 LOCK = ".sweep.lock"
 LOCK_OWNER = ".sweep.lock.owner"
@@ -59,6 +63,10 @@ def cell_path(out: str | Path, cell: Cell) -> Path:
 
 def ranking_path(out: str | Path, model_label: str) -> Path:
     return Path(out) / RANKINGS / f"{_enc(model_label)}.parquet"
+
+
+def diagnosis_path(out: str | Path, model_label: str) -> Path:
+    return Path(out) / DIAGNOSES / f"{_enc(model_label)}.parquet"
 
 
 def error_path(out: str | Path, cell: Cell) -> Path:
@@ -389,7 +397,51 @@ def load(out: str | Path, kind: str) -> pl.LazyFrame:
     hive = {k: pl.String for k in HIVE_KEYS}
     if castable:
         casts = pl.ScanCastOptions(integer_cast=["upcast", "allow-float"], float_cast="upcast")
-        return pl.scan_parquet(files, hive_partitioning=True, hive_schema=hive, schema=schema,
+        lazy = pl.scan_parquet(files, hive_partitioning=True, hive_schema=hive, schema=schema,
                                missing_columns="insert", cast_options=casts)
-    # a column changed kind between cells (e.g. int in one, string in another): concatenate per file
-    return pl.concat([pl.scan_parquet(f) for f in files], how="diagonal_relaxed")
+    else:   # a column changed kind between cells (e.g. int in one, string in another): concatenate per file
+        lazy = pl.concat([pl.scan_parquet(f) for f in files], how="diagonal_relaxed")
+    return with_diagnoses(lazy, out) if kind == "bench" else lazy
+
+
+def with_diagnoses(bench: pl.LazyFrame, out: str | Path) -> pl.LazyFrame:
+    """Bench rows with the verdicts the driver measured after their cells ran (`DIR/_diagnoses/`: ar runs in
+    a cell of its own, so a cell cannot diagnose its rows against ar's as it goes) filled in where the row has
+    none."""
+    files = sorted((Path(out) / DIAGNOSES).glob("*.parquet"))
+    have = bench.collect_schema()
+    if not files or any(k not in have for k in DIAGNOSIS_KEY):
+        return bench
+    diag = (pl.concat([pl.scan_parquet(f) for f in files], how="diagonal_relaxed")
+            .select(*[pl.col(k).cast(have[k]) for k in DIAGNOSIS_KEY],
+                    *[pl.col(c).alias(f"{c}__diagnosed") for c in DIAGNOSIS_COLUMNS])
+            .unique(list(DIAGNOSIS_KEY), keep="last"))
+    filled = [pl.coalesce(pl.col(c), pl.col(f"{c}__diagnosed").cast(have[c])).alias(c) if c in have
+              else pl.col(f"{c}__diagnosed").alias(c) for c in DIAGNOSIS_COLUMNS]
+    return (bench.join(diag, on=list(DIAGNOSIS_KEY), how="left", maintain_order="left").with_columns(filled)
+            .drop([f"{c}__diagnosed" for c in DIAGNOSIS_COLUMNS]))
+
+
+def undiagnosed(bench: pl.DataFrame) -> list[tuple[str, pl.DataFrame]]:
+    """(cell id, rows to diagnose) per bench cell that holds greedy rows whose output differs from ar's and
+    that carry no verdict: the cell's rows of those prompts with the ar rows they are compared with (same
+    model, prompt set, prompt, repeat, seed and max_new_tokens; every turn, since a later turn's prompt holds
+    the run's own earlier answers)."""
+    need = {"cell_id", "method", "model", "prompt_set", "prompt_id", "turn", "repeat", "seed", "max_new_tokens",
+            "temperature", "output_ids", "verdict"}
+    if not need <= set(bench.columns):
+        return []
+    pair = ["model", "prompt_set", "prompt_id", "turn", "repeat", "seed", "max_new_tokens"]
+    greedy = bench.filter(pl.col("temperature") == 0)
+    ar = greedy.filter(pl.col("method") == "ar").unique(pair, keep="first").select(*pair, ar_output="output_ids")
+    rows = greedy.filter(pl.col("method") != "ar").join(ar, on=pair, how="inner")
+    bad = rows.filter(pl.col("verdict").is_null() & (pl.col("output_ids") != pl.col("ar_output")))
+    out = []
+    prompt = ["model", "prompt_set", "prompt_id", "repeat", "seed", "max_new_tokens"]
+    for (cell,), wrong in bad.partition_by("cell_id", as_dict=True, maintain_order=True).items():
+        keys = wrong.select(prompt).unique()
+        mine = greedy.filter(pl.col("cell_id") == cell).join(keys, on=prompt, how="semi")
+        theirs = greedy.filter(pl.col("method") == "ar").join(keys, on=prompt, how="semi").unique(
+            pair, keep="first")
+        out.append((cell, pl.concat([theirs, mine], how="diagonal_relaxed")))
+    return out

@@ -76,8 +76,9 @@ from sweeps.cell import Cell, SweepError, canonical_json
 from sweeps.config import MODEL_KINDS, Sweep, load_sweep, plan
 from sweeps.coverage_cells import timed_coverage_cells
 from sweeps.model_cells import SHIPPED, ModelWorker, bench_config, data_files, shipped_prompts
-from sweeps.results import (cell_path, check_output_folder, finished, is_finished, lock_output, prepare_output,
-                            ranking_path, write_cell, write_error, write_frame)
+from sweeps.results import (DIAGNOSIS_KEY, cell_path, check_output_folder, diagnosis_path, finished, is_finished,
+                            load, lock_output, prepare_output, ranking_path, undiagnosed, write_cell, write_error,
+                            write_frame)
 
 WAIT_S = 1.0                      # how often the driver wakes to refresh the progress bar
 BATCHES_PER_SLOT = 4              # coverage: tasks per worker slot and group of cells sharing traces
@@ -117,6 +118,7 @@ class Summary:
     stopped: dict = field(default_factory=dict)                         # model label -> why it was stopped
     damaged: list = field(default_factory=list)                         # (result file, where it was moved)
     actor_cores: dict = field(default_factory=dict)                     # actor process id -> CPUs pinned to
+    diagnosed: int = 0                                                  # bench rows diagnosed against ar's
     driver_cpu_s: float = 0.0                                           # this process's CPU time (user + sys)
     wall_s: float = 0.0
 
@@ -147,6 +149,9 @@ class Summary:
             out.append(f"  actors: {self.actors} started, {self.restarts} restarted; models loaded per actor "
                        f"process: {per} ({sum(self.loads.values())} loads in the {len(self.loads)} processes that "
                        f"finished cells)")
+        if self.diagnosed:
+            out.append(f"  {self.diagnosed} bench rows that differ from ar's diagnosed (exact / near-tie / mismatch: "
+                       f"DIR/_diagnoses, joined by sweeps.load)")
         if self.actor_cores:
             cores = sorted({tuple(c) for c in self.actor_cores.values()})
             shared = len(cores) < len(self.actor_cores) and "; later actors reused the cores of finished ones" or ""
@@ -373,6 +378,8 @@ class _Driver:
             for phase in (first, [c for c in cells if c.kind == "bench"]):
                 calibrated = self._calibrated(spec) if phase is not first else {}
                 self._run_phase(spec, deque(phase), pool, idle, inflight, calibrated, size)
+            if spec.label not in self.summary.stopped:
+                self._diagnose(spec, pool, idle)
             if need_ranking and spec.label not in self.summary.stopped:
                 actor = idle[0] if idle else self._actor(spec)
                 if not idle:
@@ -387,6 +394,42 @@ class _Driver:
             for a in pool:
                 ray.kill(a.handle)
                 self._release(a)
+
+    def _diagnose(self, spec, pool: list, idle: list) -> None:
+        """Bench rows of `spec`'s model whose output differs from ar's and that carry no verdict - ar runs in a
+        cell of its own, so a cell cannot diagnose its rows as it goes - diagnosed on one of its actors
+        (`ModelWorker.diagnose`: ar's top-2 margin at the first divergent token -> exact / near-tie /
+        mismatch, #16) into DIR/_diagnoses/<model>.parquet, which `sweeps.load` joins. Trouble here is
+        reported, never fatal: the rows keep no verdict (the tables count them as mismatches)."""
+        try:
+            rows = load(self.out, "bench").filter(pl.col("model") == spec.label).collect()
+        except SweepError:
+            return                                                   # no bench results (yet)
+        todo = undiagnosed(rows)
+        if not todo:
+            return
+        cells = {c.id: c for c in self.sweep.cells}
+        actor = idle[0] if idle else self._actor(spec)
+        if not idle:
+            pool.append(actor)
+            idle.append(actor)
+        limit = sum(self.sweep.timeouts[k] for k in ("load", "bench")) or None
+        found = []
+        for cell_id, frame in todo:
+            cell = cells.get(cell_id)
+            prompts = self._with_prompts(cell, cell.params).get(SHIPPED) if cell is not None else None
+            try:
+                found.append(ray.get(actor.handle.diagnose.remote(frame, prompts), timeout=limit))
+            except RayError as e:
+                self.bar.write(f"could not diagnose the rows of {spec.label}'s cell {cell_id} that differ from "
+                               f"ar's: {_error_text(e)}")
+                break
+        if found:
+            path = diagnosis_path(self.out, spec.label)
+            old = [pl.read_parquet(path)] if path.is_file() else []
+            merged = pl.concat([*old, *found], how="diagonal_relaxed").unique(list(DIAGNOSIS_KEY), keep="last")
+            write_frame(merged, path)
+            self.summary.diagnosed += sum(f.height for f in found)
 
     def _run_phase(self, spec, queue: deque, pool: list, idle: list, inflight: dict, calibrated: dict,
                    size: int) -> None:
@@ -574,6 +617,14 @@ class _Driver:
         return out
 
 
+def _needs_diagnosis(out: Path, label: str) -> bool:
+    """Whether finished bench rows of this model differ from ar's without a verdict (a rerun diagnoses them)."""
+    try:
+        return bool(undiagnosed(load(out, "bench").filter(pl.col("model") == label).collect()))
+    except SweepError:
+        return False
+
+
 def run_sweep(sweep: Sweep, out: str | Path, *, address: str | None = None, max_workers: int | None = None,
               num_cpus: int | None = None, progress: bool = True, show: bool = True, extend: bool = False,
               strict_provenance: bool = False) -> Summary:
@@ -606,19 +657,20 @@ def _run_locked(sweep, out, address, max_workers, num_cpus, progress, show, exte
     done = finished(out, sweep.cells, damaged)
     summary = Summary(out=out, total=len(sweep.cells), skipped=len(done), damaged=damaged)
     todo = [c for c in sweep.cells if c.id not in done]
-    started = connect(address, num_cpus) if todo else False
+    diagnose = {spec.label for spec in sweep.models if _needs_diagnosis(out, spec.label)}   # from an earlier run
+    started = connect(address, num_cpus) if todo or diagnose else False
     cache = sweep.calibration_cache if sweep.calibration_cache_set or address is None else False
     try:
         with tqdm(total=len(sweep.cells), initial=len(done), desc=f"sweep {sweep.name}", unit="cell",
                   disable=not progress, dynamic_ncols=True) as bar:
-            if todo:
+            if todo or diagnose:
                 driver = _Driver(sweep, out, summary, bar, max_workers, calibration_cache=cache)
                 shortlist_todo = {c.model for c in todo if c.kind == "coverage"
                                   and c.params["analysis"] == "shortlist"}
                 for spec in sweep.models:
                     cells = [c for c in todo if c.model == spec.label and c.kind in MODEL_KINDS]
                     need_ranking = spec.label in shortlist_todo and not is_finished(ranking_path(out, spec.label))
-                    if cells or need_ranking:
+                    if cells or need_ranking or spec.label in diagnose:
                         driver.run_model(spec, cells, need_ranking)
                 driver.run_coverage([c for c in todo if c.kind == "coverage"])
     finally:

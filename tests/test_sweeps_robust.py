@@ -506,3 +506,42 @@ def test_timed_actors_get_distinct_physical_cores_and_the_driver_is_counted(loca
     text = "\n".join(s.lines())
     assert "model actors pinned to physical cores" in text
     assert 0 < s.driver_cpu_s < s.wall_s and f"driver: {s.driver_cpu_s:.1f} s of CPU" in text
+
+
+# ---- divergences diagnosed across cells (#16) --------------------------------------------------------------
+
+@pytest.mark.timeout(400)
+def test_a_bench_row_that_differs_from_ar_in_another_cell_is_diagnosed(local_ray, tmp_path):
+    """ar runs in a cell of its own, so a method's cell cannot diagnose its rows as it goes. The driver does it
+    after the model's cells (and on a rerun, for rows an earlier run left): a pld row made to differ from ar's
+    at its third token gets, through `sweeps.load`, first_divergence 2, ar's margin there and a verdict - the
+    tampered token is not ar's top-2 near-tie, so "mismatch" - while the rows equal to ar's keep none."""
+    from engine.divergence import VERDICTS
+    from sweeps.results import diagnosis_path, load
+
+    sweep = _sweep(tiny_toml(kinds=("bench",), bench='[[bench]]\nmethods = ["ar", "pld"]\n'))
+    out = tmp_path / "out"
+    first = run_sweep(sweep, out, progress=False, show=False)
+    assert first.ok and first.diagnosed == 0 and not diagnosis_path(out, "tiny").exists()   # all lossless
+    pld = next(c for c in sweep.cells if c.method == "pld")
+    path = cell_path(out, pld)
+    frame = pl.read_parquet(path)
+    i = next(j for j, n in enumerate(frame["new_tokens"]) if n >= 4)
+    ids = frame["output_ids"].to_list()
+    ids[i] = ids[i][:2] + [(ids[i][2] + 1) % 256] + ids[i][3:]       # another byte at the third token
+    frame.with_columns(pl.Series("output_ids", ids, dtype=frame.schema["output_ids"])).write_parquet(path)
+    assert load(out, "bench").filter(pl.col("method") == "pld", pl.col("verdict").is_not_null()).collect().height == 0
+
+    second = run_sweep(sweep, out, progress=False, show=False)
+    assert second.ok and second.diagnosed >= 1 and sum(second.ran.values()) == 0      # nothing re-ran
+    rows = load(out, "bench").filter(pl.col("cell_id") == pld.id).collect()
+    hit = rows.filter(pl.col("prompt_id") == frame["prompt_id"][i], pl.col("turn") == frame["turn"][i],
+                      pl.col("repeat") == frame["repeat"][i])
+    assert hit["first_divergence"].to_list() == [2] and hit["verdict"].to_list() == ["mismatch"]
+    assert hit["ar_margin"][0] >= 0 and hit["ar_gap"][0] > 0 and hit["verdict"][0] in VERDICTS
+    judged = rows.filter(pl.col("verdict").is_not_null())             # the tampered row, and later turns of its
+    assert set(judged["prompt_id"]) == {frame["prompt_id"][i]}        # conversation (their prompt differs), only
+    assert set(judged["turn"]) <= set(range(frame["turn"][i], 10)) and set(judged["repeat"]) == {frame["repeat"][i]}
+    assert "diagnosed" in "\n".join(second.lines())
+    third = run_sweep(sweep, out, progress=False, show=False)                         # nothing left to do
+    assert third.ok and third.diagnosed == 0 and third.actors == 0

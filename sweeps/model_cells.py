@@ -77,15 +77,11 @@ def data_files() -> dict[str, bytes] | None:
 
 
 def pin_process(cores) -> list[int]:
-    """Every thread of this process (Ray's, and torch's where it started them) on `cores`; threads started
-    later inherit it. Returns the CPUs this process may now run on."""
-    cores = set(int(c) for c in cores)
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cores)
-        except OSError:                     # a thread that ended meanwhile
-            pass
-    os.sched_setaffinity(0, cores)
+    """The calling thread - an actor's, which runs its cells - on `cores`, and with it every thread it starts
+    later: torch's compute threads (started at the first parallel op, after this). Ray's own threads of the
+    process are left alone: pinning those as well hung a restarted actor's calls. Returns the CPUs this thread
+    may now run on."""
+    os.sched_setaffinity(0, set(int(c) for c in cores))
     return sorted(os.sched_getaffinity(0))
 
 

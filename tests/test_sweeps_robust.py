@@ -471,23 +471,30 @@ def test_physical_cores_take_one_hardware_thread_per_core(tmp_path):
     assert physical_cores({1, 5, 9}, sysfs) == [1, 9]                  # 1 and 5 share a core; 9 has no topology
 
 
-def test_pin_process_pins_every_thread(tmp_path):
-    """In a child process with a second thread already running: after pin_process, the process and every
-    thread (the running one too, not only later ones) may run on the one CPU only."""
+def test_pin_process_pins_the_thread_and_the_threads_it_starts(tmp_path):
+    """In a child process: after pin_process, the calling thread and a thread it starts later (as torch starts
+    its compute threads) may run on the one CPU only; a thread started before keeps its CPUs."""
     import subprocess
     import sys
 
     code = '''
-import os, threading, time
+import os, threading
 from sweeps.model_cells import pin_process
+seen = {}
+def tid(name):
+    seen[name] = threading.get_native_id()
+    stop.wait()
 stop = threading.Event()
-t = threading.Thread(target=stop.wait); t.start()
-cpu = sorted(os.sched_getaffinity(0))[-1]
-print(pin_process([cpu]) == [cpu], all(os.sched_getaffinity(int(tid)) == {cpu} for tid in os.listdir("/proc/self/task")))
-stop.set(); t.join()
+before = threading.Thread(target=tid, args=("before",)); before.start()
+cpus = sorted(os.sched_getaffinity(0))
+print(pin_process([cpus[-1]]) == [cpus[-1]])
+after = threading.Thread(target=tid, args=("after",)); after.start()
+while len(seen) < 2: pass
+print(os.sched_getaffinity(seen["after"]) == {cpus[-1]}, os.sched_getaffinity(seen["before"]) == set(cpus))
+stop.set(); before.join(); after.join()
 '''
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["True", "True"]
+    assert out == ["True", "True", "True"]
 
 
 @pytest.mark.timeout(300)

@@ -33,10 +33,10 @@ from pathlib import Path
 import polars as pl
 import torch
 
-from engine.jobs.bench import REQUESTED_SIZE, run_bench
+from engine.jobs.bench import run_bench
 from engine.jobs.calibrate import calibrate, calibration_prompts
 from engine.calibration import cache_file, calibration_curves, save_calibration
-from engine.config import SpecConfig
+from engine.config import REQUESTED_SIZE, SpecConfig
 from engine.jobs.frequency import default_frequency_file
 from engine.models import eos_token_ids, load_model
 from engine.prompts import Prompt, load_prompts

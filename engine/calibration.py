@@ -50,12 +50,12 @@ This module is pure apart from the cache (arrays in, g* out; no model is run her
 run's draft size, so nothing here imports the harness.
 
 The cache: `$SPECVOCAB_CACHE/calibration.json` (default `~/.cache/specvocab`), one record per key
-`model|device|dtype|method|fingerprint`. The fingerprint is a short hash of every config field that
-changes tau(g) or s(g) for that method (`calibration_fields`: r, k, depth, confidence, the store's
-persistence, the drafter's layers, the vocabulary policy and its size, ...); the fields themselves are
-stored in the record. `resolve_draft_size` never calibrates silently: with no cached g* it warns once per
-key, naming the command that makes one (`calibrate_command`), and falls back to the method's uncalibrated
-default - `FALLBACK_DRAFT_SIZE[device type]` for unispec, what the harness passes for the others
+`model|device|dtype|method|fingerprint`. The fingerprint is a short hash of every config field that changes
+tau(g) or s(g) for that method (`calibration_fields`, defined in engine.config without torch: r, k, depth,
+confidence, the store's persistence, the drafter's layers, the vocabulary policy and its size, ...); the
+fields themselves are stored in the record. `resolve_draft_size` never calibrates silently: with no cached g*
+it warns once per key, naming the command that makes one (`calibrate_command`), and falls back to the method's
+uncalibrated default - `FALLBACK_DRAFT_SIZE[device type]` for unispec, what the harness passes for the others
 (`engine.config.DEFAULT_DRAFT_SIZE`, recycling's whole template) - or raises with `on_missing="error"`.
 
 EAGLE's `total_token=-1` heuristic (`eagle_total_token`): EAGLE times 20 forwards of n random tokens
@@ -69,7 +69,6 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
-import hashlib
 import json
 import math
 import os
@@ -87,7 +86,10 @@ from scipy.interpolate import BSpline
 from scipy.optimize import differential_evolution
 
 from engine.atomic import atomic_write
-from engine.config import SpecConfig
+# The calibration key and the drafting methods are defined in engine.config (no torch); re-exported here, where
+# users and tests have always read them (engine.calibration.calibration_fields, ...).
+from engine.config import (ADDED_AT_DEFAULT, CALIBRATION_FIELDS, DRAFTING_METHODS, NOT_CALIBRATION_FIELDS,  # noqa: F401
+                           POLICY_FIELDS, SpecConfig, calibration_fields, config_fingerprint)
 
 DEFAULT_GRIDS = {"cpu": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32), "cuda": tuple(range(16, 161, 16))}
 # [C] Per-method grids where the device's grid does not fit the method: a prompt-lookup chain is as deep as
@@ -98,8 +100,6 @@ METHOD_GRIDS: dict[str, dict[str, tuple[int, ...]]] = {
     "pld": _CHAIN_GRIDS, "hf-prompt-lookup": _CHAIN_GRIDS,
     "recycling": {"cuda": tuple(range(8, 81, 8))},
 }
-# The methods with a draft size to calibrate (every method but `ar`, which drafts nothing).
-DRAFTING_METHODS = ("unispec", "recycling", "layerskip", "eagle", "eagle3", "pld", "hf-prompt-lookup")
 # With no cached calibration: CPU 8 (where a tree forward starts to cost clearly more than one token on
 # the small models this package runs on a CPU); CUDA 64 (a mid value of a 16-160 grid).
 FALLBACK_DRAFT_SIZE = {"cpu": 8, "cuda": 64}
@@ -311,58 +311,8 @@ def eagle_total_token(forward_s: Mapping[int, float], candidates: Sequence[int] 
 
 
 # ---- the cache key ---------------------------------------------------------------------------------------
-
-_SAMPLING = ("temperature", "top_p")
-_STORE = ("store_k", "store_persistence")
-_TREE = ("eagle_depth", "eagle_topk")
-_TARGET = ("backend", "fixed_shape", "verify_rows", "compile")   # how the target runs changes s(g) (engine.target)
-# Config fields that change tau(g) or s(g), per method; the vocabulary policy's own fields follow
-# `POLICY_FIELDS` of the policy in use.
-CALIBRATION_FIELDS: dict[str, tuple[str, ...]] = {
-    "ar": (*_SAMPLING, *_TARGET),
-    "pld": (*_SAMPLING, *_TARGET, "pld_max_ngram", "pld_min_ngram"),
-    "hf-prompt-lookup": (*_SAMPLING, "pld_max_ngram", "pld_min_ngram"),
-    "recycling": (*_SAMPLING, *_TARGET, *_STORE, "recycling_tree"),
-    "unispec": (*_SAMPLING, *_TARGET, *_STORE, "tree_depth", "threshold_r", "confidence", "broaden_first_level",
-                "threshold_scope", "cache_exclude_root"),
-    "layerskip": (*_SAMPLING, *_TARGET, *_TREE, "drafter_layers", "vocab"),
-    "eagle": (*_SAMPLING, *_TARGET, *_TREE, "eagle_head", "vocab"),
-    "eagle3": (*_SAMPLING, *_TARGET, *_TREE, "eagle3_head", "vocab"),
-}
-POLICY_FIELDS: dict[str, tuple[str, ...]] = {
-    "full": (),
-    "frspec": ("frspec_k", "frequency_file", "frspec_budget"),
-    "microspec": ("w_max", "k_pre", "k_ver", "sources", "ver_rows", "window_mode", "draft_tree_tokens",
-                  "prefill_order"),
-    "oracle": ("w_max",),
-    "dynaspec": tuple(f.name for f in dataclasses.fields(SpecConfig) if f.name.startswith("dynaspec_")),
-}
-# Fields that change neither tau(g) nor s(g) of a calibration: g itself, the method (in the key on its
-# own), the run's length, seed and bookkeeping.
-NOT_CALIBRATION_FIELDS = ("method", "draft_size", "max_new_tokens", "seed", "record", "record_topk")
-
-
-def calibration_fields(cfg: SpecConfig) -> dict:
-    """{field: value} of every config field that changes tau(g) or s(g) of cfg.method (every field but
-    `NOT_CALIBRATION_FIELDS` for a method this table does not know)."""
-    names = CALIBRATION_FIELDS.get(cfg.method)
-    if names is None:
-        names = tuple(f.name for f in dataclasses.fields(cfg) if f.name not in NOT_CALIBRATION_FIELDS)
-    elif "vocab" in names:
-        names = (*names, *POLICY_FIELDS.get(cfg.vocab, ()))
-    return {n: getattr(cfg, n) for n in names
-            if not (n in ADDED_AT_DEFAULT and getattr(cfg, n) == ADDED_AT_DEFAULT[n])}
-
-
-# Fields added after calibrations were cached, left out of the key at their default so those keys stay valid
-# (the default is the behaviour the cached calibrations were measured with).
-ADDED_AT_DEFAULT = {"frspec_budget": "fixed"}
-
-
-def config_fingerprint(cfg: SpecConfig) -> str:
-    """A stable short hash of `calibration_fields(cfg)`."""
-    text = json.dumps(calibration_fields(cfg), sort_keys=True, default=str)
-    return hashlib.sha1(text.encode()).hexdigest()[:10]
+# Its config part (`calibration_fields`, `config_fingerprint` and their tables) is defined in engine.config,
+# without torch, so that a sweep's config links its cells in a process without torch (#17); imported above.
 
 
 def device_name(device: torch.device | str) -> str:

@@ -14,11 +14,18 @@ App. F: `engine.calibration.resolve_draft_size`, made by `python -m engine.jobs.
 once where a run's config is resolved (`engine.harness.resolve_config`), never inside a drafter. With no
 calibration cached, the method's uncalibrated default, with one warning naming the command: unispec a
 per-device g, recycling its whole static template, pld and the EAGLE-style drafters `DEFAULT_DRAFT_SIZE`.
+
+Also here, without torch, so that a sweep's config is parsed and expanded into cells in a process that never
+loads it (issue #17): what the methods and policies are in the config's terms - `DRAFTING_METHODS`,
+`HF_METHODS`, each policy's size field `REQUESTED_SIZE` - and the calibration key: the fields that change a
+method's tau(g) or s(g) (`calibration_fields`, `config_fingerprint`), under which `engine.calibration`
+caches g* and a sweep links a bench cell to its calibrate cell.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import typing
 from dataclasses import dataclass
@@ -30,6 +37,12 @@ Policy = Literal["full", "frspec", "microspec", "oracle", "dynaspec"]     # draf
 
 METHODS: tuple[str, ...] = typing.get_args(Method)
 POLICIES: tuple[str, ...] = typing.get_args(Policy)
+# The methods with a draft size to calibrate (every method but `ar`, which drafts nothing).
+DRAFTING_METHODS = ("unispec", "recycling", "layerskip", "eagle", "eagle3", "pld", "hf-prompt-lookup")
+HF_METHODS = ("hf-prompt-lookup",)          # run by transformers' generate, not through a drafter
+# the SpecConfig field that is a policy's size, read into a bench's vocab_size column (and set by a sweep's
+# `vocab_sizes`); dynaspec's size is a token budget with no field of its own (engine.jobs.bench)
+REQUESTED_SIZE = {"frspec": "frspec_k", "microspec": "w_max", "oracle": "w_max"}
 
 # The draft size a method uses when `draft_size` is None and no calibration is cached for it, where it is a
 # fixed number (a calibrated size always wins: engine.calibration.resolve_draft_size):
@@ -218,3 +231,58 @@ PRESETS: dict[str, SpecConfig] = {
     "microspec": SpecConfig(method="layerskip", vocab="microspec"),
     "frspec": SpecConfig(method="layerskip", vocab="frspec"),
 }
+
+
+# ---- the calibration key (engine.calibration caches g* under it) ------------------------------------------
+
+_SAMPLING = ("temperature", "top_p")
+_STORE = ("store_k", "store_persistence")
+_TREE = ("eagle_depth", "eagle_topk")
+_TARGET = ("backend", "fixed_shape", "verify_rows", "compile")   # how the target runs changes s(g) (engine.target)
+# Config fields that change tau(g) or s(g), per method; the vocabulary policy's own fields follow
+# `POLICY_FIELDS` of the policy in use.
+CALIBRATION_FIELDS: dict[str, tuple[str, ...]] = {
+    "ar": (*_SAMPLING, *_TARGET),
+    "pld": (*_SAMPLING, *_TARGET, "pld_max_ngram", "pld_min_ngram"),
+    "hf-prompt-lookup": (*_SAMPLING, "pld_max_ngram", "pld_min_ngram"),
+    "recycling": (*_SAMPLING, *_TARGET, *_STORE, "recycling_tree"),
+    "unispec": (*_SAMPLING, *_TARGET, *_STORE, "tree_depth", "threshold_r", "confidence", "broaden_first_level",
+                "threshold_scope", "cache_exclude_root"),
+    "layerskip": (*_SAMPLING, *_TARGET, *_TREE, "drafter_layers", "vocab"),
+    "eagle": (*_SAMPLING, *_TARGET, *_TREE, "eagle_head", "vocab"),
+    "eagle3": (*_SAMPLING, *_TARGET, *_TREE, "eagle3_head", "vocab"),
+}
+POLICY_FIELDS: dict[str, tuple[str, ...]] = {
+    "full": (),
+    "frspec": ("frspec_k", "frequency_file", "frspec_budget"),
+    "microspec": ("w_max", "k_pre", "k_ver", "sources", "ver_rows", "window_mode", "draft_tree_tokens",
+                  "prefill_order"),
+    "oracle": ("w_max",),
+    "dynaspec": tuple(f.name for f in dataclasses.fields(SpecConfig) if f.name.startswith("dynaspec_")),
+}
+# Fields that change neither tau(g) nor s(g) of a calibration: g itself, the method (in the key on its
+# own), the run's length, seed and bookkeeping.
+NOT_CALIBRATION_FIELDS = ("method", "draft_size", "max_new_tokens", "seed", "record", "record_topk")
+
+
+def calibration_fields(cfg: SpecConfig) -> dict:
+    """{field: value} of every config field that changes tau(g) or s(g) of cfg.method (every field but
+    `NOT_CALIBRATION_FIELDS` for a method this table does not know)."""
+    names = CALIBRATION_FIELDS.get(cfg.method)
+    if names is None:
+        names = tuple(f.name for f in dataclasses.fields(cfg) if f.name not in NOT_CALIBRATION_FIELDS)
+    elif "vocab" in names:
+        names = (*names, *POLICY_FIELDS.get(cfg.vocab, ()))
+    return {n: getattr(cfg, n) for n in names
+            if not (n in ADDED_AT_DEFAULT and getattr(cfg, n) == ADDED_AT_DEFAULT[n])}
+
+
+# Fields added after calibrations were cached, left out of the key at their default so those keys stay valid
+# (the default is the behaviour the cached calibrations were measured with).
+ADDED_AT_DEFAULT = {"frspec_budget": "fixed"}
+
+
+def config_fingerprint(cfg: SpecConfig) -> str:
+    """A stable short hash of `calibration_fields(cfg)`."""
+    text = json.dumps(calibration_fields(cfg), sort_keys=True, default=str)
+    return hashlib.sha1(text.encode()).hexdigest()[:10]

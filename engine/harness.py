@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.calibration import DRAFTING_METHODS, resolve_draft_size
-from engine.config import DEFAULT_DRAFT_SIZE, SpecConfig
-from engine.drafters import HF_METHODS, make_drafter
+from engine.calibration import resolve_draft_size
+from engine.config import DEFAULT_DRAFT_SIZE, DRAFTING_METHODS, HF_METHODS, SpecConfig
+from engine.drafters import make_drafter
 from engine.drafters.recycling import template_size
 from engine.models import eos_token_ids
 from engine.shipped import default_eagle_head
@@ -172,7 +172,7 @@ def resolve_config(cfg: SpecConfig | None, method: str | None = None, overrides:
 
 def default_draft_size(cfg: SpecConfig, model) -> int | None:
     """The draft size of cfg.method when `draft_size` is None: for every drafting method
-    (`engine.calibration.DRAFTING_METHODS`: unispec, recycling, layerskip, eagle, pld, hf-prompt-lookup) the
+    (`engine.config.DRAFTING_METHODS`: unispec, recycling, layerskip, eagle, pld, hf-prompt-lookup) the
     calibrated size of this model, device, dtype and config (UniSpec §3, App. F; `resolve_draft_size`),
     else the method's uncalibrated default with one warning naming the command that calibrates it:
     unispec a per-device FALLBACK_DRAFT_SIZE, recycling its whole static template, the others

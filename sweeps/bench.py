@@ -33,10 +33,11 @@ import ray
 
 from locality.trace import read_traces
 from sweeps.cluster import start_local
-from sweeps.config import Sweep, parse_sweep
+from sweeps.config import parse_sweep
 from sweeps.coverage_cells import coverage_cell
 from sweeps.results import MANIFEST, cell_path, load
 from sweeps.run import run_sweep
+from sweeps.schema import Sweep
 
 SOURCES = ("ctx+ext", "ctx", "ext")
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 NO_METHOD = "-"                 # the hive `method=` value of record and coverage cells
-KINDS = ("record", "coverage", "bench", "calibrate")      # the kinds of cell (and of results); light readers
+KINDS = ("record", "coverage", "bench", "calibrate")      # the kinds of cell (and of results), one list: the
+                                                           # config (`sweeps.config`) and the readers of results
                                                            # (`sweeps.tables.read`) take them from here
 
 

@@ -8,17 +8,17 @@ Data comes from the driver, so workers on other machines need no copy of the dat
 - the training corpus, which calibrate cells draw their prompts from (`engine.jobs.calibrate.
   calibration_prompts`) and FR-Spec's rankings are counted on (`engine.jobs.frequency.default_frequency_file`):
   the driver reads its files once (`data_files`, `WORKER_DATA`) and hands them to every actor through Ray's
-  object store; an actor writes them into a data root of its own (`install_data`: content-addressed under the
-  specvocab cache, once per machine) and points `$SPECVOCAB_DATA` at it, so nothing on a worker reads the
+  object store; an actor writes them into a data root of its own (`install_data`: content-addressed in the
+  cache of the package, once per machine) and points `$SPECVOCAB_DATA` at it, so nothing on a worker reads the
   worker's own data sets - the evaluation sets are not even there.
 
-Each cell function takes the cell's parameters (`sweeps.config.Cell.params`) and `(model, tokenizer, info)`
+Each cell function takes the cell's parameters (`sweeps.cell.Cell.params`) and `(model, tokenizer, info)`
 and returns a polars frame; writing it is the driver's job.
 
 - record: `engine.jobs.record.record_traces` (ar, greedy) on the cell's prompts -> the trace table (`locality.trace`).
 - bench: `engine.jobs.bench.run_bench` for one method x vocabulary policy x parameters on the cell's prompts -> one
   row per prompt, turn and repeat. Its untimed warm-up runs once per actor process and configuration. A cell
-  that names a `calibrate_cell` (`sweeps.config`: a method the sweep calibrates, no draft_size of its own)
+  that names a `calibrate_cell` (`sweeps.plan`: a method the sweep calibrates, no draft_size of its own)
   runs at that cell's g*, which the driver passes in its config (`sweeps.run`); without it the cell fails,
   naming the calibrate cell, rather than run at another size.
 - calibrate: `engine.jobs.calibrate.calibrate` (UniSpec §3, App. F) for any drafting method (and vocabulary
@@ -40,10 +40,10 @@ from pathlib import Path
 import polars as pl
 import torch
 
-from engine.jobs.bench import REQUESTED_SIZE, diagnose, run_bench
+from engine.jobs.bench import diagnose, run_bench
 from engine.jobs.calibrate import calibrate, calibration_prompts
 from engine.calibration import cache_file, calibration_curves, save_calibration
-from engine.config import SpecConfig
+from engine.config import REQUESTED_SIZE, SpecConfig
 from engine.jobs.frequency import default_frequency_file
 from engine.atomic import atomic_dir
 from engine.models import cache_root, eos_token_ids, load_model

@@ -68,17 +68,19 @@ import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 from tqdm.auto import tqdm
 
-from engine.calibration import calibration_fields
-from engine.config import SpecConfig
+from engine.config import SpecConfig, calibration_fields
 from locality.trace import read_traces
 from sweeps.cluster import connect, is_local, physical_cores, resources
 from sweeps.cell import Cell, SweepError, canonical_json
-from sweeps.config import MODEL_KINDS, Sweep, load_sweep, plan
+from sweeps.checks import check_contexts
+from sweeps.config import load_sweep
 from sweeps.coverage_cells import timed_coverage_cells
 from sweeps.model_cells import SHIPPED, ModelWorker, bench_config, data_files, shipped_prompts
+from sweeps.plan import plan
 from sweeps.results import (DIAGNOSIS_KEY, cell_path, check_output_folder, diagnosis_path, finished, is_finished,
                             load, lock_output, prepare_output, ranking_path, undiagnosed, write_cell, write_error,
                             write_frame)
+from sweeps.schema import MODEL_KINDS, Sweep
 
 WAIT_S = 1.0                      # how often the driver wakes to refresh the progress bar
 BATCHES_PER_SLOT = 4              # coverage: tasks per worker slot and group of cells sharing traces
@@ -179,7 +181,7 @@ class Summary:
 def _with_calibrated_size(cell: Cell, calibrated: dict) -> tuple[dict, str | None]:
     """A bench cell of a method this sweep calibrated, with no draft size of its own, runs at the measured
     g* (UniSpec §3: g* per model, device and method) of the calibrate cell whose config agrees on every
-    field that changes tau(g) or s(g) (`engine.calibration.calibration_fields`). Passed at run time: the
+    field that changes tau(g) or s(g) (`engine.config.calibration_fields`). Passed at run time: the
     cell's id and parameters stay as configured; the rows' `draft_size` says what ran and `draft_size_from`
     where it came from."""
     config = cell.params.get("config", {})
@@ -634,8 +636,10 @@ def run_sweep(sweep: Sweep, out: str | Path, *, address: str | None = None, max_
     of `num_cpus` CPUs on 127.0.0.1. `max_workers` caps the actors per model and the concurrent coverage
     tasks (default: one per GPU, or one per CPU). The output folder is locked for the run (a second driver
     is refused); `extend` and `strict_provenance` as `sweeps.results.prepare_output`. Under `address`, `out`
-    must be absolute and the calibration cache is off unless the config sets `calibration_cache`."""
+    must be absolute and the calibration cache is off unless the config sets `calibration_cache`. First, before
+    anything is written: the prompts against every model's context (`sweeps.checks.check_contexts`)."""
     t0 = time.perf_counter()
+    check_contexts(sweep)
     if address is not None and not Path(out).expanduser().is_absolute():
         raise SweepError(f"--out {out} is a relative path; with --address give an absolute one (the driver of "
                          f"a cluster job runs in a copy of the working dir, so a relative folder would land "
@@ -718,6 +722,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sweep = load_sweep(a.config)
         if a.dry_run:
+            check_contexts(sweep)                       # (run_sweep makes the same check first)
             print(plan_table(sweep))
             return 0
         summary = run_sweep(sweep, a.out, address=a.address, max_workers=a.max_workers, num_cpus=a.num_cpus,

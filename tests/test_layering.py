@@ -97,7 +97,7 @@ ALLOWED_IN_FUNCTIONS = {
         "`python -m engine.<module>` runs that module",
     ("engine.drafters", "make_drafter", DYNAMIC):
         "the drafter registry: a method's module is imported on first use (adding a method = adding a file)",
-    ("engine.models", "_gemma_gguf", DYNAMIC):
+    ("engine.catalog", "_gemma_gguf", DYNAMIC):
         "the offline model wheels are optional data packages, named in OFFLINE_MODELS: imported only to find "
         "their GGUF chunks when a model is converted",
     ("engine.models", "_gguf_to_model", "transformers.modeling_gguf_pytorch_utils"):
@@ -291,12 +291,12 @@ def test_the_cycle_finder_reports_a_cycle_with_its_path():
     pkg["engine.p.sub"].append(("engine.p", None, 2))
     assert find_cycle(import_graph(pkg)) == ["engine.p", "engine.p.sub", "engine.p"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
-    # an arrow back down-up: engine.shipped (below the policies) importing the DynaSpec policy closes a circle
+    # an arrow back down-up: engine.catalog (below the policies) importing the DynaSpec policy closes a circle
     graph = import_graph(_engine_imports(), functions=True)
-    assert "engine.shipped" in graph["engine.vocab.dynaspec"]
-    graph["engine.shipped"].add("engine.vocab.dynaspec")
+    assert "engine.catalog" in graph["engine.vocab.dynaspec"]
+    graph["engine.catalog"].add("engine.vocab.dynaspec")
     cycle = find_cycle(graph)
-    assert cycle[0] == cycle[-1] and {"engine.vocab.dynaspec", "engine.shipped"} <= set(cycle), cycle
+    assert cycle[0] == cycle[-1] and {"engine.vocab.dynaspec", "engine.catalog"} <= set(cycle), cycle
 
 
 def test_engine_config_imports_without_torch():
@@ -317,12 +317,31 @@ def test_the_metrics_and_the_sweeps_tables_and_charts_import_without_torch():
     assert "altair" in _loaded_by(["sweeps.charts"], heavy)               # the probe sees altair
 
 
+def test_a_sweep_config_parses_and_plans_without_torch():
+    """Parsing a sweep config and expanding it into cells (sweeps.config, sweeps.plan, sweeps.schema) loads
+    neither torch nor transformers (issue #17): the names they check against live in engine.catalog and
+    engine.config. The check that needs tokenizers (sweeps.checks) does load them - the probe sees it."""
+    heavy = ("torch", "transformers", "safetensors", "altair", "kernels")
+    assert _loaded_by(["engine.catalog"], heavy) == []
+    assert _loaded_by(["sweeps.config", "sweeps.plan", "sweeps.schema"], heavy) == []
+    assert {"torch", "transformers"} <= set(_loaded_by(["sweeps.checks"], heavy))
+    # and a whole parse, prompt sets read and cells expanded, in a fresh process
+    out = subprocess.run([sys.executable, "-c", "import sys; from sweeps.config import load_sweep; "
+                          "s = load_sweep('sweeps/configs/quick.toml'); "
+                          "print(len(s.cells), sorted({'torch', 'transformers'} & set(sys.modules)))"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "[]" and int(out.stdout.split()[0]) > 0, out.stdout
+
+
 def test_the_sweep_kinds_are_one_list():
-    """sweeps.tables reads the kinds from sweeps.cell (light); sweeps.config's list must say the same."""
+    """sweeps.tables reads the kinds from sweeps.cell (light); sweeps.config takes the same list from there,
+    not a copy of its own (it used to keep one when it loaded torch), and its model kinds are among them."""
     import sweeps.cell
     import sweeps.config
 
-    assert sweeps.config.KINDS == sweeps.cell.KINDS
+    assert sweeps.config.KINDS is sweeps.cell.KINDS
+    assert set(sweeps.config.MODEL_KINDS) < set(sweeps.cell.KINDS)
 
 
 def _private_imports(paths) -> list[str]:

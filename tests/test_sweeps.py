@@ -4,6 +4,7 @@ an actor killed mid-sweep, and a rerun that skips what is finished."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import tomllib
@@ -18,6 +19,7 @@ from engine.calibration import DRAFTING_METHODS, load_calibrations, model_key, r
 from engine.config import SpecConfig
 from locality.trace import read_traces
 from sweeps.cell import Cell, SweepError
+from sweeps.checks import check_contexts
 from sweeps.cluster import attach, start_local
 from sweeps.config import load_sweep, parse_sweep
 from sweeps import bench as sweeps_bench, model_cells
@@ -99,24 +101,44 @@ def test_bad_config_names_the_problem(old, new, message):
     assert message in str(err.value)
 
 
-def test_prompts_longer_than_the_context_fail_the_config_check(tmp_path, capsys):
+def test_prompts_longer_than_the_context_fail_the_check_before_the_run(tmp_path, capsys):
     """Before any cell runs: a random model of 1024 positions cannot hold Spec-Bench's summarization prompts
-    (byte-level); the error names the prompt set, what does not fit and the fixes."""
+    (byte-level); the error names the prompt set, what does not fit and the fixes. The config parses (no
+    tokenizer needed); `check_contexts` refuses it, and sweeps.run makes that check first, --dry-run too."""
     small = tiny_toml(categories=("qa", "summarization")).replace(
         "num_layers = 2 }", "num_layers = 2, max_context = 1024 }", 1)
+    sweep = _sweep(small)
     with pytest.raises(SweepError) as err:
-        _sweep(small)
+        check_contexts(sweep)
     msg = str(err.value)
     assert "[[prompts]] #1 (prompt set 'spec_bench') does not fit the context of tiny" in msg
     assert "categories ['summarization']" in msg and "(categories = ['qa'])" in msg
     assert "lower max_new_tokens" in msg and "options.max_context" in msg
-    # a run stops there, exit status 2, nothing written
-    assert run_main([str(write_toml(tmp_path, small)), "--out", str(tmp_path / "out")]) == 2
-    assert "does not fit the context" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    # a run stops there, exit status 2, nothing written; so does a dry run, and run_sweep called directly
+    for extra in ([], ["--dry-run"]):
+        assert run_main([str(write_toml(tmp_path, small)), "--out", str(tmp_path / "out"), *extra]) == 2
+        assert "does not fit the context" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    with pytest.raises(SweepError, match="does not fit the context"):
+        run_sweep(sweep, tmp_path / "out", progress=False, show=False)
+    assert not (tmp_path / "out").exists()
     # the answers of earlier turns count: qa fits at 8 new tokens, not at 1000 (prompt + 1000 > 1024)
-    assert _sweep(small.replace('"qa", "summarization"', '"qa"'))
+    check_contexts(_sweep(small.replace('"qa", "summarization"', '"qa"')))
     with pytest.raises(SweepError, match=r"categories \['qa'\] need up to"):
-        _sweep(small.replace('"qa", "summarization"', '"qa"').replace("max_new_tokens = 8", "max_new_tokens = 1000"))
+        check_contexts(_sweep(small.replace('"qa", "summarization"', '"qa"')
+                              .replace("max_new_tokens = 8", "max_new_tokens = 1000")))
+
+
+def test_the_shipped_configs_keep_their_cell_ids():
+    """A cell's id is a hash of its parameters, and an output folder resumes by those ids: the #17 split of
+    sweeps/config.py (parsing / sweeps.plan / sweeps.checks) kept every id, in the same order. The digests were
+    computed with the code before the split (sha256 of the ids joined by newlines, in plan order)."""
+    pinned = {"quick": (208, "088752e4a628ea0f", "90f19de5c6653ab4e5642fb60aace3164a1d39693b5438229c566056f704c48c"),
+              "paper": (2856, "be6ea3bfa136e3c1", "8c32de2820754df837b3819f88c76a44c0ddf2c8a7a8f1bda89ff13df0a853ac")}
+    for name, (n, config_hash, ids) in pinned.items():
+        sweep = load_sweep(Path(sweeps.__file__).parent / "configs" / f"{name}.toml")
+        got = [c.id for c in sweep.cells]
+        assert (len(got), sweep.config_hash) == (n, config_hash), name
+        assert hashlib.sha256("\n".join(got).encode()).hexdigest() == ids, name
 
 
 def test_model_params_and_prompt_sets():

@@ -17,13 +17,11 @@ whose `Drafter` subclass is decorated with `@register_drafter("<method>")`, and 
 from __future__ import annotations
 
 import importlib
-import pkgutil
 from typing import Callable
 
-from engine.config import METHODS
+from engine.catalog import known_methods
+from engine.config import HF_METHODS
 from engine.tree import Drafter
-
-HF_METHODS = ("hf-prompt-lookup",)          # run by transformers' generate, not through a drafter
 
 _REGISTRY: dict[str, Callable] = {}
 
@@ -50,9 +48,9 @@ def _module_name(method: str) -> str:
 
 
 def available_methods() -> list[str]:
-    """Methods that can run now: registered ones, configured methods with a module here, and HF ones."""
-    modules = {m.name for m in pkgutil.iter_modules(__path__)}
-    return sorted(set(_REGISTRY) | set(HF_METHODS) | {m for m in METHODS if m.replace("-", "_") in modules})
+    """Methods that can run now in this process: configured methods with a module here and HF ones
+    (`engine.catalog.known_methods`, which a sweep's config is checked against), and any registered here."""
+    return sorted(set(_REGISTRY) | set(known_methods()))
 
 
 def make_drafter(target, cfg) -> Drafter:

@@ -52,7 +52,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from engine.artifacts import FINGERPRINT_KEY, atomic_write, head_fingerprint, head_matches, save_safetensors
 from engine.drafters import register_drafter
-from engine.shipped import SHIPPED_PREFIX, default_eagle_head, shipped_heads
+from engine.catalog import SHIPPED_PREFIX, shipped_heads
+from engine.shipped import default_eagle_head
 from engine.drafters.lmhead import DraftKVCache, DrafterError, Expansion, LMHeadDrafter, attention_bias
 from engine.drafters.layerskip import text_config
 from engine.target import cache_kwarg

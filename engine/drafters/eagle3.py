@@ -50,12 +50,12 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from engine.catalog import SHIPPED_PREFIX
 from engine.drafters import register_drafter
 from engine.drafters.eagle import (EagleTreeDrafter, check_head_target, llama_config, random_eagle_head, read_state_dict,
                                    resolve_head_dir)
 from engine.drafters.layerskip import text_config
 from engine.drafters.lmhead import DrafterError, attention_bias
-from engine.shipped import SHIPPED_PREFIX
 from engine.target import cache_kwarg, decoder, native_model, resolve_backend
 from engine.vocab import FrSpecVocab, MicroSpecVocab, OracleVocab, VocabError, VocabPolicy
 from kernels.head import packed_head

@@ -86,7 +86,7 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.artifacts import atomic_write
-from engine.config import POLICIES, ConfigError, SpecConfig, parse_overrides
+from engine.config import POLICIES, REQUESTED_SIZE, ConfigError, SpecConfig, parse_overrides
 from engine.divergence import diagnose_rows, next_logits
 from engine.drafters import available_methods, make_drafter
 from engine.vocab.dynaspec import find_fitted, fitted_sizes, k_max_for_tokens, tokens_for_k_max
@@ -103,9 +103,6 @@ from kernels.hardware import HardwareError, parse_device, parse_dtype
 RESULTS_FILE = "results.parquet"
 RUN_KEY = ("method", "run", "prompt_id", "repeat")
 DIAGNOSIS = ("verdict", "first_divergence", "ar_margin", "ar_gap", "prompt_differs")   # `diagnose`'s columns
-# the SpecConfig field that is a policy's size, read into the vocab_size column (and set by a sweep's
-# `vocab_sizes`); dynaspec's size is a token budget with no field of its own (module docstring, `Run.size`)
-REQUESTED_SIZE = {"frspec": "frspec_k", "microspec": "w_max", "oracle": "w_max"}
 LABEL_SIZE = {"frspec": "frspec_k", "microspec": "w_max"}  # the field N in `--vocab name:N` sets
 SIZED = (*LABEL_SIZE, "dynaspec")                          # policies that take `name:N`
 BUDGET_WORDS = {"position": "position-aware budget (DynaSpec-PA)", "fixed": "fixed budget (DynaSpec-F)"}

@@ -36,11 +36,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from engine.calibration import (DRAFTING_METHODS, EAGLE_CANDIDATES, CalibrationError, Pipeline, calibration_fields,
-                                config_fingerprint, default_grid, device_name, eagle_total_token, fit_record,
-                                model_id, model_key, pipeline_of, refit, save_calibration)
-from engine.config import SpecConfig, parse_overrides
-from engine.drafters import HF_METHODS
+from engine.calibration import (EAGLE_CANDIDATES, CalibrationError, Pipeline, default_grid, device_name,
+                                eagle_total_token, fit_record, model_id, model_key, pipeline_of, refit, save_calibration)
+from engine.config import (DRAFTING_METHODS, HF_METHODS, SpecConfig, calibration_fields, config_fingerprint,
+                           parse_overrides)
 from engine.drafters.recycling import TEMPLATES, template_size
 from engine.jobs.frequency import FrequencyError, with_default_ranking
 from engine.harness import generate
@@ -227,7 +226,7 @@ def calibrate(model, prompts: Sequence[torch.Tensor], method: str = "unispec", *
               cfg: SpecConfig | None = None, warmup_prompts: Sequence[torch.Tensor] = (), repeats: int = 1,
               eos_ids=None, save: bool = True, progress: bool = True, tokenizer=None, info=None) -> dict:
     """Measure the grid (`calibration_grid`), fit, maximise, and (save=True) cache g* of `method` - any of
-    `engine.calibration.DRAFTING_METHODS` - under `engine.calibration.model_key`: (model, device, dtype,
+    `engine.config.DRAFTING_METHODS` - under `engine.calibration.model_key`: (model, device, dtype,
     method, the config fields that change tau or s), where `resolve_config` finds it for draft_size=None.
     `pipeline`: "default" or "paper" (`engine.calibration.PIPELINES`); mode / timing override it.
     tokenizer, info: the model's, for frspec's default ranking (`runnable_config`). Returns the

@@ -59,9 +59,9 @@ from torch import nn
 
 from engine.artifacts import (FINGERPRINT_KEY, fingerprint_matches, save_safetensors, sidecar_path,
                               stored_fingerprint)
+from engine.catalog import SHIPPED_HEADS
 from engine.config import SpecConfig
 from engine.models import cache_root
-from engine.shipped import SHIPPED_HEADS
 from engine.vocab.base import VocabPolicy, softcap
 from kernels.head import indexed_head
 

@@ -99,11 +99,22 @@ SHIPPED_HEADS = Path(__file__).resolve().parent / "heads"         # engine/heads
 SHIPPED_PREFIX = "specvocab:"
 
 
+EAGLE3_FOLDER = "eagle3"        # engine/heads/<model>/eagle3/: the model's EAGLE-3 head, in the official layout
+
+
 def shipped_heads() -> dict[str, Path]:
-    """The heads that ship with the package: {model name: checkpoint folder}."""
+    """The EAGLE-1/2 heads that ship with the package: {model name: checkpoint folder}."""
     if not SHIPPED_HEADS.is_dir():
         return {}
     return {d.name: d for d in sorted(SHIPPED_HEADS.iterdir()) if (d / "config.json").is_file()}
+
+
+def shipped_eagle3_heads() -> dict[str, Path]:
+    """The EAGLE-3 heads that ship with the package: {model name: checkpoint folder} (`<model>/eagle3/`)."""
+    if not SHIPPED_HEADS.is_dir():
+        return {}
+    return {d.name: d / EAGLE3_FOLDER for d in sorted(SHIPPED_HEADS.iterdir())
+            if (d / EAGLE3_FOLDER / "config.json").is_file()}
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from engine.config import DEFAULT_DRAFT_SIZE, DRAFTING_METHODS, HF_METHODS, Spec
 from engine.drafters import make_drafter
 from engine.drafters.recycling import template_size
 from engine.models import eos_token_ids
-from engine.shipped import default_eagle_head
+from engine.shipped import default_eagle3_head, default_eagle_head
 from engine.target import forward_tree, lm_logits, make_target, prefill  # noqa: F401 (re-exported)
 from engine.tree import DraftTree, Drafter, StepResult
 from engine.verify import sample_token, tree_layout, verify_greedy, verify_sampling, warp_probs
@@ -149,8 +149,9 @@ def resolve_config(cfg: SpecConfig | None, method: str | None = None, overrides:
     """The run's config: cfg (default `SpecConfig.preset(method or "ar")`) with `method` and `overrides`
     applied, validated; with `model`, `draft_size=None` is replaced by the method's calibrated size
     (`default_draft_size`: the cached g* of this model, device, dtype and config, else the uncalibrated
-    default with a warning) and, for `eagle`, `eagle_head=None` by the head shipped for this model
-    (`engine.shipped.default_eagle_head`, left None when none ships). The one place a run's draft size
+    default with a warning) and, for `eagle` / `eagle3`, `eagle_head=None` / `eagle3_head=None` by the head
+    shipped for this model (`engine.shipped.default_eagle_head` / `default_eagle3_head`, left None when none
+    ships). The one place a run's draft size
     and head are decided."""
     overrides = dict(overrides or {})
     if cfg is None:
@@ -167,6 +168,10 @@ def resolve_config(cfg: SpecConfig | None, method: str | None = None, overrides:
         head = default_eagle_head(model)
         if head is not None:
             cfg = cfg.replace(eagle_head=head)
+    if model is not None and cfg.method == "eagle3" and cfg.eagle3_head is None:
+        head = default_eagle3_head(model)
+        if head is not None:
+            cfg = cfg.replace(eagle3_head=head)
     return cfg
 
 

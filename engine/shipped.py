@@ -15,7 +15,7 @@ from pathlib import Path
 
 from engine.artifacts import head_fingerprint, head_matches, same_shape
 # The listing of the shipped heads is in engine.catalog (no torch: a sweep's config checks it); re-exported.
-from engine.catalog import SHIPPED_HEADS, SHIPPED_PREFIX, shipped_heads  # noqa: F401
+from engine.catalog import SHIPPED_HEADS, SHIPPED_PREFIX, shipped_eagle3_heads, shipped_heads  # noqa: F401
 
 
 def _target_block(path: Path) -> dict | None:
@@ -26,10 +26,21 @@ def _target_block(path: Path) -> dict | None:
 
 
 def default_eagle_head(target) -> str | None:
-    """`specvocab:<model>` of the shipped head trained for this target (matched by its LM head), else None."""
+    """`specvocab:<model>` of the shipped EAGLE-1/2 head trained for this target (matched by its LM head), else
+    None."""
+    return _matching(target, shipped_heads())
+
+
+def default_eagle3_head(target) -> str | None:
+    """`specvocab:<model>` of the shipped EAGLE-3 head trained for this target (matched by its LM head), else
+    None."""
+    return _matching(target, shipped_eagle3_heads())
+
+
+def _matching(target, heads: dict[str, Path]) -> str | None:
     weight = target.get_output_embeddings().weight.detach()
     fingerprint = None
-    for name, path in shipped_heads().items():
+    for name, path in heads.items():
         block = _target_block(path)
         if same_shape(block, weight):                     # the fingerprint only for heads of this shape
             fingerprint = fingerprint or head_fingerprint(weight)

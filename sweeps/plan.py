@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 
-from engine.catalog import known_methods, shipped_heads
+from engine.catalog import known_methods, shipped_eagle3_heads, shipped_heads
 from engine.config import DRAFTING_METHODS, POLICIES, REQUESTED_SIZE, SpecConfig, calibration_fields
 from engine.metrics import DRAFTERS
 from engine.prompts import load_prompts
@@ -102,6 +102,11 @@ def _check_eagle_head(cfg: SpecConfig, m: ModelSpec, where: str) -> None:
         raise SweepError(f"{where}: eagle needs a draft head for {m.name!r}: params.eagle_head = a local EAGLE "
                          f"checkpoint folder or hub id (heads ship for {sorted(shipped_heads())} only; train one "
                          f"with `python -m engine.jobs.train_eagle`)")
+    if cfg.method == "eagle3" and not cfg.eagle3_head and m.name not in shipped_eagle3_heads():
+        raise SweepError(f"{where}: eagle3 needs an EAGLE-3 head for {m.name!r}: params.eagle3_head = a local "
+                         f"EAGLE-3 checkpoint folder or hub id (EAGLE-3 heads ship for "
+                         f"{sorted(shipped_eagle3_heads()) or 'no model yet'}; train one with `python -m "
+                         f"engine.jobs.train_eagle3`)")
 
 
 def _calibrated_by(method: str, cfg: SpecConfig, calibrations: list[Cell], where: str) -> str | None:

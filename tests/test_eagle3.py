@@ -299,3 +299,29 @@ def test_missing_head_hub_offline_and_dynaspec_name_the_fix(tmp_path, llama_head
         make_drafter(model, _cfg(folder, vocab="dynaspec"))
     assert isinstance(make_drafter(model, SpecConfig.preset("eagle3", eagle3_head="random", draft_size=8)),
                       Eagle3Drafter)
+
+
+def test_a_shipped_head_is_the_default_for_its_own_target_only(tmp_path, monkeypatch, llama_head):
+    """#19: `eagle3_head=None` resolves (`resolve_config`, and the drafter itself) to the EAGLE-3 head shipped
+    in `engine/heads/<model>/eagle3/` whose LM-head fingerprint matches the target - decoding with it equals ar
+    - and to nothing for a same-shape target of other weights (the fix named), even with a head shipped."""
+    from engine.harness import resolve_config
+    from engine.jobs.train_eagle3 import new_eagle3_head, save_eagle3_head
+
+    model = llama_head[0]
+    other, _, _ = load_model("random-llama", vocab_size=V, hidden_size=48, num_layers=4, seed=6)
+    weight = model.get_output_embeddings().weight.detach()
+    head = new_eagle3_head(model, torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool), seed=1)
+    heads = tmp_path / "heads"
+    save_eagle3_head(head, heads / "tiny" / "eagle3", target_name="random-llama", target_weight=weight,
+                     feature_layers=eagle3_feature_layers(model.config.num_hidden_layers))
+    monkeypatch.setattr("engine.catalog.SHIPPED_HEADS", heads)
+    cfg = resolve_config(cfg=SpecConfig.preset("eagle3", draft_size=8, max_new_tokens=16), model=model)
+    assert cfg.eagle3_head == "specvocab:tiny"
+    assert make_drafter(model, SpecConfig.preset("eagle3", draft_size=8)).head_source == "specvocab:tiny"
+    prompt = _prompt(7)
+    ar = generate(model, prompt, method="ar", max_new_tokens=16, eos_ids=[]).output_ids.tolist()
+    assert generate(model, prompt, method="eagle3", draft_size=8, max_new_tokens=16, eos_ids=[]).output_ids.tolist() == ar
+    assert resolve_config(cfg=SpecConfig.preset("eagle3", draft_size=8), model=other).eagle3_head is None
+    with pytest.raises(DrafterError, match="no EAGLE-3 head ships for this model.*train_eagle3"):
+        make_drafter(other, SpecConfig.preset("eagle3", draft_size=8))

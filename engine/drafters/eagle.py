@@ -152,14 +152,17 @@ def head_digest(head: EagleHead) -> str:
     return digest.hexdigest()[:16]
 
 
-def resolve_head_dir(source: str, field: str = "eagle_head", layout: str = "EAGLE-1/2") -> Path:
-    """The local directory of a checkpoint named by a `specvocab:` name, a path or a hub id (downloaded)."""
+def resolve_head_dir(source: str, field: str = "eagle_head", layout: str = "EAGLE-1/2",
+                     shipped: dict[str, Path] | None = None) -> Path:
+    """The local directory of a checkpoint named by a `specvocab:` name (one of `shipped`, default the
+    EAGLE-1/2 heads), a path or a hub id (downloaded)."""
     if source.startswith(SHIPPED_PREFIX):
         name = source[len(SHIPPED_PREFIX):]
-        if name not in shipped_heads():
-            raise DrafterError(f"{field}={source!r}: no head ships for {name!r}; shipped: "
-                               f"{[SHIPPED_PREFIX + n for n in shipped_heads()] or 'none'}")
-        return shipped_heads()[name]
+        shipped = shipped_heads() if shipped is None else shipped
+        if name not in shipped:
+            raise DrafterError(f"{field}={source!r}: no {layout} head ships for {name!r}; shipped: "
+                               f"{[SHIPPED_PREFIX + n for n in shipped] or 'none'}")
+        return shipped[name]
     path = Path(source).expanduser()
     if path.is_dir():
         return path

@@ -50,7 +50,8 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from engine.catalog import SHIPPED_PREFIX
+from engine.catalog import shipped_eagle3_heads
+from engine.shipped import default_eagle3_head
 from engine.drafters import register_drafter
 from engine.drafters.eagle import (EagleTreeDrafter, check_head_target, llama_config, random_eagle_head, read_state_dict,
                                    resolve_head_dir)
@@ -199,10 +200,7 @@ def check_maps(d2t: torch.Tensor, t2d: torch.Tensor, source: str = "the EAGLE-3 
 
 def load_eagle3_head(source: str) -> Eagle3Head:
     """An EAGLE-3 head from a local directory in the official layout or a hub id (module docstring)."""
-    if source.startswith(SHIPPED_PREFIX):
-        raise DrafterError(f"eagle3_head={source!r}: no EAGLE-3 head ships with specvocab yet; pass "
-                           f"eagle3_head=<local EAGLE-3 checkpoint directory or hub id>")
-    path = resolve_head_dir(source, field="eagle3_head", layout="EAGLE-3")
+    path = resolve_head_dir(source, field="eagle3_head", layout="EAGLE-3", shipped=shipped_eagle3_heads())
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise DrafterError(f"{path} has no config.json; an EAGLE-3 checkpoint directory needs one")
@@ -440,12 +438,14 @@ class Eagle3Drafter(EagleTreeDrafter):
             make_eagle3_policy(cfg, None, None)                    # the clear error, before loading a head
         self.head_source = "(passed in)" if head is not None else cfg.eagle3_head
         if head is None:
-            source = cfg.eagle3_head
+            source = cfg.eagle3_head if cfg.eagle3_head is not None else default_eagle3_head(target)
+            self.head_source = source
             if source is None:
                 raise DrafterError("method 'eagle3' needs an EAGLE-3 draft head and no EAGLE-3 head ships for this "
                                    "model: pass eagle3_head=<local directory of an official EAGLE-3 checkpoint "
-                                   "(config.json + model.safetensors or pytorch_model.bin) or its hub id>, or "
-                                   "eagle3_head='random' for an untrained head (tests)")
+                                   "(config.json + model.safetensors or pytorch_model.bin) or its hub id>, train one "
+                                   "(`python -m engine.jobs.train_eagle3 --model <name>`), or eagle3_head='random' "
+                                   "for an untrained head (tests)")
             head = random_eagle3_head(target, cfg.seed) if source == "random" else load_eagle3_head(source)
         # a head trained here carries its target's LM-head fingerprint: a same-shape head of another target (or a
         # fine-tune of it) is refused; an official checkpoint has no block and is checked by its shapes below

@@ -50,7 +50,7 @@ import polars as pl
 
 from engine.config import POLICIES
 
-DRAFTERS = ("layerskip", "eagle")              # drafters with an LM head behind a vocabulary policy
+DRAFTERS = ("layerskip", "eagle", "eagle3")    # drafters with an LM head behind a vocabulary policy
 PHASES = ("backbone", "router", "gather", "lm_head", "tree")   # drafter phases (engine.drafters.lmhead)
 ROW_SCHEMA = {
     "model": pl.String, "device": pl.String, "dtype": pl.String, "backend": pl.String, "method": pl.String, "run": pl.String,

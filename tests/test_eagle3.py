@@ -12,6 +12,7 @@
 """
 
 import numpy as np
+import polars as pl
 import pytest
 import torch
 
@@ -325,3 +326,23 @@ def test_a_shipped_head_is_the_default_for_its_own_target_only(tmp_path, monkeyp
     assert resolve_config(cfg=SpecConfig.preset("eagle3", draft_size=8), model=other).eagle3_head is None
     with pytest.raises(DrafterError, match="no EAGLE-3 head ships for this model.*train_eagle3"):
         make_drafter(other, SpecConfig.preset("eagle3", draft_size=8))
+
+
+def test_table2_on_an_eagle3_head(tmp_path, llama_head):
+    """#19 §5: bench's --drafter eagle3 runs the head once per vocabulary policy inside its draft vocabulary,
+    every run equal to ar's output, the head named in `draft_head`, the policies' sizes in `vocab_size`."""
+    from engine.jobs.bench import run_bench
+
+    model, _, folder, ranking = llama_head
+    frame = run_bench(methods="ar", drafter="eagle3", vocab="full,frspec:64,microspec:32,oracle",
+                      prompts="spec_bench", per_category=1, categories=["qa"], max_new_tokens=12,
+                      loaded=(model, None, load_model("random-llama", vocab_size=V, hidden_size=48, num_layers=4,
+                                                      seed=5)[2]),
+                      config={"eagle3_head": str(folder), "frequency_file": str(ranking), "draft_size": 8,
+                              "eagle_depth": 3, "w_max": 48}, progress=False, show=False)
+    runs = frame.filter(pl.col("method") == "eagle3")
+    assert sorted(runs["run"].unique()) == ["frspec:64", "full", "microspec:32", "oracle"]
+    assert set(runs["draft_head"]) == {str(folder)}
+    assert runs.select("run", "vocab_size").unique().sort("run").rows() == [
+        ("frspec:64", 64), ("full", None), ("microspec:32", 32), ("oracle", 48)]
+    assert set(runs["verdict"].to_list()) == {"exact"}

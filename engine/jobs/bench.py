@@ -8,7 +8,7 @@
         --set eagle_head=<EAGLE-1/2 head dir> --per-category 1 --max-new-tokens 64 --threads 1 --out runs/table2
 
 A *run* is one (method, vocabulary policy) pair: every `--methods` entry (policy "full" for methods without
-an LM head), plus, with `--drafter layerskip|eagle`, the drafter once per `--vocab` entry (`engine.vocab`;
+an LM head), plus, with `--drafter layerskip|eagle|eagle3`, the drafter once per `--vocab` entry (`engine.vocab`;
 `ar` is added as the speed and lossless reference). Every run of the drafter uses the same head: eagle's
 `eagle_head` (`--set eagle_head=DIR|hub id|random`; None = the drafter's own default) or layerskip's
 `drafter_layers`. A policy may carry a size, `name:N`:
@@ -262,15 +262,16 @@ def _resolve_dynaspec(run: Run, head: torch.Tensor, show: bool) -> Run:
 
 def _check_drafter(run: Run, target) -> Run:
     """Build the run's drafter once before any prompt runs - a missing or mismatched head, ranking or fit
-    fails here, named, not after the first prompts - and record its head: eagle's source (the drafter's
-    `head_source` where it resolves one, e.g. a default head for `eagle_head=None`, else `eagle_head`),
+    fails here, named, not after the first prompts - and record its head: eagle's and eagle3's source (the
+    drafter's `head_source` where it resolves one, e.g. a default head for `eagle_head=None`, else the field),
     layerskip's `drafter_layers`. Each prompt still builds its own drafter, as `generate` does."""
     try:
         drafter = make_drafter(target, run.cfg)
     except ValueError as e:                                      # DrafterError, VocabError, DynaSpecError, ...
         raise BenchError(f"{run.method} {run.label}: {e}") from e
-    if run.method == "eagle":
-        source = getattr(drafter, "head_source", None) or run.cfg.eagle_head
+    if run.method in ("eagle", "eagle3"):
+        field = run.cfg.eagle_head if run.method == "eagle" else run.cfg.eagle3_head
+        source = getattr(drafter, "head_source", None) or field
         head = None if source is None else str(source)
     else:
         head = run.cfg.drafter_layers
@@ -289,7 +290,7 @@ def run_bench(model: str = "smollm2-135m-instruct", methods: str | Sequence[str]
     prompt, turn and repeat.
 
     model: a name for `load_model`, or pass `loaded=(model, tokenizer, info)` to reuse a loaded one.
-    methods: default ar,pld,hf-prompt-lookup, or just ar with a drafter. drafter: layerskip | eagle, benched
+    methods: default ar,pld,hf-prompt-lookup, or just ar with a drafter. drafter: layerskip | eagle | eagle3, benched
     once per `vocab` (comma list of full, frspec, microspec, oracle, dynaspec, sized as frspec:K, microspec:W,
     dynaspec:N - module docstring; default full), every run on the same head (config's eagle_head or
     drafter_layers).

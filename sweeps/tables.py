@@ -1,5 +1,8 @@
 """Tidy tables for the figure notebooks (`notebooks/NN_*.py`), from the frames a sweep wrote; polars only.
 
+(Over 600 lines on purpose: one small builder per figure of the five notebooks, over the same readers and
+`describe`; split by notebook, each part would import the others'.)
+
 Every table builder takes the frames a sweep wrote (`read(DIR, kind)`, i.e. `sweeps.load(DIR, kind)`
 collected) and returns a small aggregated polars frame (altair refuses frames over 5,000 rows), or None
 after printing why it cannot (a kind or an axis the sweep did not run). `sweeps.charts` draws them; the

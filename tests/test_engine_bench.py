@@ -7,7 +7,10 @@ paying a forward); drafter x
 vocab runs (policy / vocab_size / run columns, phase columns that add up, policy statistics, lossless
 against ar, run keys with the run label, comparisons); Table 2 on one eagle head (full, frspec, dynaspec
 - unsized and dynaspec:N, sized in tokens - and microspec: the router phase, the head and what was compared
-in the printout, the comparison pairs); and (slow) the same on SmolLM2 with its real tokenizer."""
+in the printout, the comparison pairs); and (slow) the same on SmolLM2 with its real tokenizer.
+
+(Over 600 lines on purpose: every behaviour of the bench job, on the one random model fixture it shares.)
+"""
 
 import json
 from collections import Counter

@@ -1,5 +1,8 @@
 """Train an EAGLE-3 draft head on a data folder made by `engine.jobs.eagle_data --eagle3-features`.
 
+(Over 600 lines on purpose: the EAGLE-3 recipe - draft vocabulary, TTT batches and loss, the resumable loop, the
+official-layout writer and the model card - read in one place, as `engine.jobs.train_eagle` holds EAGLE-2's.)
+
     python -m engine.jobs.eagle_data --model smollm2-135m-instruct --source greedy --eagle3-features
     python -m engine.jobs.train_eagle3 --model smollm2-135m-instruct --tokens 2000000 --out <dir>
     specvocab train eagle3 --model smollm2-135m-instruct ...                # the same

@@ -83,7 +83,7 @@ TARGET_DRAFT_RATIO, TARGET_TAU_RATIO, TARGET_SPEED_RATIO = 3.0, 0.95, 1.0
 # pairs compared per drafter: (policy, base policy); `full` is every other policy's base
 PAIRS = (("microspec", "frspec"), ("microspec", "dynaspec"), ("dynaspec", "frspec"))
 # the order runs are listed in: ar first, then training-free methods, then the drafters
-METHOD_ORDER = ("ar", "pld", "hf-prompt-lookup", "recycling", "unispec", "dynaspec", "layerskip", "eagle")
+METHOD_ORDER = ("ar", "pld", "hf-prompt-lookup", "recycling", "unispec", "dynaspec", "layerskip", "eagle", "eagle3")
 
 
 class MetricsError(ValueError):

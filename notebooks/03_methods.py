@@ -19,8 +19,9 @@
 #
 # * **methods_table** — MicroSpec Table 2's layout: tokens/s per task, the average over tasks with its
 #   speedup over ar, and the average tau (also written as `methods_table.csv`).
-# * **Table 2 on one head** — for a drafter benched with several vocabulary policies (full, frspec, dynaspec,
-#   microspec on the same head): per run tokens/s, speedup over ar, tau, mean active vocabulary, draft ms per
+# * **Table 2 on one head** — for each drafter benched with several vocabulary policies (full, frspec, dynaspec,
+#   microspec on the same head; the quick sweep has two: the EAGLE-2 head `eagle` and the EAGLE-3 head `eagle3`,
+#   whose `full` is its own draft vocabulary and whose policies work inside it): per run tokens/s, speedup over ar, tau, mean active vocabulary, draft ms per
 #   drafted step and its phases, lossless (text: "exact" - every output equals ar's; "near-tie" - some differ,
 #   each where ar's top two logits were within rounding; "mismatch" - some differ with a clear margin, a bug, or
 #   were never diagnosed against ar: `engine.jobs.bench.diagnose`), and the ratios against `full`

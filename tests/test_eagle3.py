@@ -8,8 +8,14 @@
 - every vocabulary policy scores what it should inside the draft vocabulary (a plain reference per policy),
   and speculative greedy decoding with each equals autoregressive decoding token for token;
 - the errors: a head for another target, d2t / t2d that disagree, d2t outside the vocabulary, draft_vocab_size
-  against lm_head, a hub id offline, no head given, dynaspec.
+  against lm_head, a hub id offline, no head given, a dynaspec without a fit for this head;
+- dynaspec inside the draft vocabulary: clusters over the head's own rows, the router reading the target's
+  LM-head rows, a fit made for the head by `engine.jobs.fit_dynaspec --drafter eagle3` (logged labels in draft
+  ids), lossless, and in Table 2.
 """
+
+import dataclasses
+import json
 
 import numpy as np
 import polars as pl
@@ -27,6 +33,7 @@ from engine.target import make_target
 from engine.tree import StepResult
 from engine.verify import tree_layout
 from engine.vocab import VocabError
+from engine.vocab.dynaspec import DynaSpecError, FittedDynaSpec, Router, save_dynaspec
 from tests.eagle3_testing import official_state, reference_logp, target_features, write_checkpoint
 
 V = 384
@@ -296,7 +303,8 @@ def test_missing_head_hub_offline_and_dynaspec_name_the_fix(tmp_path, llama_head
         make_drafter(model, SpecConfig.preset("eagle3", eagle3_head="nobody/no-such-eagle3-head", draft_size=8))
     with pytest.raises(DrafterError, match="no EAGLE-3 head ships"):
         load_eagle3_head("specvocab:random-llama")
-    with pytest.raises(VocabError, match="dynaspec.*draft vocabulary"):
+    with pytest.raises(DynaSpecError, match="needs a fitted DynaSpec for this model and drafter.*'drafter': "
+                                            "'eagle3'.*--drafter eagle3"):
         make_drafter(model, _cfg(folder, vocab="dynaspec"))
     assert isinstance(make_drafter(model, SpecConfig.preset("eagle3", eagle3_head="random", draft_size=8)),
                       Eagle3Drafter)
@@ -345,4 +353,104 @@ def test_table2_on_an_eagle3_head(tmp_path, llama_head):
     assert set(runs["draft_head"]) == {str(folder)}
     assert runs.select("run", "vocab_size").unique().sort("run").rows() == [
         ("frspec:64", 64), ("full", None), ("microspec:32", 32), ("oracle", 48)]
+    assert set(runs["verdict"].to_list()) == {"exact"}
+
+
+# --- dynaspec inside the draft vocabulary -----------------------------------------------------------------------
+
+def _hand_fit(model, folder, path, *, M=8, seed=0, **cfg_kw):
+    """A DynaSpec over the EAGLE-3 head's draft rows with random clusters and router, keyed to that head."""
+    from engine.artifacts import FINGERPRINT_KEY, head_fingerprint
+
+    drafter = make_drafter(model, _cfg(folder, **cfg_kw))
+    K, d = drafter.head_weight.shape
+    torch.manual_seed(seed)
+    router = Router(d, M, 16)
+    assign = torch.randint(0, M, (K,), generator=torch.Generator().manual_seed(seed))
+    meta = {"model": "random-llama", FINGERPRINT_KEY: head_fingerprint(drafter.head_weight),
+            "drafter_config": drafter.drafter_key()}
+    return save_dynaspec(FittedDynaSpec(assign=assign, router=router.eval(), meta=meta), path), assign, router
+
+
+def test_dynaspec_scores_the_routed_clusters_of_draft_rows(tmp_path, llama_head):
+    """Catches clusters indexed by target id instead of draft id, the router reading the draft head's row (or
+    no row) for E(x) instead of the target's LM-head row of the target id, slots not mapped through d2t, the
+    k_max budget ignored, and a mask over draft ids reported as a mask over target ids."""
+    model, state, folder, _ = llama_head
+    path, assign, router = _hand_fit(model, folder, tmp_path / "fit.safetensors")
+    drafter = make_drafter(model, _cfg(folder, vocab="dynaspec", dynaspec_file=str(path), dynaspec_k_max=3))
+    prompt = _prompt(3)
+    drafter.policy.begin(prompt, torch.randn(prompt.numel(), V))
+    tokens = torch.tensor([int(i) for i in np.flatnonzero(~state["t2d"].numpy())[:2]] + [7])   # two outside t2d
+    parent_h = torch.randn(3, 48, generator=torch.Generator().manual_seed(2))
+    h = torch.randn(3, 48, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        drafter.policy.route(tokens, parent_h, 0)
+        got_lp, got_ids = drafter._head_topk(h, 6)
+        emb = model.get_output_embeddings().weight[tokens]                       # E(x): the target's rows
+        picked = router(parent_h, emb).topk(3, dim=1).indices                     # [3, 3] clusters
+    hn = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * state["norm.weight"]
+    draft_logits = hn @ state["lm_head.weight"].T                                 # [3, K]
+    ok = (assign[None, :, None] == picked[:, None, :]).any(-1)                    # [3, K] row's own clusters
+    to_target = torch.arange(state["d2t"].numel()) + state["d2t"]
+    full = torch.full((3, V), float("-inf"))
+    full[:, to_target] = draft_logits.masked_fill(~ok, float("-inf"))
+    ref = torch.log_softmax(full.double(), -1).topk(6, dim=-1)
+    torch.testing.assert_close(got_lp.double(), ref.values, atol=1e-5, rtol=0)
+    assert got_ids.tolist() == ref.indices.tolist()
+    union = torch.zeros(V, dtype=torch.bool)
+    union[to_target[ok.any(0)]] = True
+    assert torch.equal(drafter.policy.active_mask(), union)                       # target ids of the union
+    drafter.policy.record_step()
+    assert drafter.policy.stats()["mean_active_vocab"] == pytest.approx(float(ok.sum(1).double().mean()))
+
+
+def test_dynaspec_fit_for_an_eagle3_head_logs_draft_ids_and_decodes_losslessly(tmp_path, monkeypatch, llama_head):
+    """`fit_dynaspec --drafter eagle3`: the clusters split the head's K draft rows, the logged labels are the
+    draft head's own top-L in draft ids (a log in target ids would put labels outside [0, K) or on the wrong
+    rows), the fit is found by `find_fitted` for this head and depth only, and decoding with it equals ar;
+    Table 2 on the head includes it."""
+    import engine.jobs.fit_dynaspec as ds
+    from engine.jobs.bench import run_bench
+    from tests.engine_testing import tiny_dynaspec_fit
+
+    model, state, folder, ranking = llama_head
+    out = tmp_path / "fit.safetensors"
+    cfg = dataclasses.replace(tiny_dynaspec_fit(tmp_path, out), drafter="eagle3",
+                              spec=(("eagle3_head", str(folder)), ("eagle_depth", 3), ("draft_size", 8)))
+    loaded = (model, *load_model("random-llama", vocab_size=V, hidden_size=48, num_layers=4, seed=5)[1:])
+    monkeypatch.setattr(ds, "load_model", lambda name, **kw: loaded)      # the fit loads this very target
+    ds.fit(cfg)
+    meta = json.loads((tmp_path / "fit.safetensors.json").read_text())
+    assert meta["vocab_size"] == 200 and meta["drafter_config"]["drafter"] == "eagle3"
+    assert meta["drafter_config"]["eagle_depth"] == 3 and meta["drafter_config"]["eagle3_head_sha"]
+    rows = ds.load_rows(sorted((tmp_path / "fit.safetensors.work").glob("log-*.safetensors")))
+    top = rows.top.long()
+    assert 0 <= int(top.min()) and int(top.max()) < 200                           # draft ids, not target ids
+    # and the draft head's own top-L: recomputed from the logged state of each row's parent, every token x
+    # drafted at t >= 1 is among the children its parent's head proposed (draft rows mapped through d2t)
+    to_target = torch.arange(200) + state["d2t"]
+    deeper = torch.nonzero(rows.t > 0).flatten()
+    assert deeper.numel() > 10
+    for i in deeper[:: max(1, deeper.numel() // 12)].tolist():
+        h = rows.parent_h[i].float()
+        hn = h * torch.rsqrt(h.pow(2).mean() + 1e-5) * state["norm.weight"]
+        kids = to_target[(hn @ state["lm_head.weight"].T).topk(10).indices]
+        assert int(rows.tokens[i]) in kids.tolist()
+    prompt = _prompt(4)
+    ar = generate(model, prompt, method="ar", max_new_tokens=16, eos_ids=[]).output_ids.tolist()
+    got = generate(model, prompt, _cfg(folder, vocab="dynaspec", dynaspec_file=str(out), dynaspec_k_max=4,
+                                       max_new_tokens=16), eos_ids=[], record=True)
+    assert got.output_ids.tolist() == ar
+    assert all(bool(state["t2d"][r.tree_tokens[1:]].all()) for r in got.records)
+    assert 0 < got.drafter_stats["mean_active_vocab"] < 200
+    with pytest.raises(DynaSpecError, match="not for this one"):                 # another depth: refused
+        make_drafter(model, _cfg(folder, vocab="dynaspec", dynaspec_file=str(out), eagle_depth=4))
+    frame = run_bench(methods="ar", drafter="eagle3", vocab="full,dynaspec:100",
+                      prompts="spec_bench", per_category=1, categories=["qa"], max_new_tokens=12,
+                      loaded=loaded,
+                      config={"eagle3_head": str(folder), "draft_size": 8, "eagle_depth": 3,
+                              "dynaspec_file": str(out)}, progress=False, show=False)
+    runs = frame.filter(pl.col("method") == "eagle3")
+    assert sorted(runs["run"].unique()) == ["dynaspec:100", "full"]
     assert set(runs["verdict"].to_list()) == {"exact"}

@@ -61,3 +61,26 @@ def test_methods_equal_greedy_on_real_models(request, which, category):
                     record=True)
     assert tree.output_ids.tolist() == ar.output_ids.tolist()
     assert tree.steps < ar.steps                                 # the trees' correct branches were taken
+
+
+SHIPPED_EAGLE3 = ("smollm2",)               # the offline models an EAGLE-3 head ships for (engine/heads/<model>/eagle3/)
+
+
+@pytest.mark.parametrize("which", SHIPPED_EAGLE3)
+def test_the_shipped_eagle3_head_is_the_default_and_lossless_with_every_policy(request, which):
+    """#19: `method="eagle3"` with no head named drafts with the head shipped for the model (in its draft
+    vocabulary, d2t-mapped), and with every policy - the dynaspec fit shipped beside it at depth 3 included -
+    the output equals ar token for token, on a real model in its default dtype; the trees hold several tokens
+    (a head that never agreed with the target would draft in vain: tau > 1 guards against a head loaded wrong)."""
+    loaded = request.getfixturevalue(which)
+    model, tok, info = loaded
+    ids = _prompt_ids(loaded, "extraction")
+    ar = generate(model, ids, method="ar", tokenizer=tok, info=info, max_new_tokens=T).output_ids.tolist()
+    taus = {}
+    for vocab in ("full", "frspec", "dynaspec", "microspec"):
+        res = generate(model, ids, method="eagle3", vocab=vocab, eagle_depth=3, draft_size=8, tokenizer=tok,
+                       info=info, max_new_tokens=T)
+        assert res.output_ids.tolist() == ar, vocab
+        taus[vocab] = res.tau
+        assert res.drafter_stats["draft_vocab"] < info.vocab_size, vocab      # the head's own draft vocabulary
+    assert taus["full"] > 1.3, taus

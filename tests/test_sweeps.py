@@ -131,13 +131,16 @@ def test_prompts_longer_than_the_context_fail_the_check_before_the_run(tmp_path,
 def test_the_shipped_configs_keep_their_cell_ids():
     """A cell's id is a hash of its parameters, and an output folder resumes by those ids: the #17 split of
     sweeps/config.py (parsing / sweeps.plan / sweeps.checks) kept every id, in the same order. The digests were
-    computed with the code before the split (sha256 of the ids joined by newlines, in plan order)."""
-    pinned = {"quick": (208, "088752e4a628ea0f", "90f19de5c6653ab4e5642fb60aace3164a1d39693b5438229c566056f704c48c"),
+    computed with the code before the split (sha256 of the ids joined by newlines, in plan order). #19 added
+    the EAGLE-3 head's Table 2 to quick.toml (56 eagle3 cells): every cell that was there keeps its id."""
+    pinned = {"quick": (208, "79d2c7e8e8c5b0b8", "90f19de5c6653ab4e5642fb60aace3164a1d39693b5438229c566056f704c48c"),
               "paper": (2856, "be6ea3bfa136e3c1", "8c32de2820754df837b3819f88c76a44c0ddf2c8a7a8f1bda89ff13df0a853ac")}
+    added = {"quick": 56, "paper": 0}
     for name, (n, config_hash, ids) in pinned.items():
         sweep = load_sweep(Path(sweeps.__file__).parent / "configs" / f"{name}.toml")
-        got = [c.id for c in sweep.cells]
+        got = [c.id for c in sweep.cells if c.method != "eagle3"]
         assert (len(got), sweep.config_hash) == (n, config_hash), name
+        assert len(sweep.cells) - len(got) == added[name], name
         assert hashlib.sha256("\n".join(got).encode()).hexdigest() == ids, name
 
 
@@ -483,7 +486,7 @@ def test_quick_sweep_benches_every_drafter_at_a_calibrated_size():
     cal = {c.id: c for c in s.cells if c.kind == "calibrate"}
     bench = [c for c in s.cells if c.kind == "bench"]
     drafting = [c for c in bench if c.method in DRAFTING_METHODS]
-    assert {c.method for c in drafting} == {"pld", "recycling", "unispec", "eagle"}
+    assert {c.method for c in drafting} == {"pld", "recycling", "unispec", "eagle", "eagle3"}
     for c in drafting:
         assert "draft_size" not in c.params["config"], c.describe()
         src = cal[c.params["calibrate_cell"]]

@@ -290,3 +290,30 @@ def test_the_shipped_fits_are_keyed_by_head_and_depth(name):
     for depth, file in depths.items():
         assert file == ("dynaspec-eagle.safetensors.json" if depth == SpecConfig().eagle_depth
                         else f"dynaspec-eagle-depth{depth}.safetensors.json")
+
+
+# The depths each shipped EAGLE-3 head has a DynaSpec fit for (engine/heads/<model>/eagle3/, #19).
+SHIPPED_EAGLE3_FIT_DEPTHS = {"smollm2-135m-instruct": {3, SpecConfig().eagle_depth}}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED_EAGLE3_FIT_DEPTHS))
+def test_the_shipped_eagle3_fits_are_keyed_by_head_and_depth(name):
+    """#19: the DynaSpec fits beside a shipped EAGLE-3 head partition its draft vocabulary (V = draft_vocab_size),
+    are keyed by that head's hash and the depth they were logged at, and are named for the depth."""
+    from engine.catalog import shipped_eagle3_heads
+    from engine.drafters.eagle import head_digest
+    from engine.drafters.eagle3 import load_eagle3_head
+    folder = shipped_eagle3_heads()[name]
+    head = load_eagle3_head(f"specvocab:{name}")
+    sha = head_digest(head)
+    depths = {}
+    for side in folder.glob("dynaspec-eagle3*.safetensors.json"):
+        meta = json.loads(side.read_text())
+        key = meta["drafter_config"]
+        assert key["drafter"] == "eagle3" and key["eagle3_head_sha"] == sha, side
+        assert meta["vocab_size"] == head.draft_vocab_size, side
+        depths[key["eagle_depth"]] = side.name
+    assert set(depths) == SHIPPED_EAGLE3_FIT_DEPTHS[name], depths
+    for depth, file in depths.items():
+        assert file == ("dynaspec-eagle3.safetensors.json" if depth == SpecConfig().eagle_depth
+                        else f"dynaspec-eagle3-depth{depth}.safetensors.json")

@@ -143,7 +143,9 @@ def head_digest(head: EagleHead) -> str:
     embedding scale: what names the drafter a DynaSpec router was trained on (a head retrained into the same
     folder gets another digest). Cached on the head; recomputed when its weights change in place is not
     tracked, so training code must not rely on it."""
-    digest = hashlib.sha256(f"embed_scale={head.embed_scale!r}".encode())
+    # an EAGLE-3 head (engine.drafters.eagle3) has no embed_scale: its lm_head, d2t and t2d are hashed with the rest
+    scale = getattr(head, "embed_scale", None)
+    digest = hashlib.sha256(f"embed_scale={scale!r}".encode() if scale is not None else b"eagle3")
     for name, t in sorted(head.state_dict().items()):
         if name.startswith(("rotary_emb.", "embed_tokens.")):
             continue

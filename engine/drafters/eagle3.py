@@ -37,7 +37,10 @@ admits can be drafted. `full` = the whole draft vocabulary; `frspec` = the top-K
 admits (stats: `frspec_candidates`, `frspec_admitted`); `microspec` = MicroSpec's window over target ids,
 unchanged, scoring the entries t2d admits (stats: `window_vocab`, the window's distinct tokens, and
 `window_admitted`, those t2d admits, both means over steps); `oracle` = the whole draft vocabulary's proposals
-at the cost of a [w_max, d] head. `dynaspec` is refused (see `make_eagle3_policy`).
+at the cost of a [w_max, d] head; `dynaspec` = DynaSpec's clusters over the draft vocabulary (the rows of the
+head's own lm_head, fitted for this head and depth: `python -m engine.jobs.fit_dynaspec --drafter eagle3`), the
+router reading [h; E(x)] with E(x) the target's LM-head row of the target id x, the union head over draft rows
+and its slots mapped through d2t (stats as for eagle's dynaspec, sizes in draft rows).
 """
 
 from __future__ import annotations
@@ -53,12 +56,13 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 from engine.catalog import shipped_eagle3_heads
 from engine.shipped import default_eagle3_head
 from engine.drafters import register_drafter
-from engine.drafters.eagle import (EagleTreeDrafter, check_head_target, llama_config, random_eagle_head, read_state_dict,
-                                   resolve_head_dir)
+from engine.drafters.eagle import (EagleTreeDrafter, check_head_target, head_digest, llama_config, random_eagle_head,
+                                   read_state_dict, resolve_head_dir)
 from engine.drafters.layerskip import text_config
 from engine.drafters.lmhead import DrafterError, attention_bias
 from engine.target import cache_kwarg, decoder, native_model, resolve_backend
-from engine.vocab import FrSpecVocab, MicroSpecVocab, OracleVocab, VocabError, VocabPolicy
+from engine.vocab.dynaspec import drafter_key as dynaspec_drafter_key
+from engine.vocab import DynaSpecVocab, FrSpecVocab, MicroSpecVocab, OracleVocab, VocabError, VocabPolicy
 from kernels.head import packed_head
 from kernels.streams import PackedLMHead
 from kernels.window import GatherList
@@ -408,20 +412,40 @@ class DraftOracleVocab(OracleVocab):
         return self.maps.t2d
 
 
+class DraftDynaSpecVocab(DynaSpecVocab):
+    """`dynaspec` inside the draft vocabulary (DynaSpec §4.2-4.3): the clusters partition the draft head's rows
+    (draft ids), fitted for this head and depth (`engine.vocab.dynaspec.drafter_key`: the head's hash); the router
+    reads E(x) from `embed` [V, d] by target id (the tree's tokens are target ids); the union head's slots are
+    mapped to target ids through d2t. Sizes (`mean_active_vocab`, `mean_row_vocab`, `mean_union_vocab`) count
+    draft rows."""
+
+    def __init__(self, lm_head, cfg, maps: DraftVocab, *, embed: torch.Tensor, drafter_key: dict, timer=None):
+        super().__init__(lm_head, cfg, timer=timer, drafter_key=drafter_key, embed=embed)
+        self.maps = maps
+        self.vocab_size = maps.vocab_size
+
+    def logits(self, h):
+        logits, idx = super().logits(h)
+        return logits, self.maps.draft_to_target[idx]
+
+    def active_mask(self):
+        mask = torch.zeros(self.maps.vocab_size, dtype=torch.bool, device=self.maps.t2d.device)
+        mask[self.maps.draft_to_target] = self.head.step_mask                 # no sync: a scatter of [K] bools
+        return mask
+
+
 _DRAFT_POLICIES = {"full": DraftFullVocab, "frspec": DraftFrSpecVocab, "microspec": DraftMicroSpecVocab,
-                   "oracle": DraftOracleVocab}
+                   "oracle": DraftOracleVocab, "dynaspec": DraftDynaSpecVocab}
 
 
-def make_eagle3_policy(cfg, lm_head: torch.Tensor, maps: DraftVocab, *, timer=None) -> VocabPolicy:
-    """The policy `cfg.vocab` inside an EAGLE-3 head's draft vocabulary (module docstring)."""
-    if cfg.vocab == "dynaspec":
-        raise VocabError("vocab='dynaspec' does not run with method='eagle3': DynaSpec's clusters and router are "
-                         "fitted over the rows of the target's LM head, indexed by target id (`python -m "
-                         "engine.dynaspec fit`), while an EAGLE-3 head scores its own lm_head over its draft "
-                         "vocabulary (draft ids, mapped through d2t), for which no fit exists; use vocab='full', "
-                         "'frspec', 'microspec' or 'oracle' with eagle3")
+def make_eagle3_policy(cfg, lm_head: torch.Tensor, maps: DraftVocab, *, timer=None, embed: torch.Tensor | None = None,
+                       drafter_key: dict | None = None) -> VocabPolicy:
+    """The policy `cfg.vocab` inside an EAGLE-3 head's draft vocabulary (module docstring). dynaspec needs `embed`
+    (the target's LM-head rows, E(x) by target id) and the drafter's `drafter_key`."""
     if cfg.vocab not in _DRAFT_POLICIES:
         raise VocabError(f"unknown vocab policy {cfg.vocab!r} for eagle3; choose one of {list(_DRAFT_POLICIES)}")
+    if cfg.vocab == "dynaspec":
+        return DraftDynaSpecVocab(lm_head, cfg, maps, embed=embed, drafter_key=drafter_key, timer=timer)
     return _DRAFT_POLICIES[cfg.vocab](lm_head, cfg, maps, timer=timer)
 
 
@@ -434,8 +458,6 @@ class Eagle3Drafter(EagleTreeDrafter):
     def __init__(self, target, cfg, head: Eagle3Head | None = None):
         super().__init__(target, cfg)
         cfg.require_draft_size()
-        if cfg.vocab == "dynaspec":
-            make_eagle3_policy(cfg, None, None)                    # the clear error, before loading a head
         self.head_source = "(passed in)" if head is not None else cfg.eagle3_head
         if head is None:
             source = cfg.eagle3_head if cfg.eagle3_head is not None else default_eagle3_head(target)
@@ -467,6 +489,7 @@ class Eagle3Drafter(EagleTreeDrafter):
                                f"own, but the target's embedding is {embed.weight.shape[1]} wide; the checkpoint must "
                                f"carry its embedding")
         dtype = target.get_output_embeddings().weight.dtype
+        self.head_sha = head_digest(head)                              # before the cast: the file's weights
         self.eagle = head.to(device=self.device, dtype=dtype).eval()     # d2t / t2d stay int64 / bool
         self.embed = embed
         self.cache_kw = cache_kwarg(self.eagle.midlayer.self_attn)
@@ -485,7 +508,15 @@ class Eagle3Drafter(EagleTreeDrafter):
         self._reset_backbone()
 
     def _make_policy(self):
-        self.policy = make_eagle3_policy(self.cfg, self.head_weight, self.maps, timer=self.timer)
+        self.policy = make_eagle3_policy(self.cfg, self.head_weight, self.maps, timer=self.timer,
+                                         embed=self.router_embedding(), drafter_key=self.drafter_key())
+
+    def router_embedding(self) -> torch.Tensor:
+        """[V, d] the rows E(x) DynaSpec's router reads by target id: the target's LM head, as for eagle."""
+        return self.target.get_output_embeddings().weight.detach()
+
+    def drafter_key(self) -> dict:
+        return dynaspec_drafter_key(self.cfg, head_sha=self.head_sha)
 
     def _head_topk(self, h, k):
         return self.policy.head_topk(self.eagle.norm(h), k)           # lm_head(norm(h)); ids mapped through d2t

@@ -240,13 +240,18 @@ def _drafter_columns(res) -> dict:
     return out
 
 
-def _resolve_dynaspec(run: Run, head: torch.Tensor, show: bool) -> Run:
+def _resolve_dynaspec(run: Run, target, show: bool) -> Run:
     """A dynaspec run with its fitted file fixed (`dynaspec_file`, else the newest fit for this head and
     drafter) and its size in both units: `dynaspec:N` sets k_max = round(N * M / V); an unsized run keeps
-    its k_max and reports the tokens it stands for, round(k_max * V / M) (module docstring)."""
+    its k_max and reports the tokens it stands for, round(k_max * V / M) (module docstring). The head is the
+    target's LM head, or for eagle3 the EAGLE-3 head's own lm_head (V = its draft vocabulary)."""
     cfg = run.cfg
     try:
-        path = Path(cfg.dynaspec_file).expanduser() if cfg.dynaspec_file else find_fitted(head, cfg)
+        head, key = target.get_output_embeddings().weight, None
+        if run.method == "eagle3":                               # the fit partitions the draft vocabulary
+            drafter = make_drafter(target, cfg.replace(vocab="full"))
+            head, key = drafter.head_weight, drafter.drafter_key()
+        path = Path(cfg.dynaspec_file).expanduser() if cfg.dynaspec_file else find_fitted(head, cfg, key=key)
         m, v = fitted_sizes(path)
         if run.size is not None:
             cfg = cfg.replace(dynaspec_k_max=k_max_for_tokens(run.size, m, v))
@@ -334,8 +339,7 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
     if not prompt_list:
         raise BenchError(f"prompt set {prompts!r} with these filters is empty")
     runs = [replace(r, cfg=with_default_ranking(r.cfg, tokenizer, info, eos)) for r in runs]   # says which corpus
-    head = target.get_output_embeddings().weight                 # [V, d] what a draft policy restricts
-    runs = [_resolve_dynaspec(r, head, show) if r.policy == "dynaspec" else r for r in runs]
+    runs = [_resolve_dynaspec(r, target, show) if r.policy == "dynaspec" else r for r in runs]
     runs = [_check_drafter(r, target) if r.method in DRAFTERS else r for r in runs]
 
     path = None if out is None else Path(out) / RESULTS_FILE

@@ -176,7 +176,9 @@ class RouterRows:
     parent_h: torch.Tensor        # [n, d]      the drafter hidden state that proposed x (the router's h), in the
                                   #             drafter's own dtype: the values the router reads at decode time
     t: torch.Tensor               # [n] int8    draft step (0: the root's children)
-    top: torch.Tensor             # [n, L] int32 the full head's top-L tokens at that row, best first
+    top: torch.Tensor             # [n, L] int32 the full head's top-L tokens at that row, best first, as rows
+                                  #             of the head the clusters partition (`head_rows`: target ids, or
+                                  #             an EAGLE-3 head's draft ids)
 
     def __len__(self) -> int:
         return self.tokens.numel()
@@ -207,8 +209,9 @@ class RouterDataLogger:
     """Stands in for a drafter's full-vocabulary policy and records, per head call, the router's input rows
     (token x and hidden state h from `route`) and the full head's top-L tokens at those rows."""
 
-    def __init__(self, inner, top_l: int):
+    def __init__(self, inner, top_l: int, to_row: torch.Tensor | None = None):
         self.inner, self.top_l = inner, top_l
+        self.to_row = to_row                     # [V] target id -> head row (eagle3's draft ids); None: identity
         self.rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._pending = None
 
@@ -229,8 +232,10 @@ class RouterDataLogger:
                                 "built on LMHeadDrafter (layerskip, eagle)")
         tokens, parent_h, t = self._pending
         self._pending = None
-        self.rows.append((tokens, parent_h, torch.full_like(tokens, t, dtype=torch.int8),
-                          ids[:, : self.top_l].to("cpu", torch.int32)))
+        top = ids[:, : self.top_l]
+        if self.to_row is not None:
+            top = self.to_row[top.long()]
+        self.rows.append((tokens, parent_h, torch.full_like(tokens, t, dtype=torch.int8), top.to("cpu", torch.int32)))
         return logp[:, :k], ids[:, :k]
 
     def take(self) -> "RouterRows | None":
@@ -242,6 +247,18 @@ class RouterDataLogger:
 
 
 # --- fitting ---------------------------------------------------------------------------------------------------
+
+def head_rows(drafter, model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What a fit partitions and reads for this drafter: (weight [K, d], the head rows the clusters split; embed
+    [V, d], E(x) by target id; to_row [V] target id -> row of weight, or None when they are the same). eagle3
+    (`engine.drafters.eagle3`): its own lm_head over the draft vocabulary, the target's LM head as E(x) and
+    row_of_target; every other drafter: the target's LM head for both."""
+    target = model.get_output_embeddings().weight.detach()
+    maps = getattr(drafter, "maps", None)
+    if maps is not None and hasattr(drafter, "head_weight"):
+        return drafter.head_weight.detach(), target, maps.row_of_target
+    return target, target, None
+
 
 @dataclass(frozen=True)
 class FitConfig:
@@ -330,8 +347,9 @@ def log_rows(cfg: FitConfig, model, tokenizer, info, work: Path) -> list[Path]:
         if drafter is None:
             drafter = make_drafter(model, spec)
             if not hasattr(drafter, "policy"):
-                raise DynaSpecError(f"drafter {cfg.drafter!r} has no LM head to restrict; use layerskip or eagle")
-            logger = RouterDataLogger(drafter.policy, cfg.top_l)
+                raise DynaSpecError(f"drafter {cfg.drafter!r} has no LM head to restrict; use layerskip, eagle or "
+                                    f"eagle3")
+            logger = RouterDataLogger(drafter.policy, cfg.top_l, to_row=head_rows(drafter, model)[2])
             drafter.policy = logger
         logger.rows = []
         res = generate(model, ids, spec, drafter=drafter, tokenizer=tokenizer, info=info)
@@ -377,7 +395,8 @@ def router_metrics(router: Router, rows: RouterRows, weight: torch.Tensor, layou
     """Held-out quality of a router at the budget k_c(t) of each row (§4.2), overall and per draft step t:
     cluster recall (positives among the picked clusters / positives), token recall (top-L tokens inside the
     shortlist), top-1 hit (the full drafter's argmax inside the shortlist) and the mean shortlist size.
-    `scores_fn(tokens, h) -> [n, M]` replaces the router (e.g. a static baseline)."""
+    `scores_fn(tokens, h) -> [n, M]` replaces the router (e.g. a static baseline). `weight` holds the rows E(x)
+    by token id (`head_rows`' embed)."""
     m = layout.num_clusters
     sums: dict[int, np.ndarray] = {}
     n_rows = len(rows)
@@ -407,7 +426,7 @@ def router_metrics(router: Router, rows: RouterRows, weight: torch.Tensor, layou
 
 
 def train_router(cfg: FitConfig, train: RouterRows, weight: torch.Tensor, assign: torch.Tensor,
-                 work: Path) -> tuple[Router, list[float]]:
+                 work: Path, embed: torch.Tensor | None = None) -> tuple[Router, list[float]]:
     """AdamW on the BCE of §4.2; checkpoints `router.pt` atomically every 100 batches and at each epoch's
     end, and resumes from it (the shuffle of epoch e is seeded by (seed, e), so a resumed run sees the
     same batches). A checkpoint of other hyper-parameters (lr, batch size, weight decay, seed, epochs, width,
@@ -435,7 +454,7 @@ def train_router(cfg: FitConfig, train: RouterRows, weight: torch.Tensor, assign
         router.load_state_dict(state["router"])
         opt.load_state_dict(state["opt"])
         step, losses = state["step"], list(state["losses"])
-    emb = weight.detach().float()
+    emb = (weight if embed is None else embed).detach().float()            # E(x) by token id
     h_all, tok_all, top_all = train.parent_h, train.tokens.long(), train.top.long()
     bar = tqdm(total=total, initial=step, desc="train router", disable=not cfg.progress)
     router.train()
@@ -477,8 +496,9 @@ def fit(cfg: FitConfig) -> Path:
     spec = resolve_config(cfg.spec_config(), model=model)
     drafter = make_drafter(model, spec)
     if not hasattr(drafter, "drafter_key"):
-        raise DynaSpecError(f"drafter {cfg.drafter!r} has no LM head to restrict; use layerskip or eagle")
-    key_of_drafter = drafter.drafter_key()       # eagle: the head's hash and the depth (a run checks both)
+        raise DynaSpecError(f"drafter {cfg.drafter!r} has no LM head to restrict; use layerskip, eagle or eagle3")
+    key_of_drafter = drafter.drafter_key()       # eagle/eagle3: the head's hash and the depth (a run checks both)
+    weight, embed, _ = head_rows(drafter, model)  # [K, d] the rows clustered; [V, d] E(x) by target id
     del drafter
     out = Path(cfg.out).expanduser() if cfg.out else default_dynaspec_path(cfg.model, spec, key_of_drafter)
     work = Path(cfg.work_dir).expanduser() if cfg.work_dir else out.with_name(out.name + ".work")
@@ -490,7 +510,6 @@ def fit(cfg: FitConfig) -> Path:
                             f"another --work-dir")
     key_file.write_text(json.dumps(key, indent=1, sort_keys=True))
 
-    weight = model.get_output_embeddings().weight.detach()                    # [V, d]
     clusters = work / "clusters.safetensors"
     if clusters.is_file():
         assign = load_file(str(clusters))["assign"].long()
@@ -516,18 +535,17 @@ def fit(cfg: FitConfig) -> Path:
     write_split(work, shards[: len(shards) - n_held], shards[len(shards) - n_held:], cfg.heldout)
     if not train_rows:
         raise DynaSpecError("no training rows were logged; raise --num-prompts")
-    router, losses = train_router(cfg, train_rows, weight, assign, work)
+    router, losses = train_router(cfg, train_rows, weight, assign, work, embed=embed)
 
     layout = ClusterLayout.from_assign(assign, cfg.num_clusters)
     metrics = {}
     if held_rows:
         counts = cluster_targets(train_rows.top.long(), assign, cfg.num_clusters).sum(0)   # label frequency
         static = lambda tok, h: counts.expand(tok.numel(), -1)                                 # noqa: E731
-        metrics = {"router": router_metrics(router, held_rows, weight.float(), layout, cfg.k_max),
-                   "static_baseline": router_metrics(router, held_rows, weight.float(), layout, cfg.k_max,
-                                                     scores_fn=static),
-                   "router_fixed_budget": router_metrics(router, held_rows, weight.float(), layout, cfg.k_max,
-                                                         budget="fixed")}
+        emb = embed.float()
+        metrics = {"router": router_metrics(router, held_rows, emb, layout, cfg.k_max),
+                   "static_baseline": router_metrics(router, held_rows, emb, layout, cfg.k_max, scores_fn=static),
+                   "router_fixed_budget": router_metrics(router, held_rows, emb, layout, cfg.k_max, budget="fixed")}
     fit_s = time.perf_counter() - t_start
     meta = {"model": cfg.model, "drafter_config": key_of_drafter, "created": time.time(),
             FINGERPRINT_KEY: head_fingerprint(weight), "top_l": cfg.top_l, "kmeans": {

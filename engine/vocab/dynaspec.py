@@ -59,7 +59,7 @@ from torch import nn
 
 from engine.artifacts import (FINGERPRINT_KEY, fingerprint_matches, save_safetensors, sidecar_path,
                               stored_fingerprint)
-from engine.catalog import SHIPPED_HEADS
+from engine.catalog import EAGLE3_FOLDER, SHIPPED_HEADS
 from engine.config import SpecConfig
 from engine.models import cache_root
 from engine.vocab.base import VocabPolicy, softcap
@@ -290,6 +290,8 @@ def drafter_key(cfg: SpecConfig, head_sha: str | None = None) -> dict:
         return {"drafter": "layerskip", "drafter_layers": cfg.drafter_layers, "eagle_depth": cfg.eagle_depth}
     if cfg.method == "eagle":
         return {"drafter": "eagle", "eagle_head_sha": head_sha, "eagle_depth": cfg.eagle_depth}
+    if cfg.method == "eagle3":           # clusters over the head's own draft vocabulary (engine.drafters.eagle3)
+        return {"drafter": "eagle3", "eagle3_head_sha": head_sha, "eagle_depth": cfg.eagle_depth}
     return {"drafter": cfg.method}
 
 
@@ -324,10 +326,10 @@ SHIPPED_FITS = SHIPPED_HEADS                                 # engine/heads/<mod
 def find_fitted(weight: torch.Tensor, cfg: SpecConfig, folder: str | Path | None = None,
                 key: dict | None = None) -> Path:
     """The newest fitted DynaSpec in `folder` (default: the cache's dynaspec/, then the fits shipped beside
-    the trained EAGLE heads in engine/heads/<model>/) made for this LM head and this drafter (`key`, default
+    the trained EAGLE heads in engine/heads/<model>/ and beside the EAGLE-3 heads in <model>/eagle3/) made for this LM head and this drafter (`key`, default
     `drafter_key(cfg)`); a clear error when there is none."""
-    folders = [Path(folder)] if folder is not None else [cache_root() / "dynaspec",
-                                                         *sorted(SHIPPED_FITS.glob("*/"))]
+    folders = [Path(folder)] if folder is not None else [cache_root() / "dynaspec", *sorted(SHIPPED_FITS.glob("*/")),
+                                                         *sorted(SHIPPED_FITS.glob(f"*/{EAGLE3_FOLDER}/"))]
     key = key or drafter_key(cfg)
     fingerprint = None
     found = []
@@ -384,15 +386,23 @@ class DynaSpecHead:
     `route(tokens [r], parent_h [r, d], t)` - called by the drafter before its backbone runs the rows -
     scores the clusters and picks each row's top-k_c(t); on CUDA it runs on a side stream, overlapping the
     backbone (§4.3). `logits(h [r, d])` waits for it, builds the union and runs the masked head once.
-    Sizes are accumulated on the device: per row |V_S,r| and per head call |union|."""
+    Sizes are accumulated on the device: per row |V_S,r| and per head call |union|.
+
+    `weight` [K, d] holds the rows the clusters partition (the target's LM head, or an EAGLE-3 head's own
+    lm_head over its draft vocabulary); `embed` [V, d] the rows E(x) the router reads for the token ids `route`
+    gets (default: `weight`, when those ids index it)."""
 
     def __init__(self, fitted: FittedDynaSpec, weight: torch.Tensor, *, k_max: int, budget: str = "position",
-                 k_min: int = 1):
+                 k_min: int = 1, embed: torch.Tensor | None = None):
         if fitted.vocab_size != weight.shape[0] or fitted.router.hidden_size != weight.shape[1]:
             raise DynaSpecError(f"this DynaSpec is for V={fitted.vocab_size}, d={fitted.router.hidden_size}, but the "
                                 f"LM head is {weight.shape[0]} x {weight.shape[1]}; fit one for this model")
         cluster_budget(0, k_max, budget, k_min=k_min)                             # validates the arguments
         self.weight = weight                                                      # [V, d]
+        self.embed = weight if embed is None else embed                           # [V_tokens, d] E(x)
+        if self.embed.shape[1] != weight.shape[1]:
+            raise DynaSpecError(f"the router's embedding rows are {self.embed.shape[1]} wide but the head's are "
+                                f"{weight.shape[1]}")
         self.device = weight.device
         self.k_max, self.budget, self.k_min = k_max, budget, k_min
         self.router = fitted.router.to(self.device).eval()
@@ -414,7 +424,7 @@ class DynaSpecHead:
         self.step_mask = torch.zeros(self.weight.shape[0], dtype=torch.bool, device=self.device)   # [V]
 
     def _select(self, tokens: torch.Tensor, parent_h: torch.Tensor, k: int) -> torch.Tensor:
-        emb = self.weight[tokens.long()]                                          # [r, d] E(x): LM-head rows
+        emb = self.embed[tokens.long()]                                           # [r, d] E(x): LM-head rows
         return select_clusters(self.router(parent_h, emb), k)                    # [r, M]
 
     @torch.no_grad()
@@ -494,7 +504,7 @@ class DynaSpecVocab(VocabPolicy):
     name = "dynaspec"
 
     def __init__(self, weight, cfg, *, softcap=None, timer=None, fitted: FittedDynaSpec | None = None,
-                 drafter_key: dict | None = None):
+                 drafter_key: dict | None = None, embed: torch.Tensor | None = None):
         super().__init__(weight, cfg, softcap=softcap, timer=timer)
         key = drafter_key or globals()["drafter_key"](cfg)
         if fitted is None:
@@ -502,7 +512,7 @@ class DynaSpecVocab(VocabPolicy):
             fitted = load_dynaspec(path, weight)
             check_drafter(fitted.meta, key, str(path))
         self.head = DynaSpecHead(fitted, weight, k_max=cfg.dynaspec_k_max, budget=cfg.dynaspec_budget,
-                                 k_min=cfg.dynaspec_k_min)
+                                 k_min=cfg.dynaspec_k_min, embed=embed)
 
     def begin(self, prompt_ids, prefill_logits):
         super().begin(prompt_ids, prefill_logits)

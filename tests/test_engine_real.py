@@ -7,6 +7,7 @@ import torch
 
 from engine import SpecConfig, generate
 from engine.divergence import classify, first_divergence, margin_at, next_logits
+from engine.jobs.frequency import with_default_ranking
 from engine.models import eos_token_ids
 from engine.prompts import encode_prompt, load_prompts
 from tests.engine_testing import OracleTreeDrafter
@@ -78,8 +79,10 @@ def test_the_shipped_eagle3_head_is_the_default_and_lossless_with_every_policy(r
     ar = generate(model, ids, method="ar", tokenizer=tok, info=info, max_new_tokens=T).output_ids.tolist()
     taus = {}
     for vocab in ("full", "frspec", "dynaspec", "microspec"):
-        res = generate(model, ids, method="eagle3", vocab=vocab, eagle_depth=3, draft_size=8, tokenizer=tok,
-                       info=info, max_new_tokens=T)
+        # frspec: the training corpus's list for this tokenizer, as bench and the sweeps give it
+        cfg = with_default_ranking(SpecConfig.preset("eagle3", vocab=vocab, eagle_depth=3, draft_size=8,
+                                                     max_new_tokens=T), tok, info, eos_token_ids(model, tok))
+        res = generate(model, ids, cfg, tokenizer=tok, info=info)
         assert res.output_ids.tolist() == ar, vocab
         taus[vocab] = res.tau
         assert res.drafter_stats["draft_vocab"] < info.vocab_size, vocab      # the head's own draft vocabulary

@@ -64,7 +64,7 @@ def test_methods_equal_greedy_on_real_models(request, which, category):
     assert tree.steps < ar.steps                                 # the trees' correct branches were taken
 
 
-SHIPPED_EAGLE3 = ("smollm2",)               # the offline models an EAGLE-3 head ships for (engine/heads/<model>/eagle3/)
+SHIPPED_EAGLE3 = ("smollm2", "gemma")      # the offline models an EAGLE-3 head ships for (engine/heads/<model>/eagle3/)
 
 
 @pytest.mark.parametrize("which", SHIPPED_EAGLE3)

@@ -293,7 +293,8 @@ def test_the_shipped_fits_are_keyed_by_head_and_depth(name):
 
 
 # The depths each shipped EAGLE-3 head has a DynaSpec fit for (engine/heads/<model>/eagle3/, #19).
-SHIPPED_EAGLE3_FIT_DEPTHS = {"smollm2-135m-instruct": {3, SpecConfig().eagle_depth}}
+SHIPPED_EAGLE3_FIT_DEPTHS = {"smollm2-135m-instruct": {3, SpecConfig().eagle_depth},
+                             "gemma-3-270m": {3, SpecConfig().eagle_depth}}
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED_EAGLE3_FIT_DEPTHS))

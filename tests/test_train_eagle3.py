@@ -205,7 +205,7 @@ def test_a_run_learns_saves_the_official_layout_and_decodes_losslessly(trained, 
     # the curve's last tau is the saved checkpoint's
     manifest = data_job.read_manifest(cfg["specvocab"]["training"]["data"])
     held = data_job.load_split(cfg["specvocab"]["training"]["data"], "heldout")
-    prompts = t3._heldout_prompts(held, manifest, 1)
+    prompts = t3.heldout_prompts(held, manifest, 1)
     _, tok, info = load_model("random-llama", dtype="fp32")
     tau = t3.heldout_tau3(target, tok, info, None, prompts, 8, eos_token_ids(target, tok), head_dir=str(trained))
     assert tau == pytest.approx(lc["heldout_tau"][-1])
@@ -270,3 +270,26 @@ def test_data_without_eagle3_features_is_refused(tmp_path):
 def test_cli_verb():
     from sweeps.cli import resolve
     assert resolve(["train", "eagle3", "--model", "x"]) == ("engine.jobs.train_eagle3", ["--model", "x"])
+
+
+def test_compare_heads_runs_both_heads_at_one_tree(data_dir, trained, target):
+    """`engine.jobs.compare_heads`: ar, the EAGLE-2 head and the EAGLE-3 head on the data's held-out prompts at one
+    tree; each tau is the one a direct decode of those prompts gives (catches another tree, other prompts or the
+    heads swapped), outputs counted against ar's."""
+    from engine.jobs.compare_heads import CompareConfig, compare_heads
+
+    loaded = (target, *load_model("random-llama", dtype="fp32")[1:])
+    cfg = CompareConfig(model="random-llama", data=str(data_dir), eagle_head="random", eagle3_head=str(trained),
+                        prompts=2, new_tokens=8, eagle_depth=3, draft_size=6, progress=False)
+    frame = compare_heads(cfg, loaded=loaded)
+    assert frame["method"].to_list() == ["ar", "eagle", "eagle3"]
+    assert frame["equal_to_ar"].to_list() == [2, 2, 2] and frame["tau"][0] == 1.0
+    prompts = t3.heldout_prompts(data_job.load_split(str(data_dir), "heldout"), data_job.read_manifest(str(data_dir)), 2)
+    eos = eos_token_ids(target, loaded[1])
+    for method, head in (("eagle", {"eagle_head": "random"}), ("eagle3", {"eagle3_head": str(trained)})):
+        res = [generate(target, torch.as_tensor(p), method=method, eagle_depth=3, draft_size=6, max_new_tokens=8,
+                        eos_ids=eos, **head) for p in prompts]
+        tau = sum(r.new_tokens for r in res) / sum(r.steps for r in res)
+        assert frame.filter(pl.col("method") == method)["tau"][0] == pytest.approx(tau), method
+    with pytest.raises(t3.TrainError, match="--data is required"):
+        compare_heads(CompareConfig(model="random-llama"), loaded=loaded)

@@ -426,7 +426,9 @@ def default_head_dir(model: str) -> Path:
     return cache_root() / "eagle3" / safe
 
 
-def _heldout_prompts(held: Sequence[Sample], manifest: dict, n: int) -> list[list[int]]:
+def heldout_prompts(held: Sequence[Sample], manifest: dict, n: int) -> list[list[int]]:
+    """The prompts (the part before the loss positions) of the first n held-out samples; with teacher data in the
+    folder, its teacher samples only (one per prompt)."""
     out = []
     for s in held:
         if len(out) == n:
@@ -507,7 +509,7 @@ def train_eagle3(cfg: Train3Config) -> Path:
         print(f"[train eagle3] resuming {out} at step {step} ({tokens_seen:,} tokens)", flush=True)
 
     eos = eos_token_ids(model, tokenizer)
-    held_prompts = _heldout_prompts(held, manifest, cfg.eval_prompts)
+    held_prompts = heldout_prompts(held, manifest, cfg.eval_prompts)
     head_dtype = DTYPES[cfg.head_dtype]
     held_batches = [make_batch3([held[i] for i in b], maps, cfg.ttt_steps, cfg.loss_on)
                     for b in pack_samples(held, range(len(held)), cfg.batch_tokens)]

@@ -61,8 +61,8 @@ from engine.drafters.eagle import (EagleTreeDrafter, check_head_target, head_dig
 from engine.drafters.layerskip import text_config
 from engine.drafters.lmhead import DrafterError, attention_bias
 from engine.target import cache_kwarg, decoder, native_model, resolve_backend
-from engine.vocab.dynaspec import drafter_key as dynaspec_drafter_key
 from engine.vocab import DynaSpecVocab, FrSpecVocab, MicroSpecVocab, OracleVocab, VocabError, VocabPolicy
+from engine.vocab.dynaspec import drafter_key as dynaspec_drafter_key
 from kernels.head import packed_head
 from kernels.streams import PackedLMHead
 from kernels.window import GatherList

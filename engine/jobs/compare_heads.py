@@ -88,7 +88,8 @@ def compare_heads(cfg: CompareConfig, loaded=None) -> pl.DataFrame:
 
 def main(argv: list[str] | None = None) -> pl.DataFrame:
     return config_main(argv, prog="python -m engine.jobs.compare_heads", description=__doc__.split("\n")[0],
-                       cls=CompareConfig, run=compare_heads, skip={"model", "progress"}, errors=(TrainError, ValueError))
+                       cls=CompareConfig, run=compare_heads, skip={"model", "progress"},
+                       errors=(TrainError, ValueError))
 
 
 if __name__ == "__main__":

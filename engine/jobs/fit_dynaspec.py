@@ -229,7 +229,7 @@ class RouterDataLogger:
         logp, ids = self.inner.head_topk(h, max(k, self.top_l))                 # [r, K] sorted, best first
         if self._pending is None or self._pending[0].numel() != h.shape[0]:
             raise DynaSpecError("the drafter ran its head without routing the rows first; log with a drafter "
-                                "built on LMHeadDrafter (layerskip, eagle)")
+                                "built on LMHeadDrafter (layerskip, eagle, eagle3)")
         tokens, parent_h, t = self._pending
         self._pending = None
         top = ids[:, : self.top_l]
@@ -255,8 +255,8 @@ def head_rows(drafter, model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor 
     row_of_target; every other drafter: the target's LM head for both."""
     target = model.get_output_embeddings().weight.detach()
     maps = getattr(drafter, "maps", None)
-    if maps is not None and hasattr(drafter, "head_weight"):
-        return drafter.head_weight.detach(), target, maps.row_of_target
+    if maps is not None and hasattr(drafter, "router_embedding"):
+        return drafter.head_weight.detach(), drafter.router_embedding(), maps.row_of_target
     return target, target, None
 
 

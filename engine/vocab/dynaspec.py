@@ -326,8 +326,8 @@ SHIPPED_FITS = SHIPPED_HEADS                                 # engine/heads/<mod
 def find_fitted(weight: torch.Tensor, cfg: SpecConfig, folder: str | Path | None = None,
                 key: dict | None = None) -> Path:
     """The newest fitted DynaSpec in `folder` (default: the cache's dynaspec/, then the fits shipped beside
-    the trained EAGLE heads in engine/heads/<model>/ and beside the EAGLE-3 heads in <model>/eagle3/) made for this LM head and this drafter (`key`, default
-    `drafter_key(cfg)`); a clear error when there is none."""
+    the trained EAGLE heads in engine/heads/<model>/ and beside the EAGLE-3 heads in <model>/eagle3/) made for
+    this LM head and this drafter (`key`, default `drafter_key(cfg)`); a clear error when there is none."""
     folders = [Path(folder)] if folder is not None else [cache_root() / "dynaspec", *sorted(SHIPPED_FITS.glob("*/")),
                                                          *sorted(SHIPPED_FITS.glob(f"*/{EAGLE3_FOLDER}/"))]
     key = key or drafter_key(cfg)
@@ -398,7 +398,7 @@ class DynaSpecHead:
             raise DynaSpecError(f"this DynaSpec is for V={fitted.vocab_size}, d={fitted.router.hidden_size}, but the "
                                 f"LM head is {weight.shape[0]} x {weight.shape[1]}; fit one for this model")
         cluster_budget(0, k_max, budget, k_min=k_min)                             # validates the arguments
-        self.weight = weight                                                      # [V, d]
+        self.weight = weight                                                      # [K, d] clustered rows
         self.embed = weight if embed is None else embed                           # [V_tokens, d] E(x)
         if self.embed.shape[1] != weight.shape[1]:
             raise DynaSpecError(f"the router's embedding rows are {self.embed.shape[1]} wide but the head's are "

@@ -81,6 +81,9 @@ class SpecConfig:
     compile: bool = False             # native + fixed_shape: torch.compile (inductor) the decode layer: fuses
                                       # the elementwise ops around the GEMMs (python -m engine.jobs.forward
                                       # measures it); each bucket compiles once per process (~10 s on a CPU)
+    cuda_graphs: bool = True          # native + fixed_shape on CUDA: replay the decode forward as CUDA graphs
+                                      # (engine.native.GraphedDecode), one per BLOCK tokens of context; no-op
+                                      # on a CPU
 
     # --- prompt lookup (Saxena 2023; transformers' prompt lookup) ----------------------------------------
     pld_max_ngram: int = 3
@@ -238,7 +241,7 @@ PRESETS: dict[str, SpecConfig] = {
 _SAMPLING = ("temperature", "top_p")
 _STORE = ("store_k", "store_persistence")
 _TREE = ("eagle_depth", "eagle_topk")
-_TARGET = ("backend", "fixed_shape", "verify_rows", "compile")   # how the target runs changes s(g) (engine.target)
+_TARGET = ("backend", "fixed_shape", "verify_rows", "compile", "cuda_graphs")   # how the target runs changes s(g) (engine.target)
 # Config fields that change tau(g) or s(g), per method; the vocabulary policy's own fields follow
 # `POLICY_FIELDS` of the policy in use.
 CALIBRATION_FIELDS: dict[str, tuple[str, ...]] = {
@@ -279,7 +282,7 @@ def calibration_fields(cfg: SpecConfig) -> dict:
 
 # Fields added after calibrations were cached, left out of the key at their default so those keys stay valid
 # (the default is the behaviour the cached calibrations were measured with).
-ADDED_AT_DEFAULT = {"frspec_budget": "fixed"}
+ADDED_AT_DEFAULT = {"frspec_budget": "fixed", "cuda_graphs": True}
 
 
 def config_fingerprint(cfg: SpecConfig) -> str:

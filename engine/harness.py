@@ -38,7 +38,7 @@ from engine.drafters import make_drafter
 from engine.drafters.recycling import template_size
 from engine.models import eos_token_ids
 from engine.shipped import default_eagle3_head, default_eagle_head
-from engine.target import forward_tree, lm_logits, make_target, prefill  # noqa: F401 (re-exported)
+from engine.target import forward_tree, lm_logits, make_target, max_tree_nodes, prefill  # noqa: F401 (re-exported)
 from engine.tree import DraftTree, Drafter, StepResult
 from engine.verify import sample_token, tree_layout, verify_greedy, verify_sampling, warp_probs
 from locality.trace import Trace
@@ -181,16 +181,17 @@ def default_draft_size(cfg: SpecConfig, model) -> int | None:
     calibrated size of this model, device, dtype and config (UniSpec §3, App. F; `resolve_draft_size`),
     else the method's uncalibrated default with one warning naming the command that calibrates it:
     unispec a per-device FALLBACK_DRAFT_SIZE, recycling its whole static template, the others
-    `DEFAULT_DRAFT_SIZE` (engine.config). None for methods that draft nothing (ar)."""
+    `DEFAULT_DRAFT_SIZE` (engine.config); either at most the draft nodes one fixed-shape forward holds
+    (`engine.target.max_tree_nodes`). None for methods that draft nothing (ar)."""
     if cfg.method not in DRAFTING_METHODS:
         return None
     if cfg.method == "unispec":
-        return resolve_draft_size(cfg, model)           # uncalibrated: FALLBACK_DRAFT_SIZE[device type]
-    if cfg.method == "recycling":
-        fallback = template_size(cfg.recycling_tree)
+        g = resolve_draft_size(cfg, model)              # uncalibrated: FALLBACK_DRAFT_SIZE[device type]
     else:
-        fallback = DEFAULT_DRAFT_SIZE[cfg.method]
-    return resolve_draft_size(cfg, model, fallback=fallback)
+        fallback = template_size(cfg.recycling_tree) if cfg.method == "recycling" else DEFAULT_DRAFT_SIZE[cfg.method]
+        g = resolve_draft_size(cfg, model, fallback=fallback)
+    cap = max_tree_nodes(model, cfg.backend, cfg.fixed_shape, cfg.verify_rows) if model is not None else None
+    return g if cap is None or g is None else min(g, cap)     # the rows a fixed-shape forward has
 
 
 def max_context(model, info=None) -> int:
@@ -245,7 +246,7 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
 
     t_start = _clock(device)
     target = make_target(model, cfg.backend, fixed_shape=cfg.fixed_shape, rows=cfg.verify_rows,
-                         compile=cfg.compile)
+                         compile=cfg.compile, cuda_graphs=cfg.cuda_graphs)
     target.begin(L + T + 1)
     # the drafter sees logits at every prompt position unless it says it does not use them
     hidden, logits = target.prefill(prompt, all_logits=getattr(drafter, "uses_prefill_logits", True))

@@ -292,6 +292,28 @@ def load_model(name_or_path: str, *, dtype: str | torch.dtype | None = None,
     return _stamped(model, tok, _info(name_or_path, model, tok, source, tok_name))
 
 
+def load_architecture(name_or_path: str, *, dtype: str | torch.dtype | None = None,
+                      device: str | torch.device | None = None, seed: int = 0):
+    """A model of `name_or_path`'s architecture with random weights: (model, None, info). For timing where
+    the weights are not at hand (a GPU machine that cannot fetch them): a forward costs what the real one
+    does, but its text means nothing. name_or_path: a folder holding a `config.json`, or an offline model
+    whose safetensors cache (`model_cache_dir`) exists."""
+    folder = model_cache_dir(name_or_path) if name_or_path in OFFLINE_MODELS else Path(name_or_path).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"no config.json in {folder}: give a folder with the model's config.json (copy it from "
+                         f"{model_cache_dir('<name>')} on a machine that has the model)")
+    dtype, device = parse_dtype(dtype), parse_device(device)
+    check_dtype(dtype, device)
+    cfg = transformers.AutoConfig.from_pretrained(folder)
+    cfg._attn_implementation = "sdpa"
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.to(device).eval()
+    name = name_or_path if name_or_path in OFFLINE_MODELS else folder.name
+    return _stamped(model, None, _info(f"{name} (random weights)", model, None, "random-weights", ""))
+
+
 def _stamped(model, tok, info: ModelInfo):
     model.specvocab_info = info              # what a drafter's policy reads back (`tokenizer_name`)
     return model, tok, info

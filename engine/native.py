@@ -35,6 +35,11 @@ rules make a row's result a function of its own logical context only:
    same non-zero terms in the same order.
 `exact=False` runs plain `scaled_dot_product_attention` over the cache with a tree mask: fewer ops, but the
 bits then depend on where ancestors sit (what transformers does, and why bf16 trees diverged from `ar`).
+
+On an accelerator (tests/test_gpu.py, run on an H100): rule 1 becomes one row count for every decode
+(`engine.target.DEVICE_ROWS`: cuBLAS picks its kernel, and so a row's fp32 rounding, by the number of rows);
+rule 3's fold is `_group_fold` (CUDA's cumsum is a parallel scan); and the forward is replayed as CUDA graphs
+(`GraphedDecode`: a decode forward there is hundreds of kernels whose launches cost more than their work).
 """
 
 from __future__ import annotations
@@ -167,6 +172,12 @@ class NativeModel:
         # (EAGLE-3's target features: engine.drafters.eagle3 sets it); None = nothing called
         self.feature_tap = None
 
+    def graphs(self) -> "GraphedDecode":
+        """The model's `GraphedDecode` (CUDA graphs of the fixed-shape decode forward), made once."""
+        if getattr(self, "_graphs", None) is None:
+            self._graphs = GraphedDecode(self)
+        return self._graphs
+
     def compiled_layer(self):
         """`_layer` under torch.compile (inductor), made once per model: the decode forward's layer with its
         elementwise ops (norms, RoPE, the block softmax and fold) fused around the GEMMs, which stay
@@ -232,7 +243,8 @@ class NativeModel:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: StaticKV, visible: torch.Tensor, *,
                 exact: bool = False, tail: tuple[torch.Tensor, torch.Tensor] | None = None,
                 layer_ids: list[int] | None = None, collect: tuple[int, ...] = (),
-                compiled: bool = False, key_positions: torch.Tensor | None = None) -> torch.Tensor:
+                compiled: bool = False, key_positions: torch.Tensor | None = None,
+                slots: torch.Tensor | None = None) -> torch.Tensor:
         """Run n new tokens over `cache` (committed slots [0, P)); they are written to slots [P, P + n).
 
         ids [n], positions [n] (logical), visible [n, n] bool: which new rows each row attends to (causal for
@@ -245,7 +257,9 @@ class NativeModel:
         drafter's partial stack; its cache has one entry per listed layer). collect: also return the
         hidden states after these layers (EAGLE-3's low/mid/high features). compiled: run the layers through
         `compiled_layer` (exact mode only: the fixed shapes of a decode; a prefill's length varies per prompt).
-        Returns the final-normed hidden states [n, d] (and the collected ones, [len(collect), n, d]).
+        slots [n]: the cache slots the rows are written to, as a tensor (P + arange(n)); then nothing in the
+        forward but the committed block count P // BLOCK depends on P as a number (what `GraphedDecode`
+        captures). Returns the final-normed hidden states [n, d] (and the collected ones, [len(collect), n, d]).
         """
         P, n = cache.committed, ids.numel()
         if P + n > cache.capacity:
@@ -267,15 +281,15 @@ class NativeModel:
                 masks[L.kind] = (self._exact_masks(P, positions, tail, L.kind) if exact else
                                  self._sdpa_mask(positions, cache, visible, L.kind, key_positions))
             x = layer(L, x, cos, sin, cache.k[slot], cache.v[slot], P, masks.get(L.kind), exact,
-                      None if tail is None else tail[0])
+                      None if tail is None else tail[0], slots)
             if li in collect:
                 feats.append(x)
         out = self._rmsnorm(x, self.final_norm)
         return (out, torch.stack(feats)) if collect else out
 
-    def _layer(self, L: _Layer, x, cos, sin, kc, vc, P, mask, exact, tail_idx):
-        """One decoder layer over n new rows; kc, vc [kvh, C, hd]: this layer's cache (rows written at P);
-        mask: the SDPA mask, or in exact mode `_exact_masks` with tail_idx the tail's cache slots."""
+    def _layer(self, L: _Layer, x, cos, sin, kc, vc, P, mask, exact, tail_idx, slots=None):
+        """One decoder layer over n new rows; kc, vc [kvh, C, hd]: this layer's cache (rows written at P, or
+        at `slots`); mask: the SDPA mask, or in exact mode `_exact_masks` with tail_idx the tail's cache slots."""
         n, H, kvh, hd = x.shape[0], self.heads, self.kv_heads, self.head_dim
         h = self._rmsnorm(x, L.in_norm)
         qkv = F.linear(h, L.qkv_w, L.qkv_b)
@@ -286,8 +300,12 @@ class NativeModel:
         c, s = cos[:, None], sin[:, None]
         qk = qk * c + _rotate_half(qk) * s                             # RoPE on q and k in one pass
         q, k = qk[:, :H], qk[:, H:]
-        kc[:, P:P + n] = k.transpose(0, 1)
-        vc[:, P:P + n] = v.transpose(0, 1)
+        if slots is None:
+            kc[:, P:P + n] = k.transpose(0, 1)
+            vc[:, P:P + n] = v.transpose(0, 1)
+        else:
+            kc.index_copy_(1, slots, k.transpose(0, 1))
+            vc.index_copy_(1, slots, v.transpose(0, 1))
         if exact:
             a = self._attention_exact(q, kc, vc, P, tail_idx, mask)
         else:
@@ -380,8 +398,12 @@ class NativeModel:
         o = torch.cat(os_, dim=-2)                                     # [kvh, n, gp, blocks, hd]
         top = m.amax(-1, keepdim=True)
         w = torch.exp(m - top)                                         # 0 for blocks a row cannot see
-        total = torch.cumsum(w * l, dim=-1)[..., -1:]                  # sequential fold (rule 3)
-        out = torch.cumsum(w[..., None] * o, dim=-2)[..., -1, :] / total   # [kvh, n, gp, hd]
+        if q.device.type == "cpu":
+            total = torch.cumsum(w * l, dim=-1)[..., -1:]              # sequential fold (rule 3)
+            out = torch.cumsum(w[..., None] * o, dim=-2)[..., -1, :] / total   # [kvh, n, gp, hd]
+        else:
+            total, out = _group_fold(w * l, w[..., None] * o)
+            out = out / total
         return out[:, :, :g].permute(1, 0, 2, 3).reshape(n, H * hd).to(q.dtype)
 
     # -- LM head -------------------------------------------------------------------------------------
@@ -395,6 +417,90 @@ class NativeModel:
         if self.softcap is not None:
             out = torch.tanh(out / self.softcap) * self.softcap
         return out
+
+
+class GraphedDecode:
+    """The fixed-shape decode forward (exact mode, LM head included) replayed as CUDA graphs.
+
+    A decode forward on a GPU is hundreds of small kernels (SmolLM2: 30 layers x ~25), whose launches cost
+    more than their work; a graph launches them as one. Every input that changes per step lives in a static
+    buffer (tokens, positions, the tail's slots and mask, the slots rows are written to), so one graph serves
+    every step with the same (rows, committed blocks P // BLOCK, compiled): a decode at fixed `verify_rows` captures one
+    graph per BLOCK tokens of context. The graphs hold the cache's and the RoPE tables' addresses: `reset`
+    drops them when either is reallocated. `capture` builds the graph; `torch.cuda.CUDAGraph` on CUDA, and -
+    for the tests of the buffer plumbing on a CPU - a recording that re-runs the captured call (`eager=True`).
+    """
+
+    def __init__(self, net: NativeModel, eager: bool = False):
+        self.net = net
+        self.eager = eager
+        self.graphs: dict[tuple[int, int], dict] = {}
+        self.pool = None
+        self._cache_id = None
+        self.captures = 0                                               # graphs built (tests, benchmark)
+
+    def reset(self) -> None:
+        self.graphs.clear()
+        self._cache_id = None
+
+    def __call__(self, cache: StaticKV, tokens, positions, tail: tuple[torch.Tensor, torch.Tensor],
+                 compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [R, d], fp32 logits [R, V]) of the R rows over `cache`; the outputs are the graph's own
+        buffers, overwritten by the next call (copy what must outlive it). compiled: capture the
+        torch.compile'd layer (`NativeModel.compiled_layer`: inductor's fused kernels, compiled during the
+        warm-up before the capture)."""
+        if self._cache_id != (id(cache.k), cache.capacity):
+            self.reset()
+            self._cache_id = (id(cache.k), cache.capacity)
+        P, R = cache.committed, tokens.numel()
+        key = (R, P // BLOCK, compiled)
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = self._capture(cache, R, compiled)
+        g["tok"].copy_(tokens)
+        g["pos"].copy_(positions)
+        g["idx"].copy_(tail[0])
+        g["ok"].copy_(tail[1])
+        torch.add(g["base"], P, out=g["slots"])
+        g["replay"]()
+        return g["hidden"], g["logits"]
+
+    def _capture(self, cache: StaticKV, R: int, compiled: bool = False) -> dict:
+        net, dev = self.net, cache.k.device
+        net.rope_tables(cache.capacity)                                 # no table grows inside a graph
+        g = dict(tok=torch.zeros(R, dtype=torch.long, device=dev),
+                 pos=torch.full((R,), cache.committed, dtype=torch.long, device=dev),
+                 idx=torch.zeros(R, 2 * BLOCK, dtype=torch.long, device=dev),
+                 ok=torch.zeros(R, 2 * BLOCK, dtype=torch.bool, device=dev),
+                 base=torch.arange(R, device=dev), slots=torch.zeros(R, dtype=torch.long, device=dev))
+        g["ok"][:, 0] = True                                            # a valid (if meaningless) warm-up input
+        torch.add(g["base"], cache.committed, out=g["slots"])
+
+        def run():
+            h = net.forward(g["tok"], g["pos"], cache, None, exact=True, tail=(g["idx"], g["ok"]),
+                            slots=g["slots"], compiled=compiled)
+            return h, net.logits(h, exact=True)
+
+        self.captures += 1
+        if self.eager or dev.type != "cuda":
+            def replay():
+                g["hidden"], g["logits"] = run()
+            g["replay"] = replay
+            return g
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):                                   # warm-up: cuBLAS workspaces, autotune
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            g["hidden"], g["logits"] = run()
+        if self.pool is None:
+            self.pool = graph.pool()
+        g["graph"] = graph
+        g["replay"] = graph.replay
+        return g
 
 
 def tail_index(committed: int, positions: torch.Tensor, anc: torch.Tensor, parents_depth: torch.Tensor
@@ -434,6 +540,25 @@ def _block_softmax(s: torch.Tensor):
     m = s.amax(-1).clamp_min(-1e30)
     e = torch.exp(s - m[..., None])
     return m, e.sum(-1), e
+
+
+FOLD_GROUP = 64       # blocks summed by one fixed-length reduction on an accelerator (`_group_fold`)
+
+
+def _group_fold(wl: torch.Tensor, wo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rule 3 on an accelerator, where `cumsum` is a parallel scan whose association depends on the length:
+    blocks are padded with exact zeros to a multiple of FOLD_GROUP, each group is summed by one reduction of
+    that fixed length (the same kernel and order whatever the committed length), and the groups are folded
+    in order. wl [.., blocks], wo [.., blocks, hd] -> ([.., 1], [.., hd])."""
+    blocks = wl.shape[-1]
+    pad = -blocks % FOLD_GROUP
+    wl = F.pad(wl, (0, pad)).unflatten(-1, (-1, FOLD_GROUP)).sum(-1)            # [.., groups]
+    wo = F.pad(wo, (0, 0, 0, pad)).unflatten(-2, (-1, FOLD_GROUP)).sum(-2)      # [.., groups, hd]
+    total, out = wl[..., :1], wo[..., 0, :]
+    for g in range(1, wl.shape[-1]):                                # a group of padding adds exact zeros
+        total = total + wl[..., g:g + 1]
+        out = out + wo[..., g, :]
+    return total, out
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,12 @@ from engine.verify import tree_layout
 from kernels.head import dense_head
 
 BACKENDS = ("auto", "native", "hf")
+# On an accelerator the fixed-shape forward runs at one row count for every decode (`verify_rows=None`):
+# a GPU GEMM may pick its kernel, and so a row's rounding, by the number of rows, and rows cost little there
+# (the forward reads the weights once whatever the rows). A tree of more nodes is a clear error.
+DEVICE_ROWS = 128              # UniSpec's GPU draft sizes (60-110 nodes) fit; a tree of more is a clear error
+GRAPH_DEVICES = ("cuda",)      # where the fixed-shape decode is replayed as graphs (a CPU only in tests: eagerly)
+GRAPH_CACHE_SLOTS = 4096       # the graphed decode's static cache (grown, and its graphs dropped, when short)
 
 
 class BackendError(ValueError):
@@ -151,21 +157,39 @@ class HFTarget(Target):
 class NativeTarget(Target):
     name = "native"
 
-    def __init__(self, model, fixed_shape: bool = True, rows: int | None = None, compile: bool = False):
+    def __init__(self, model, fixed_shape: bool = True, rows: int | None = None, compile: bool = False,
+                 cuda_graphs: bool = True):
         super().__init__(model)
         self.net = native_model(model)
         self.fixed_shape = fixed_shape
+        if rows is None and fixed_shape and self.net.device.type != "cpu":
+            rows = DEVICE_ROWS                                   # one row count for every decode on the device
         self.rows = rows                                         # None: bucket_rows(n) per step
         self.compile = compile                                   # torch.compile the fixed-shape decode layer
+        # CUDA graphs of the fixed-shape forward (`GraphedDecode`, the compiled layer too when `compile`); not
+        # while a feature tap (EAGLE-3) reads the layers' inputs from Python
+        self.graphs = (self.net.graphs() if cuda_graphs and fixed_shape
+                       and self.net.device.type in GRAPH_DEVICES else None)
         self.cache = None
 
     def begin(self, capacity: int) -> None:
-        self.cache = self.net.new_cache(capacity + (self.rows or 0))
+        need = capacity + (self.rows or 0)
+        if self.graphs is not None and self.cache is None:       # one static cache per model on the device,
+            self.cache = getattr(self.net, "_graph_cache", None)   # reused by every decode: graphs stay valid
+        if self.cache is None or self.cache.capacity < need or self.graphs is None:
+            self.cache = self.net.new_cache(max(need, GRAPH_CACHE_SLOTS) if self.graphs is not None else need)
+            if self.graphs is not None:
+                self.net._graph_cache = self.cache
+        self.cache.committed = 0
         self.committed = 0
 
     def _ensure(self, slots: int) -> None:
         if slots > self.cache.capacity:
             self.cache.grow(max(slots, self.cache.capacity + self.cache.capacity // 2))
+            self.net.rope_tables(self.cache.capacity)
+            if self.graphs is not None:
+                self.graphs.reset()
+                self.net._graph_cache = self.cache
 
     def prefill(self, prompt, all_logits=True):
         L = prompt.numel()
@@ -196,6 +220,9 @@ class NativeTarget(Target):
         a = torch.eye(rows, dtype=torch.bool, device=dev)
         a[:n, :n] = anc
         tail = tail_index(P, P + dep, a, dep)
+        if self.graphs is not None and self.net.feature_tap is None:
+            hidden, logits = self.graphs(self.cache, tok, P + dep, tail, compiled=self.compile)
+            return hidden[:n].clone(), logits[:n].clone()       # the graph's buffers are rewritten next step
         hidden = self.net.forward(tok, P + dep, self.cache, a, exact=True, tail=tail, compiled=self.compile)
         return hidden[:n], self.net.logits(hidden, exact=True)[:n]
 
@@ -242,22 +269,37 @@ def resolve_backend(model, backend: str = "auto") -> str:
     return "hf"
 
 
-def backend_label(model, backend: str = "auto", fixed_shape: bool = True, compile: bool = False) -> str:
+def backend_label(model, backend: str = "auto", fixed_shape: bool = True, compile: bool = False,
+                  cuda_graphs: bool = True) -> str:
     """How a decode's target runs, in the forward benchmark's words: "hf", "native" (fixed-shape),
-    "native-compiled" or "native-sdpa" (native without the fixed shape). Results and figures carry it."""
+    "native-compiled", "native-graph" (fixed-shape under CUDA graphs: the default on CUDA),
+    "native-compiled-graph" (both) or "native-sdpa" (native without the fixed shape). Results and figures
+    carry it."""
     if resolve_backend(model, backend) == "hf":
         return "hf"
     if not fixed_shape:
         return "native-sdpa"
-    return "native-compiled" if compile else "native"
+    graphed = cuda_graphs and next(model.parameters()).device.type in GRAPH_DEVICES
+    return "native" + ("-compiled" if compile else "") + ("-graph" if graphed else "")
+
+
+def max_tree_nodes(model, backend: str = "auto", fixed_shape: bool = True, rows: int | None = None) -> int | None:
+    """Draft nodes (root excluded) one decode forward can take: `rows - 1` on the native fixed-shape path where
+    the row count is fixed (`verify_rows`, or `DEVICE_ROWS` on an accelerator); None where the rows grow
+    with the tree (a CPU's buckets, the hf backend)."""
+    if not fixed_shape or resolve_backend(model, backend) != "native":
+        return None
+    if rows is None and next(model.parameters()).device.type != "cpu":
+        rows = DEVICE_ROWS
+    return None if rows is None else rows - 1
 
 
 def make_target(model, backend: str = "auto", fixed_shape: bool = True, rows: int | None = None,
-                compile: bool = False) -> Target:
+                compile: bool = False, cuda_graphs: bool = True) -> Target:
     """The Target for one decode (a fresh cache per `begin`)."""
     if resolve_backend(model, backend) == "native":
         if compile and not fixed_shape:
             raise BackendError("compile=True compiles the fixed-shape decode forward; set fixed_shape=True "
                                "or compile=False")
-        return NativeTarget(model, fixed_shape=fixed_shape, rows=rows, compile=compile)
+        return NativeTarget(model, fixed_shape=fixed_shape, rows=rows, compile=compile, cuda_graphs=cuda_graphs)
     return HFTarget(model)

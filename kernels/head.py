@@ -127,9 +127,11 @@ def _launch(h2: torch.Tensor, w: torch.Tensor, idx: torch.Tensor | None, n_cols:
 # --- packed head ----------------------------------------------------------------------------------------
 
 def _as_slot_tokens(tok_of_slot: torch.Tensor | None) -> torch.Tensor | None:
-    """A bool valid-mask [W] (True = live) becomes 0 / -1, so one code path masks both forms."""
+    """A bool valid-mask [W] (True = live) becomes 0 / -1 in int32, the slot tokens' own dtype
+    (`kernels.window`), so one code path - and on a GPU one compiled kernel - masks both forms (an int8 mask
+    compiled a second kernel whose logits differed from the int32 one's in the last bits on an H100)."""
     if tok_of_slot is not None and tok_of_slot.dtype == torch.bool:
-        return tok_of_slot.to(torch.int8) - 1
+        return tok_of_slot.to(torch.int32) - 1
     return tok_of_slot
 
 

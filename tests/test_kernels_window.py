@@ -134,7 +134,8 @@ def test_triton_kernel_and_torch_path_are_bit_identical(mode):
     V, W = 120, 31
     states = {b: wn.new_window_state(V, W, DEVICE, mode) for b in (True, False)}
     for step in range(40):
-        entries = torch.tensor(random_entries(rng, V, rng.randrange(0, W + 1), hot=30), dtype=torch.long)
+        entries = torch.tensor(random_entries(rng, V, rng.randrange(0, W + 1), hot=30), dtype=torch.long,
+                               device=DEVICE)
         out = {}
         for backend, state in states.items():
             with using_triton(backend):

@@ -343,3 +343,50 @@ def test_the_forward_benchmark_prints_what_it_compared_and_the_targets(tmp_path,
     frame = pl.read_parquet(out)
     assert frame.height == 2 * 2 * 3                            # dtypes x backends x sizes
     assert set(frame["backend"]) == {"hf", "native"} and (frame["ms"] > 0).all() and (frame["bare_ms"] > 0).all()
+
+
+# --- the accelerator's pieces, checked on a CPU: the grouped fold and the graphed decode's buffers ------------
+
+def test_the_group_fold_is_the_sum_and_blind_to_padding_blocks():
+    """`_group_fold` (rule 3 where cumsum is a parallel scan): the fold of the blocks' terms, and bitwise the
+    same when blocks a row cannot see (exact zeros) are appended - an `ar` step has fewer blocks than a tree.
+    Mutant checked: one `sum` over the unpadded blocks (its length grows with the blocks; fails the padding
+    assert on this CPU's vectorised sum)."""
+    from engine.native import FOLD_GROUP, _group_fold
+    g = torch.Generator().manual_seed(0)
+    for blocks in (3, FOLD_GROUP - 1, FOLD_GROUP + 6, 2 * FOLD_GROUP + 1):
+        wl = torch.rand(2, 5, 4, blocks, generator=g)
+        wo = torch.randn(2, 5, 4, blocks, 8, generator=g)
+        total, out = _group_fold(wl, wo)
+        torch.testing.assert_close(total, wl.sum(-1, keepdim=True), rtol=1e-6, atol=0)
+        torch.testing.assert_close(out, wo.sum(-2), rtol=1e-5, atol=1e-6)
+        for extra in (1, 40, 2 * FOLD_GROUP):
+            t2, o2 = _group_fold(torch.cat([wl, wl.new_zeros(2, 5, 4, extra)], -1),
+                                 torch.cat([wo, wo.new_zeros(2, 5, 4, extra, 8)], -2))
+            assert torch.equal(t2, total) and torch.equal(o2, out)
+
+
+@pytest.mark.parametrize("name", ["random-llama", "random-gemma3"])
+def test_the_graphed_decode_feeds_its_buffers_and_equals_the_eager_decode(name, monkeypatch):
+    """`GraphedDecode` on a CPU (a recording replayed eagerly, `engine.target.GRAPH_DEVICES`): one capture per
+    (rows, committed blocks), the step's tokens / positions / tail / write slots copied into its buffers, the
+    static cache reused by the next decode - and every method's output equal to the ungraphed decode's.
+    Mutants checked: write slots left at the capture's P (outputs differ), a graph keyed by rows alone
+    (outputs differ once the committed blocks change), a fresh cache per decode (the reuse assert)."""
+    import engine.target as target_mod
+    model = untie_head(load_model(name)[0])
+    ids = np.random.default_rng(8).integers(0, 512, 2 * BLOCK - 5).tolist()
+    kw = dict(max_new_tokens=40, eos_ids=[], backend="native", w_max=128)
+    runs = [("ar", {}), ("unispec", {"draft_size": 12}),
+            ("eagle", {"eagle_head": "random", "draft_size": 6, "eagle_depth": 3, "vocab": "microspec"})]
+    plain = {m: generate(model, ids, method=m, **kw, **k).output_ids.tolist() for m, k in runs}
+    monkeypatch.setattr(target_mod, "GRAPH_DEVICES", ("cuda", "cpu"))
+    net = target_mod.native_model(model)
+    for m, k in runs:
+        assert generate(model, ids, method=m, **kw, **k).output_ids.tolist() == plain[m], m
+    graphs = net.graphs()
+    assert {key[1] for key in graphs.graphs} >= {1, 2}          # the decode crossed a block boundary
+    cache = net._graph_cache
+    t = target_mod.make_target(model, "native")
+    t.begin(100)
+    assert t.cache is cache and t.graphs is graphs               # the static cache serves the next decode

@@ -368,7 +368,8 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
             extra = _drafter_columns(res)
             got.append({
                 "model": info.name, "device": dev, "dtype": dtype_name,
-                "backend": backend_label(target, cfg.backend, cfg.fixed_shape, cfg.compile), "method": run.method, "run": run.label,
+                "backend": backend_label(target, cfg.backend, cfg.fixed_shape, cfg.compile,
+                                              cfg.cuda_graphs), "method": run.method, "run": run.label,
                 "policy": run.policy, "vocab_size": run.vocab_size,
                 "dynaspec_k_max": cfg.dynaspec_k_max if run.policy == "dynaspec" else None,
                 "draft_head": run.draft_head, "vocab_file": run.vocab_file, "draft_size": cfg.draft_size,

@@ -47,7 +47,7 @@ from engine.models import eos_token_ids, load_model
 from engine.native import BLOCK
 from engine.prompts import encode_prompt, load_prompts
 from engine.store import deployment_store
-from engine.target import resolve_backend
+from engine.target import max_tree_nodes, resolve_backend
 from kernels.hardware import parse_device, parse_dtype
 
 
@@ -152,7 +152,8 @@ def max_draft_size(cfg: SpecConfig, model=None) -> int | None:
     recycling its template's nodes; layerskip / eagle EAGLE-2's candidates at the config's depth,
     topk + topk^2 (depth - 1); unispec its candidate pool, (2 with the broadened first level, else 1) k +
     k^2 (d - 1); pld / hf-prompt-lookup none. With `model`, the target's bounds too: on the native
-    fixed-shape path (`engine.target`) a tree of at most `verify_rows` rows when that is set, and a chain
+    fixed-shape path (`engine.target`) a tree of at most `verify_rows` rows when that is set (on
+    an accelerator `DEVICE_ROWS` when it is not), and a chain
     (pld) shallower than `engine.native.BLOCK` positions."""
     caps = []
     if cfg.method == "recycling" and cfg.recycling_tree in TEMPLATES:
@@ -163,8 +164,9 @@ def max_draft_size(cfg: SpecConfig, model=None) -> int | None:
         caps.append((2 if cfg.broaden_first_level else 1) * cfg.store_k + cfg.store_k ** 2 * (cfg.tree_depth - 1))
     if model is not None and cfg.method in DRAFTING_METHODS and cfg.method not in HF_METHODS and cfg.fixed_shape \
             and resolve_backend(model, cfg.backend) == "native":
-        if cfg.verify_rows is not None:
-            caps.append(cfg.verify_rows - 1)                # rows: the root + the draft nodes
+        nodes = max_tree_nodes(model, cfg.backend, cfg.fixed_shape, cfg.verify_rows)
+        if nodes is not None:
+            caps.append(nodes)                              # rows: the root + the draft nodes
         if cfg.method == "pld":
             caps.append(BLOCK - 1)                          # a chain of g drafts is g deep
     return min(caps) if caps else None

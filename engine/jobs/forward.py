@@ -1,6 +1,7 @@
 """Forward benchmark: what one target forward of n new tokens costs, against this machine's limit.
 
     python -m engine.jobs.forward --model smollm2-135m-instruct --dtype fp32,bf16 --threads 1,2
+    python -m engine.jobs.forward --device cuda --dtype bf16 --random-weights --model DIR_WITH_CONFIG_JSON
 
 Per model, dtype, threads and backend it prints, in one run on one machine:
 - ms per forward of n = 1, 2, 4, 8, 16, 32 new tokens over a `--context`-token KV cache (median of --repeats);
@@ -11,8 +12,12 @@ Per model, dtype, threads and backend it prints, in one run on one machine:
 - verify(n) / verify(1).
 Backends: `hf` (transformers, the reference), `native` (engine.native, fixed-shape verification: rows padded
 to the bucket, so n = 1 runs at 4 rows), `native-compiled` (the same under torch.compile, `SpecConfig.compile`;
-its first forward per bucket, the compile, is printed apart as `compile s`) and `native-sdpa` (engine.native
-without the fixed shape).
+its first forward per bucket, the compile, is printed apart as `compile s`), `native-graph` (the fixed-shape
+forward replayed as a CUDA graph: the default on CUDA; its captures are in `compile s` too) and `native-sdpa`
+(engine.native without the fixed shape). On an accelerator the fixed-shape backends run every n at the one
+row count a decode there uses (`engine.target.DEVICE_ROWS`), as a decode would; the bound is a device-memory
+copy, and every time is taken after a device synchronize. `--random-weights` times a model of the named
+architecture with random weights (`engine.models.load_architecture`): same cost, no weights needed.
 Results go to `--out` as Parquet when given. Timings, not asserts: the machine is shared and noisy.
 """
 
@@ -25,36 +30,51 @@ import polars as pl
 import torch
 import torch.nn.functional as F
 
-from engine.models import load_model
+from engine.harness import generate
+from engine.models import load_architecture, load_model
 from engine.native import weight_bytes
-from engine.target import make_target, native_model
+from engine.target import DEVICE_ROWS, make_target, native_model
+from kernels.hardware import parse_device
 from engine.verify import tree_layout
 
 SIZES = (1, 2, 4, 8, 16, 32)
-BACKENDS = ("hf", "native", "native-compiled", "native-sdpa")
+BACKENDS = ("hf", "native", "native-compiled", "native-graph", "native-compiled-graph", "native-sdpa")
+GRAPHED = ("native-graph", "native-compiled-graph")
 
 
-def copy_bandwidth(mb: int = 256, repeats: int = 5) -> float:
-    """GB/s of a tensor copy (read + write counted once each) at the current thread count: the bound."""
-    src = torch.empty(mb << 18, dtype=torch.float32).fill_(1.0)
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(mb: int = 256, repeats: int = 5, device: str | torch.device = "cpu") -> float:
+    """GB/s of a tensor copy (read + write counted once each) at the current thread count, or in the
+    device's memory: the bound."""
+    device = torch.device(device)
+    src = torch.empty(mb << 18, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     best = float("inf")
-    for _ in range(repeats):
+    for _ in range(repeats + (device.type != "cpu")):               # on a GPU the first copy warms up
+        _sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
+        _sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * src.numel() * 4 / best / 1e9
 
 
-def _median(fn, repeats: int) -> tuple[float, float]:
-    """(median seconds of `repeats` calls, seconds of the warm-up call before them)."""
+def _median(fn, repeats: int, device: torch.device = torch.device("cpu")) -> tuple[float, float]:
+    """(median seconds of `repeats` calls, seconds of the warm-up call before them), each synchronized."""
+    _sync(device)
     t0 = time.perf_counter()
-    fn()                                                         # warm-up (and compile)
+    fn()                                                         # warm-up (and compile / capture)
+    _sync(device)
     first = time.perf_counter() - t0
     ts = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        _sync(device)
         ts.append(time.perf_counter() - t0)
     ts.sort()
     return ts[len(ts) // 2], first
@@ -62,16 +82,18 @@ def _median(fn, repeats: int) -> tuple[float, float]:
 
 def forward_ms(model, backend: str, n: int, context: int, repeats: int) -> tuple[float, float]:
     """(median ms of one forward of an n-node chain over a `context`-token cache (the cache is not advanced),
-    seconds of the first forward: the compile for `native-compiled`)."""
-    t = make_target(model, "hf" if backend == "hf" else "native",
-                    fixed_shape=backend in ("native", "native-compiled"), compile=backend == "native-compiled")
+    seconds of the first forward: the compile for `native-compiled`, the capture for `native-graph`)."""
+    t = make_target(model, "hf" if backend == "hf" else "native", fixed_shape=backend != "native-sdpa",
+                    compile="compiled" in backend, cuda_graphs=backend in GRAPHED)
+    device = next(model.parameters()).device
     t.begin(context + 64)
     g = torch.Generator().manual_seed(0)
     V = model.get_output_embeddings().weight.shape[0]
-    prompt = torch.randint(0, V, (context,), generator=g)
-    tokens = torch.randint(0, V, (n,), generator=g)
+    prompt = torch.randint(0, V, (context,), generator=g).to(device)
+    tokens = torch.randint(0, V, (n,), generator=g).to(device)
     parents = torch.arange(-1, n - 1)
-    depths, anc = tree_layout(parents)
+    depths, anc = (x.to(device) for x in tree_layout(parents))
+    parents = parents.to(device)
     with torch.inference_mode():
         t.prefill(prompt, all_logits=False)
 
@@ -79,7 +101,7 @@ def forward_ms(model, backend: str, n: int, context: int, repeats: int) -> tuple
             t.forward_tree(tokens, parents, depths, anc)
             if backend == "hf":                                  # the HF cache grows: drop the n entries again
                 t.compact(n, [])
-        med, first = _median(step, repeats)
+        med, first = _median(step, repeats, device)
         return med * 1e3, first
 
 
@@ -87,14 +109,46 @@ def bare_matmul_ms(model, n: int, repeats: int) -> float:
     """Median ms of F.linear over every weight matrix a forward reads (packed as the native path packs them)."""
     net = native_model(model)
     mats = [m for L in net.layers for m in (L.qkv_w, L.o_w, L.gate_up_w, L.down_w)]
-    x = {d: torch.randn(n, d, dtype=net.dtype) for d in {m.shape[1] for m in mats} | {net.head_w.shape[1]}}
+    x = {d: torch.randn(n, d, dtype=net.dtype, device=net.device)
+         for d in {m.shape[1] for m in mats} | {net.head_w.shape[1]}}
 
     def run():
         for m in mats:
             F.linear(x[m.shape[1]], m)
         F.linear(x[net.head_w.shape[1]], net.head_w)
     with torch.inference_mode():
-        return _median(run, repeats)[0] * 1e3
+        return _median(run, repeats, net.device)[0] * 1e3
+
+
+def decode_tok_s(model, backend: str, context: int, new_tokens: int) -> float:
+    """Tokens per second of a greedy `ar` decode (`engine.generate`: the harness's one sync per step
+    included, the prefill not) of `new_tokens` after a random `context`-token prompt, on `backend`; one
+    warm-up decode first (compiles, captures)."""
+    V = model.get_output_embeddings().weight.shape[0]
+    prompt = torch.randint(0, V, (context,), generator=torch.Generator().manual_seed(1)).tolist()
+    kw = dict(method="ar", eos_ids=[], backend="hf" if backend == "hf" else "native",
+              fixed_shape=backend != "native-sdpa", compile="compiled" in backend, cuda_graphs=backend in GRAPHED)
+    generate(model, prompt, max_new_tokens=new_tokens, **kw)
+    res = generate(model, prompt, max_new_tokens=new_tokens, **kw)
+    return res.output_ids.numel() / (res.wall_s - res.prefill_s)
+
+
+def row_invariance(model, counts=(1, 2, 4, 8, 16, 32, 64, 128)) -> dict[str, list[int]]:
+    """For each distinct weight shape a forward reads (and the LM head): the row counts M at which row 0 of
+    `F.linear(x[:M], W)` is not bitwise row 0 at the largest M. Empty lists mean a row's GEMM bits do not
+    depend on the rows beside it (then per-step row buckets are safe); where they do, the fixed-shape path
+    must run every forward at one row count (`engine.target.DEVICE_ROWS` on an accelerator)."""
+    net = native_model(model)
+    mats = {tuple(m.shape): m for L in net.layers for m in (L.qkv_w, L.o_w, L.gate_up_w, L.down_w)}
+    mats[tuple(net.head_w.shape)] = net.head_w
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    with torch.inference_mode():
+        for shape, w in mats.items():
+            x = torch.randn(max(counts), shape[1], generator=g).to(dtype=w.dtype, device=w.device)
+            ref = F.linear(x, w)[0]
+            out[f"{shape[0]}x{shape[1]}"] = [m for m in counts if not torch.equal(F.linear(x[:m], w)[0], ref)]
+    return out
 
 
 def print_targets(rows: list[dict]) -> None:
@@ -130,7 +184,11 @@ def print_targets(rows: list[dict]) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     g = ap.add_argument_group("what to measure")
-    g.add_argument("--model", default="smollm2-135m-instruct", help="model name (engine.models.load_model)")
+    g.add_argument("--model", default="smollm2-135m-instruct", help="model name (engine.models.load_model), or with "
+                   "--random-weights a folder with its config.json")
+    g.add_argument("--random-weights", action="store_true", help="random weights of the model's architecture "
+                   "(engine.models.load_architecture): the same cost without the weights")
+    g.add_argument("--device", default=None, help="cpu | cuda (default: this machine's, kernels.hardware)")
     g.add_argument("--dtype", default="fp32,bf16", help="comma-separated dtypes")
     g.add_argument("--threads", default="1", help="comma-separated torch thread counts")
     g.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated, of {BACKENDS}")
@@ -139,34 +197,57 @@ def main(argv=None) -> None:
     g.add_argument("--context", type=int, default=400, help="tokens already in the KV cache")
     g.add_argument("--repeats", type=int, default=5, help="forwards per point (median)")
     g.add_argument("--copy-mb", type=int, default=256, help="size of the bandwidth-bound copy")
-    g.add_argument("--out", default=None, help="write the table here as Parquet")
+    g.add_argument("--decode", type=int, default=0, help="also time a whole greedy ar decode of this many "
+                   "tokens per backend (tokens/s; 0 = no)")
+    g.add_argument("--out", default=None, help="write the table here as Parquet (the decode table beside it, "
+                   "<out stem>.decode.parquet)")
     a = ap.parse_args(argv)
     sizes = [int(s) for s in a.sizes.split(",")]
-    rows = []
+    rows, decodes = [], []
+    device = parse_device(a.device)
+    on_device = device.type != "cpu"
+    backends = [b for b in a.backends.split(",") if on_device or b not in GRAPHED]   # graphs: CUDA only
     for dtype in a.dtype.split(","):
-        model, _, info = load_model(a.model, dtype=dtype)
+        loader = load_architecture if a.random_weights else load_model
+        model, _, info = loader(a.model, dtype=dtype, device=device)
         wbytes = weight_bytes(native_model(model))
         for threads in (int(t) for t in a.threads.split(",")):
             torch.set_num_threads(threads)
-            bw = copy_bandwidth(a.copy_mb)
+            bw = copy_bandwidth(a.copy_mb, device=device)
             bound_ms = wbytes / bw / 1e6
             bare = {n: bare_matmul_ms(model, n, a.repeats) for n in sizes}
-            print(f"\n{a.model} {dtype}, {threads} thread(s), {a.context}-token cache: weights {wbytes / 1e6:.0f} MB, "
-                  f"copy bandwidth {bw:.1f} GB/s -> bound {bound_ms:.1f} ms per forward")
-            print(f"{'backend':12s} " + " ".join(f"{'n=' + str(n):>8s}" for n in sizes)
+            where = (torch.cuda.get_device_name(device) if device.type == "cuda" else f"{threads} thread(s)")
+            print(f"\n{info.name} {dtype}, {where}, {a.context}-token cache: weights {wbytes / 1e6:.0f} MB, "
+                  f"copy bandwidth {bw:.1f} GB/s -> bound {bound_ms:.3f} ms per forward"
+                  + (f"; fixed-shape backends run {DEVICE_ROWS} rows for every n (a decode there does)"
+                     if on_device else ""))
+            print(f"{'backend':15s} " + " ".join(f"{'n=' + str(n):>8s}" for n in sizes)
                   + "   GB/s(n=1)  %bound  fwd/bare(n=1)  v8/v1  v16/v1")
-            print(f"{'bare matmul':12s} " + " ".join(f"{bare[n]:8.1f}" for n in sizes))
-            for backend in a.backends.split(","):
+            fmt = "8.3f" if on_device else "8.1f"
+            inv = row_invariance(model)
+            print("row bits of F.linear vs M (row 0 at M rows against M = 128): " + "; ".join(
+                f"{k}: {'same for every M' if not v else 'differs at M = ' + ','.join(map(str, v))}"
+                for k, v in inv.items()))
+            print(f"{'bare matmul':15s} " + " ".join(f"{bare[n]:{fmt}}" for n in sizes))
+            for backend in backends:
                 timed = {n: forward_ms(model, backend, n, a.context, a.repeats) for n in sizes}
                 ms = {n: v[0] for n, v in timed.items()}
                 first = sum(v[1] for v in timed.values())
                 gbs = wbytes / (ms[sizes[0]] / 1e3) / 1e9
                 ratio = lambda k: (f"{ms[k] / ms[sizes[0]]:6.2f}" if k in ms else "     -")
-                print(f"{backend:12s} " + " ".join(f"{ms[n]:8.1f}" for n in sizes)
+                print(f"{backend:15s} " + " ".join(f"{ms[n]:{fmt}}" for n in sizes)
                       + f"   {gbs:9.1f}  {100 * gbs / bw:5.0f}%  {ms[sizes[0]] / bare[sizes[0]]:13.2f}  "
-                      f"{ratio(8)}  {ratio(16)}" + (f"   compile {first:.0f} s" if "compiled" in backend else ""))
+                      f"{ratio(8)}  {ratio(16)}"
+                      + (f"   compile {first:.1f} s" if backend.startswith("native-") and backend != "native-sdpa"
+                         and backend != "native" else ""))
+                if a.decode:
+                    tps = decode_tok_s(model, backend, a.context, a.decode)
+                    print(f"{'':15s} ar decode of {a.decode} tokens after {a.context}: {tps:.1f} tokens/s")
+                    decodes.append(dict(model=info.name, device=str(device), dtype=dtype, threads=threads,
+                                        backend=backend, context=a.context, new_tokens=a.decode, tok_s=tps))
                 for n in sizes:
-                    rows.append(dict(model=a.model, dtype=dtype, threads=threads, backend=backend, n=n,
+                    rows.append(dict(model=info.name, device=str(device), dtype=dtype, threads=threads,
+                                     backend=backend, n=n,
                                      context=a.context, ms=ms[n], bare_ms=bare[n], weight_bytes=wbytes,
                                      copy_gbs=bw, gbs=wbytes / (ms[n] / 1e3) / 1e9, first_s=timed[n][1]))
         del model
@@ -174,6 +255,10 @@ def main(argv=None) -> None:
     if a.out:
         pl.DataFrame(rows).write_parquet(a.out)
         print(f"\nwrote {a.out}")
+        if decodes:
+            path = a.out.removesuffix(".parquet") + ".decode.parquet"
+            pl.DataFrame(decodes).write_parquet(path)
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":

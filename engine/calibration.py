@@ -42,7 +42,7 @@ for any tree drafter; App. F's pipeline is the method-independent part). What g 
 - pld / hf-prompt-lookup: the longest chain copied per step (transformers' `prompt_lookup_num_tokens`).
   A chain is as deep as it is long, so its grid stops below the native fixed-shape forward's 32-position
   block (`METHOD_GRIDS`).
-The largest g a method (and the target's fixed verify rows) allows is `engine.jobs.calibrate.max_draft_size`;
+The largest g a method (and the target's fixed verify rows) allows is `engine.harness.max_draft_size`;
 a calibration drops grid points above it.
 
 This module is pure apart from the cache (arrays in, g* out; no model is run here): measuring lives in
@@ -100,9 +100,10 @@ METHOD_GRIDS: dict[str, dict[str, tuple[int, ...]]] = {
     "pld": _CHAIN_GRIDS, "hf-prompt-lookup": _CHAIN_GRIDS,
     "recycling": {"cuda": tuple(range(8, 81, 8))},
 }
-# With no cached calibration: CPU 8 (where a tree forward starts to cost clearly more than one token on
-# the small models this package runs on a CPU); CUDA 64 (a mid value of a 16-160 grid).
-FALLBACK_DRAFT_SIZE = {"cpu": 8, "cuda": 64}
+# With no cached calibration: CPU 7 (the largest tree of the native path's 8-row bucket: 16 rows is where a
+# tree forward starts to cost clearly more than one token on the small models this package runs on a CPU);
+# CUDA 64 (a mid value of a 16-160 grid).
+FALLBACK_DRAFT_SIZE = {"cpu": 7, "cuda": 64}
 EAGLE_CANDIDATES = (40, 48, 50, 56, 60)             # EAGLE ea_model.py, total_token=-1
 EAGLE_PRIOR_GAIN = (1.0, 1.05, 1.07, 1.1, 1.13)
 DE_KWARGS = dict(seed=42, maxiter=1000, atol=1e-6, tol=1e-6)    # UniSpec Table 14

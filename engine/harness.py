@@ -35,10 +35,12 @@ import torch
 from engine.calibration import resolve_draft_size
 from engine.config import DEFAULT_DRAFT_SIZE, DRAFTING_METHODS, HF_METHODS, SpecConfig
 from engine.drafters import make_drafter
-from engine.drafters.recycling import template_size
+from engine.drafters.recycling import TEMPLATES, template_size
 from engine.models import eos_token_ids
 from engine.shipped import default_eagle3_head, default_eagle_head
-from engine.target import forward_tree, lm_logits, make_target, max_tree_nodes, prefill  # noqa: F401 (re-exported)
+from engine.native import BLOCK, bucket_rows
+from engine.target import (forward_tree, lm_logits, make_target, max_tree_nodes, prefill,  # noqa: F401 (re-exported)
+                           resolve_backend)
 from engine.tree import DraftTree, Drafter, StepResult
 from engine.verify import sample_token, tree_layout, verify_greedy, verify_sampling, warp_probs
 from locality.trace import Trace
@@ -175,6 +177,49 @@ def resolve_config(cfg: SpecConfig | None, method: str | None = None, overrides:
     return cfg
 
 
+def max_draft_size(cfg: SpecConfig, model=None) -> int | None:
+    """The largest draft size cfg.method can propose, None where it has no bound of its own:
+    recycling its template's nodes; layerskip / eagle EAGLE-2's candidates at the config's depth,
+    topk + topk^2 (depth - 1); unispec its candidate pool, (2 with the broadened first level, else 1) k +
+    k^2 (d - 1); pld / hf-prompt-lookup none. With `model`, the target's bounds too: on the native
+    fixed-shape path (`engine.target`) a tree of at most `verify_rows` rows when that is set (on
+    an accelerator `DEVICE_ROWS` when it is not), and a chain (pld) shallower than `engine.native.BLOCK`
+    positions."""
+    caps = []
+    if cfg.method == "recycling" and cfg.recycling_tree in TEMPLATES:
+        caps.append(template_size(cfg.recycling_tree))
+    elif cfg.method in ("layerskip", "eagle", "eagle3"):
+        caps.append(cfg.eagle_topk + cfg.eagle_topk ** 2 * (cfg.eagle_depth - 1))
+    elif cfg.method == "unispec":
+        caps.append((2 if cfg.broaden_first_level else 1) * cfg.store_k + cfg.store_k ** 2 * (cfg.tree_depth - 1))
+    if model is not None and cfg.method in DRAFTING_METHODS and cfg.method not in HF_METHODS and cfg.fixed_shape \
+            and resolve_backend(model, cfg.backend) == "native":
+        nodes = max_tree_nodes(model, cfg.backend, cfg.fixed_shape, cfg.verify_rows)
+        if nodes is not None:
+            caps.append(nodes)                              # rows: the root + the draft nodes
+        if cfg.method == "pld":
+            caps.append(BLOCK - 1)                          # a chain of g drafts is g deep
+    return min(caps) if caps else None
+
+
+
+def bucket_edge(cfg: SpecConfig, model, g: int) -> int:
+    """The draft size that costs what g costs and drafts the most: on the native fixed-shape path with a
+    bucket of rows per step (`verify_rows=None` on a CPU, `engine.native.bucket_rows`), a tree of g + 1 nodes
+    runs at bucket_rows(g + 1) rows whatever g is inside the bucket, so the bucket's largest tree costs the
+    same forward; its tau is no lower (every drafter's tree of g + 1 draft nodes holds its tree of g: the top
+    nodes by score, a longer chain, more of a template), and its draft step costs about the same (measured:
+    UniSpec g = 2 -> 3 on SmolLM2, 1.27 -> 1.68 tokens per step at 65 ms per step either way). Capped by
+    `max_draft_size`. Elsewhere (hf, a fixed row count, no fixed shape) g itself."""
+    if (cfg.method not in DRAFTING_METHODS or cfg.method in HF_METHODS or not cfg.fixed_shape
+            or cfg.verify_rows is not None or next(model.parameters()).device.type != "cpu"
+            or resolve_backend(model, cfg.backend) != "native"):
+        return g
+    edge = bucket_rows(g + 1) - 1
+    cap = max_draft_size(cfg, model)
+    return max(g, edge if cap is None else min(edge, cap))
+
+
 def default_draft_size(cfg: SpecConfig, model) -> int | None:
     """The draft size of cfg.method when `draft_size` is None: for every drafting method
     (`engine.config.DRAFTING_METHODS`: unispec, recycling, layerskip, eagle, pld, hf-prompt-lookup) the
@@ -182,7 +227,8 @@ def default_draft_size(cfg: SpecConfig, model) -> int | None:
     else the method's uncalibrated default with one warning naming the command that calibrates it:
     unispec a per-device FALLBACK_DRAFT_SIZE, recycling its whole static template, the others
     `DEFAULT_DRAFT_SIZE` (engine.config); either at most the draft nodes one fixed-shape forward holds
-    (`engine.target.max_tree_nodes`). None for methods that draft nothing (ar)."""
+    (`engine.target.max_tree_nodes`), then raised to its bucket's edge (`bucket_edge`). None for methods
+    that draft nothing (ar)."""
     if cfg.method not in DRAFTING_METHODS:
         return None
     if cfg.method == "unispec":
@@ -190,8 +236,11 @@ def default_draft_size(cfg: SpecConfig, model) -> int | None:
     else:
         fallback = template_size(cfg.recycling_tree) if cfg.method == "recycling" else DEFAULT_DRAFT_SIZE[cfg.method]
         g = resolve_draft_size(cfg, model, fallback=fallback)
-    cap = max_tree_nodes(model, cfg.backend, cfg.fixed_shape, cfg.verify_rows) if model is not None else None
-    return g if cap is None or g is None else min(g, cap)     # the rows a fixed-shape forward has
+    if model is None or g is None:
+        return g
+    cap = max_tree_nodes(model, cfg.backend, cfg.fixed_shape, cfg.verify_rows)
+    g = g if cap is None else min(g, cap)                       # the rows a fixed-shape forward has
+    return bucket_edge(cfg, model, g)                           # the largest tree at that forward's cost
 
 
 def max_context(model, info=None) -> int:

@@ -18,7 +18,7 @@ import engine.jobs.calibrate as cal
 import engine.jobs.frequency as freq_job
 from engine import calibration as calib
 from engine.config import METHODS, POLICIES, SpecConfig, parse_overrides
-from engine.harness import generate, resolve_config
+from engine.harness import bucket_edge, generate, resolve_config
 from engine.models import load_model
 from engine.native import BLOCK
 
@@ -237,7 +237,9 @@ def test_measure_and_calibrate_through_harness(cache_dir, tiny):
     for r in rows:
         assert 1.0 <= r["tau"] <= r["g"] + 1 and r["s_step"] >= r["s_forward"] > 0
     rec = cal.calibrate(model, prompts, "unispec", grid=[1, 2, 4], **kw)
-    assert rec["g_star"] in range(1, 5) and len(rec["rows"]) == 3
+    # the fitted g* runs at its row bucket's largest tree (engine.harness.bucket_edge): 1..3 -> 3, 4..7 -> 7
+    assert rec["g_star"] in (3, 7) and len(rec["rows"]) == 3
+    assert rec.get("g_star_fit", rec["g_star"]) in range(1, 5)
     assert calib.resolve_draft_size(cfg, model) == rec["g_star"]
 
 
@@ -387,7 +389,9 @@ def test_paper_pipeline_is_selectable_in_calibrate(tiny):
                         progress=False, cfg=SpecConfig.preset("unispec", max_new_tokens=10))
     assert rec["pipeline"] == "paper" and rec["timing"] == "forward"
     g, tau, s_fwd = ([r[k] for r in rec["rows"]] for k in ("g", "tau", "s_forward"))
-    assert rec["g_star"] == calib.optimal_draft_size(g, tau, s_fwd, pipeline="paper").g_star
+    fit = calib.optimal_draft_size(g, tau, s_fwd, pipeline="paper").g_star
+    assert rec.get("g_star_fit", rec["g_star"]) == fit                  # the fit's g* ...
+    assert rec["g_star"] == bucket_edge(SpecConfig.preset("unispec"), model, fit)    # ... run at its bucket's edge
     assert rec["config"] == calib.calibration_fields(SpecConfig.preset("unispec"))
     assert rec["key"] == calib.model_key(model, SpecConfig.preset("unispec"))
     with pytest.raises(calib.CalibrationError, match="pipeline"):
@@ -440,28 +444,31 @@ def test_each_method_takes_only_its_own_calibration(cache_dir, tiny):
     model, _ = tiny
     cfgs = {m: SpecConfig.preset(m, **CALIBRATED[m]) for m in calib.DRAFTING_METHODS}
     calib.save_calibration(calib.model_key(model, cfgs["unispec"]), {"g_star": 5})
+    edge = lambda m, g: bucket_edge(cfgs[m], model, g)            # what runs: g at its row bucket's edge
     for m, cfg in cfgs.items():
         if m != "unispec":
             with pytest.warns(UserWarning, match=f"no calibrated draft size for {m} "):
-                assert resolve_config(cfg, model=model).draft_size == UNCALIBRATED[m], m
-    assert resolve_config(cfgs["unispec"], model=model).draft_size == 5
+                assert resolve_config(cfg, model=model).draft_size == edge(m, UNCALIBRATED[m]), m
+    assert resolve_config(cfgs["unispec"], model=model).draft_size == edge("unispec", 5) == 7
     own = {m: 11 + i for i, m in enumerate(cfgs)}
     for m, g in own.items():
         calib.save_calibration(calib.model_key(model, cfgs[m]), {"g_star": g})
-    assert {m: resolve_config(cfg, model=model).draft_size for m, cfg in cfgs.items()} == own
+    assert {m: resolve_config(cfg, model=model).draft_size for m, cfg in cfgs.items()} == \
+        {m: edge(m, g) for m, g in own.items()}
 
 
 def test_a_calibration_is_not_taken_for_another_dtype_backend_threads_or_tree(cache_dir, tiny):
     model, _ = tiny
     eagle = SpecConfig.preset("eagle", **CALIBRATED["eagle"])
     calib.save_calibration(calib.model_key(model, eagle), {"g_star": 6})
-    assert resolve_config(eagle, model=model).draft_size == 6
+    assert resolve_config(eagle, model=model).draft_size == 7                # 6 at its row bucket's edge
     for change in (dict(backend="hf"), dict(fixed_shape=False), dict(verify_rows=16), dict(eagle_depth=3),
                    dict(eagle_topk=4), dict(vocab="microspec")):
         with pytest.warns(UserWarning, match="no calibrated draft size for eagle"):
             # the uncalibrated default, within the rows of a fixed-shape forward (engine.target.max_tree_nodes)
             expect = min(UNCALIBRATED["eagle"], change.get("verify_rows", 10 ** 9) - 1)
-            assert resolve_config(eagle.replace(**change), model=model).draft_size == expect, change
+            cfg = eagle.replace(**change)
+            assert resolve_config(cfg, model=model).draft_size == bucket_edge(cfg, model, expect), change
     half = copy.deepcopy(model).to(torch.bfloat16)
     assert calib.model_key(half, eagle).split("|")[2] == "bfloat16"
     with pytest.warns(UserWarning, match="no calibrated draft size for eagle"):
@@ -473,7 +480,7 @@ def test_a_calibration_is_not_taken_for_another_dtype_backend_threads_or_tree(ca
             assert resolve_config(eagle, model=model).draft_size == UNCALIBRATED["eagle"]
     finally:
         torch.set_num_threads(threads)
-    assert resolve_config(eagle, model=model).draft_size == 6
+    assert resolve_config(eagle, model=model).draft_size == 7
 
 
 def test_the_missing_calibration_warning_names_the_command_once(cache_dir, tiny):
@@ -569,3 +576,21 @@ def test_cli_calibrates_eagle_end_to_end(cache_dir, capsys):
     assert resolve_config(eagle, model=model).draft_size == rec["g_star"]
     with pytest.raises(SystemExit):
         cal.main(["--model", "random-llama", "--method", "ar"])
+
+
+def test_a_draft_size_runs_at_its_row_buckets_largest_tree(cache_dir, tiny):
+    """`engine.harness.bucket_edge`: on the CPU's per-step row buckets a tree of g + 1 nodes costs its
+    bucket's forward, so a calibrated or default g runs at the bucket's largest tree, within what the method
+    can draft; where rows are fixed or not bucketed (hf, verify_rows, fixed_shape=False) g stays.
+    Mutants checked: no raise (the 2 -> 3 assert), raising past the method's cap (recycling, pld), raising
+    on the hf backend or at fixed rows."""
+    model, _ = tiny
+    uni = SpecConfig.preset("unispec")
+    assert [bucket_edge(uni, model, g) for g in (1, 2, 3, 4, 7, 8, 16)] == [3, 3, 3, 7, 7, 15, 31]
+    for change in (dict(backend="hf"), dict(verify_rows=16), dict(fixed_shape=False)):
+        assert bucket_edge(uni.replace(**change), model, 5) == 5, change
+    assert bucket_edge(SpecConfig.preset("recycling"), model, 70) == 80          # its template's 80 nodes
+    assert bucket_edge(SpecConfig.preset("pld"), model, 20) == BLOCK - 1        # a chain shallower than a block
+    calib.save_calibration(calib.model_key(model, uni), {"g_star": 2})
+    assert resolve_config(uni, model=model).draft_size == 3
+    assert resolve_config(uni.replace(draft_size=2), model=model).draft_size == 2   # a size given is kept

@@ -306,7 +306,9 @@ def small():
 def test_draft_size_none_is_each_methods_default(small, tmp_path, monkeypatch):
     model, _ = small
     monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path))
-    expect = {"ar": None, "pld": 10, "hf-prompt-lookup": 10, "layerskip": 59, "eagle": 59,
+    # the defaults (pld 10, layerskip / eagle 59) at their row bucket's edge (engine.harness.bucket_edge);
+    # recycling's whole template; hf-prompt-lookup's 10 (transformers' forward: no buckets)
+    expect = {"ar": None, "pld": 15, "hf-prompt-lookup": 10, "layerskip": 63, "eagle": 63,
               "recycling": template_size("tr-default")}
     for method, g in expect.items():
         assert resolve_config(SpecConfig.preset(method), model=model).draft_size == g, method
@@ -317,7 +319,7 @@ def test_draft_size_none_is_each_methods_default(small, tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="no calibrated draft size"):
         assert resolve_config(unispec, model=model).draft_size == FALLBACK_DRAFT_SIZE["cpu"]
     save_calibration(model_key(model, unispec), {"g_star": 17})
-    assert resolve_config(unispec, model=model).draft_size == 17
+    assert resolve_config(unispec, model=model).draft_size == 31        # 17 at its row bucket's edge
     with pytest.warns(UserWarning, match="no calibrated draft size"):         # another r: another key
         other_r = resolve_config(unispec, overrides={"threshold_r": 0.2}, model=model)
     assert other_r.draft_size == FALLBACK_DRAFT_SIZE["cpu"]

@@ -20,7 +20,8 @@ Choices where the paper is silent [C]:
 - Grids (`engine.calibration.default_grid`): CPU {1,2,3,4,6,8,12,16,24,32} (verification cost grows
   steeply with g on a CPU); CUDA {16,32,...,160}; prompt lookup's chains stop below 32 and recycling's CUDA
   grid at its 80 nodes (`METHOD_GRIDS`). Points above what the method and the target allow
-  (`max_draft_size`) are dropped with a warning. Fewer than 4 points lower the polynomial degree.
+  (`engine.harness.max_draft_size`) are dropped with a warning. The fitted g* is raised to its row bucket's
+  edge (`engine.harness.bucket_edge`: on the CPU's per-step buckets the bucket's largest tree costs the same). Fewer than 4 points lower the polynomial degree.
 - Calibration prompts come from the training corpus, never from a benchmark (`calibration_prompts`).
 """
 
@@ -38,16 +39,13 @@ from tqdm.auto import tqdm
 
 from engine.calibration import (EAGLE_CANDIDATES, CalibrationError, Pipeline, default_grid, device_name,
                                 eagle_total_token, fit_record, model_id, model_key, pipeline_of, refit, save_calibration)
-from engine.config import (DRAFTING_METHODS, HF_METHODS, SpecConfig, calibration_fields, config_fingerprint,
+from engine.config import (DRAFTING_METHODS, SpecConfig, calibration_fields, config_fingerprint,
                            parse_overrides)
-from engine.drafters.recycling import TEMPLATES, template_size
 from engine.jobs.frequency import FrequencyError, with_default_ranking
-from engine.harness import generate
+from engine.harness import bucket_edge, generate, max_draft_size
 from engine.models import eos_token_ids, load_model
-from engine.native import BLOCK
 from engine.prompts import encode_prompt, load_prompts
 from engine.store import deployment_store
-from engine.target import max_tree_nodes, resolve_backend
 from kernels.hardware import parse_device, parse_dtype
 
 
@@ -147,44 +145,20 @@ def _round_robin(model, prompts, cfgs, store, repeats, eos_ids, progress, desc) 
     return runs
 
 
-def max_draft_size(cfg: SpecConfig, model=None) -> int | None:
-    """The largest draft size cfg.method can propose, None where it has no bound of its own:
-    recycling its template's nodes; layerskip / eagle EAGLE-2's candidates at the config's depth,
-    topk + topk^2 (depth - 1); unispec its candidate pool, (2 with the broadened first level, else 1) k +
-    k^2 (d - 1); pld / hf-prompt-lookup none. With `model`, the target's bounds too: on the native
-    fixed-shape path (`engine.target`) a tree of at most `verify_rows` rows when that is set (on
-    an accelerator `DEVICE_ROWS` when it is not), and a chain
-    (pld) shallower than `engine.native.BLOCK` positions."""
-    caps = []
-    if cfg.method == "recycling" and cfg.recycling_tree in TEMPLATES:
-        caps.append(template_size(cfg.recycling_tree))
-    elif cfg.method in ("layerskip", "eagle", "eagle3"):
-        caps.append(cfg.eagle_topk + cfg.eagle_topk ** 2 * (cfg.eagle_depth - 1))
-    elif cfg.method == "unispec":
-        caps.append((2 if cfg.broaden_first_level else 1) * cfg.store_k + cfg.store_k ** 2 * (cfg.tree_depth - 1))
-    if model is not None and cfg.method in DRAFTING_METHODS and cfg.method not in HF_METHODS and cfg.fixed_shape \
-            and resolve_backend(model, cfg.backend) == "native":
-        nodes = max_tree_nodes(model, cfg.backend, cfg.fixed_shape, cfg.verify_rows)
-        if nodes is not None:
-            caps.append(nodes)                              # rows: the root + the draft nodes
-        if cfg.method == "pld":
-            caps.append(BLOCK - 1)                          # a chain of g drafts is g deep
-    return min(caps) if caps else None
-
-
 def calibration_grid(cfg: SpecConfig, model, grid: Sequence[int] | None = None) -> list[int]:
     """The draft sizes a calibration of cfg measures: `grid` (default `engine.calibration.default_grid` of
     the method and the model's device type), sorted, without the points above `max_draft_size(cfg, model)`
-    (a warning names them; if none is left, the largest allowed size alone)."""
+    (a warning names them; if none is left, the largest allowed size alone). The grid is measured as given
+    (tau(g) curves are read off it); the fitted g* is then raised to its row bucket's edge (`calibrate`)."""
     device = next(model.parameters()).device
     grid = sorted({int(g) for g in (default_grid(cfg.method, device.type) if grid is None else grid)})
     cap = max_draft_size(cfg, model)
-    if cap is None or grid[-1] <= cap:
-        return grid
-    kept = [g for g in grid if g <= cap] or [cap]
-    warnings.warn(f"{cfg.method} proposes at most {cap} draft tokens with this config and target "
-                  f"(engine.jobs.calibrate.max_draft_size); calibrating at {kept} instead of {grid}", stacklevel=2)
-    return kept
+    if cap is not None and grid[-1] > cap:
+        kept = [g for g in grid if g <= cap] or [cap]
+        warnings.warn(f"{cfg.method} proposes at most {cap} draft tokens with this config and target "
+                      f"(engine.harness.max_draft_size); calibrating at {kept} instead of {grid}", stacklevel=2)
+        grid = kept
+    return grid
 
 
 def measure_grid(model, prompts: Sequence[torch.Tensor], method: str, grid: Sequence[int], *,
@@ -260,6 +234,9 @@ def calibrate(model, prompts: Sequence[torch.Tensor], method: str = "unispec", *
     if run != base:
         record["ran_with"] = {k: v for k, v in dataclasses.asdict(run).items() if getattr(base, k) != v}
     record.update(fit_record(record, pipeline if isinstance(pipeline, str) else p, mode=mode, timing=timing))
+    edge = bucket_edge(base, model, record["g_star"])          # the fit's g* runs at its bucket's largest tree
+    if edge != record["g_star"]:
+        record["g_star_fit"], record["g_star"] = record["g_star"], edge
     if save:
         save_calibration(key, record)
     return record

@@ -426,32 +426,37 @@ class GraphedDecode:
     more than their work; a graph launches them as one. Every input that changes per step lives in a static
     buffer (tokens, positions, the tail's slots and mask, the slots rows are written to), so one graph serves
     every step with the same (rows, committed blocks P // BLOCK, compiled): a decode at fixed `verify_rows` captures one
-    graph per BLOCK tokens of context. The graphs hold the cache's and the RoPE tables' addresses: `reset`
-    drops them when either is reallocated. `capture` builds the graph; `torch.cuda.CUDAGraph` on CUDA, and -
+    graph per BLOCK tokens of context, all writing one output buffer per row count (a graph's own outputs would
+    stay allocated: Gemma's [128, 262k] fp32 logits are 134 MB). The graphs hold the cache's and the RoPE
+    tables' addresses: they are dropped when either is reallocated. `capture` builds the graph; `torch.cuda.CUDAGraph` on CUDA, and -
     for the tests of the buffer plumbing on a CPU - a recording that re-runs the captured call (`eager=True`).
     """
 
     def __init__(self, net: NativeModel, eager: bool = False):
         self.net = net
         self.eager = eager
-        self.graphs: dict[tuple[int, int], dict] = {}
+        self.graphs: dict[tuple[int, int, bool], dict] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}     # per row count, shared by its graphs
         self.pool = None
         self._cache_id = None
         self.captures = 0                                               # graphs built (tests, benchmark)
 
     def reset(self) -> None:
         self.graphs.clear()
+        self.outputs.clear()
         self._cache_id = None
 
+    @torch.inference_mode()
     def __call__(self, cache: StaticKV, tokens, positions, tail: tuple[torch.Tensor, torch.Tensor],
                  compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden [R, d], fp32 logits [R, V]) of the R rows over `cache`; the outputs are the graph's own
         buffers, overwritten by the next call (copy what must outlive it). compiled: capture the
         torch.compile'd layer (`NativeModel.compiled_layer`: inductor's fused kernels, compiled during the
         warm-up before the capture)."""
-        if self._cache_id != (id(cache.k), cache.capacity):
+        state = (id(cache.k), cache.capacity, self.net._rope_len)      # what the graphs hold the addresses of
+        if self._cache_id != state:
             self.reset()
-            self._cache_id = (id(cache.k), cache.capacity)
+            self._cache_id = state
         P, R = cache.committed, tokens.numel()
         key = (R, P // BLOCK, compiled)
         g = self.graphs.get(key)
@@ -468,6 +473,10 @@ class GraphedDecode:
     def _capture(self, cache: StaticKV, R: int, compiled: bool = False) -> dict:
         net, dev = self.net, cache.k.device
         net.rope_tables(cache.capacity)                                 # no table grows inside a graph
+        if R not in self.outputs:                                       # one output buffer per row count: a
+            self.outputs[R] = (torch.empty(R, net.d, dtype=net.dtype, device=dev),   # graph's own outputs would
+                               torch.empty(R, net.head_w.shape[0], device=dev))      # stay allocated per graph
+        out_h, out_lg = self.outputs[R]
         g = dict(tok=torch.zeros(R, dtype=torch.long, device=dev),
                  pos=torch.full((R,), cache.committed, dtype=torch.long, device=dev),
                  idx=torch.zeros(R, 2 * BLOCK, dtype=torch.long, device=dev),
@@ -476,16 +485,17 @@ class GraphedDecode:
         g["ok"][:, 0] = True                                            # a valid (if meaningless) warm-up input
         torch.add(g["base"], cache.committed, out=g["slots"])
 
+        g["hidden"], g["logits"] = out_h, out_lg
+
         def run():
             h = net.forward(g["tok"], g["pos"], cache, None, exact=True, tail=(g["idx"], g["ok"]),
                             slots=g["slots"], compiled=compiled)
-            return h, net.logits(h, exact=True)
+            out_h.copy_(h)
+            out_lg.copy_(net.logits(h, exact=True))
 
         self.captures += 1
         if self.eager or dev.type != "cuda":
-            def replay():
-                g["hidden"], g["logits"] = run()
-            g["replay"] = replay
+            g["replay"] = run
             return g
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -495,7 +505,7 @@ class GraphedDecode:
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            g["hidden"], g["logits"] = run()
+            run()
         if self.pool is None:
             self.pool = graph.pool()
         g["graph"] = graph

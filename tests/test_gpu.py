@@ -112,7 +112,7 @@ def test_graph_replay_is_bitwise_the_eager_forward(name, dtype):
         if graphs:
             assert t.graphs is not None
             rows_run = t.rows or 8                               # DEVICE_ROWS on CUDA; the bucket of 8 nodes on a CPU
-            assert sorted(t.graphs.graphs) == [(rows_run, b) for b in range(t.committed // BLOCK + 1)]
+            assert sorted(t.graphs.graphs) == [(rows_run, b, False) for b in range(t.committed // BLOCK + 1)]
     for a, b in zip(out[False], out[True]):
         assert torch.equal(a, b)
 

@@ -497,17 +497,22 @@ def calibration_curves(record: dict, points: int = 200) -> pl.DataFrame:
     """A calibration record as one tidy frame for plotting: the measured grid (`kind="measured"`) and the
     fitted curves over [min g, max g] (`kind="fit"`: cubic f_tau, B-spline f_s, their ratio), with columns
     `key, model, method, kind, g, tau, s_step_ms, tokens_per_s`, plus one `kind="g_star"` row at the
-    record's g*. Pure: refits from the record's rows with the record's pipeline and timing. (`s_step_ms`
-    is the timing the record was fitted on: the forward time under timing="forward".)"""
+    record's g* (the size that runs). Pure: refits from the record's rows with the record's pipeline and
+    timing. (`s_step_ms` is the timing the record was fitted on: the forward time under timing="forward".)"""
     pipe, mode, timing = _record_pipeline(record)
     p = pipeline_of(pipe, mode=mode, timing=timing)
     g, tau, s = (np.asarray(x, dtype=np.float64) for x in _curves(record, p.timing))
     f_tau, f_s = fit_tau(g, tau), fit_step_time(g, s, knots=p.knots, solver=p.spline)
     dense = np.linspace(g.min(), g.max(), points)
     fit = optimal_draft_size(g, tau, s, pipeline=p)
+    # the g* that runs: the record's (the fit's raised to its row bucket's edge, engine.harness.bucket_edge),
+    # drawn on the fits where they were fitted, else at the fit's own prediction (the bucket's forward cost)
+    run_g = float(record.get("g_star", fit.g_star))
+    inside = g.min() <= run_g <= g.max()
+    star_tau = float(f_tau(run_g)) if inside else fit.predicted_tau
+    star_s = float(f_s(run_g)) if inside else fit.predicted_step_s
     parts = [("measured", g, tau, s), ("fit", dense, f_tau(dense), f_s(dense)),
-             ("g_star", np.array([fit.g_star], dtype=np.float64), np.array([fit.predicted_tau]),
-              np.array([fit.predicted_step_s]))]
+             ("g_star", np.array([run_g]), np.array([star_tau]), np.array([star_s]))]
     key = record["key"]
     model = record.get("model", key.split("|")[0])
     method = record.get("method", key.split("|")[3] if key.count("|") >= 3 else "")

@@ -295,9 +295,13 @@ def test_calibration_curves_frame():
     assert meas["g"].to_list() == g and np.allclose(meas["s_step_ms"].to_numpy(), np.array(s) * 1e3)
     assert np.allclose(meas["tokens_per_s"].to_numpy(), np.array(tau) / np.array(s))
     star = cur.filter(pl.col("kind") == "g_star").row(0, named=True)
-    assert star["g"] == calib.optimal_draft_size(g, tau, s).g_star
+    assert star["g"] == calib.optimal_draft_size(g, tau, s).g_star     # no g* recorded: the fit's
     fit = cur.filter(pl.col("kind") == "fit")                  # the fitted curves pass near the measurements
     assert abs(np.interp(8, fit["g"].to_numpy(), fit["tau"].to_numpy()) - tau[5]) < 0.05
+    # a recorded g* (the fit's raised to its row bucket's edge) is the diamond, on the fitted curves
+    recorded = calib.calibration_curves({**rec, "g_star": 7}, points=50)
+    star = recorded.filter(pl.col("kind") == "g_star").row(0, named=True)
+    assert star["g"] == 7 and abs(star["tau"] - np.interp(7, fit["g"].to_numpy(), fit["tau"].to_numpy())) < 0.01
 
 
 def test_calibrate_after_generate_on_the_same_model(tiny):

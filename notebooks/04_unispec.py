@@ -93,7 +93,8 @@ if curves is not None:
                           .properties(width=260, height=200, title=q) for q in tables.QUANTITIES.values()]
                         ).properties(title=charts.title(
         "Device-aware calibration: measured and fitted tau(g), s(g), tau/s; g* maximises tau/s (UniSpec App. F)",
-        calibrate, notes=["points: measured on the calibration prompts; lines: the fits; diamond: g* as it runs (on a CPU: at its row bucket's largest tree)"]))
+        calibrate, notes=["points: measured on the calibration prompts; lines: the fits; "
+                          "diamond: g* as it runs (on a CPU: at its row bucket's largest tree)"]))
     charts.save_chart(chart, out_dir, "calibration_fits")
     display(chart)  # noqa: F821 (IPython)
 

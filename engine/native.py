@@ -1,5 +1,8 @@
 """The target's forward without transformers: packed weights, a static KV cache, fixed-shape verification.
 
+(Over 600 lines on purpose: the decoder, its fixed-shape attention, the cache and the CUDA graphs that replay
+the forward all read one packed layout and one cache layout; apart, each would restate them.)
+
 `NativeModel(hf_model)` reads the weights `engine.models.load_model` loaded (no copy: the HF model's q/k/v and
 gate/up parameters are re-pointed at views of the fused matrices this module packs, so both stay usable and
 share memory) and runs the decoder itself for the families below. `engine.target` wraps it as the `native`
@@ -53,6 +56,7 @@ import torch.nn.functional as F
 from kernels.head import dense_head
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text")
+GRAPH_CACHE_SLOTS = 4096  # the graphed decode's static cache (`GraphedDecode.static_cache`; grown when short)
 MIN_ROWS = 4          # smallest GEMM M that is row-invariant in fp32 on the CPUs measured (module docstring)
 BLOCK = 32            # logical positions per attention block (rule 2); a tree must be shallower than this
 
@@ -440,6 +444,15 @@ class GraphedDecode:
         self.pool = None
         self._cache_id = None
         self.captures = 0                                               # graphs built (tests, benchmark)
+        self.cache: StaticKV | None = None                              # the one static cache they run over
+
+    def static_cache(self, slots: int) -> StaticKV:
+        """The cache every graphed decode of this model runs over (at least GRAPH_CACHE_SLOTS, reused so the
+        graphs stay valid); a new one, and so new graphs, when it is shorter than `slots`."""
+        if self.cache is None or self.cache.capacity < slots:
+            self.cache = self.net.new_cache(max(slots, GRAPH_CACHE_SLOTS))
+        self.cache.committed = 0
+        return self.cache
 
     def reset(self) -> None:
         self.graphs.clear()

@@ -41,7 +41,6 @@ BACKENDS = ("auto", "native", "hf")
 # (the forward reads the weights once whatever the rows). A tree of more nodes is a clear error.
 DEVICE_ROWS = 128              # UniSpec's GPU draft sizes (60-110 nodes) fit; a tree of more is a clear error
 GRAPH_DEVICES = ("cuda",)      # where the fixed-shape decode is replayed as graphs (a CPU only in tests: eagerly)
-GRAPH_CACHE_SLOTS = 4096       # the graphed decode's static cache (grown, and its graphs dropped, when short)
 
 
 class BackendError(ValueError):
@@ -162,9 +161,7 @@ class NativeTarget(Target):
         super().__init__(model)
         self.net = native_model(model)
         self.fixed_shape = fixed_shape
-        if rows is None and fixed_shape and self.net.device.type != "cpu":
-            rows = DEVICE_ROWS                                   # one row count for every decode on the device
-        self.rows = rows                                         # None: bucket_rows(n) per step
+        self.rows = decode_rows(self.net.device, fixed_shape, rows)   # None: bucket_rows(n) per step
         self.compile = compile                                   # torch.compile the fixed-shape decode layer
         # CUDA graphs of the fixed-shape forward (`GraphedDecode`, the compiled layer too when `compile`); not
         # while a feature tap (EAGLE-3) reads the layers' inputs from Python
@@ -174,22 +171,13 @@ class NativeTarget(Target):
 
     def begin(self, capacity: int) -> None:
         need = capacity + (self.rows or 0)
-        if self.graphs is not None and self.cache is None:       # one static cache per model on the device,
-            self.cache = getattr(self.net, "_graph_cache", None)   # reused by every decode: graphs stay valid
-        if self.cache is None or self.cache.capacity < need or self.graphs is None:
-            self.cache = self.net.new_cache(max(need, GRAPH_CACHE_SLOTS) if self.graphs is not None else need)
-            if self.graphs is not None:
-                self.net._graph_cache = self.cache
-        self.cache.committed = 0
+        # graphed: the model's one static cache, reused by every decode so its graphs stay valid
+        self.cache = self.net.new_cache(need) if self.graphs is None else self.graphs.static_cache(need)
         self.committed = 0
 
     def _ensure(self, slots: int) -> None:
-        if slots > self.cache.capacity:
+        if slots > self.cache.capacity:              # a graphed decode sees the new tensors and recaptures
             self.cache.grow(max(slots, self.cache.capacity + self.cache.capacity // 2))
-            self.net.rope_tables(self.cache.capacity)
-            if self.graphs is not None:
-                self.graphs.reset()
-                self.net._graph_cache = self.cache
 
     def prefill(self, prompt, all_logits=True):
         L = prompt.numel()
@@ -289,9 +277,16 @@ def max_tree_nodes(model, backend: str = "auto", fixed_shape: bool = True, rows:
     with the tree (a CPU's buckets, the hf backend)."""
     if not fixed_shape or resolve_backend(model, backend) != "native":
         return None
-    if rows is None and next(model.parameters()).device.type != "cpu":
-        rows = DEVICE_ROWS
+    rows = decode_rows(next(model.parameters()).device, fixed_shape, rows)
     return None if rows is None else rows - 1
+
+
+def decode_rows(device: torch.device, fixed_shape: bool, rows: int | None) -> int | None:
+    """The row count of every fixed-shape decode forward: `rows` (`verify_rows`) when given, DEVICE_ROWS on
+    an accelerator, else None (a CPU: the bucket of each step's tree)."""
+    if rows is None and fixed_shape and device.type != "cpu":
+        return DEVICE_ROWS
+    return rows
 
 
 def make_target(model, backend: str = "auto", fixed_shape: bool = True, rows: int | None = None,

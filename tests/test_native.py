@@ -386,7 +386,7 @@ def test_the_graphed_decode_feeds_its_buffers_and_equals_the_eager_decode(name, 
         assert generate(model, ids, method=m, **kw, **k).output_ids.tolist() == plain[m], m
     graphs = net.graphs()
     assert {key[1] for key in graphs.graphs} >= {1, 2}          # the decode crossed a block boundary
-    cache = net._graph_cache
+    cache = net.graphs().cache
     t = target_mod.make_target(model, "native")
     t.begin(100)
     assert t.cache is cache and t.graphs is graphs               # the static cache serves the next decode

@@ -42,6 +42,12 @@ BACKENDS = ("hf", "native", "native-compiled", "native-graph", "native-compiled-
 GRAPHED = ("native-graph", "native-compiled-graph")
 
 
+def target_options(backend: str) -> dict:
+    """The `make_target` / `generate` options of one of BACKENDS (the benchmark's names, `backend_label`'s)."""
+    return dict(backend="hf" if backend == "hf" else "native", fixed_shape=backend != "native-sdpa",
+                compile="compiled" in backend, cuda_graphs=backend in GRAPHED)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -83,8 +89,7 @@ def _median(fn, repeats: int, device: torch.device = torch.device("cpu")) -> tup
 def forward_ms(model, backend: str, n: int, context: int, repeats: int) -> tuple[float, float]:
     """(median ms of one forward of an n-node chain over a `context`-token cache (the cache is not advanced),
     seconds of the first forward: the compile for `native-compiled`, the capture for `native-graph`)."""
-    t = make_target(model, "hf" if backend == "hf" else "native", fixed_shape=backend != "native-sdpa",
-                    compile="compiled" in backend, cuda_graphs=backend in GRAPHED)
+    t = make_target(model, **target_options(backend))
     device = next(model.parameters()).device
     t.begin(context + 64)
     g = torch.Generator().manual_seed(0)
@@ -126,8 +131,7 @@ def decode_tok_s(model, backend: str, context: int, new_tokens: int) -> float:
     warm-up decode first (compiles, captures)."""
     V = model.get_output_embeddings().weight.shape[0]
     prompt = torch.randint(0, V, (context,), generator=torch.Generator().manual_seed(1)).tolist()
-    kw = dict(method="ar", eos_ids=[], backend="hf" if backend == "hf" else "native",
-              fixed_shape=backend != "native-sdpa", compile="compiled" in backend, cuda_graphs=backend in GRAPHED)
+    kw = dict(method="ar", eos_ids=[], **target_options(backend))
     generate(model, prompt, max_new_tokens=new_tokens, **kw)
     res = generate(model, prompt, max_new_tokens=new_tokens, **kw)
     return res.output_ids.numel() / (res.wall_s - res.prefill_s)

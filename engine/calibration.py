@@ -71,7 +71,6 @@ import dataclasses
 import fcntl
 import json
 import math
-import os
 import platform
 import shlex
 import warnings
@@ -90,6 +89,7 @@ from engine.atomic import atomic_write
 # users and tests have always read them (engine.calibration.calibration_fields, ...).
 from engine.config import (ADDED_AT_DEFAULT, CALIBRATION_FIELDS, DRAFTING_METHODS, NOT_CALIBRATION_FIELDS,  # noqa: F401
                            POLICY_FIELDS, SpecConfig, calibration_fields, config_fingerprint)
+from kernels.hardware import cache_root
 
 DEFAULT_GRIDS = {"cpu": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32), "cuda": tuple(range(16, 161, 16))}
 # [C] Per-method grids where the device's grid does not fit the method: a prompt-lookup chain is as deep as
@@ -358,8 +358,7 @@ def model_key(model, cfg: SpecConfig) -> str:
 # ---- the cache -------------------------------------------------------------------------------------------
 
 def cache_file() -> Path:
-    root = Path(os.environ.get("SPECVOCAB_CACHE") or Path.home() / ".cache" / "specvocab").expanduser()
-    return root / "calibration.json"
+    return cache_root() / "calibration.json"
 
 
 def load_calibrations(path: str | Path | None = None) -> dict:

@@ -84,6 +84,9 @@ class SpecConfig:
     cuda_graphs: bool = True          # native + fixed_shape on CUDA: replay the decode forward as CUDA graphs
                                       # (engine.native.GraphedDecode), one per BLOCK tokens of context; no-op
                                       # on a CPU
+    cpu_kernels: bool = True           # native, bf16 on a CPU with AVX512-BF16: the decode's linears through
+                                      # kernels.cpu (streams packed weights near the bandwidth bound;
+                                      # row-invariant by construction); False = oneDNN (F.linear)
 
     # --- prompt lookup (Saxena 2023; transformers' prompt lookup) ----------------------------------------
     pld_max_ngram: int = 3
@@ -241,7 +244,7 @@ PRESETS: dict[str, SpecConfig] = {
 _SAMPLING = ("temperature", "top_p")
 _STORE = ("store_k", "store_persistence")
 _TREE = ("eagle_depth", "eagle_topk")
-_TARGET = ("backend", "fixed_shape", "verify_rows", "compile", "cuda_graphs")   # how the target runs changes s(g) (engine.target)
+_TARGET = ("backend", "fixed_shape", "verify_rows", "compile", "cuda_graphs", "cpu_kernels")   # how the target runs changes s(g) (engine.target)
 # Config fields that change tau(g) or s(g), per method; the vocabulary policy's own fields follow
 # `POLICY_FIELDS` of the policy in use.
 CALIBRATION_FIELDS: dict[str, tuple[str, ...]] = {

@@ -295,7 +295,7 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
 
     t_start = _clock(device)
     target = make_target(model, cfg.backend, fixed_shape=cfg.fixed_shape, rows=cfg.verify_rows,
-                         compile=cfg.compile, cuda_graphs=cfg.cuda_graphs)
+                         compile=cfg.compile, cuda_graphs=cfg.cuda_graphs, cpu_kernels=cfg.cpu_kernels)
     target.begin(L + T + 1)
     # the drafter sees logits at every prompt position unless it says it does not use them
     hidden, logits = target.prefill(prompt, all_logits=getattr(drafter, "uses_prefill_logits", True))

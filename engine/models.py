@@ -34,7 +34,7 @@ from engine.artifacts import atomic_dir
 # What the package knows by name (engine.catalog, without torch); re-exported, the names users import from here.
 from engine.catalog import (HUB_ID, OFFLINE_MODELS, RANDOM_MODELS, ModelInfo, OfflineModel,  # noqa: F401
                             known_models)
-from kernels.hardware import check_dtype, parse_device, parse_dtype
+from kernels.hardware import cache_root, check_dtype, parse_device, parse_dtype  # noqa: F401 (cache_root: re-exported)
 
 
 class ModelError(ValueError):
@@ -86,11 +86,6 @@ def load_random_model(name: str = "random-llama", *, vocab_size: int = 512, hidd
 
 CACHE_FORMAT = 1
 MANIFEST = "specvocab_manifest.json"
-
-
-def cache_root() -> Path:
-    """`$SPECVOCAB_CACHE`, default `~/.cache/specvocab`; converted models live in `<root>/models/<name>`."""
-    return Path(os.environ.get("SPECVOCAB_CACHE") or Path.home() / ".cache" / "specvocab").expanduser()
 
 
 def model_cache_dir(name: str) -> Path:

@@ -53,12 +53,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu
+from kernels.cpu import PackedLinear
 from kernels.head import dense_head
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text")
 GRAPH_CACHE_SLOTS = 4096  # the graphed decode's static cache (`GraphedDecode.static_cache`; grown when short)
 MIN_ROWS = 4          # smallest GEMM M that is row-invariant in fp32 on the CPUs measured (module docstring)
 BLOCK = 32            # logical positions per attention block (rule 2); a tree must be shallower than this
+KERNEL_MAX_ROWS = 32  # outside exact mode (a prefill, native-sdpa) the CPU kernel takes forwards up to this
+                      # many rows; above, oneDNN's blocked GEMM is as fast (kernels.cpu's crossover)
 
 
 class NativeError(ValueError):
@@ -103,6 +107,8 @@ class _Layer:
     post_mlp_norm: torch.Tensor | None      # gemma3 only
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
+    # the same four weights packed for the CPU small-row kernel (`NativeModel.use_cpu_kernels`); None = off
+    kernel: dict[str, PackedLinear] | None = None
 
 
 class StaticKV:
@@ -172,6 +178,8 @@ class NativeModel:
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope_len = 0
         self._compiled = None
+        self.head_kernel: PackedLinear | None = None      # `use_cpu_kernels`
+        self.kernel_on = False
         # feature_tap(layer index, x [n, d]): called with the residual stream entering each layer a forward runs
         # (EAGLE-3's target features: engine.drafters.eagle3 sets it); None = nothing called
         self.feature_tap = None
@@ -192,6 +200,36 @@ class NativeModel:
         return self._compiled
 
     # -- weights -------------------------------------------------------------------------------------
+    def cpu_kernels_reason(self) -> str | None:
+        """None when the CPU small-row kernel (kernels.cpu) can run this model's linears, else why not."""
+        if self.device.type != "cpu":
+            return f"the model is on {self.device.type}, the kernel is for CPUs"
+        if self.dtype != torch.bfloat16:
+            return f"the model is in {str(self.dtype).removeprefix('torch.')}, the kernel multiplies bf16"
+        return cpu.available()
+
+    @torch.no_grad()
+    def use_cpu_kernels(self, on: bool = True) -> bool:
+        """Run this model's linears (every layer's four and the LM head) through the CPU small-row kernel
+        (`on`, where `cpu_kernels_reason()` is None) or `F.linear` (oneDNN). Returns whether the kernel runs.
+        The first switch on packs the weights for it: a copy, so the model then holds its weight bytes twice.
+        Rule 1 holds either way: both give a row the same bits for every M (the kernel by construction)."""
+        if on and self.cpu_kernels_reason() is None and self.head_kernel is None:
+            for L in self.layers:
+                L.kernel = {"qkv": cpu.pack(L.qkv_w, L.qkv_b), "o": cpu.pack(L.o_w),
+                            "gate_up": cpu.pack(L.gate_up_w), "down": cpu.pack(L.down_w)}
+            self.head_kernel = cpu.pack(self.head_w, self.head_b)
+        self.kernel_on = bool(on and self.head_kernel is not None)
+        return self.kernel_on
+
+    def _attention_kernel(self, hd: int) -> bool:
+        return self.kernel_on and hd % 16 == 0 and hd <= 256       # what kernels.cpu.attention takes
+
+    def _kernel(self, rows: int, exact: bool) -> bool:
+        # exact mode: always (a decode's forwards must share one implementation whatever their rows); else up to
+        # KERNEL_MAX_ROWS; never inside torch.compile (a foreign call would break its graph)
+        return self.kernel_on and (exact or rows <= KERNEL_MAX_ROWS) and not torch.compiler.is_compiling()
+
     def _norm_weight(self, norm) -> torch.Tensor:
         # Gemma's RMSNorm multiplies by (1 + w) in fp32; Llama's by w in the model dtype (after the cast)
         return (1.0 + norm.weight.detach().float()) if self.gemma else norm.weight.detach()
@@ -295,8 +333,9 @@ class NativeModel:
         """One decoder layer over n new rows; kc, vc [kvh, C, hd]: this layer's cache (rows written at P, or
         at `slots`); mask: the SDPA mask, or in exact mode `_exact_masks` with tail_idx the tail's cache slots."""
         n, H, kvh, hd = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        kern = L.kernel if self._kernel(n, exact) else None
         h = self._rmsnorm(x, L.in_norm)
-        qkv = F.linear(h, L.qkv_w, L.qkv_b)
+        qkv = kern["qkv"](h) if kern else F.linear(h, L.qkv_w, L.qkv_b)
         qk, v = qkv.split([(H + kvh) * hd, kvh * hd], dim=-1)
         qk, v = qk.view(n, H + kvh, hd), v.view(n, kvh, hd)
         if L.q_norm is not None:
@@ -316,13 +355,14 @@ class NativeModel:
             a = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None, :, :P + n], vc[None, :, :P + n],
                                                attn_mask=mask, scale=self.scale,
                                                enable_gqa=kvh != H)[0].transpose(0, 1).reshape(n, H * hd)
-        a = F.linear(a, L.o_w)
+        a = kern["o"](a) if kern else F.linear(a, L.o_w)
         if L.post_attn_norm is not None:
             a = self._rmsnorm(a, L.post_attn_norm)
         x = x + a
         h = self._rmsnorm(x, L.pre_mlp_norm)
-        gate, up = F.linear(h, L.gate_up_w).chunk(2, dim=-1)
-        h = F.linear(self.act(gate) * up, L.down_w)
+        gate, up = (kern["gate_up"](h) if kern else F.linear(h, L.gate_up_w)).chunk(2, dim=-1)
+        h = self.act(gate) * up
+        h = kern["down"](h) if kern else F.linear(h, L.down_w)
         if L.post_mlp_norm is not None:
             h = self._rmsnorm(h, L.post_mlp_norm)
         return x + h
@@ -347,7 +387,9 @@ class NativeModel:
     def _exact_masks(self, P, positions, tail, kind):
         """The keys each row must not see in exact mode, per forward and layer type (not per layer):
         committed [1, n, 1, b0, BLOCK] bool (outside a sliding window; None on full layers or with no
-        committed block) and tail [1, n, 1, 2 BLOCK] (not the row's context, or outside the window)."""
+        committed block) and tail [1, n, 1, 2 BLOCK] (not the row's context, or outside the window); then
+        what the CPU attention kernel reads instead (positions, the tail's visible keys [n, 2 BLOCK] uint8,
+        the window or 0)."""
         n, dev = positions.numel(), positions.device
         window = self.window if kind == "sliding_attention" else None
         b0 = P // BLOCK
@@ -359,20 +401,26 @@ class NativeModel:
                 committed = ~(positions[:, None] - k_pos[None, :] < window).view(1, n, 1, b0, BLOCK)
             k_pos = b0 * BLOCK + torch.arange(2 * BLOCK, device=dev)
             allowed = allowed & (positions[:, None] - k_pos[None, :] < window)
-        return committed, ~allowed[None, :, None, :]
+        kernel_args = ((positions.contiguous(), allowed.to(torch.uint8).contiguous(), window or 0)
+                       if self.kernel_on else None)
+        return committed, ~allowed[None, :, None, :], kernel_args
 
     def _attention_exact(self, q, kc, vc, P, idx, masked) -> torch.Tensor:
         """Fixed-shape attention (rules 2 and 3 of the module docstring). q [n, H, hd] -> [n, H hd];
         idx [n, 2 BLOCK]: the tail's cache slots (`tail_index`); masked: `_exact_masks`."""
         n, H, hd = q.shape
         kvh = kc.shape[0]
+        if masked[2] is not None and self._attention_kernel(hd) and not torch.compiler.is_compiling():
+            pos, ok, window = masked[2]                                # kernels.cpu: the same rules, per row
+            return cpu.attention(q, kc, vc, P // BLOCK, pos, idx, ok, window, self.scale).view(
+                n, H * hd).to(q.dtype)
         g = H // kvh
         gp = max(g, MIN_ROWS)                                          # query rows per KV group per token
         qg = q.view(n, kvh, g, hd).transpose(0, 1)                     # [kvh, n, g, hd]
         if gp > g:
             qg = torch.cat([qg, qg.new_zeros(kvh, n, gp - g, hd)], dim=2)
         b0 = P // BLOCK
-        committed_masked, tail_masked = masked
+        committed_masked, tail_masked = masked[:2]
         ms, ls, os_ = [], [], []
         if b0:                                                         # committed blocks, shared by all rows
             keys = b0 * BLOCK
@@ -413,8 +461,11 @@ class NativeModel:
     # -- LM head -------------------------------------------------------------------------------------
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, exact: bool = False) -> torch.Tensor:
-        """fp32 logits [.., V]: the LM head (F.linear in exact mode: row-invariant), then soft-capping."""
-        if exact:
+        """fp32 logits [.., V]: the LM head (F.linear in exact mode: row-invariant; the CPU kernel where it is on),
+        then soft-capping."""
+        if self._kernel(hidden[..., 0].numel(), exact):
+            out = self.head_kernel(hidden, torch.float32)
+        elif exact:
             out = F.linear(hidden, self.head_w, self.head_b).float()
         else:
             out = dense_head(hidden, self.head_w, self.head_b).float()

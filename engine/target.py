@@ -33,6 +33,7 @@ import torch
 from engine import kv
 from engine.native import BLOCK, NativeError, NativeModel, bucket_rows, tail_index, unsupported_reason
 from engine.verify import tree_layout
+from kernels.cpu import available as cpu_kernels_available
 from kernels.head import dense_head
 
 BACKENDS = ("auto", "native", "hf")
@@ -157,9 +158,10 @@ class NativeTarget(Target):
     name = "native"
 
     def __init__(self, model, fixed_shape: bool = True, rows: int | None = None, compile: bool = False,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, cpu_kernels: bool = True):
         super().__init__(model)
         self.net = native_model(model)
+        self.net.use_cpu_kernels(cpu_kernels)                      # the CPU small-row kernel, where it runs
         self.fixed_shape = fixed_shape
         self.rows = decode_rows(self.net.device, fixed_shape, rows)   # None: bucket_rows(n) per step
         self.compile = compile                                   # torch.compile the fixed-shape decode layer
@@ -258,17 +260,21 @@ def resolve_backend(model, backend: str = "auto") -> str:
 
 
 def backend_label(model, backend: str = "auto", fixed_shape: bool = True, compile: bool = False,
-                  cuda_graphs: bool = True) -> str:
+                  cuda_graphs: bool = True, cpu_kernels: bool = True) -> str:
     """How a decode's target runs, in the forward benchmark's words: "hf", "native" (fixed-shape),
-    "native-compiled", "native-graph" (fixed-shape under CUDA graphs: the default on CUDA),
+    "native-blas" (fixed-shape, bf16 on a CPU without the small-row kernel of kernels.cpu: oneDNN's
+    GEMMs), "native-compiled", "native-graph" (fixed-shape under CUDA graphs: the default on CUDA),
     "native-compiled-graph" (both) or "native-sdpa" (native without the fixed shape). Results and figures
     carry it."""
     if resolve_backend(model, backend) == "hf":
         return "hf"
     if not fixed_shape:
         return "native-sdpa"
-    graphed = cuda_graphs and next(model.parameters()).device.type in GRAPH_DEVICES
-    return "native" + ("-compiled" if compile else "") + ("-graph" if graphed else "")
+    p = next(model.parameters())
+    graphed = cuda_graphs and p.device.type in GRAPH_DEVICES
+    blas = (not compile and p.device.type == "cpu" and p.dtype == torch.bfloat16
+            and not (cpu_kernels and cpu_kernels_available() is None))
+    return "native" + ("-compiled" if compile else "") + ("-graph" if graphed else "") + ("-blas" if blas else "")
 
 
 def max_tree_nodes(model, backend: str = "auto", fixed_shape: bool = True, rows: int | None = None) -> int | None:
@@ -290,11 +296,12 @@ def decode_rows(device: torch.device, fixed_shape: bool, rows: int | None) -> in
 
 
 def make_target(model, backend: str = "auto", fixed_shape: bool = True, rows: int | None = None,
-                compile: bool = False, cuda_graphs: bool = True) -> Target:
+                compile: bool = False, cuda_graphs: bool = True, cpu_kernels: bool = True) -> Target:
     """The Target for one decode (a fresh cache per `begin`)."""
     if resolve_backend(model, backend) == "native":
         if compile and not fixed_shape:
             raise BackendError("compile=True compiles the fixed-shape decode forward; set fixed_shape=True "
                                "or compile=False")
-        return NativeTarget(model, fixed_shape=fixed_shape, rows=rows, compile=compile, cuda_graphs=cuda_graphs)
+        return NativeTarget(model, fixed_shape=fixed_shape, rows=rows, compile=compile, cuda_graphs=cuda_graphs,
+                            cpu_kernels=cpu_kernels)
     return HFTarget(model)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -49,22 +50,35 @@ DTYPE_ENV = "SPECVOCAB_DTYPE"     # overrides DEFAULT_DTYPE for every loader and
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 
 
-def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU has bf16 dot products in hardware (then oneDNN's bf16 GEMMs run at about twice the
-    fp32 rate and read half the bytes). cpuinfo: the text of /proc/cpuinfo (read when None; False where
-    there is none, e.g. macOS, so the default stays fp32 there)."""
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's feature flags (x86 "flags", Arm "Features") from /proc/cpuinfo's text (read when None; empty
+    where there is none, e.g. macOS)."""
     if cpuinfo is None:
         try:
             with open("/proc/cpuinfo") as f:
                 cpuinfo = f.read()
         except OSError:
-            return False
+            return set()
     flags = set()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip().lower() in ("flags", "features"):
             flags.update(value.split())
+    return flags
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU has bf16 dot products in hardware (then a bf16 GEMM reads half the bytes of an fp32
+    one, at up to twice the rate). cpuinfo: the text of /proc/cpuinfo (False where there is none, so the
+    default stays fp32 there)."""
+    flags = cpu_flags(cpuinfo)
     return any(flag in flags for flag in BF16_CPU_FLAGS)
+
+
+def cache_root() -> Path:
+    """`$SPECVOCAB_CACHE`, default `~/.cache/specvocab`: converted models (`models/`), calibration
+    (`calibration.json`) and built CPU kernels (`kernels/`)."""
+    return Path(os.environ.get("SPECVOCAB_CACHE") or Path.home() / ".cache" / "specvocab").expanduser()
 
 
 CPU_BF16: bool = cpu_has_native_bf16()

@@ -369,7 +369,7 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
             got.append({
                 "model": info.name, "device": dev, "dtype": dtype_name,
                 "backend": backend_label(target, cfg.backend, cfg.fixed_shape, cfg.compile,
-                                              cfg.cuda_graphs), "method": run.method, "run": run.label,
+                                         cfg.cuda_graphs, cfg.cpu_kernels), "method": run.method, "run": run.label,
                 "policy": run.policy, "vocab_size": run.vocab_size,
                 "dynaspec_k_max": cfg.dynaspec_k_max if run.policy == "dynaspec" else None,
                 "draft_head": run.draft_head, "vocab_file": run.vocab_file, "draft_size": cfg.draft_size,

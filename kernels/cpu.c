@@ -1,0 +1,236 @@
+/* A small-row bf16 linear for x86 CPUs with AVX512-BF16: out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]).
+ *
+ * Built and loaded by kernels/cpu_linear.py (its docstring says why this exists and what it measured); the
+ * plain-torch reference beside it is `linear_reference` there.
+ *
+ * Weight layout (packed once by cpu_linear.pack): [ceil(N / NB)][ceil(K / 32)][NB][32] bf16, zero-padded, so a
+ * block of NB outputs streams through memory in one sequential pass and the hardware prefetcher (helped by one
+ * software prefetch PF bytes ahead) keeps up.
+ *
+ * Row invariance by construction: every output (m, n) is accumulated in its own 16-lane fp32 register over the
+ * K chunks in order (VDPBF16PS), then reduced by one fixed shuffle tree. Nothing in that sequence depends on M,
+ * on the other rows, on which rows share a register block, or on the thread count (threads split the output
+ * blocks, never K). A token's row therefore has the same bits in a 1-row forward and inside any tree.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+
+#define NB 4      /* outputs per block (weight rows streamed together) */
+#define MB 4      /* rows per register block: NB x MB = 16 accumulators */
+#define PF 1024   /* software prefetch distance in bytes along the packed weight stream */
+
+int sv_block_outputs(void) { return NB; }
+
+static inline uint16_t to_bf16(float f) {            /* round to nearest even, NaN kept quiet */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#define DP(a, x, w) a = _mm512_dpbf16_ps(a, x, w)
+#define LOADW(j) ((__m512bh)_mm512_loadu_si512((const void*)(wc + (j) * 32)))
+
+/* Four rows x four outputs: sixteen accumulators held in registers (named, so the compiler keeps them there). */
+static inline void tile4(const uint16_t* x, int K, const uint16_t* wb, int kc, __mmask32 tail, float r[4][NB]) {
+    __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00,
+           a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
+    const uint16_t *x0 = x, *x1 = x + K, *x2 = x + 2 * (size_t)K, *x3 = x + 3 * (size_t)K;
+    const int full = tail ? kc - 1 : kc;
+    for (int c = 0; c <= full; c++) {
+        __m512bh v0, v1, v2, v3;
+        if (c < full) {
+            v0 = (__m512bh)_mm512_loadu_si512((const void*)(x0 + c * 32));
+            v1 = (__m512bh)_mm512_loadu_si512((const void*)(x1 + c * 32));
+            v2 = (__m512bh)_mm512_loadu_si512((const void*)(x2 + c * 32));
+            v3 = (__m512bh)_mm512_loadu_si512((const void*)(x3 + c * 32));
+        } else if (tail) {   /* the last, partial chunk: x masked to zeros (the packed weight is zero-padded) */
+            v0 = (__m512bh)_mm512_maskz_loadu_epi16(tail, (const void*)(x0 + c * 32));
+            v1 = (__m512bh)_mm512_maskz_loadu_epi16(tail, (const void*)(x1 + c * 32));
+            v2 = (__m512bh)_mm512_maskz_loadu_epi16(tail, (const void*)(x2 + c * 32));
+            v3 = (__m512bh)_mm512_maskz_loadu_epi16(tail, (const void*)(x3 + c * 32));
+        } else {
+            break;
+        }
+        const uint16_t* wc = wb + (size_t)c * NB * 32;
+        _mm_prefetch((const char*)wc + PF, _MM_HINT_T0);
+        _mm_prefetch((const char*)wc + PF + 128, _MM_HINT_T0);
+        __m512bh w;
+        w = LOADW(0); DP(a00, v0, w); DP(a10, v1, w); DP(a20, v2, w); DP(a30, v3, w);
+        w = LOADW(1); DP(a01, v0, w); DP(a11, v1, w); DP(a21, v2, w); DP(a31, v3, w);
+        w = LOADW(2); DP(a02, v0, w); DP(a12, v1, w); DP(a22, v2, w); DP(a32, v3, w);
+        w = LOADW(3); DP(a03, v0, w); DP(a13, v1, w); DP(a23, v2, w); DP(a33, v3, w);
+    }
+    r[0][0] = _mm512_reduce_add_ps(a00); r[0][1] = _mm512_reduce_add_ps(a01);
+    r[0][2] = _mm512_reduce_add_ps(a02); r[0][3] = _mm512_reduce_add_ps(a03);
+    r[1][0] = _mm512_reduce_add_ps(a10); r[1][1] = _mm512_reduce_add_ps(a11);
+    r[1][2] = _mm512_reduce_add_ps(a12); r[1][3] = _mm512_reduce_add_ps(a13);
+    r[2][0] = _mm512_reduce_add_ps(a20); r[2][1] = _mm512_reduce_add_ps(a21);
+    r[2][2] = _mm512_reduce_add_ps(a22); r[2][3] = _mm512_reduce_add_ps(a23);
+    r[3][0] = _mm512_reduce_add_ps(a30); r[3][1] = _mm512_reduce_add_ps(a31);
+    r[3][2] = _mm512_reduce_add_ps(a32); r[3][3] = _mm512_reduce_add_ps(a33);
+}
+
+/* One row x four outputs: the same per-output sequence as tile4 (chunks in order, the masked tail last, the
+ * same reduction), for the rows left over when M is not a multiple of four. */
+static inline void tile1(const uint16_t* x, const uint16_t* wb, int kc, __mmask32 tail, float r[NB]) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const int full = tail ? kc - 1 : kc;
+    for (int c = 0; c <= full; c++) {
+        __m512bh v;
+        if (c < full) v = (__m512bh)_mm512_loadu_si512((const void*)(x + c * 32));
+        else if (tail) v = (__m512bh)_mm512_maskz_loadu_epi16(tail, (const void*)(x + c * 32));
+        else break;
+        const uint16_t* wc = wb + (size_t)c * NB * 32;
+        _mm_prefetch((const char*)wc + PF, _MM_HINT_T0);
+        _mm_prefetch((const char*)wc + PF + 128, _MM_HINT_T0);
+        DP(a0, v, LOADW(0)); DP(a1, v, LOADW(1)); DP(a2, v, LOADW(2)); DP(a3, v, LOADW(3));
+    }
+    r[0] = _mm512_reduce_add_ps(a0); r[1] = _mm512_reduce_add_ps(a1);
+    r[2] = _mm512_reduce_add_ps(a2); r[3] = _mm512_reduce_add_ps(a3);
+}
+
+static void blocks(const uint16_t* x, const uint16_t* wp, const float* bias, void* out, int out_f32,
+                   int M, int N, int K, int b0, int b1) {
+    const int kc = (K + 31) / 32;
+    const __mmask32 tail = (K % 32) ? (((__mmask32)1 << (K % 32)) - 1) : 0;
+    float r[MB][NB];
+    for (int b = b0; b < b1; b++) {
+        const uint16_t* wb = wp + (size_t)b * kc * NB * 32;
+        const int nb = (N - b * NB < NB) ? N - b * NB : NB;
+        for (int m = 0; m < M; m += MB) {
+            const int mb = (M - m < MB) ? M - m : MB;
+            if (mb == MB) tile4(x + (size_t)m * K, K, wb, kc, tail, r);
+            else for (int i = 0; i < mb; i++) tile1(x + (size_t)(m + i) * K, wb, kc, tail, r[i]);
+            for (int i = 0; i < mb; i++)
+                for (int j = 0; j < nb; j++) {
+                    float s = r[i][j];
+                    if (bias) s += bias[b * NB + j];
+                    size_t o = (size_t)(m + i) * N + (size_t)b * NB + j;
+                    if (out_f32) ((float*)out)[o] = s;
+                    else ((uint16_t*)out)[o] = to_bf16(s);
+                }
+        }
+    }
+}
+
+/* x [M, K] bf16 contiguous; wp packed (above); bias [N] fp32 or NULL; out [M, N] fp32 (out_f32) or bf16. */
+void sv_linear_bf16(const uint16_t* x, const uint16_t* wp, const float* bias, void* out, int out_f32,
+                    int M, int N, int K, int threads) {
+    const int nblocks = (N + NB - 1) / NB;
+    if (threads <= 1) {
+        blocks(x, wp, bias, out, out_f32, M, N, K, 0, nblocks);
+        return;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < threads; t++) {
+        int b0 = (int)((long)nblocks * t / threads), b1 = (int)((long)nblocks * (t + 1) / threads);
+        if (b0 < b1) blocks(x, wp, bias, out, out_f32, M, N, K, b0, b1);
+    }
+}
+
+/* ---- fixed-order attention for the exact decode (engine.native rules 2 and 3, one row at a time) ----------
+ *
+ * For each row r (a token at logical position pos[r]) and query head h: the keys of the row's logical
+ * context in logical order, in blocks of BLOCK positions aligned to multiples of BLOCK. Blocks [0, b0) are
+ * committed and read where they lie (slot = position); the next two blocks are read through idx[r] (the cache
+ * slot of each of their positions for this row, engine.native.tail_index) where ok[r] says the position is in
+ * the row's context. A key is also hidden when window > 0 and pos[r] - key position >= window. Each block with
+ * a visible key gives (max m, sum l, sum of e v) in fp32 with e = exp(s - m), keys in order; blocks are folded
+ * in order into a running (M, L, O). Everything here is a function of the row's logical context alone (not
+ * of n, of the other rows, or of where an ancestor sits in the cache), so an `ar` step and any tree give
+ * the row the same bits. q fp32 [n, H, hd]; kc, vc bf16 [kvh, cap, hd]; out fp32 [n, H, hd]; hd % 16 == 0. */
+
+#define ABLOCK 32
+
+static inline __m512 bf16x16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+/* exp(x) for x <= 0 (x = s - block max): 2^n * p(f), n = round(x log2 e), f = x - n ln 2 (two-part ln 2),
+ * p a degree-6 polynomial (Cephes' expf coefficients); fixed operations, so fixed bits. */
+static inline __m512 exp_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+void sv_attention(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* pos,
+                  const int64_t* idx, const uint8_t* ok, float* out, int n, int H, int kvh, int hd, long cap,
+                  int b0, int window, float scale, int threads) {
+    const int g = H / kvh, nv = hd / 16;
+#pragma omp parallel for num_threads(threads) schedule(static) collapse(2) if (threads > 1)
+    for (int r = 0; r < n; r++)
+        for (int h = 0; h < H; h++) {
+            const float* qr = q + ((size_t)r * H + h) * hd;
+            const uint16_t* K = kc + (size_t)(h / g) * cap * hd;
+            const uint16_t* V = vc + (size_t)(h / g) * cap * hd;
+            __m512 qv[16], O[16], o[16];            /* hd <= 256 */
+            for (int v = 0; v < nv; v++) { qv[v] = _mm512_loadu_ps(qr + 16 * v); O[v] = _mm512_setzero_ps(); }
+            float M = -INFINITY, L = 0.0f;
+            const long p = pos[r];
+            for (int b = 0; b < b0 + 2; b++) {
+                long slot[ABLOCK];
+                float s[ABLOCK];
+                int any = 0;
+                for (int i = 0; i < ABLOCK; i++) {
+                    const long kp = (long)b * ABLOCK + i;           /* the key's logical position */
+                    int vis;
+                    if (b < b0) { slot[i] = kp; vis = 1; }
+                    else {
+                        const int t = (b - b0) * ABLOCK + i;
+                        slot[i] = idx[(size_t)r * 2 * ABLOCK + t];
+                        vis = ok[(size_t)r * 2 * ABLOCK + t];
+                    }
+                    if (vis && window > 0 && p - kp >= window) vis = 0;
+                    if (!vis) { s[i] = -INFINITY; continue; }
+                    any = 1;
+                    const uint16_t* k = K + (size_t)slot[i] * hd;
+                    __m512 acc = _mm512_mul_ps(qv[0], bf16x16(k));
+                    for (int v = 1; v < nv; v++) acc = _mm512_fmadd_ps(qv[v], bf16x16(k + 16 * v), acc);
+                    s[i] = _mm512_reduce_add_ps(acc) * scale;
+                }
+                if (!any) continue;                                  /* a block the row cannot see */
+                float m = -INFINITY;
+                for (int i = 0; i < ABLOCK; i++) m = s[i] > m ? s[i] : m;
+                float e[ABLOCK];
+                for (int c = 0; c < ABLOCK; c += 16) {
+                    __m512 sv = _mm512_loadu_ps(s + c);
+                    __mmask16 live = _mm512_cmp_ps_mask(sv, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+                    _mm512_storeu_ps(e + c, _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(sv, _mm512_set1_ps(m)))));
+                }
+                float l = 0.0f;
+                for (int v = 0; v < nv; v++) o[v] = _mm512_setzero_ps();
+                for (int i = 0; i < ABLOCK; i++) {
+                    if (s[i] == -INFINITY) continue;
+                    l += e[i];
+                    const uint16_t* vr = V + (size_t)slot[i] * hd;
+                    const __m512 w = _mm512_set1_ps(e[i]);
+                    for (int v = 0; v < nv; v++) o[v] = _mm512_fmadd_ps(w, bf16x16(vr + 16 * v), o[v]);
+                }
+                /* fold the block into the running state, in block order */
+                const float Mn = m > M ? m : M;
+                const float a = expf(M - Mn), c = expf(m - Mn);     /* expf(-inf) = 0 on the first block */
+                L = L * a + l * c;
+                const __m512 av = _mm512_set1_ps(a), cv = _mm512_set1_ps(c);
+                for (int v = 0; v < nv; v++) O[v] = _mm512_fmadd_ps(o[v], cv, _mm512_mul_ps(O[v], av));
+                M = Mn;
+            }
+            float* orow = out + ((size_t)r * H + h) * hd;
+            const __m512 inv = _mm512_set1_ps(1.0f / L);
+            for (int v = 0; v < nv; v++) _mm512_storeu_ps(orow + 16 * v, _mm512_mul_ps(O[v], inv));
+        }
+}

@@ -1,0 +1,235 @@
+"""CPU kernels for the native decode on x86 with AVX512-BF16 (issue #16's "better small-row kernel"), each
+beside its plain-torch reference.
+
+    pack(weight, bias)                  -> PackedLinear (the weight re-laid for the kernel, once)
+    PackedLinear(x, out_dtype)          y = x @ W.T (+ b), [M, N]: the small-row bf16 linear (kernels/cpu.c)
+    linear_reference(x, weight, bias)   the same product in plain torch (fp32 accumulation, then rounded)
+    attention(q, kc, vc, ...)           the exact decode's attention, one row at a time (engine.native rules 2-3)
+    attention_reference(...)            the same in plain torch
+    available()                         None when the kernels run here, else why not (one line)
+
+Why it exists. A decode forward multiplies 1-16 rows by every weight of the model: the work is reading the
+weights, so its limit is memory bandwidth. oneDNN's bf16 GEMM (what `F.linear` calls on a CPU) reached about
+a third of that on the 2-core AMD EPYC (avx512_bf16, no AMX) this was built on: SmolLM2-135M's 269 MB of
+weights took 38 ms at M = 1 and 47 ms at M = 8, against 18 ms for one core to read them. This kernel streams a
+weight layout packed for it ([N/4][K/32][4][32]: four output rows' chunks side by side, one sequential pass)
+and multiplies with VDPBF16PS: 18 ms at M = 1-4 and 25 ms at M = 8 on that machine
+(`python -m engine.jobs.forward --backends native,native-blas` prints both in one run).
+
+Row invariance by construction (what fixed-shape verification needs, engine.native rule 1): each output is
+accumulated in its own register over K in order, then reduced by a fixed shuffle tree, so a row's bits do not
+depend on M, on the other rows or on the thread count (tests/test_cpu_linear.py checks each). Its bits differ
+from oneDNN's (another order of the same sum); that is fine for exactness, which compares the decode's own
+paths with each other, and both stay within a bf16 rounding of the fp32 product.
+
+The attention. After the linears, the rest of a decode forward was mostly the fixed-shape attention's small
+torch ops (per layer a dozen GEMMs of 16 x 64 x 32, softmax pieces, casts, the fold: ~0.5 ms a layer at 4
+rows on SmolLM2). `attention` does the same work per (row, head) in one call: the row's keys in logical order,
+in blocks of 32 aligned to logical positions, each block's (max, sum, weighted values) in fp32, blocks folded
+in order. It reads the same inputs as engine.native's torch path (the committed block count, the tail's slots
+and mask) and, like it, depends only on the row's logical context: an `ar` step and a tree give a row the
+same bits. It sums in another order than the torch path (and keeps scores in fp32 where that path rounds
+them to bf16), so the two agree to rounding, not bitwise; a decode uses one of them for all its forwards.
+
+Built on first use with the system C compiler (`cc`, or `$CC`) into `$SPECVOCAB_CACHE/kernels/` (a file named by
+the hash of the source and flags, so an edit rebuilds); where there is no compiler, no AVX512-BF16, or the
+build fails, `available()` says why and engine.native runs its torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels.hardware import cache_root, cpu_flags
+
+SOURCE = Path(__file__).with_name("cpu.c")
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
+LIBS = ("-lm",)
+BLOCK = 32                                                            # attention block (engine.native.BLOCK)
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")   # /proc/cpuinfo names
+CHUNK = 32                                                            # K elements per VDPBF16PS
+
+
+class CpuKernelError(RuntimeError):
+    """The kernel cannot run here (no compiler, no AVX512-BF16, a failed build); the message says which."""
+
+
+_lib: ctypes.CDLL | None = None
+_why_not: str | None = None
+_tried = False
+
+
+def _build() -> ctypes.CDLL:
+    missing = [f for f in REQUIRED_FLAGS if f not in cpu_flags()]
+    if missing:
+        raise CpuKernelError(f"this CPU lacks {', '.join(missing)} (the kernel needs AVX512-BF16)")
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise CpuKernelError("no C compiler (cc / gcc / $CC) to build kernels/cpu_linear.c")
+    src = SOURCE.read_bytes()
+    tag = hashlib.sha256(src + " ".join((cc,) + FLAGS).encode()).hexdigest()[:16]
+    out = cache_root() / "kernels" / f"cpu-{tag}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            so = Path(tmp) / out.name
+            run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(so), *LIBS], capture_output=True, text=True)
+            if run.returncode != 0:
+                raise CpuKernelError(f"building {SOURCE.name} with {cc} failed: {run.stderr.strip()[-400:]}")
+            os.replace(so, out)                                           # atomic: a concurrent build is harmless
+    lib = ctypes.CDLL(str(out))
+    lib.sv_linear_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
+    lib.sv_linear_bf16.restype = None
+    lib.sv_block_outputs.restype = ctypes.c_int
+    lib.sv_attention.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 4 + [ctypes.c_long, ctypes.c_int,
+                                                                               ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    lib.sv_attention.restype = None
+    return lib
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _why_not, _tried
+    if not _tried:
+        _tried = True
+        try:
+            _lib = _build()
+        except (CpuKernelError, OSError) as e:
+            _why_not = str(e)
+    return _lib
+
+
+def available() -> str | None:
+    """None when the kernel runs on this machine, else why not (one line)."""
+    return None if _load() is not None else _why_not
+
+
+def block_outputs() -> int:
+    """Output rows per packed block (NB in the C source)."""
+    lib = _load()
+    if lib is None:
+        raise CpuKernelError(f"kernels.cpu is not available here: {_why_not}")
+    return lib.sv_block_outputs()
+
+
+@dataclass
+class PackedLinear:
+    """One weight [N, K] (and bias [N]) laid out for the kernel: packed [ceil(N/NB), ceil(K/32), NB, 32] bf16,
+    zero-padded; bias in fp32. Calling it runs the kernel on x [M, K] bf16."""
+    packed: torch.Tensor
+    bias: torch.Tensor | None
+    out_features: int
+    in_features: int
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+                 threads: int | None = None) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            raise CpuKernelError(f"the kernel multiplies bf16 CPU rows; got {x.dtype} on {x.device}")
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            raise CpuKernelError(f"out_dtype must be bf16 or fp32, not {out_dtype}")
+        lead = x.shape[:-1]
+        if x.shape[-1] != self.in_features:
+            raise CpuKernelError(f"x has {x.shape[-1]} features; this weight takes {self.in_features}")
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        out = torch.empty(x2.shape[0], self.out_features, dtype=out_dtype)
+        if x2.shape[0]:
+            _lib.sv_linear_bf16(x2.data_ptr(), self.packed.data_ptr(),
+                                None if self.bias is None else self.bias.data_ptr(), out.data_ptr(),
+                                int(out_dtype == torch.float32), x2.shape[0], self.out_features,
+                                self.in_features, threads or torch.get_num_threads())
+        return out.view(*lead, self.out_features)
+
+
+@torch.no_grad()
+def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
+    """The kernel's layout of `weight` [N, K] (bf16, CPU): a new tensor, the original is untouched."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+        raise CpuKernelError(f"pack takes a 2-D bf16 CPU weight; got {tuple(weight.shape)} {weight.dtype} "
+                             f"on {weight.device}")
+    nb = block_outputs()
+    N, K = weight.shape
+    Np, Kp = -(-N // nb) * nb, -(-K // CHUNK) * CHUNK
+    w = torch.zeros(Np, Kp, dtype=torch.bfloat16)
+    w[:N, :K] = weight
+    packed = w.view(Np // nb, nb, Kp // CHUNK, CHUNK).transpose(1, 2).contiguous()
+    b = None if bias is None else bias.detach().float().contiguous()
+    return PackedLinear(packed=packed, bias=b, out_features=N, in_features=K)
+
+
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The plain-torch reference: the fp32 product of the bf16 inputs, bias added in fp32, then rounded to
+    `out_dtype` (the kernel computes the same, summing in another fixed order)."""
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return y.to(out_dtype)
+
+
+def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, committed_blocks: int, positions: torch.Tensor,
+              idx: torch.Tensor, ok: torch.Tensor, window: int | None, scale: float,
+              threads: int | None = None) -> torch.Tensor:
+    """The exact decode's attention (kernels/cpu.c, `sv_attention`): q [n, H, hd] (any float dtype; used in
+    fp32), kc / vc [kvh, capacity, hd] bf16 (one layer's cache; committed slot = logical position),
+    committed_blocks: blocks of BLOCK positions read where they lie; idx [n, 2 BLOCK] the cache slot of each
+    position of the next two blocks for each row, ok [n, 2 BLOCK] whether it is in the row's context;
+    positions [n] the rows' logical positions; window: sliding-window length (None = full attention).
+    Returns fp32 [n, H, hd]."""
+    n, H, hd = q.shape
+    kvh, cap = kc.shape[0], kc.shape[1]
+    if kc.dtype != torch.bfloat16 or vc.dtype != torch.bfloat16 or hd % 16 or hd > 256 or H % kvh:
+        raise CpuKernelError(f"attention takes a bf16 cache with head_dim a multiple of 16 up to 256; got "
+                             f"{kc.dtype}, head_dim {hd}, {H} heads over {kvh} KV heads")
+    if not (kc.is_contiguous() and vc.is_contiguous()):
+        raise CpuKernelError("attention reads each layer's cache in place: give contiguous [kvh, capacity, hd]")
+    qf = q.float().contiguous()
+    pos = positions.to(torch.int64).contiguous()
+    slots = idx.to(torch.int64).contiguous()
+    okb = ok.to(torch.uint8).contiguous()
+    out = torch.empty(n, H, hd, dtype=torch.float32)
+    _load().sv_attention(qf.data_ptr(), kc.data_ptr(), vc.data_ptr(), pos.data_ptr(), slots.data_ptr(),
+                         okb.data_ptr(), out.data_ptr(), n, H, kvh, hd, cap, committed_blocks, int(window or 0),
+                         float(scale), threads or torch.get_num_threads())
+    return out
+
+
+def attention_reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, committed_blocks: int,
+                        positions: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor, window: int | None,
+                        scale: float) -> torch.Tensor:
+    """`attention` in plain torch, row by row: the same keys, blocks and in-order fold (fp32 throughout)."""
+    n, H, hd = q.shape
+    kvh = kc.shape[0]
+    out = torch.empty(n, H, hd, dtype=torch.float32)
+    b0 = committed_blocks
+    for r in range(n):
+        key_pos = torch.arange((b0 + 2) * BLOCK)
+        slots = torch.cat([key_pos[:b0 * BLOCK], idx[r].to(torch.int64)])
+        vis = torch.cat([torch.ones(b0 * BLOCK, dtype=torch.bool), ok[r].bool()])
+        if window:
+            vis &= int(positions[r]) - key_pos < window
+        safe = torch.where(vis, slots, 0)
+        for h in range(H):
+            k = kc[h // (H // kvh)].float()[safe]                          # [keys, hd] in logical order
+            v = vc[h // (H // kvh)].float()[safe]
+            s = (k @ q[r, h].float()) * scale
+            s = torch.where(vis, s, float("-inf")).view(-1, BLOCK)
+            M, L, O = torch.tensor(float("-inf")), torch.tensor(0.0), torch.zeros(hd)
+            for b in range(s.shape[0]):
+                if not vis.view(-1, BLOCK)[b].any():
+                    continue
+                m = s[b].max()
+                e = torch.exp(s[b] - m)
+                Mn = torch.maximum(M, m)
+                a, c = torch.exp(M - Mn), torch.exp(m - Mn)
+                L = L * a + e.sum() * c
+                O = O * a + (e @ v.view(-1, BLOCK, hd)[b]) * c
+                M = Mn
+            out[r, h] = O / L
+    return out

@@ -83,7 +83,11 @@ def _build() -> ctypes.CDLL:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             so = Path(tmp) / out.name
-            run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(so), *LIBS], capture_output=True, text=True)
+            try:
+                run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(so), *LIBS], capture_output=True,
+                                     text=True, check=False)
+            except OSError as e:
+                raise CpuKernelError(f"the C compiler {cc} did not run ({e}); install gcc or set $CC") from None
             if run.returncode != 0:
                 raise CpuKernelError(f"building {SOURCE.name} with {cc} failed: {run.stderr.strip()[-400:]}")
             os.replace(so, out)                                           # atomic: a concurrent build is harmless

@@ -1,0 +1,170 @@
+"""The CPU kernels of the native bf16 decode (kernels.cpu): each against its plain-torch reference, and the
+property the decode needs from them - a row's bits are a function of that row (and its logical context)
+alone.
+
+Mutants these tests were checked against (each fails at least one test here):
+- the linear's leftover rows (M % 4) summed in another order than the 4-row tile    -> row invariance
+- threads splitting K instead of the outputs                                         -> thread invariance
+- the partial last K chunk of x read unmasked (the next row's values leak in)        -> masked tail
+- bias dropped, or added after rounding to bf16                                       -> reference (fp32 out)
+- bf16 output truncated instead of rounded to nearest even                            -> rounding
+- the packed layout's block and chunk axes swapped                                    -> reference
+- attention ignoring `ok` (the tree's ancestry) or the sliding window                  -> reference
+- attention folding the two tail blocks as one 64-key block                           -> committed vs tail
+- attention reading the tail in slot order (idx ignored)                               -> slots moved
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu
+
+pytestmark = pytest.mark.skipif(cpu.available() is not None,
+                                reason=f"the CPU kernels do not run here: {cpu.available()}")
+
+
+def _weights(N, K, seed=0, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g).bfloat16()
+    b = torch.randn(N, generator=g).bfloat16() if bias else None
+    return w, b
+
+
+@pytest.mark.parametrize("N,K", [(64, 64), (1001, 577), (13, 40), (960, 576)])
+def test_the_linear_equals_its_reference(N, K):
+    w, b = _weights(N, K)
+    p = cpu.pack(w, b)
+    x = torch.randn(9, K).bfloat16()
+    got = p(x, torch.float32)
+    ref = cpu.linear_reference(x, w, b, torch.float32)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+    # bf16 output: the fp32 result rounded to nearest even (what torch's cast does), bitwise
+    assert torch.equal(p(x), got.to(torch.bfloat16))
+
+
+def test_the_linear_gives_a_row_the_same_bits_for_every_row_count_and_thread_count():
+    w, b = _weights(1001, 577, seed=1)
+    p = cpu.pack(w, b)
+    x = torch.randn(11, 577).bfloat16()
+    f32 = torch.float32                         # fp32 out: no rounding to bf16 hides a changed last bit
+    full = p(x, f32, threads=1)
+    for M in range(1, 12):                      # every position of a row inside 4-row tiles and leftovers
+        got = p(x[:M], f32, threads=1)
+        assert torch.equal(got, full[:M]), M
+        for r in range(M):
+            assert torch.equal(p(x[r:r + 1], f32)[0], full[r])
+    for threads in (2, 3):
+        assert torch.equal(p(x, f32, threads=threads), full)
+    perm = torch.randperm(11)
+    assert torch.equal(p(x[perm], f32), full[perm])
+
+
+def test_the_linear_reads_no_further_than_each_row():
+    """K = 40: the last chunk is partial; the next row's first values (inf here) must not leak in."""
+    w, b = _weights(8, 40, seed=2)
+    p = cpu.pack(w, b)
+    x = torch.randn(6, 40).bfloat16()
+    x[1, :8] = float("inf")
+    x[3, :] = float("nan")
+    got = p(x, torch.float32)
+    ok = [0, 2, 4, 5]
+    assert torch.isfinite(got[ok]).all()
+    ref = cpu.linear_reference(x[ok], w, b, torch.float32)
+    assert float((got[ok] - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_the_linear_refuses_what_it_cannot_multiply():
+    w, _ = _weights(8, 32)
+    with pytest.raises(cpu.CpuKernelError, match="bf16"):
+        cpu.pack(w.float())
+    p = cpu.pack(w)
+    with pytest.raises(cpu.CpuKernelError, match="features"):
+        p(torch.randn(2, 33).bfloat16())
+    with pytest.raises(cpu.CpuKernelError, match="bf16 CPU rows"):
+        p(torch.randn(2, 32))
+
+
+# --- attention -------------------------------------------------------------------------------------------
+
+def _attn_case(n=5, H=9, kvh=3, hd=64, cap=300, P=70, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, H, hd, generator=g).bfloat16()
+    kc = torch.randn(kvh, cap, hd, generator=g).bfloat16()
+    vc = torch.randn(kvh, cap, hd, generator=g).bfloat16()
+    pos = P + torch.randint(0, 8, (n,), generator=g)
+    idx = torch.randint(0, cap, (n, 2 * cpu.BLOCK), generator=g)
+    ok = torch.rand(n, 2 * cpu.BLOCK, generator=g) > 0.3
+    return q, kc, vc, P // cpu.BLOCK, pos, idx, ok
+
+
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("shape", [dict(H=9, kvh=3, hd=64), dict(H=4, kvh=1, hd=256), dict(H=4, kvh=4, hd=16)])
+def test_the_attention_equals_its_reference(window, shape):
+    q, kc, vc, b0, pos, idx, ok = _attn_case(**shape)
+    got = cpu.attention(q, kc, vc, b0, pos, idx, ok, window, 0.125)
+    ref = cpu.attention_reference(q, kc, vc, b0, pos, idx, ok, window, 0.125)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+    if window:                                   # the window matters in this case (the test's power)
+        no_window = cpu.attention_reference(q, kc, vc, b0, pos, idx, ok, None, 0.125)
+        assert float((no_window - ref).abs().max()) > 1e-3
+    flipped = ok.clone()
+    flipped[:, 3] = ~flipped[:, 3]
+    assert not torch.equal(cpu.attention(q, kc, vc, b0, pos, idx, flipped, window, 0.125), got)
+
+
+def test_the_attention_gives_a_row_the_same_bits_alone_among_others_and_on_any_thread_count():
+    q, kc, vc, b0, pos, idx, ok = _attn_case(n=7)
+    full = cpu.attention(q, kc, vc, b0, pos, idx, ok, 40, 0.125, threads=1)
+    for r in range(7):
+        alone = cpu.attention(q[r:r + 1], kc, vc, b0, pos[r:r + 1], idx[r:r + 1], ok[r:r + 1], 40, 0.125)
+        assert torch.equal(alone[0], full[r])
+    assert torch.equal(cpu.attention(q, kc, vc, b0, pos, idx, ok, 40, 0.125, threads=2), full)
+
+
+def test_the_attention_depends_on_logical_positions_not_on_where_keys_lie():
+    """The `ar`-step-versus-tree property: the same logical context read (a) with block 2 committed and (b)
+    with block 2 in the gathered tail, its keys copied to other cache slots, gives the same bits."""
+    B = cpu.BLOCK
+    n, H, kvh, hd, cap = 1, 9, 3, 64, 400
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(n, H, hd, generator=g).bfloat16()
+    kc = torch.randn(kvh, cap, hd, generator=g).bfloat16()
+    vc = torch.randn(kvh, cap, hd, generator=g).bfloat16()
+    pos = torch.tensor([3 * B + 5])                  # the row sees positions 0 .. 3B + 5
+    # (a) three committed blocks; the tail is block 3 (positions 3B .. 3B + 5 in their own slots) and block 4
+    idx_a = torch.cat([torch.arange(3 * B, 5 * B)])[None]
+    ok_a = (torch.arange(3 * B, 5 * B) <= pos)[None]
+    a = cpu.attention(q, kc, vc, 3, pos, idx_a, ok_a, None, 0.125)
+    # (b) two committed blocks; block 2's keys moved to slots 300.., block 3's to 340..
+    kc2, vc2 = kc.clone(), vc.clone()
+    kc2[:, 300:300 + B], vc2[:, 300:300 + B] = kc[:, 2 * B:3 * B], vc[:, 2 * B:3 * B]
+    kc2[:, 340:340 + 6], vc2[:, 340:340 + 6] = kc[:, 3 * B:3 * B + 6], vc[:, 3 * B:3 * B + 6]
+    kc2[:, 2 * B:3 * B + 6] = 0                     # the old places now hold something else
+    vc2[:, 2 * B:3 * B + 6] = 0
+    idx_b = torch.cat([torch.arange(300, 300 + B), torch.arange(340, 340 + B)])[None]
+    ok_b = torch.cat([torch.ones(B, dtype=torch.bool), torch.arange(B) < 6])[None]
+    b = cpu.attention(q, kc2, vc2, 2, pos, idx_b, ok_b, None, 0.125)
+    assert torch.equal(a, b)
+
+
+def test_the_attention_refuses_a_cache_it_cannot_read():
+    q, kc, vc, b0, pos, idx, ok = _attn_case()
+    with pytest.raises(cpu.CpuKernelError, match="bf16 cache"):
+        cpu.attention(q, kc.float(), vc.float(), b0, pos, idx, ok, None, 0.125)
+    with pytest.raises(cpu.CpuKernelError, match="contiguous"):
+        cpu.attention(q, kc.transpose(1, 2).contiguous().transpose(1, 2), vc, b0, pos, idx, ok, None, 0.125)
+
+
+# --- where the kernels cannot run --------------------------------------------------------------------------
+
+def test_a_cpu_without_avx512_bf16_gets_a_reason_not_a_crash(monkeypatch):
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: {"avx512f", "avx2"})
+    with pytest.raises(cpu.CpuKernelError, match="avx512_bf16"):
+        cpu._build()
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: set(cpu.REQUIRED_FLAGS))
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("SPECVOCAB_CACHE", "/tmp/specvocab-test-no-cc")
+    with pytest.raises(cpu.CpuKernelError, match="compiler /nonexistent/cc did not run"):
+        cpu._build()

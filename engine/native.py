@@ -39,6 +39,13 @@ rules make a row's result a function of its own logical context only:
 `exact=False` runs plain `scaled_dot_product_attention` over the cache with a tree mask: fewer ops, but the
 bits then depend on where ancestors sit (what transformers does, and why bf16 trees diverged from `ar`).
 
+On a CPU in bf16 (`use_cpu_kernels`, on by default through `SpecConfig.cpu_kernels`), the linears and the
+exact attention run the C kernels of `kernels.cpu` where they build (x86 with AVX512-BF16): a row's result
+there is a function of that row by construction (each output summed in its own register in a fixed order;
+attention one row at a time over its logical context), so rules 1-3 hold without relying on oneDNN's
+behaviour, and the forward reads its weights at about twice oneDNN's rate at 1-8 rows. Their bits differ from
+the torch path's; a decode's forwards all take one path (exact mode always takes the kernels when they are on).
+
 On an accelerator (tests/test_gpu.py, run on an H100): rule 1 becomes one row count for every decode
 (`engine.target.DEVICE_ROWS`: cuBLAS picks its kernel, and so a row's fp32 rounding, by the number of rows);
 rule 3's fold is `_group_fold` (CUDA's cumsum is a parallel scan); and the forward is replayed as CUDA graphs

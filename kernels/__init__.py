@@ -1,4 +1,5 @@
-"""MicroSpec's device side: Triton kernels, each beside its plain-torch reference.
+"""MicroSpec's device side (Triton kernels) and the native decode's CPU kernels, each beside its plain-torch
+reference.
 
     kernels.hardware  device, dtype, compiled vs interpreted Triton, torch-or-Triton switch (import first)
     kernels.gather    gather_rows(weight, packed, slots, tokens, count)   packed[slots[i]] = weight[tokens[i]]
@@ -6,6 +7,8 @@
     kernels.window    WindowState, window_init, window_step (Eq. 4 / fifo_unique), unique_new
     kernels.streams   PackedLMHead: window step + gather on a copy stream + masked packed head
     kernels.bench     python -m kernels.bench [--json] [--quick]
+    kernels.cpu       the native bf16 decode's CPU kernels (C, AVX512-BF16, built on first use): pack + small-row
+                      linear, the exact attention one row at a time; linear_reference, attention_reference
 
 Importing `kernels` itself stays light (no torch, no triton): transformers probes a top-level package of
 this name (Hugging Face's kernel hub) by version.

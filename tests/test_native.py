@@ -25,7 +25,9 @@ from engine import generate
 from engine.models import load_model
 from engine.drafters.layerskip import LayerSkipDrafter
 from engine.native import BLOCK, MIN_ROWS, NativeError, NativeModel, bucket_rows, tail_index
-from engine.target import BackendError, HFTarget, NativeTarget, make_target, resolve_backend
+from engine.target import (BackendError, HFTarget, NativeTarget, backend_label, make_target, native_model,
+                           resolve_backend)
+from kernels import cpu
 from engine.tree import DraftTree
 from engine.verify import tree_layout
 from tests.engine_testing import random_parents, untie_head
@@ -59,10 +61,10 @@ def _rel(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def _hf_and_native(model, prompt, tree: DraftTree, fixed_shape: bool):
+def _hf_and_native(model, prompt, tree: DraftTree, fixed_shape: bool, cpu_kernels: bool = True):
     """Logits of the prefill and of one tree after it, through both backends."""
     out = {}
-    for t in (HFTarget(model), NativeTarget(model, fixed_shape=fixed_shape)):
+    for t in (HFTarget(model), NativeTarget(model, fixed_shape=fixed_shape, cpu_kernels=cpu_kernels)):
         t.begin(prompt.numel() + 64)
         with torch.inference_mode():
             _, pre = t.prefill(prompt)
@@ -86,6 +88,24 @@ def test_native_logits_equal_transformers_on_each_family(name, fixed_shape):
     assert _rel(out["native"][1], out["hf"][1]) <= 1e-5
 
 
+@pytest.mark.parametrize("name", [*FAMILIES, "random-qwen2"])
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_native_bf16_logits_are_transformers_bf16_logits_to_rounding(name, cpu_kernels):
+    """bf16, with the CPU kernels (kernels.cpu: where they run, `native` runs them) and without (oneDNN): both
+    within bf16 rounding of transformers' bf16 forward; and the kernels do run where they can."""
+    model = _model(name).to(torch.bfloat16)
+    rng = np.random.default_rng(0)
+    prompt = torch.as_tensor(rng.integers(0, 512, 70))
+    tree = DraftTree(torch.as_tensor(rng.integers(0, 512, 9)), torch.tensor(random_parents(9, rng)))
+    out = _hf_and_native(model, prompt, tree, True, cpu_kernels=cpu_kernels)
+    assert native_model(model).kernel_on == (cpu_kernels and cpu.available() is None)
+    assert _rel(out["native"][0], out["hf"][0]) <= 3e-2
+    assert _rel(out["native"][1], out["hf"][1]) <= 3e-2
+    # the power of the bound: the logits of another tree are far outside it
+    other = DraftTree(torch.as_tensor(rng.integers(0, 512, 9)), tree.parents)
+    assert _rel(_hf_and_native(model, prompt, other, True, cpu_kernels)["native"][1], out["hf"][1]) > 3e-2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["smollm2_fp32", "gemma_fp32"])
 def test_native_logits_equal_transformers_on_the_offline_models(request, which):
@@ -101,7 +121,8 @@ def test_native_logits_equal_transformers_on_the_offline_models(request, which):
 
 # --- fixed-shape verification: a row's logits do not depend on the step's shape -------------------------
 
-def _row_logits_in_trees(model, prompt: torch.Tensor, path: list[int], fixed_shape: bool, compile: bool = False):
+def _row_logits_in_trees(model, prompt: torch.Tensor, path: list[int], fixed_shape: bool, compile: bool = False,
+                         cpu_kernels: bool = True):
     """The logits of the last token of `path` (appended after `prompt`), computed (a) by ar-style one-node
     forwards and (b) inside trees of several shapes in which that path sits at different node indices,
     with decoys around it. Returns (reference row, [rows from trees])."""
@@ -110,7 +131,7 @@ def _row_logits_in_trees(model, prompt: torch.Tensor, path: list[int], fixed_sha
     V = model.get_output_embeddings().weight.shape[0]
 
     def run(tree_tokens, tree_parents, node):
-        t = NativeTarget(model, fixed_shape=fixed_shape, compile=compile)
+        t = NativeTarget(model, fixed_shape=fixed_shape, compile=compile, cpu_kernels=cpu_kernels)
         t.begin(L + 80)
         with torch.inference_mode():
             t.prefill(prompt[:L - 1], all_logits=False)          # the root (prompt[-1]) is not cached yet
@@ -118,7 +139,7 @@ def _row_logits_in_trees(model, prompt: torch.Tensor, path: list[int], fixed_sha
             return t.forward_tree(tree_tokens, tree_parents, d, a)[1][node]
 
     def ar_row():
-        t = NativeTarget(model, fixed_shape=fixed_shape, compile=compile)
+        t = NativeTarget(model, fixed_shape=fixed_shape, compile=compile, cpu_kernels=cpu_kernels)
         t.begin(L + 80)
         with torch.inference_mode():
             t.prefill(prompt[:L - 1], all_logits=False)
@@ -156,9 +177,11 @@ def test_a_row_is_bitwise_the_same_alone_and_inside_trees_in_bf16(request, which
     for L in (BLOCK - 2, 3 * BLOCK + 1, 5 * BLOCK - 1):          # trees that cross a block boundary, and not
         prompt = torch.as_tensor(rng.integers(0, info.vocab_size, L))
         path = rng.integers(0, info.vocab_size, 4).tolist()
-        ref, rows = _row_logits_in_trees(model, prompt, path, fixed_shape=True)
-        for r in rows:
-            assert torch.equal(r, ref)
+        for cpu_kernels in (True, False):                         # kernels.cpu where it runs, and oneDNN
+            ref, rows = _row_logits_in_trees(model, prompt, path, fixed_shape=True, cpu_kernels=cpu_kernels)
+            assert native_model(model).kernel_on == (cpu_kernels and cpu.available() is None)
+            for r in rows:
+                assert torch.equal(r, ref)
 
 
 @pytest.mark.slow
@@ -183,21 +206,23 @@ LOSSLESS = [("pld", {}), ("recycling", {}), ("unispec", {"draft_size": 12}),
             ("eagle", {"eagle_head": "random", "draft_size": 6, "eagle_depth": 3, "vocab": "oracle"})]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,cpu_kernels", [("fp32", True), ("bf16", True), ("bf16", False)])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_every_method_equals_ar_on_the_native_path(name, dtype):
+def test_every_method_equals_ar_on_the_native_path(name, dtype, cpu_kernels):
     model = untie_head(load_model(name, dtype=dtype)[0]).to(dtype=torch.bfloat16 if dtype == "bf16" else
                                                             torch.float32)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 512, int(n)).tolist() for n in (20, 45)]
     for ids in prompts:
-        ar = generate(model, ids, method="ar", max_new_tokens=40, eos_ids=[], backend="native")
+        ar = generate(model, ids, method="ar", max_new_tokens=40, eos_ids=[], backend="native",
+                      cpu_kernels=cpu_kernels)
+        assert native_model(model).kernel_on == (dtype == "bf16" and cpu_kernels and cpu.available() is None)
         hf = generate(model, ids, method="ar", max_new_tokens=40, eos_ids=[], backend="hf")
         if dtype == "fp32":                                      # the reference agrees in fp32
             assert ar.output_ids.tolist() == hf.output_ids.tolist()
         for method, kw in LOSSLESS:
             res = generate(model, ids, method=method, max_new_tokens=40, eos_ids=[], backend="native", w_max=128,
-                           **kw)
+                           cpu_kernels=cpu_kernels, **kw)
             assert res.output_ids.tolist() == ar.output_ids.tolist(), (method, kw)
 
 
@@ -320,6 +345,36 @@ def test_an_unknown_architecture_falls_back_with_one_line_or_is_refused(capsys):
         NativeModel(model)
     with pytest.raises(BackendError, match="choose one of"):
         resolve_backend(model, "onnx")
+
+
+def test_without_the_cpu_kernels_the_native_path_runs_onednn_and_says_so(monkeypatch):
+    """A CPU where kernels.cpu cannot build (no compiler, no AVX512-BF16): `native` runs F.linear and the
+    torch attention, its label says `native-blas`, and the decode is unchanged in kind (every method == ar)."""
+    from kernels.cpu import CpuKernelError
+    model = load_model("random-llama", dtype="bf16")[0]
+    monkeypatch.setattr(cpu, "_tried", True)
+    monkeypatch.setattr(cpu, "_lib", None)
+    monkeypatch.setattr(cpu, "_why_not", "this CPU lacks avx512_bf16 (the kernel needs AVX512-BF16)")
+    net = NativeModel(model)
+    assert net.use_cpu_kernels(True) is False and "avx512_bf16" in net.cpu_kernels_reason()
+    assert backend_label(model) == "native-blas"
+    with pytest.raises(CpuKernelError, match="not available here"):
+        cpu.pack(model.get_output_embeddings().weight)
+    ar = generate(model, [5, 6, 7, 8], method="ar", max_new_tokens=20, eos_ids=[])
+    assert not native_model(model).kernel_on
+    for method, kw in LOSSLESS[:3]:
+        assert generate(model, [5, 6, 7, 8], method=method, max_new_tokens=20, eos_ids=[],
+                        **kw).output_ids.tolist() == ar.output_ids.tolist()
+
+
+def test_backend_labels_name_the_cpu_path():
+    model = load_model("random-llama", dtype="bf16")[0]
+    kernels_here = cpu.available() is None
+    assert backend_label(model) == ("native" if kernels_here else "native-blas")
+    assert backend_label(model, cpu_kernels=False) == "native-blas"
+    assert backend_label(model, compile=True) == "native-compiled"        # compiled: F.linear inside the graph
+    assert backend_label(load_model("random-llama", dtype="fp32")[0]) == "native"   # no kernel for fp32
+    assert backend_label(model, "hf") == "hf" and backend_label(model, fixed_shape=False) == "native-sdpa"
 
 
 def test_a_tree_larger_than_fixed_rows_is_a_clear_error():

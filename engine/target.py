@@ -187,7 +187,12 @@ class NativeTarget(Target):
         vis = torch.ones(L, L, dtype=torch.bool, device=prompt.device).tril_()
         hidden = self.net.forward(prompt, torch.arange(L, device=prompt.device), self.cache, vis)
         self.committed = self.cache.committed = L
-        return hidden, self.net.logits(hidden if all_logits else hidden[-1:])
+        # the last row - the first token of every method - always alone: a head run over all L rows may take
+        # another path (kernels.cpu up to KERNEL_MAX_ROWS rows, oneDNN above), and `ar` asks for one row only
+        last = self.net.logits(hidden[-1:])
+        if not all_logits or L == 1:
+            return hidden, last
+        return hidden, torch.cat([self.net.logits(hidden[:-1]), last])
 
     def forward_tree(self, tokens, parents, depths, anc):
         n, P = tokens.numel(), self.committed

@@ -367,6 +367,23 @@ def test_without_the_cpu_kernels_the_native_path_runs_onednn_and_says_so(monkeyp
                         **kw).output_ids.tolist() == ar.output_ids.tolist()
 
 
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_the_prefills_last_logits_do_not_depend_on_how_many_rows_the_head_ran(cpu_kernels):
+    """`ar` asks the prefill for the last row's logits only, a drafter that reads prefill logits for all rows;
+    the first token comes from the last row, so it must have the same bits either way (a 70-row head takes
+    oneDNN where one row takes the CPU kernel: a near-tie first token diverged before the last row ran alone)."""
+    model = load_model("random-llama", dtype="bf16")[0]
+    prompt = torch.as_tensor(np.random.default_rng(0).integers(0, 512, 70))
+    rows = {}
+    for all_logits in (True, False):
+        t = NativeTarget(model, cpu_kernels=cpu_kernels)
+        t.begin(80)
+        with torch.inference_mode():
+            rows[all_logits] = t.prefill(prompt, all_logits=all_logits)[1]
+    assert rows[True].shape[0] == 70 and rows[False].shape[0] == 1
+    assert torch.equal(rows[True][-1], rows[False][0])
+
+
 def test_backend_labels_name_the_cpu_path():
     model = load_model("random-llama", dtype="bf16")[0]
     kernels_here = cpu.available() is None

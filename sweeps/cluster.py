@@ -66,7 +66,11 @@ def _host_port(address: str) -> tuple[str, int] | None:
 
 
 JOB_ENV_VARS = ("RAY_JOB_CONFIG_JSON_ENV_VAR", "RAY_JOB_ID")
-WORKING_DIR_EXCLUDES = [".git", "**/__pycache__", "*.pyc"]
+# What a job never reads. Ray's dashboard takes at most 100 MiB per upload (ray_constants.DASHBOARD_CLIENT_MAX_SIZE)
+# and the shipped heads (engine/heads/) are 99 MB of it, so the tests stay home too (README's `ray job submit`
+# says the same; tests/test_sweeps_cluster.py checks the size).
+WORKING_DIR_EXCLUDES = [".git", "**/__pycache__", "*.pyc", "tests/"]
+UPLOAD_LIMIT = ray_constants.DASHBOARD_CLIENT_MAX_SIZE
 
 
 def in_ray_job() -> bool:

@@ -2,7 +2,7 @@
 [--extend] [--strict-provenance]`.
 
     python -m sweeps.run sweeps/configs/quick.toml --out results/quick          # a local Ray on 127.0.0.1
-    ray job submit --working-dir . --runtime-env-json '{"env_vars": {"SPECVOCAB_DATA": "/shared/data"}}' \\
+    ray job submit --working-dir . --runtime-env-json '{"env_vars": {"SPECVOCAB_DATA": "/shared/data"}, "excludes": ["tests/"]}' \\
         -- python -m sweeps.run sweeps/configs/paper.toml --out /shared/results/paper --address auto
 
 Order: per model, one pool of actors (`ModelWorker`: the model loaded once per actor) runs that model's

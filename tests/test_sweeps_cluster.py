@@ -101,6 +101,27 @@ def test_driver_killed_mid_sweep_resumes(tmp_path):
 
 
 @pytest.mark.timeout(900)
+def test_the_checkout_ray_uploads_fits_under_its_request_limit():
+    """`ray job submit --working-dir .` (README) and `attach` upload the checkout minus WORKING_DIR_EXCLUDES in one
+    request of at most 100 MiB (Ray's dashboard limit); the shipped heads fill most of it. Counted here on the
+    tracked files (the zip of safetensors is about their size), so a head added or grown fails this test
+    with the numbers rather than a user's job with HTTP 413."""
+    from sweeps.cluster import UPLOAD_LIMIT, WORKING_DIR_EXCLUDES
+    repo = Path(__file__).resolve().parents[1]
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=repo, capture_output=True, text=True, check=True)
+    dirs = tuple(e for e in WORKING_DIR_EXCLUDES if e.endswith("/"))
+    sizes = {f: (repo / f).stat().st_size for f in files.stdout.split("\0")
+             if f and (repo / f).is_file() and not f.startswith(dirs) and not f.startswith(".git/")}
+    heads = sum(v for f, v in sizes.items() if f.startswith("engine/heads/"))
+    total = sum(sizes.values())
+    assert total < UPLOAD_LIMIT, (
+        f"the checkout Ray uploads is {total / 2**20:.1f} MiB, over Ray's {UPLOAD_LIMIT / 2**20:.0f} MiB request "
+        f"limit ({heads / 2**20:.1f} MiB of it shipped heads): exclude more in sweeps.cluster.WORKING_DIR_EXCLUDES "
+        f"and README's `ray job submit`, or ship smaller heads")
+    assert sum(v for f, v in sizes.items()) + sum((repo / f).stat().st_size for f in files.stdout.split("\0")
+                                                   if f.startswith("tests/")) > 0.9 * UPLOAD_LIMIT  # why tests/ go
+
+
 def test_ray_job_submit_to_a_local_head(tmp_path):
     gcs, dashboard, client, agent = (_free_port() for _ in range(4))
     # token authentication (Ray's default for new clusters): the head and the client share the token
@@ -118,7 +139,7 @@ def test_ray_job_submit_to_a_local_head(tmp_path):
                                 start_new_session=True)
     try:
         # the job runs in a copy of the working dir, away from the checkout's ../shared/data: name the data root
-        runtime_env = json.dumps({"env_vars": {"SPECVOCAB_DATA": str(data_root())}})
+        runtime_env = json.dumps({"env_vars": {"SPECVOCAB_DATA": str(data_root())}, "excludes": ["tests/"]})
         submit = ["ray", "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--working-dir", str(REPO),
                   "--runtime-env-json", runtime_env, "--", "python", "-m", "sweeps.run", str(config), "--out", str(out),
                   "--address", "auto", "--no-progress"]

@@ -39,8 +39,8 @@ from engine.drafters.recycling import TEMPLATES, template_size
 from engine.models import eos_token_ids
 from engine.shipped import default_eagle3_head, default_eagle_head
 from engine.native import BLOCK, bucket_rows
-from engine.target import (forward_tree, lm_logits, make_target, max_tree_nodes, prefill,  # noqa: F401 (re-exported)
-                           resolve_backend)
+from engine.target import (forward_tree, lm_logits, make_target, max_tree_nodes, pads_rows,  # noqa: F401
+                           prefill, resolve_backend)
 from engine.tree import DraftTree, Drafter, StepResult
 from engine.verify import sample_token, tree_layout, verify_greedy, verify_sampling, warp_probs
 from locality.trace import Trace
@@ -210,10 +210,10 @@ def bucket_edge(cfg: SpecConfig, model, g: int) -> int:
     same forward; its tau is no lower (every drafter's tree of g + 1 draft nodes holds its tree of g: the top
     nodes by score, a longer chain, more of a template), and its draft step costs about the same (measured:
     UniSpec g = 2 -> 3 on SmolLM2, tau 1.26 -> 1.33 at 71.8 -> 73.1 ms per step, README). Capped by
-    `max_draft_size`. Elsewhere (hf, a fixed row count, no fixed shape) g itself."""
-    if (cfg.method not in DRAFTING_METHODS or cfg.method in HF_METHODS or not cfg.fixed_shape
-            or cfg.verify_rows is not None or next(model.parameters()).device.type != "cpu"
-            or resolve_backend(model, cfg.backend) != "native"):
+    `max_draft_size`. Elsewhere (hf, a fixed row count, no fixed shape, the CPU kernels running: no padding,
+    `engine.target.pads_rows`) g itself."""
+    if (cfg.method not in DRAFTING_METHODS or cfg.method in HF_METHODS
+            or not pads_rows(model, cfg.backend, cfg.fixed_shape, cfg.verify_rows, cfg.cpu_kernels)):
         return g
     edge = bucket_rows(g + 1) - 1
     cap = max_draft_size(cfg, model)

@@ -45,6 +45,7 @@ there is a function of that row by construction (each output summed in its own r
 attention one row at a time over its logical context), so rules 1-3 hold without relying on oneDNN's
 behaviour, and the forward reads its weights at about twice oneDNN's rate at 1-8 rows. Their bits differ from
 the torch path's; a decode's forwards all take one path (exact mode always takes the kernels when they are on).
+With them a step needs no padding rows either (`engine.target.pads_rows`): it runs exactly its tree, n rows.
 
 On an accelerator (tests/test_gpu.py, run on an H100): rule 1 becomes one row count for every decode
 (`engine.target.DEVICE_ROWS`: cuBLAS picks its kernel, and so a row's fp32 rounding, by the number of rows);

@@ -200,7 +200,9 @@ class NativeTarget(Target):
             self._ensure(P + n)
             hidden = self.net.forward(tokens, P + depths, self.cache, anc)
             return hidden, self.net.logits(hidden)
-        rows = bucket_rows(n) if self.rows is None else self.rows
+        # a CPU's per-step bucket pads the tree (rule 1), unless the CPU kernels run: then every op is per row
+        # by construction and the step runs exactly its tree (`pads_rows`)
+        rows = self.rows if self.rows is not None else (n if self.net.kernel_on else bucket_rows(n))
         if n > rows:
             raise BackendError(f"a draft tree of {n} nodes does not fit the fixed verify_rows={rows}; raise "
                                f"verify_rows or leave it None (the next bucket per step)")
@@ -278,8 +280,29 @@ def backend_label(model, backend: str = "auto", fixed_shape: bool = True, compil
     p = next(model.parameters())
     graphed = cuda_graphs and p.device.type in GRAPH_DEVICES
     blas = (not compile and p.device.type == "cpu" and p.dtype == torch.bfloat16
-            and not (cpu_kernels and cpu_kernels_available() is None))
+            and not cpu_kernels_run(model, backend, cpu_kernels))
     return "native" + ("-compiled" if compile else "") + ("-graph" if graphed else "") + ("-blas" if blas else "")
+
+
+def cpu_kernels_run(model, backend: str = "auto", cpu_kernels: bool = True) -> bool:
+    """Whether a decode of `model` runs the CPU kernels (kernels.cpu): asked for, the native backend, bf16 on a
+    CPU, and the kernels built here."""
+    p = next(model.parameters())
+    return (cpu_kernels and p.device.type == "cpu" and p.dtype == torch.bfloat16
+            and resolve_backend(model, backend) == "native" and cpu_kernels_available() is None)
+
+
+def pads_rows(model, backend: str = "auto", fixed_shape: bool = True, rows: int | None = None,
+              cpu_kernels: bool = True) -> bool:
+    """Whether each decode step pads its tree to a row bucket (`engine.native.bucket_rows`): the native
+    fixed-shape path with per-step buckets (a CPU, `verify_rows=None`), unless the CPU kernels run - every op
+    is then per row by construction and a step runs exactly its tree. Where it pads, a bucket's largest tree
+    costs what its smallest does (`engine.harness.bucket_edge`)."""
+    if not fixed_shape or resolve_backend(model, backend) != "native":
+        return False
+    if decode_rows(next(model.parameters()).device, fixed_shape, rows) is not None:
+        return False                                              # one row count for every step
+    return not cpu_kernels_run(model, backend, cpu_kernels)
 
 
 def max_tree_nodes(model, backend: str = "auto", fixed_shape: bool = True, rows: int | None = None) -> int | None:

@@ -12,6 +12,7 @@ Mutants these tests were checked against (each fails at least one test here):
 - attention ignoring `ok` (the tree's ancestry) or the sliding window                  -> reference
 - attention folding the two tail blocks as one 64-key block                           -> committed vs tail
 - attention reading the tail in slot order (idx ignored)                               -> slots moved
+- route_linears serving the first packed copy after the weights changed in place      -> weight updates
 """
 
 from __future__ import annotations
@@ -168,3 +169,25 @@ def test_a_cpu_without_avx512_bf16_gets_a_reason_not_a_crash(monkeypatch):
     monkeypatch.setenv("SPECVOCAB_CACHE", "/tmp/specvocab-test-no-cc")
     with pytest.raises(cpu.CpuKernelError, match="compiler /nonexistent/cc did not run"):
         cpu._build()
+
+
+def test_route_linears_runs_a_modules_small_row_linears_on_the_kernel_and_follows_weight_updates():
+    """`route_linears` (a drafter's own layers): small bf16 inputs go through the kernel, large ones and
+    training through F.linear; a weight changed in place (an optimizer step) is packed again, not served stale."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 40, bias=False))
+    net = net.to(torch.bfloat16)
+    assert cpu.route_linears(net, max_rows=8) == 2
+    lin = net[0]
+    x = torch.randn(3, 64).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(lin(x), cpu.pack(lin.weight, lin.bias)(x))                  # the kernel's bits
+        big = torch.randn(20, 64).bfloat16()
+        assert torch.equal(lin(big), torch.nn.functional.linear(big, lin.weight, lin.bias))
+    with torch.no_grad():
+        lin.weight.mul_(2.0)                                                            # in place: _version moves
+    with torch.inference_mode():
+        assert torch.equal(lin(x), cpu.pack(lin.weight, lin.bias)(x))
+    y = net(torch.randn(2, 64).bfloat16())                                              # grad on: F.linear, autograd
+    y.float().sum().backward()
+    assert lin.weight.grad is not None

@@ -59,6 +59,7 @@ from engine.drafters.layerskip import text_config
 from engine.target import cache_kwarg
 from engine.vocab.dynaspec import drafter_key as dynaspec_drafter_key
 from engine.tree import StepResult
+from kernels import cpu as cpu_kernels
 
 _CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
                 "rope_theta", "rope_scaling", "max_position_embeddings", "vocab_size", "hidden_act", "head_dim")
@@ -412,6 +413,8 @@ class EagleDrafter(EagleTreeDrafter):
                                f"({out_emb.shape[0]}); use the EAGLE checkpoint trained for this target")
         self.head_sha = head_digest(head)                              # before the cast: the file's weights
         self.eagle = head.to(device=self.device, dtype=out_emb.dtype).eval()
+        if cfg.cpu_kernels:                                            # bf16 on a CPU: kernels.cpu's linear
+            cpu_kernels.route_linears(self.eagle)
         self.cache_kw = cache_kwarg(self.eagle.layers[0])              # `cache` from transformers 5.24 on
         self.embed = self._embedding(target, head)
         self.head_weight = out_emb

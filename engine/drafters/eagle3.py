@@ -63,6 +63,7 @@ from engine.drafters.lmhead import DrafterError, attention_bias
 from engine.target import cache_kwarg, decoder, native_model, resolve_backend
 from engine.vocab import DynaSpecVocab, FrSpecVocab, MicroSpecVocab, OracleVocab, VocabError, VocabPolicy
 from engine.vocab.dynaspec import drafter_key as dynaspec_drafter_key
+from kernels import cpu as cpu_kernels
 from kernels.head import packed_head
 from kernels.streams import PackedLMHead
 from kernels.window import GatherList
@@ -491,6 +492,8 @@ class Eagle3Drafter(EagleTreeDrafter):
         dtype = target.get_output_embeddings().weight.dtype
         self.head_sha = head_digest(head)                              # before the cast: the file's weights
         self.eagle = head.to(device=self.device, dtype=dtype).eval()     # d2t / t2d stay int64 / bool
+        if cfg.cpu_kernels:                                            # bf16 on a CPU: kernels.cpu's linear
+            cpu_kernels.route_linears(self.eagle)
         self.embed = embed
         self.cache_kw = cache_kwarg(self.eagle.midlayer.self_attn)
         self.maps = DraftVocab.of(self.eagle, self.device)

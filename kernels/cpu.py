@@ -239,6 +239,12 @@ def attention_reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, com
     return out
 
 
+def _stamp(t: torch.Tensor) -> tuple:
+    """Where a tensor's data is and how often it was changed in place (inference tensors keep no count: they
+    cannot be changed outside inference mode, and nothing trains them)."""
+    return t.data_ptr(), None if t.is_inference() else t._version
+
+
 def route_linears(module: torch.nn.Module, max_rows: int = 32) -> int:
     """Run every bf16 `nn.Linear` inside `module` (on a CPU) through the small-row kernel for inputs of up to
     `max_rows` rows (`F.linear` above: oneDNN's blocked GEMM is as fast there). Each linear keeps its parameters
@@ -259,7 +265,7 @@ def route_linears(module: torch.nn.Module, max_rows: int = 32) -> int:
             if (x.dtype != torch.bfloat16 or x[..., 0].numel() > max_rows or w.dtype != torch.bfloat16
                     or w.device.type != "cpu" or torch.is_grad_enabled() and w.requires_grad):
                 return F.linear(x, w, b)                         # large, other dtype/device, or being trained
-            key = (w.data_ptr(), w._version, None if b is None else (b.data_ptr(), b._version))
+            key = (_stamp(w), None if b is None else _stamp(b))
             if state.get("key") != key:                          # packed once; again if the weights changed
                 state["packed"] = pack(w.detach(), None if b is None else b.detach())
                 state["key"] = key

@@ -191,3 +191,9 @@ def test_route_linears_runs_a_modules_small_row_linears_on_the_kernel_and_follow
     y = net(torch.randn(2, 64).bfloat16())                                              # grad on: F.linear, autograd
     y.float().sum().backward()
     assert lin.weight.grad is not None
+    with torch.inference_mode():                     # a head made in inference mode (no version counter)
+        frozen = torch.nn.Linear(64, 8).to(torch.bfloat16)
+    assert cpu.route_linears(frozen) == 1
+    with torch.inference_mode():
+        assert torch.equal(frozen(x), cpu.pack(frozen.weight, frozen.bias)(x))
+    assert torch.equal(frozen(x), cpu.pack(frozen.weight, frozen.bias)(x))

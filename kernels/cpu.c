@@ -1,9 +1,9 @@
 /* A small-row bf16 linear for x86 CPUs with AVX512-BF16: out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]).
  *
- * Built and loaded by kernels/cpu_linear.py (its docstring says why this exists and what it measured); the
+ * Built and loaded by kernels/cpu.py (its docstring says why this exists and what it measured); the
  * plain-torch reference beside it is `linear_reference` there.
  *
- * Weight layout (packed once by cpu_linear.pack): [ceil(N / NB)][ceil(K / 32)][NB][32] bf16, zero-padded, so a
+ * Weight layout (packed once by kernels.cpu.pack): [ceil(N / NB)][ceil(K / 32)][NB][32] bf16, zero-padded, so a
  * block of NB outputs streams through memory in one sequential pass and the hardware prefetcher (helped by one
  * software prefetch PF bytes ahead) keeps up.
  *

@@ -6,6 +6,7 @@ beside its plain-torch reference.
     linear_reference(x, weight, bias)   the same product in plain torch (fp32 accumulation, then rounded)
     attention(q, kc, vc, ...)           the exact decode's attention, one row at a time (engine.native rules 2-3)
     attention_reference(...)            the same in plain torch
+    route_linears(module)               a module's own bf16 nn.Linear layers on the kernel (drafters' heads)
     available()                         None when the kernels run here, else why not (one line)
 
 Why it exists. A decode forward multiplies 1-16 rows by every weight of the model: the work is reading the
@@ -17,8 +18,8 @@ and multiplies with VDPBF16PS: 18 ms at M = 1-4 and 25 ms at M = 8 on that machi
 (`python -m engine.jobs.forward --backends native,native-blas` prints both in one run).
 
 Row invariance by construction (what fixed-shape verification needs, engine.native rule 1): each output is
-accumulated in its own register over K in order, then reduced by a fixed shuffle tree, so a row's bits do not
-depend on M, on the other rows or on the thread count (tests/test_cpu_linear.py checks each). Its bits differ
+accumulated in its own register over K in order, then reduced by one fixed shuffle tree, so a row's bits do not
+depend on M, on the other rows or on the thread count (tests/test_cpu_kernels.py checks each). Its bits differ
 from oneDNN's (another order of the same sum); that is fine for exactness, which compares the decode's own
 paths with each other, and both stay within a bf16 rounding of the fp32 product.
 
@@ -75,7 +76,7 @@ def _build() -> ctypes.CDLL:
         raise CpuKernelError(f"this CPU lacks {', '.join(missing)} (the kernel needs AVX512-BF16)")
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
-        raise CpuKernelError("no C compiler (cc / gcc / $CC) to build kernels/cpu_linear.c")
+        raise CpuKernelError("no C compiler (cc / gcc / $CC) to build kernels/cpu.c")
     src = SOURCE.read_bytes()
     tag = hashlib.sha256(src + " ".join((cc,) + FLAGS).encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / f"cpu-{tag}.so"

@@ -20,7 +20,7 @@ from engine import calibration as calib
 from engine.config import METHODS, POLICIES, SpecConfig, parse_overrides
 from engine.harness import bucket_edge, generate, resolve_config
 from engine.models import load_model
-from engine.native import BLOCK, NativeModel
+from engine.native import BLOCK
 
 
 def true_optimum(tau_fn, s_fn, lo, hi):
@@ -580,34 +580,6 @@ def test_cli_calibrates_eagle_end_to_end(cache_dir, capsys):
     assert resolve_config(eagle, model=model).draft_size == rec["g_star"]
     with pytest.raises(SystemExit):
         cal.main(["--model", "random-llama", "--method", "ar"])
-
-
-def test_with_the_cpu_kernels_a_step_runs_its_tree_unpadded_and_g_stays(cache_dir):
-    """bf16 on a CPU where kernels.cpu runs: no row buckets (engine.target.pads_rows), so a tree of g + 1 nodes
-    costs g + 1 rows and g is not raised; without the kernels (cpu_kernels=False) the bucket edge again."""
-    from engine.target import pads_rows
-    from kernels import cpu
-    model = load_model("random-llama", vocab_size=300, hidden_size=64, num_layers=1, dtype="bf16")[0]
-    uni = SpecConfig.preset("unispec")
-    if cpu.available() is not None:
-        pytest.skip(f"the CPU kernels do not run here: {cpu.available()}")
-    assert not pads_rows(model) and pads_rows(model, cpu_kernels=False)
-    assert [bucket_edge(uni, model, g) for g in (1, 2, 4, 7)] == [1, 2, 4, 7]
-    assert [bucket_edge(uni.replace(cpu_kernels=False), model, g) for g in (1, 2, 4, 7)] == [3, 3, 7, 7]
-    rows = []
-    net_forward = NativeModel.forward
-
-    def spy(self, ids, *a, **kw):
-        rows.append(ids.numel())
-        return net_forward(self, ids, *a, **kw)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(NativeModel, "forward", spy)
-        generate(model, [1, 2, 3, 4], method="unispec", max_new_tokens=6, eos_ids=[], draft_size=2)
-        unpadded = rows[1:]
-        rows.clear()
-        generate(model, [1, 2, 3, 4], method="unispec", max_new_tokens=6, eos_ids=[], draft_size=2,
-                 cpu_kernels=False)
-    assert max(unpadded) <= 3 and min(rows[1:]) >= 4                 # trees of <= 3 nodes; buckets of >= 4
 
 
 def test_a_draft_size_runs_at_its_row_buckets_largest_tree(cache_dir, tiny):

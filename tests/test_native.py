@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from engine import generate
+from engine.config import SpecConfig
 from engine.models import load_model
 from engine.drafters.layerskip import LayerSkipDrafter
 from engine.native import BLOCK, MIN_ROWS, NativeError, NativeModel, bucket_rows, tail_index
@@ -382,6 +383,34 @@ def test_the_prefills_last_logits_do_not_depend_on_how_many_rows_the_head_ran(cp
             rows[all_logits] = t.prefill(prompt, all_logits=all_logits)[1]
     assert rows[True].shape[0] == 70 and rows[False].shape[0] == 1
     assert torch.equal(rows[True][-1], rows[False][0])
+
+
+def test_with_the_cpu_kernels_a_step_runs_its_tree_unpadded_and_g_stays():
+    """bf16 on a CPU where kernels.cpu runs: no row buckets (engine.target.pads_rows), so a tree of g + 1 nodes
+    costs g + 1 rows and g is not raised; without the kernels (cpu_kernels=False) the bucket edge again."""
+    from engine.harness import bucket_edge
+    from engine.target import pads_rows
+    model = load_model("random-llama", vocab_size=300, hidden_size=64, num_layers=1, dtype="bf16")[0]
+    uni = SpecConfig.preset("unispec")
+    if cpu.available() is not None:
+        pytest.skip(f"the CPU kernels do not run here: {cpu.available()}")
+    assert not pads_rows(model) and pads_rows(model, cpu_kernels=False)
+    assert [bucket_edge(uni, model, g) for g in (1, 2, 4, 7)] == [1, 2, 4, 7]
+    assert [bucket_edge(uni.replace(cpu_kernels=False), model, g) for g in (1, 2, 4, 7)] == [3, 3, 7, 7]
+    rows = []
+    net_forward = NativeModel.forward
+
+    def spy(self, ids, *a, **kw):
+        rows.append(ids.numel())
+        return net_forward(self, ids, *a, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(NativeModel, "forward", spy)
+        generate(model, [1, 2, 3, 4], method="unispec", max_new_tokens=6, eos_ids=[], draft_size=2)
+        unpadded = rows[1:]
+        rows.clear()
+        generate(model, [1, 2, 3, 4], method="unispec", max_new_tokens=6, eos_ids=[], draft_size=2,
+                 cpu_kernels=False)
+    assert max(unpadded) <= 3 and min(rows[1:]) >= 4                 # trees of <= 3 nodes; buckets of >= 4
 
 
 def test_backend_labels_name_the_cpu_path():

@@ -209,12 +209,8 @@ class NativeModel:
 
     # -- weights -------------------------------------------------------------------------------------
     def cpu_kernels_reason(self) -> str | None:
-        """None when the CPU small-row kernel (kernels.cpu) can run this model's linears, else why not."""
-        if self.device.type != "cpu":
-            return f"the model is on {self.device.type}, the kernel is for CPUs"
-        if self.dtype != torch.bfloat16:
-            return f"the model is in {str(self.dtype).removeprefix('torch.')}, the kernel multiplies bf16"
-        return cpu.available()
+        """None when the CPU kernels (kernels.cpu) can run this model, else why not."""
+        return cpu.reason(self.device, self.dtype)
 
     @torch.no_grad()
     def use_cpu_kernels(self, on: bool = True) -> bool:

@@ -33,7 +33,7 @@ import torch
 from engine import kv
 from engine.native import BLOCK, NativeError, NativeModel, bucket_rows, tail_index, unsupported_reason
 from engine.verify import tree_layout
-from kernels.cpu import available as cpu_kernels_available
+from kernels import cpu
 from kernels.head import dense_head
 
 BACKENDS = ("auto", "native", "hf")
@@ -280,7 +280,7 @@ def backend_label(model, backend: str = "auto", fixed_shape: bool = True, compil
     p = next(model.parameters())
     graphed = cuda_graphs and p.device.type in GRAPH_DEVICES
     blas = (not compile and p.device.type == "cpu" and p.dtype == torch.bfloat16
-            and not cpu_kernels_run(model, backend, cpu_kernels))
+            and not cpu_kernels_run(model, backend, cpu_kernels))   # bf16 on a CPU, the kernels off
     return "native" + ("-compiled" if compile else "") + ("-graph" if graphed else "") + ("-blas" if blas else "")
 
 
@@ -288,8 +288,7 @@ def cpu_kernels_run(model, backend: str = "auto", cpu_kernels: bool = True) -> b
     """Whether a decode of `model` runs the CPU kernels (kernels.cpu): asked for, the native backend, bf16 on a
     CPU, and the kernels built here."""
     p = next(model.parameters())
-    return (cpu_kernels and p.device.type == "cpu" and p.dtype == torch.bfloat16
-            and resolve_backend(model, backend) == "native" and cpu_kernels_available() is None)
+    return cpu_kernels and cpu.reason(p.device, p.dtype) is None and resolve_backend(model, backend) == "native"
 
 
 def pads_rows(model, backend: str = "auto", fixed_shape: bool = True, rows: int | None = None,

@@ -96,8 +96,8 @@ def _build() -> ctypes.CDLL:
     lib.sv_linear_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
     lib.sv_linear_bf16.restype = None
     lib.sv_block_outputs.restype = ctypes.c_int
-    lib.sv_attention.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 4 + [ctypes.c_long, ctypes.c_int,
-                                                                               ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    lib.sv_attention.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int] * 4
+                                 + [ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int])
     lib.sv_attention.restype = None
     return lib
 
@@ -116,6 +116,15 @@ def _load() -> ctypes.CDLL | None:
 def available() -> str | None:
     """None when the kernel runs on this machine, else why not (one line)."""
     return None if _load() is not None else _why_not
+
+
+def reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when the kernels can run a model on `device` in `dtype`, else why not (one line)."""
+    if torch.device(device).type != "cpu":
+        return f"the model is on {torch.device(device).type}, the kernels are for CPUs"
+    if dtype != torch.bfloat16:
+        return f"the model is in {str(dtype).removeprefix('torch.')}, the kernels multiply bf16"
+    return available()
 
 
 def block_outputs() -> int:
@@ -257,7 +266,7 @@ def route_linears(module: torch.nn.Module, max_rows: int = 32) -> int:
         return 0
     routed = 0
     for lin in module.modules():
-        if not isinstance(lin, torch.nn.Linear) or lin.weight.dtype != torch.bfloat16 or lin.weight.device.type != "cpu":
+        if not isinstance(lin, torch.nn.Linear) or reason(lin.weight.device, lin.weight.dtype) is not None:
             continue
         state: dict = {}
 

@@ -12,8 +12,9 @@ Per model, dtype, threads and backend it prints, in one run on one machine:
   weights), and forward / bare matmul of the path the backend ran;
 - verify(n) / verify(1).
 Backends: `hf` (transformers, the reference), `native` (engine.native, fixed-shape verification: rows padded
-to the bucket, so n = 1 runs at 4 rows; in bf16 on a CPU with AVX512-BF16 its linears run the small-row kernel),
-`native-blas` (the same with oneDNN's `F.linear`, `SpecConfig.cpu_kernels=False`), `native-compiled` (the same under torch.compile, `SpecConfig.compile`;
+to the bucket, so n = 1 runs at 4 rows - except in bf16 on a CPU with AVX512-BF16, where the CPU kernels run
+and a forward takes exactly its n rows), `native-blas` (the same with oneDNN's `F.linear` and the torch
+attention, `SpecConfig.cpu_kernels=False`), `native-compiled` (the same under torch.compile, `SpecConfig.compile`;
 its first forward per bucket, the compile, is printed apart as `compile s`), `native-graph` (the fixed-shape
 forward replayed as a CUDA graph: the default on CUDA; its captures are in `compile s` too) and `native-sdpa`
 (engine.native without the fixed shape). On an accelerator the fixed-shape backends run every n at the one
@@ -36,6 +37,7 @@ from engine.harness import generate
 from engine.models import load_architecture, load_model
 from engine.native import weight_bytes
 from engine.target import DEVICE_ROWS, make_target, native_model
+from kernels import cpu
 from kernels.hardware import parse_device
 from engine.verify import tree_layout
 
@@ -47,7 +49,8 @@ GRAPHED = ("native-graph", "native-compiled-graph")
 def target_options(backend: str) -> dict:
     """The `make_target` / `generate` options of one of BACKENDS (the benchmark's names, `backend_label`'s)."""
     return dict(backend="hf" if backend == "hf" else "native", fixed_shape=backend != "native-sdpa",
-                compile="compiled" in backend, cuda_graphs=backend in GRAPHED, cpu_kernels=backend != "native-blas")
+                compile="compiled" in backend, cuda_graphs=backend in GRAPHED,
+                cpu_kernels=backend != "native-blas")
 
 
 def _sync(device: torch.device) -> None:
@@ -241,7 +244,7 @@ def main(argv=None) -> None:
             bw = copy_bandwidth(a.copy_mb, device=device)
             bound_ms = wbytes / bw / 1e6
             bare = {n: bare_matmul_ms(model, n, a.repeats) for n in sizes}
-            why_not = native_model(model).cpu_kernels_reason() if not on_device else "not on a CPU"
+            why_not = cpu.reason(device, native_model(model).dtype)
             bare_k = {n: bare_matmul_ms(model, n, a.repeats, kernel=True) for n in sizes} if why_not is None else {}
             where = (torch.cuda.get_device_name(device) if device.type == "cuda" else f"{threads} thread(s)")
             print(f"\n{info.name} {dtype}, {where}, {a.context}-token cache: weights {wbytes / 1e6:.0f} MB, "

@@ -46,6 +46,9 @@ attention one row at a time over its logical context), so rules 1-3 hold without
 behaviour, and the forward reads its weights at about twice oneDNN's rate at 1-8 rows. Their bits differ from
 the torch path's; a decode's forwards all take one path (exact mode always takes the kernels when they are on).
 With them a step needs no padding rows either (`engine.target.pads_rows`): it runs exactly its tree, n rows.
+In exact mode each layer is then one call, `kernels.cpu.layer` (norms, RoPE, the cache write, the attention,
+residuals and the gated MLP around the four linears, rounded to bf16 where `_layer` rounds): the ~25 torch ops
+per layer cost ~8 ms of SmolLM2's 27 ms forward; fused, the forward takes ~1.1x its bare linears.
 
 On an accelerator (tests/test_gpu.py, run on an H100): rule 1 becomes one row count for every decode
 (`engine.target.DEVICE_ROWS`: cuBLAS picks its kernel, and so a row's fp32 rounding, by the number of rows);
@@ -69,6 +72,8 @@ FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text")
 GRAPH_CACHE_SLOTS = 4096  # the graphed decode's static cache (`GraphedDecode.static_cache`; grown when short)
 MIN_ROWS = 4          # smallest GEMM M that is row-invariant in fp32 on the CPUs measured (module docstring)
 BLOCK = 32            # logical positions per attention block (rule 2); a tree must be shallower than this
+FUSED_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+                      # config activation -> what kernels.cpu.layer computes (others: the per-op path)
 KERNEL_MAX_ROWS = 32  # outside exact mode (a prefill, native-sdpa) the CPU kernel takes forwards up to this
                       # many rows; above, oneDNN's blocked GEMM is as fast (kernels.cpu's crossover)
 
@@ -117,6 +122,7 @@ class _Layer:
     k_norm: torch.Tensor | None
     # the same four weights packed for the CPU small-row kernel (`NativeModel.use_cpu_kernels`); None = off
     kernel: dict[str, PackedLinear] | None = None
+    fused: cpu.LayerKernel | None = None    # the same packs, with the norms: the whole layer in one call
 
 
 class StaticKV:
@@ -188,6 +194,7 @@ class NativeModel:
         self._compiled = None
         self.head_kernel: PackedLinear | None = None      # `use_cpu_kernels`
         self.kernel_on = False
+        self.fused_calls = 0                                # layers run by kernels.cpu.layer (tests, benchmark)
         # feature_tap(layer index, x [n, d]): called with the residual stream entering each layer a forward runs
         # (EAGLE-3's target features: engine.drafters.eagle3 sets it); None = nothing called
         self.feature_tap = None
@@ -219,15 +226,25 @@ class NativeModel:
         The first switch on packs the weights for it: a copy, so the model then holds its weight bytes twice.
         Rule 1 holds either way: both give a row the same bits for every M (the kernel by construction)."""
         if on and self.cpu_kernels_reason() is None and self.head_kernel is None:
+            act = FUSED_ACTIVATIONS.get(getattr(self.config, "hidden_activation", None)
+                                        or getattr(self.config, "hidden_act", None))
             for L in self.layers:
-                L.kernel = {"qkv": cpu.pack(L.qkv_w, L.qkv_b), "o": cpu.pack(L.o_w),
-                            "gate_up": cpu.pack(L.gate_up_w), "down": cpu.pack(L.down_w)}
+                if act is not None and self._attention_kernel(self.head_dim, check_on=False):
+                    L.fused = cpu.pack_layer(L.qkv_w, L.qkv_b, L.o_w, L.gate_up_w, L.down_w, heads=self.heads,
+                                             kv_heads=self.kv_heads, head_dim=self.head_dim, eps=self.eps,
+                                             in_norm=L.in_norm, pre_mlp_norm=L.pre_mlp_norm,
+                                             post_attn_norm=L.post_attn_norm, post_mlp_norm=L.post_mlp_norm,
+                                             q_norm=L.q_norm, k_norm=L.k_norm, gemma_norm=self.gemma, act=act)
+                    L.kernel = {k: getattr(L.fused, k) for k in ("qkv", "o", "gate_up", "down")}
+                else:
+                    L.kernel = {"qkv": cpu.pack(L.qkv_w, L.qkv_b), "o": cpu.pack(L.o_w),
+                                "gate_up": cpu.pack(L.gate_up_w), "down": cpu.pack(L.down_w)}
             self.head_kernel = cpu.pack(self.head_w, self.head_b)
         self.kernel_on = bool(on and self.head_kernel is not None)
         return self.kernel_on
 
-    def _attention_kernel(self, hd: int) -> bool:
-        return self.kernel_on and hd % 16 == 0 and hd <= 256       # what kernels.cpu.attention takes
+    def _attention_kernel(self, hd: int, check_on: bool = True) -> bool:
+        return (self.kernel_on or not check_on) and hd % 16 == 0 and hd <= 256   # what kernels.cpu.attention takes
 
     def _kernel(self, rows: int, exact: bool) -> bool:
         # exact mode: always (a decode's forwards must share one implementation whatever their rows); else up to
@@ -318,6 +335,7 @@ class NativeModel:
         masks = {}
         layer = self.compiled_layer() if compiled and exact else self._layer
         tap = self.feature_tap
+        fused_slots = None
         for slot, li in enumerate(ids_run):
             if tap is not None:
                 tap(li, x)
@@ -326,8 +344,17 @@ class NativeModel:
             if L.kind not in masks:                                     # once per forward and layer type
                 masks[L.kind] = (self._exact_masks(P, positions, tail, L.kind) if exact else
                                  self._sdpa_mask(positions, cache, visible, L.kind, key_positions))
-            x = layer(L, x, cos, sin, cache.k[slot], cache.v[slot], P, masks.get(L.kind), exact,
-                      None if tail is None else tail[0], slots)
+            m = masks.get(L.kind)
+            if exact and L.fused is not None and m[2] is not None and self._kernel(n, exact):
+                if fused_slots is None:
+                    fused_slots = slots if slots is not None else torch.arange(P, P + n, device=ids.device)
+                pos, ok, window = m[2]                                 # the whole layer in one call (kernels.cpu)
+                x = cpu.layer(x, L.fused, cos, sin, cache.k[slot], cache.v[slot], fused_slots, P // BLOCK, pos,
+                              tail[0], ok, window, self.scale)
+                self.fused_calls += 1
+            else:
+                x = layer(L, x, cos, sin, cache.k[slot], cache.v[slot], P, m, exact,
+                          None if tail is None else tail[0], slots)
             if li in collect:
                 feats.append(x)
         out = self._rmsnorm(x, self.final_norm)

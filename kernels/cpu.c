@@ -150,10 +150,10 @@ static inline __m512 bf16x16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-/* exp(x) for x <= 0 (x = s - block max): 2^n * p(f), n = round(x log2 e), f = x - n ln 2 (two-part ln 2),
+/* exp(x) (the attention calls it with x = s - block max <= 0): 2^n * p(f), n = round(x log2 e), f = x - n ln 2 (two-part ln 2),
  * p a degree-6 polynomial (Cephes' expf coefficients); fixed operations, so fixed bits. */
 static inline __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.7f));   /* inf beyond */
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -233,4 +233,155 @@ void sv_attention(const float* q, const uint16_t* kc, const uint16_t* vc, const 
             const __m512 inv = _mm512_set1_ps(1.0f / L);
             for (int v = 0; v < nv; v++) _mm512_storeu_ps(orow + 16 * v, _mm512_mul_ps(O[v], inv));
         }
+}
+
+
+/* ---- one decoder layer, fused (the native decode's `_layer` in exact mode, one call per layer) -------------
+ *
+ * Between the linears a decoder layer is a dozen elementwise steps (norms, RoPE, the cache write, residual
+ * adds, the gated activation). As torch ops they cost more than the arithmetic: ~25 calls per layer, ~270 us a
+ * layer on SmolLM2 (8 ms of its 27 ms forward). Here they run in one call, with the same roundings the torch
+ * path makes: every intermediate torch holds in bf16 is rounded to bf16 here at the same point (a product or sum of
+ * two bf16 values is exact in fp32, so rounding it gives torch's bits); the norms' sums of squares and the
+ * activations' exp/tanh are computed in another (fixed) order, so those agree to rounding, not bitwise.
+ * Every step is per row, so a row's bits depend on that row alone (rule 1 holds as for the linear above). */
+
+typedef struct {
+    int d, H, kvh, hd, I;            /* hidden, query heads, KV heads, head dim, MLP width */
+    int din;                         /* width of the attention input: d, or 2 d (EAGLE-3's midlayer) */
+    int gemma_norm;                  /* 1: out = round(h * w), w = (1 + weight) in fp32; 0: round(w * round(h)) */
+    int act;                         /* 0: SiLU; 1: GELU (tanh approximation) */
+    float eps;
+    const float *in_norm;            /* [d] or NULL: the attention input is x itself (EAGLE-1's layer) */
+    const float *q_norm, *k_norm;    /* [hd] or NULL */
+    const float *post_attn_norm, *pre_mlp_norm, *post_mlp_norm;   /* [d]; post_* may be NULL */
+    const uint16_t *qkv, *o, *gate_up, *down;                     /* packed as sv_linear_bf16 reads them */
+    const float *qkv_bias;           /* [(H + 2 kvh) hd] or NULL */
+} sv_layer_t;
+
+/* 16 bf16 values in and out of fp32 lanes, masked at a row's end; the store rounds to nearest even (VCVTNEPS2BF16,
+ * which also flushes denormals: values below 1e-38, far under what a layer's activations hold) */
+static inline __mmask16 lanes(int left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+static inline __m512 ld(const uint16_t* p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+static inline void st(uint16_t* p, __mmask16 m, __m512 v) { _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v)); }
+static inline __m512 rnd(__m512 v) {                  /* v rounded to bf16, kept in fp32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+/* x [n, width] bf16 (row stride xs) -> out (row stride os): torch's RMSNorm as engine.native._rmsnorm computes it,
+ * h = x / sqrt(mean(x^2) + eps) in fp32, then round(w * round(h)) (Llama) or round(h * w), w = 1 + weight (Gemma) */
+static void rmsnorm(const uint16_t* x, const float* w, uint16_t* out, int n, int width, float eps, int gemma,
+                    size_t xs, size_t os) {
+    for (int r = 0; r < n; r++) {
+        const uint16_t* xr = x + r * xs;
+        uint16_t* orow = out + r * os;
+        __m512 acc = _mm512_setzero_ps();
+        for (int i = 0; i < width; i += 16) { __m512 v = ld(xr + i, lanes(width - i)); acc = _mm512_fmadd_ps(v, v, acc); }
+        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)width + eps));
+        for (int i = 0; i < width; i += 16) {
+            const __mmask16 m = lanes(width - i);
+            const __m512 h = _mm512_mul_ps(ld(xr + i, m), inv), wv = _mm512_maskz_loadu_ps(m, w + i);
+            st(orow + i, m, gemma ? _mm512_mul_ps(h, wv) : _mm512_mul_ps(wv, rnd(h)));
+        }
+    }
+}
+
+/* the gated activation, act(gate) rounded to bf16 then times up: SiLU g / (1 + exp(-g)), or GELU's tanh form
+ * 0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3), tanh(y) = 1 - 2 / (exp(2 y) + 1) */
+static inline __m512 act16(__m512 g, int act) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    if (act == 0) return _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    const __m512 y = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                   _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g), _mm512_mul_ps(g, g), g));
+    const __m512 th = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f),
+                                                      _mm512_add_ps(exp_ps(_mm512_add_ps(y, y)), one)));
+    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, th));
+}
+
+/* out = round(x + t), n values (the residual add in bf16) */
+static void add_rows(uint16_t* x, const uint16_t* t, size_t n) {
+    for (size_t i = 0; i < n; i += 16) {
+        const __mmask16 m = lanes((int)(n - i < 16 ? n - i : 16));
+        st(x + i, m, _mm512_add_ps(ld(x + i, m), ld(t + i, m)));
+    }
+}
+
+size_t sv_layer_scratch(const sv_layer_t* L, int n) {      /* bytes of scratch `sv_layer` needs for n rows */
+    const size_t qkv = (size_t)(L->H + 2 * L->kvh) * L->hd, hq = (size_t)L->H * L->hd;
+    return (size_t)n * (2 * ((size_t)L->din + qkv + hq + L->d + 2 * (size_t)L->I + L->d) + 4 * hq) + 64;
+}
+
+/* x [n, d] bf16, updated in place to the layer's output; attn_in [n, din] bf16 or NULL (then the attention
+ * input is in_norm(x), or x where in_norm is NULL); cos, sin [n, hd] bf16 (the rows' RoPE); kc, vc [kvh, cap, hd]
+ * bf16: the layer's cache, row r's k and v written at slot slots[r]; b0, pos, idx, ok, window, scale: as
+ * sv_attention reads them; scratch: sv_layer_scratch(L, n) bytes. */
+void sv_layer(const sv_layer_t* L, uint16_t* x, const uint16_t* attn_in, const uint16_t* cos, const uint16_t* sin,
+              uint16_t* kc, uint16_t* vc, long cap, const int64_t* slots, int b0, const int64_t* pos,
+              const int64_t* idx, const uint8_t* ok, int window, float scale, void* scratch, int n, int threads) {
+    const int d = L->d, H = L->H, kvh = L->kvh, hd = L->hd, I = L->I, din = L->din;
+    const int nqkv = (H + 2 * kvh) * hd, hq = H * hd, half = hd / 2;
+    uint16_t* h = (uint16_t*)scratch;                    /* [n, din] attention input */
+    uint16_t* qkv = h + (size_t)n * din;                 /* [n, nqkv] */
+    uint16_t* a = qkv + (size_t)n * nqkv;                /* [n, hq] attention output, bf16 */
+    uint16_t* t = a + (size_t)n * hq;                    /* [n, d] o-proj / down-proj output */
+    uint16_t* gu = t + (size_t)n * d;                    /* [n, 2 I] gate | up, then the activation in gate */
+    uint16_t* hn = gu + (size_t)n * 2 * I;               /* [n, d] the MLP's input */
+    float* af = (float*)(((uintptr_t)(hn + (size_t)n * d) + 63) & ~(uintptr_t)63);   /* [n, H, hd] fp32 */
+
+    const uint16_t* hin = attn_in;
+    if (!hin) {
+        if (L->in_norm) { rmsnorm(x, L->in_norm, h, n, d, L->eps, L->gemma_norm, d, d); hin = h; }
+        else hin = x;
+    }
+    sv_linear_bf16(hin, L->qkv, L->qkv_bias, qkv, 0, n, nqkv, din, threads);
+    for (int r = 0; r < n; r++) {
+        uint16_t* row = qkv + (size_t)r * nqkv;
+        if (L->q_norm) {                                  /* q/k RMSNorm over the head dim (qwen3, gemma3) */
+            rmsnorm(row, L->q_norm, row, H, hd, L->eps, L->gemma_norm, hd, hd);
+            rmsnorm(row + hq, L->k_norm, row + hq, kvh, hd, L->eps, L->gemma_norm, hd, hd);
+        }
+        const uint16_t* c = cos + (size_t)r * hd;
+        const uint16_t* s = sin + (size_t)r * hd;
+        for (int j = 0; j < H + kvh; j++) {               /* RoPE on q and k: x c + rotate_half(x) s, in bf16 */
+            uint16_t* v = row + (size_t)j * hd;
+            for (int i = 0; i < half; i += 16) {
+                const __mmask16 m = lanes(half - i);
+                const __m512 lo = ld(v + i, m), hi = ld(v + half + i, m);
+                const __m512 c0 = ld(c + i, m), c1 = ld(c + half + i, m), s0 = ld(s + i, m), s1 = ld(s + half + i, m);
+                const __m512 nhi = _mm512_sub_ps(_mm512_setzero_ps(), hi);
+                st(v + i, m, _mm512_add_ps(rnd(_mm512_mul_ps(lo, c0)), rnd(_mm512_mul_ps(nhi, s0))));
+                st(v + half + i, m, _mm512_add_ps(rnd(_mm512_mul_ps(hi, c1)), rnd(_mm512_mul_ps(lo, s1))));
+            }
+        }
+        for (int j = 0; j < kvh; j++) {                   /* the cache write */
+            memcpy(kc + ((size_t)j * cap + slots[r]) * hd, row + hq + (size_t)j * hd, 2 * (size_t)hd);
+            memcpy(vc + ((size_t)j * cap + slots[r]) * hd, row + hq + (size_t)(kvh + j) * hd, 2 * (size_t)hd);
+        }
+        float* qf = af + (size_t)r * hq;                  /* q in fp32 for the attention (as q.float()) */
+        for (int i = 0; i < hq; i += 16) _mm512_mask_storeu_ps(qf + i, lanes(hq - i), ld(row + i, lanes(hq - i)));
+    }
+    /* the attention reads q from af and writes its output over it (each (row, head) reads its q first) */
+    sv_attention(af, kc, vc, pos, idx, ok, af, n, H, kvh, hd, cap, b0, window, scale, threads);
+    for (size_t i = 0; i < (size_t)n * hq; i += 16) {
+        const __mmask16 m = lanes((int)((size_t)n * hq - i < 16 ? (size_t)n * hq - i : 16));
+        st(a + i, m, _mm512_maskz_loadu_ps(m, af + i));
+    }
+    sv_linear_bf16(a, L->o, NULL, t, 0, n, d, hq, threads);
+    if (L->post_attn_norm) rmsnorm(t, L->post_attn_norm, t, n, d, L->eps, L->gemma_norm, d, d);
+    add_rows(x, t, (size_t)n * d);
+    rmsnorm(x, L->pre_mlp_norm, hn, n, d, L->eps, L->gemma_norm, d, d);
+    sv_linear_bf16(hn, L->gate_up, NULL, gu, 0, n, 2 * I, d, threads);
+    for (int r = 0; r < n; r++) {
+        uint16_t* g = gu + (size_t)r * 2 * I;
+        uint16_t* o = gu + (size_t)r * I;                 /* compacted to [n, I] for the down-proj (o <= g) */
+        for (int i = 0; i < I; i += 16) {
+            const __mmask16 m = lanes(I - i);
+            st(o + i, m, _mm512_mul_ps(rnd(act16(ld(g + i, m), L->act)), ld(g + I + i, m)));
+        }
+    }
+    sv_linear_bf16(gu, L->down, NULL, t, 0, n, d, I, threads);
+    if (L->post_mlp_norm) rmsnorm(t, L->post_mlp_norm, t, n, d, L->eps, L->gemma_norm, d, d);
+    add_rows(x, t, (size_t)n * d);
 }

@@ -6,6 +6,10 @@ beside its plain-torch reference.
     linear_reference(x, weight, bias)   the same product in plain torch (fp32 accumulation, then rounded)
     attention(q, kc, vc, ...)           the exact decode's attention, one row at a time (engine.native rules 2-3)
     attention_reference(...)            the same in plain torch
+    pack_layer(...)                     -> LayerKernel: a decoder layer's weights for the fused layer call
+    layer(x, spec, ...)                 one decoder layer over n rows in one call (norms, RoPE, cache write,
+                                        attention, residuals, gated MLP: kernels/cpu.c `sv_layer`)
+    layer_reference(x, spec, ...)       the same in plain torch
     route_linears(module)               a module's own bf16 nn.Linear layers on the kernel (drafters' heads)
     available()                         None when the kernels run here, else why not (one line)
 
@@ -99,6 +103,12 @@ def _build() -> ctypes.CDLL:
     lib.sv_attention.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int] * 4
                                  + [ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int])
     lib.sv_attention.restype = None
+    lib.sv_layer_scratch.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.sv_layer_scratch.restype = ctypes.c_size_t
+    lib.sv_layer.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
+                             + [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
+                             + [ctypes.c_int] * 2)
+    lib.sv_layer.restype = None
     return lib
 
 
@@ -283,3 +293,160 @@ def route_linears(module: torch.nn.Module, max_rows: int = 32) -> int:
         lin.forward = forward
         routed += 1
     return routed
+
+
+# -- the fused decoder layer ---------------------------------------------------------------------------------
+
+class _LayerSpec(ctypes.Structure):                 # kernels/cpu.c `sv_layer_t`, field for field
+    _fields_ = ([(f, ctypes.c_int) for f in ("d", "H", "kvh", "hd", "I", "din", "gemma_norm", "act")]
+                + [("eps", ctypes.c_float)]
+                + [(f, ctypes.c_void_p) for f in ("in_norm", "q_norm", "k_norm", "post_attn_norm", "pre_mlp_norm",
+                                                  "post_mlp_norm", "qkv", "o", "gate_up", "down", "qkv_bias")])
+
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+@dataclass
+class LayerKernel:
+    """One decoder layer's weights for `layer` (built by `pack_layer`): the four linears packed, the norm
+    weights in fp32 (as the norm multiplies them: Llama's bf16 weight exactly, Gemma's 1 + weight), and the
+    C struct that points at them (the tensors here keep that memory alive)."""
+    qkv: PackedLinear
+    o: PackedLinear
+    gate_up: PackedLinear
+    down: PackedLinear
+    norms: dict[str, torch.Tensor | None]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    gemma_norm: bool
+    act: str
+    spec: _LayerSpec
+
+    @property
+    def hidden(self) -> int:
+        return self.o.out_features
+
+
+def _norm32(w: torch.Tensor | None) -> torch.Tensor | None:
+    return None if w is None else w.detach().float().contiguous()
+
+
+def pack_layer(qkv_w: torch.Tensor, qkv_b: torch.Tensor | None, o_w: torch.Tensor, gate_up_w: torch.Tensor,
+               down_w: torch.Tensor, *, heads: int, kv_heads: int, head_dim: int, eps: float,
+               in_norm: torch.Tensor | None, pre_mlp_norm: torch.Tensor, post_attn_norm: torch.Tensor | None = None,
+               post_mlp_norm: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
+               k_norm: torch.Tensor | None = None, gemma_norm: bool = False, act: str = "silu") -> LayerKernel:
+    """A decoder layer for `layer`: qkv_w [(H + 2 kvh) hd, din] (q, k, v rows fused), o_w [d, H hd],
+    gate_up_w [2 I, d] (gate rows, then up), down_w [I, d]; norms as the norm multiplies (`gemma_norm`: the fp32
+    1 + weight and round(h w); else the model's weight and round(w round(h))); in_norm None: the attention input
+    is x itself (EAGLE-1's layer) or given to `layer` (EAGLE-3's midlayer). act: "silu" or "gelu_tanh"."""
+    if act not in ACTIVATIONS:
+        raise CpuKernelError(f"act={act!r}: the fused layer computes {sorted(ACTIVATIONS)}")
+    if head_dim % 16 or head_dim > 256 or heads % kv_heads:
+        raise CpuKernelError(f"the fused layer takes head_dim a multiple of 16 up to 256 and whole KV groups; got "
+                             f"head_dim {head_dim}, {heads} heads over {kv_heads}")
+    if (q_norm is None) != (k_norm is None):
+        raise CpuKernelError("q_norm and k_norm come together (qwen3 / gemma3) or not at all")
+    lin = {"qkv": pack(qkv_w, qkv_b), "o": pack(o_w), "gate_up": pack(gate_up_w), "down": pack(down_w)}
+    d, inter = o_w.shape[0], down_w.shape[1]
+    if lin["qkv"].out_features != (heads + 2 * kv_heads) * head_dim or gate_up_w.shape[0] != 2 * inter:
+        raise CpuKernelError("the fused layer's weights do not match its heads / MLP width: qkv_w must be "
+                             "[(H + 2 kvh) hd, din], gate_up_w [2 I, d], down_w [d, I]")
+    norms = {k: _norm32(v) for k, v in dict(in_norm=in_norm, q_norm=q_norm, k_norm=k_norm,
+                                               post_attn_norm=post_attn_norm, pre_mlp_norm=pre_mlp_norm,
+                                               post_mlp_norm=post_mlp_norm).items()}
+    ptr = {k: (None if v is None else v.data_ptr()) for k, v in norms.items()}
+    spec = _LayerSpec(d=d, H=heads, kvh=kv_heads, hd=head_dim, I=inter, din=qkv_w.shape[1],
+                      gemma_norm=int(gemma_norm), act=ACTIVATIONS[act], eps=float(eps), **ptr,
+                      qkv=lin["qkv"].packed.data_ptr(), o=lin["o"].packed.data_ptr(),
+                      gate_up=lin["gate_up"].packed.data_ptr(), down=lin["down"].packed.data_ptr(),
+                      qkv_bias=None if lin["qkv"].bias is None else lin["qkv"].bias.data_ptr())
+    return LayerKernel(**lin, norms=norms, heads=heads, kv_heads=kv_heads, head_dim=head_dim, eps=float(eps),
+                       gemma_norm=gemma_norm, act=act, spec=spec)
+
+
+def layer(x: torch.Tensor, spec: LayerKernel, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,
+          vc: torch.Tensor, slots: torch.Tensor, committed_blocks: int, positions: torch.Tensor, idx: torch.Tensor,
+          ok: torch.Tensor, window: int | None, scale: float, attn_in: torch.Tensor | None = None,
+          threads: int | None = None) -> torch.Tensor:
+    """One decoder layer over x [n, d] bf16 in one call (kernels/cpu.c `sv_layer`); returns the new residual
+    stream [n, d] (a new tensor). cos, sin [n, hd]: the rows' RoPE; kc, vc [kvh, capacity, hd]: the layer's
+    cache, row r's key and value written to slot slots[r]; committed_blocks, positions, idx, ok, window,
+    scale: the attention's inputs, as `attention` takes them; attn_in [n, din]: the attention's input where the
+    layer has no input norm of its own (EAGLE-3's midlayer), else None."""
+    n, d = x.shape
+    if x.dtype != torch.bfloat16 or d != spec.hidden:
+        raise CpuKernelError(f"the fused layer takes x [n, {spec.hidden}] bf16; got {tuple(x.shape)} {x.dtype}")
+    if not (kc.is_contiguous() and vc.is_contiguous() and kc.dtype == torch.bfloat16):
+        raise CpuKernelError("the fused layer writes the cache in place: give contiguous bf16 [kvh, capacity, hd]")
+    if attn_in is not None and attn_in.shape != (n, spec.qkv.in_features):
+        raise CpuKernelError(f"attn_in must be [n, {spec.qkv.in_features}]; got {tuple(attn_in.shape)}")
+    out = x.contiguous().clone()
+    if n == 0:
+        return out
+    lib = _load()
+    scratch = torch.empty(lib.sv_layer_scratch(ctypes.byref(spec.spec), n), dtype=torch.uint8)
+    keep = [t.contiguous() for t in (cos.to(torch.bfloat16), sin.to(torch.bfloat16))]
+    keep += [slots.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous(),
+             idx.to(torch.int64).contiguous(), ok.to(torch.uint8).contiguous()]
+    a_in = None if attn_in is None else attn_in.to(torch.bfloat16).contiguous()
+    lib.sv_layer(ctypes.byref(spec.spec), out.data_ptr(), None if a_in is None else a_in.data_ptr(),
+                 keep[0].data_ptr(), keep[1].data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.shape[1],
+                 keep[2].data_ptr(), committed_blocks, keep[3].data_ptr(), keep[4].data_ptr(), keep[5].data_ptr(),
+                 int(window or 0), float(scale), scratch.data_ptr(), n, threads or torch.get_num_threads())
+    return out
+
+
+def _rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * w).to(x.dtype) if gemma else (w.to(x.dtype) * h.to(x.dtype))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def layer_reference(x: torch.Tensor, spec: LayerKernel, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,
+                    vc: torch.Tensor, slots: torch.Tensor, committed_blocks: int, positions: torch.Tensor,
+                    idx: torch.Tensor, ok: torch.Tensor, window: int | None, scale: float,
+                    attn_in: torch.Tensor | None = None) -> torch.Tensor:
+    """`layer` in plain torch ops, each rounded to bf16 where the C code rounds (engine.native's `_layer` with
+    the kernel's linears and attention is the same computation spread over ~25 calls)."""
+    n = x.shape[0]
+    H, kvh, hd = spec.heads, spec.kv_heads, spec.head_dim
+    nm, eps, g = spec.norms, spec.eps, spec.gemma_norm
+    lin = {k: getattr(spec, k) for k in ("qkv", "o", "gate_up", "down")}
+
+    def linear(name, h):
+        p = lin[name]
+        w = p.packed.transpose(1, 2).reshape(-1, p.packed.shape[1] * CHUNK)[:p.out_features, :p.in_features]
+        return linear_reference(h, w, p.bias)
+
+    h = attn_in if attn_in is not None else (_rmsnorm_ref(x, nm["in_norm"], eps, g) if nm["in_norm"] is not None
+                                             else x)
+    qk, v = linear("qkv", h).split([(H + kvh) * hd, kvh * hd], dim=-1)
+    qk, v = qk.reshape(n, H + kvh, hd), v.reshape(n, kvh, hd)
+    if nm["q_norm"] is not None:
+        qk = torch.cat([_rmsnorm_ref(qk[:, :H], nm["q_norm"], eps, g), _rmsnorm_ref(qk[:, H:], nm["k_norm"], eps, g)],
+                       dim=1)
+    c, s = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
+    qk = qk * c + _rotate_half(qk) * s
+    q, k = qk[:, :H], qk[:, H:]
+    kc[:, slots] = k.transpose(0, 1)
+    vc[:, slots] = v.transpose(0, 1)
+    a = attention_reference(q, kc, vc, committed_blocks, positions, idx, ok, window, scale).to(x.dtype)
+    a = linear("o", a.reshape(n, H * hd))
+    if nm["post_attn_norm"] is not None:
+        a = _rmsnorm_ref(a, nm["post_attn_norm"], eps, g)
+    x = x + a
+    gate, up = linear("gate_up", _rmsnorm_ref(x, nm["pre_mlp_norm"], eps, g)).chunk(2, dim=-1)
+    act = F.silu(gate) if spec.act == "silu" else F.gelu(gate, approximate="tanh")
+    h = linear("down", act * up)
+    if nm["post_mlp_norm"] is not None:
+        h = _rmsnorm_ref(h, nm["post_mlp_norm"], eps, g)
+    return x + h

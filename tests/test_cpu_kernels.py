@@ -13,6 +13,10 @@ Mutants these tests were checked against (each fails at least one test here):
 - attention folding the two tail blocks as one 64-key block                           -> committed vs tail
 - attention reading the tail in slot order (idx ignored)                               -> slots moved
 - route_linears serving the first packed copy after the weights changed in place      -> weight updates
+- the fused layer: RoPE's rotate-half sign flipped; the activation taken before the gate/up split's
+  other half (SiLU for Gemma's GELU); the norm weight multiplied before rounding h (Llama's order);
+  the post-attention / post-MLP norms skipped; k and v swapped in the cache write; the act rows not
+  compacted (row r > 0 reads the wrong values); the q norm skipping the first head    -> layer reference
 """
 
 from __future__ import annotations
@@ -156,6 +160,118 @@ def test_the_attention_refuses_a_cache_it_cannot_read():
         cpu.attention(q, kc.float(), vc.float(), b0, pos, idx, ok, None, 0.125)
     with pytest.raises(cpu.CpuKernelError, match="contiguous"):
         cpu.attention(q, kc.transpose(1, 2).contiguous().transpose(1, 2), vc, b0, pos, idx, ok, None, 0.125)
+
+
+# --- the fused decoder layer ------------------------------------------------------------------------------
+
+LAYERS = {   # (family-like options) -> what they exercise
+    "llama": dict(),
+    "qwen": dict(bias=True, qk_norm=True),
+    "gemma": dict(gemma=True, act="gelu_tanh", qk_norm=True, H=4, kvh=1, hd=64),
+    "eagle1": dict(in_norm=False),                  # EAGLE-1/2's layer: no input norm
+    "eagle3": dict(in_norm=False, din=192),         # EAGLE-3's midlayer: a 2 d attention input given
+    "odd": dict(d=100, I=200),                      # widths that are not a multiple of 16
+}
+
+
+def _layer_case(d=96, H=6, kvh=2, hd=32, I=160, gemma=False, act="silu", qk_norm=False, in_norm=True, bias=False,
+                din=None, n=6, P=45, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: (0.3 * torch.randn(*s, generator=g)).bfloat16()
+    nw = (lambda k: 0.2 * torch.randn(k, generator=g)) if gemma else (lambda k: (1 + 0.2 * torch.randn(k, generator=g)).bfloat16())
+    spec = cpu.pack_layer(r((H + 2 * kvh) * hd, din or d), r((H + 2 * kvh) * hd) if bias else None, r(d, H * hd),
+                          r(2 * I, d), r(d, I), heads=H, kv_heads=kvh, head_dim=hd, eps=1e-6,
+                          in_norm=nw(d) + gemma if in_norm else None, pre_mlp_norm=nw(d) + gemma,
+                          post_attn_norm=nw(d) + 1 if gemma else None, post_mlp_norm=nw(d) + 1 if gemma else None,
+                          q_norm=nw(hd) + gemma if qk_norm else None, k_norm=nw(hd) + gemma if qk_norm else None,
+                          gemma_norm=gemma, act=act)
+    cap, B = 128, cpu.BLOCK
+    kc, vc = r(kvh, cap, hd) / 0.3, r(kvh, cap, hd) / 0.3
+    x = torch.randn(n, d, generator=g).bfloat16()
+    pos = torch.arange(P, P + n)
+    angle = pos[:, None].float() * (1e-2 ** (torch.arange(hd // 2) / (hd // 2)))[None]
+    cos, sin = torch.cat([angle.cos()] * 2, -1).bfloat16(), torch.cat([angle.sin()] * 2, -1).bfloat16()
+    base = (P // B) * B                           # a causal run of n rows after P committed ones
+    logical = base + torch.arange(2 * B)
+    ok = logical[None, :] <= pos[:, None]
+    idx = torch.where(ok, logical[None, :], 0)
+    attn_in = torch.randn(n, din, generator=g).bfloat16() if din else None
+    args = (cos, sin, kc, vc, pos.clone(), P // B, pos, idx, ok, None, hd ** -0.5)
+    return spec, x, args, attn_in
+
+
+def _run_layer(fn, spec, x, args, attn_in, rows=None):
+    cos, sin, kc, vc, slots, b0, pos, idx, ok, window, scale = args
+    kc, vc = kc.clone(), vc.clone()
+    sel = slice(None) if rows is None else rows
+    out = fn(x[sel], spec, cos[sel], sin[sel], kc, vc, slots[sel], b0, pos[sel], idx[sel], ok[sel], window, scale,
+             attn_in=None if attn_in is None else attn_in[sel])
+    return out, kc, vc
+
+
+def _close(a, b):
+    """Within rounding: the norms' sums of squares and the activations' exp / tanh run in other orders than
+    torch's, so a value may land one bf16 step away; a real error moves many values by more."""
+    diff = (a.float() - b.float()).abs()
+    return float(diff.max() / b.float().abs().max()) < 2e-2 and float((diff > 0).float().mean()) < 0.05
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_the_fused_layer_equals_its_reference(name):
+    spec, x, args, attn_in = _layer_case(**LAYERS[name])
+    got, kc, vc = _run_layer(cpu.layer, spec, x, args, attn_in)
+    ref, kr, vr = _run_layer(cpu.layer_reference, spec, x, args, attn_in)
+    assert _close(got, ref) and _close(kc, kr) and _close(vc, vr)
+    # the bound's power: the layer's own update is large against it (a skipped step would show)
+    assert not _close(x, ref)
+
+
+def test_the_fused_layers_reference_catches_a_wrong_step(monkeypatch):
+    """Each wrong step, made in the reference, falls outside `_close`: the equality above can see it."""
+    spec, x, args, attn_in = _layer_case(**LAYERS["gemma"])
+    ref, _, _ = _run_layer(cpu.layer_reference, spec, x, args, attn_in)
+    flip = lambda t: torch.cat((t.chunk(2, dim=-1)[1], -t.chunk(2, dim=-1)[0]), dim=-1)
+    spec.act = "silu"                                                         # GELU taken as SiLU
+    assert not _close(_run_layer(cpu.layer_reference, spec, x, args, attn_in)[0], ref)
+    spec.act = "gelu_tanh"
+    monkeypatch.setattr(cpu, "_rotate_half", flip)                            # RoPE's sign
+    assert not _close(_run_layer(cpu.layer_reference, spec, x, args, attn_in)[0], ref)
+    monkeypatch.undo()
+    spec.norms["post_mlp_norm"] = torch.ones_like(spec.norms["post_mlp_norm"])   # a norm skipped
+    assert not _close(_run_layer(cpu.layer_reference, spec, x, args, attn_in)[0], ref)
+
+
+def test_the_fused_layer_gives_a_row_the_same_bits_alone_and_on_any_thread_count():
+    """Rule 1 for the whole layer: row r run alone (the rows before it already in the cache) is row r of the
+    6-row run, bitwise; and so is the run on 1 or 2 threads."""
+    for name in ("llama", "gemma", "odd"):
+        spec, x, args, attn_in = _layer_case(**LAYERS[name])
+        full, kc, vc = _run_layer(cpu.layer, spec, x, args, attn_in)
+        cos, sin, _, _, slots, b0, pos, idx, ok, window, scale = args
+        for r in range(x.shape[0]):
+            alone = cpu.layer(x[r:r + 1], spec, cos[r:r + 1], sin[r:r + 1], kc.clone(), vc.clone(), slots[r:r + 1],
+                              b0, pos[r:r + 1], idx[r:r + 1], ok[r:r + 1], window, scale,
+                              attn_in=None if attn_in is None else attn_in[r:r + 1])
+            assert torch.equal(alone[0], full[r]), (name, r)
+        kc1, vc1 = args[2].clone(), args[3].clone()
+        one = cpu.layer(x, spec, cos, sin, kc1, vc1, slots, b0, pos, idx, ok, window, scale, attn_in=attn_in,
+                        threads=1)
+        assert torch.equal(one, full) and torch.equal(kc1, kc)
+
+
+def test_the_fused_layer_refuses_what_it_cannot_run():
+    spec, x, args, _ = _layer_case()
+    with pytest.raises(cpu.CpuKernelError, match="bf16"):
+        _run_layer(cpu.layer, spec, x.float(), args, None)
+    with pytest.raises(cpu.CpuKernelError, match="attn_in"):
+        _run_layer(cpu.layer, spec, x, args, torch.zeros(x.shape[0], 7).bfloat16())
+    w = torch.zeros(8, 8).bfloat16()
+    with pytest.raises(cpu.CpuKernelError, match="act="):
+        cpu.pack_layer(w, None, w, w, w, heads=1, kv_heads=1, head_dim=16, eps=1e-6, in_norm=None,
+                       pre_mlp_norm=torch.ones(8), act="relu")
+    with pytest.raises(cpu.CpuKernelError, match="head_dim"):
+        cpu.pack_layer(w, None, w, w, w, heads=1, kv_heads=1, head_dim=8, eps=1e-6, in_norm=None,
+                       pre_mlp_norm=torch.ones(8))
 
 
 # --- where the kernels cannot run --------------------------------------------------------------------------

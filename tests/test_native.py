@@ -98,8 +98,11 @@ def test_native_bf16_logits_are_transformers_bf16_logits_to_rounding(name, cpu_k
     rng = np.random.default_rng(0)
     prompt = torch.as_tensor(rng.integers(0, 512, 70))
     tree = DraftTree(torch.as_tensor(rng.integers(0, 512, 9)), torch.tensor(random_parents(9, rng)))
+    native_model(model).fused_calls = 0
     out = _hf_and_native(model, prompt, tree, True, cpu_kernels=cpu_kernels)
-    assert native_model(model).kernel_on == (cpu_kernels and cpu.available() is None)
+    net = native_model(model)
+    assert net.kernel_on == (cpu_kernels and cpu.available() is None)
+    assert (net.fused_calls > 0) == net.kernel_on          # the exact forward ran kernels.cpu.layer
     assert _rel(out["native"][0], out["hf"][0]) <= 3e-2
     assert _rel(out["native"][1], out["hf"][1]) <= 3e-2
     # the power of the bound: the logits of another tree are far outside it
@@ -179,8 +182,11 @@ def test_a_row_is_bitwise_the_same_alone_and_inside_trees_in_bf16(request, which
         prompt = torch.as_tensor(rng.integers(0, info.vocab_size, L))
         path = rng.integers(0, info.vocab_size, 4).tolist()
         for cpu_kernels in (True, False):                         # kernels.cpu where it runs, and oneDNN
+            native_model(model).fused_calls = 0
             ref, rows = _row_logits_in_trees(model, prompt, path, fixed_shape=True, cpu_kernels=cpu_kernels)
-            assert native_model(model).kernel_on == (cpu_kernels and cpu.available() is None)
+            net = native_model(model)
+            assert net.kernel_on == (cpu_kernels and cpu.available() is None)
+            assert (net.fused_calls > 0) == net.kernel_on       # rows through kernels.cpu.layer
             for r in rows:
                 assert torch.equal(r, ref)
 

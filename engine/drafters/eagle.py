@@ -60,6 +60,9 @@ from engine.target import cache_kwarg
 from engine.vocab.dynaspec import drafter_key as dynaspec_drafter_key
 from engine.tree import StepResult
 from kernels import cpu as cpu_kernels
+from engine.native import BLOCK
+
+FUSED_CHUNK = 32      # rows of a causal run (the prompt) per fused call: the kernel reads a row's last 2 BLOCKs by slot
 
 _CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
                 "rope_theta", "rope_scaling", "max_position_embeddings", "vocab_size", "hidden_act", "head_dim")
@@ -339,6 +342,82 @@ class EagleTreeDrafter(LMHeadDrafter):
       `_prompt_features(prompt_ids, prefill_hidden) -> [L, *]`   the target's features at the prompt,
       `_step_features(step) -> [n, *]`                           ... at every node of a verified tree."""
 
+    fused: cpu_kernels.LayerKernel | None = None     # the decoder layer as one kernels.cpu.layer call (`_fuse`)
+    fused_calls = 0
+
+    def _fuse(self, layer, din: int) -> None:
+        """Run the head's decoder layer as one `kernels.cpu.layer` call per forward (bf16 on a CPU with the
+        kernels, `SpecConfig.cpu_kernels`): the transformers layer, its 4-D mask and its cache protocol cost
+        ~1.5 ms per call at SmolLM2's sizes, its 9 MB of weights ~0.6 ms to read. The layer's attention input is
+        x itself (EAGLE-1/2: no input norm) or given (EAGLE-3: [norm(embedding); norm(h)], din = 2 d). Left on the
+        transformers layer where the kernels do not run or the layer is not the plain Llama one."""
+        at, mlp = layer.self_attn, layer.mlp
+        c = self.eagle.config
+        hd = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+        w = at.q_proj.weight
+        if (not self.cfg.cpu_kernels or cpu_kernels.reason(w.device, w.dtype) is not None
+                or getattr(c, "hidden_act", "silu") != "silu" or at.o_proj.bias is not None
+                or any(m.bias is not None for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+                or hd % 16 or hd > 256):
+            return
+        with torch.no_grad():
+            qkv = torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight])
+            bias = (torch.cat([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]) if at.q_proj.bias is not None
+                    else None)
+            self.fused = cpu_kernels.pack_layer(
+                qkv, bias, at.o_proj.weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                mlp.down_proj.weight, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=hd,
+                eps=c.rms_norm_eps, in_norm=None, pre_mlp_norm=layer.post_attention_layernorm.weight, act="silu")
+        self.fused_scale = float(at.scaling)
+
+    def _backbone(self, layer, x, positions, visible, own, attn_in=None, **hf):
+        """The decoder layer over q rows x [q, d] at positions [q], visible [q, length + q] (the cache, then the
+        new rows); writes their keys and values to the cache and returns the layer's output [q, d]. `own`: tree
+        rows (the committed context is [0, n_ctx)); else a causal run right after the cache. hf: what the
+        transformers layer takes besides x (EAGLE-3: the embedding)."""
+        q = x.shape[0]
+        self.cache.reserve(q, x.device)
+        if self.fused is None:
+            kv_pos = torch.cat([self.cache.positions[: self.cache.length].to(positions.device), positions])
+            pe = self.eagle.rotary_emb(x, positions[None])
+            mask = attention_bias(positions, kv_pos, visible, x.dtype, None)
+            out = layer(x[None], pe, mask, **hf)
+            self.cache.advance(q, positions)
+            return out[0]
+        if not own and q > FUSED_CHUNK:          # a long causal run (the prompt): in chunks the kernel's tail holds
+            length, outs = self.cache.length, []
+            for a in range(0, q, FUSED_CHUNK):
+                b = min(q, a + FUSED_CHUNK)
+                outs.append(self._backbone(layer, x[a:b], positions[a:b], visible[a:b, :length + b],
+                                           own, None if attn_in is None else attn_in[a:b]))
+            return torch.cat(outs)
+        P = self.n_ctx if own else self.cache.length          # committed: slot = position, seen by every row
+        B = BLOCK
+        base = (P // B) * B
+        kv_pos = torch.cat([self.cache.positions[: self.cache.length].to(positions.device), positions])
+        rows, cols = visible[:, P:].nonzero(as_tuple=True)     # the rows' visible keys after the committed ones
+        offset = kv_pos[P + cols] - base
+        if q and (int(offset.max()) >= 2 * B if offset.numel() else False):
+            raise DrafterError(f"{self.name}: a draft tree reaching {int(offset.max()) - (P - base) + 1} positions "
+                               f"past the context does not fit the fused layer's {2 * B}-position tail")
+        idx = torch.zeros(q, 2 * B, dtype=torch.long)
+        ok = torch.zeros(q, 2 * B, dtype=torch.bool)
+        idx[:, : P - base] = torch.arange(base, P)
+        ok[:, : P - base] = True
+        idx[rows, offset] = P + cols
+        ok[rows, offset] = True
+        if 0 not in self.cache.k:                              # the cache's tensors, made as transformers would
+            shape = (1, self.fused.kv_heads, self.cache.capacity, self.fused.head_dim)
+            self.cache.k[0] = x.new_zeros(shape)
+            self.cache.v[0] = x.new_zeros(shape)
+        cos, sin = self.eagle.rotary_emb(x, positions[None])
+        slots = torch.arange(self.cache.length, self.cache.length + q)
+        out = cpu_kernels.layer(x, self.fused, cos[0], sin[0], self.cache.k[0][0], self.cache.v[0][0], slots,
+                                P // B, positions, idx, ok, None, self.fused_scale, attn_in=attn_in)
+        self.fused_calls += 1
+        self.cache.advance(q, positions)
+        return out
+
     def _reset_backbone(self):
         self.cache = DraftKVCache([0])
         self.n_ctx = 0                         # pairs (f_i, x_{i+1}) in the cache: positions 0..n_ctx-1
@@ -415,6 +494,7 @@ class EagleDrafter(EagleTreeDrafter):
         self.eagle = head.to(device=self.device, dtype=out_emb.dtype).eval()
         if cfg.cpu_kernels:                                            # bf16 on a CPU: kernels.cpu's linear
             cpu_kernels.route_linears(self.eagle)
+        self._fuse(self.eagle.layers[0], head.hidden_size)            # ... and the layer as one call
         self.cache_kw = cache_kwarg(self.eagle.layers[0])              # `cache` from transformers 5.24 on
         self.embed = self._embedding(target, head)
         self.head_weight = out_emb
@@ -450,18 +530,13 @@ class EagleDrafter(EagleTreeDrafter):
     def _run(self, tokens, feats, positions, visible, own=False):
         """Pairs (feats [q, d], tokens [q]) at positions [q]; visible [q, length + q] -> h [q, d]. EAGLE-1/2
         runs fc over [embedding; feature] whether the feature is the target's or its own (`own`)."""
-        q = tokens.numel()
-        self.cache.reserve(q, tokens.device)
-        x = self.eagle.fc(torch.cat([self.embed(tokens).to(feats.dtype), feats], dim=-1))[None]   # [1, q, d]
-        pos = positions[None]
-        kv_pos = torch.cat([self.cache.positions[: self.cache.length].to(positions.device), positions])
-        pe = self.eagle.rotary_emb(x, pos)
-        mask = attention_bias(positions, kv_pos, visible, x.dtype, None)
-        out = self.eagle.layers[0](x, attention_mask=mask, position_ids=pos, **{self.cache_kw: self.cache},
-                                   position_embeddings=pe, use_cache=True)
-        out = out[0] if isinstance(out, tuple) else out
-        self.cache.advance(q, positions)
-        return out[0]                                                  # [q, d]
+        x = self.eagle.fc(torch.cat([self.embed(tokens).to(feats.dtype), feats], dim=-1))     # [q, d]
+
+        def layer(x, pe, mask):
+            out = self.eagle.layers[0](x, attention_mask=mask, position_ids=positions[None], position_embeddings=pe,
+                                       **{self.cache_kw: self.cache}, use_cache=True)
+            return out[0] if isinstance(out, tuple) else out
+        return self._backbone(layer, x, positions, visible, own)
 
     def _prompt_features(self, prompt_ids, prefill_hidden):
         if prefill_hidden is None or prefill_hidden.shape[0] != prompt_ids.numel():

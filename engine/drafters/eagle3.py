@@ -59,7 +59,7 @@ from engine.drafters import register_drafter
 from engine.drafters.eagle import (EagleTreeDrafter, check_head_target, head_digest, llama_config, random_eagle_head,
                                    read_state_dict, resolve_head_dir)
 from engine.drafters.layerskip import text_config
-from engine.drafters.lmhead import DrafterError, attention_bias
+from engine.drafters.lmhead import DrafterError
 from engine.target import cache_kwarg, decoder, native_model, resolve_backend
 from engine.vocab import DynaSpecVocab, FrSpecVocab, MicroSpecVocab, OracleVocab, VocabError, VocabPolicy
 from engine.vocab.dynaspec import drafter_key as dynaspec_drafter_key
@@ -149,9 +149,13 @@ class Eagle3Layer(nn.Module):
         self.input_layernorm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
 
+    def attention_input(self, emb, h):
+        """[.., 2 d]: what the attention reads, [input_layernorm(embedding); hidden_norm(h)]."""
+        return torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
+
     def forward(self, emb, h, position_embeddings, attention_mask, cache=None, cache_kw="cache"):
         """emb, h [1, q, d] -> [1, q, d]."""
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
+        x = self.attention_input(emb, h)
         a = self.self_attn(x, position_embeddings=position_embeddings, attention_mask=attention_mask,
                            **({cache_kw: cache} if cache is not None else {}))[0]
         h = h + a
@@ -494,6 +498,7 @@ class Eagle3Drafter(EagleTreeDrafter):
         self.eagle = head.to(device=self.device, dtype=dtype).eval()     # d2t / t2d stay int64 / bool
         if cfg.cpu_kernels:                                            # bf16 on a CPU: kernels.cpu's linear
             cpu_kernels.route_linears(self.eagle)
+        self._fuse(self.eagle.midlayer, 2 * head.hidden_size)          # ... and the midlayer as one call
         self.embed = embed
         self.cache_kw = cache_kwarg(self.eagle.midlayer.self_attn)
         self.maps = DraftVocab.of(self.eagle, self.device)
@@ -527,17 +532,15 @@ class Eagle3Drafter(EagleTreeDrafter):
     def _run(self, tokens, feats, positions, visible, own=False):
         """Pairs (feats, tokens [q]) at positions [q]; feats = target features [q, 3 d_t] (through fc) or the
         head's own midlayer outputs [q, d] (own); visible [q, length + q] -> the midlayer's output [q, d]."""
-        q = tokens.numel()
-        self.cache.reserve(q, tokens.device)
-        h = (feats if own else self.eagle.fc(feats.to(self.feature_dtype)))[None]     # [1, q, d]
-        emb = self.embed(tokens).to(h.dtype)[None]
-        pos = positions[None]
-        kv_pos = torch.cat([self.cache.positions[: self.cache.length].to(positions.device), positions])
-        pe = self.eagle.rotary_emb(h, pos)
-        mask = attention_bias(positions, kv_pos, visible, h.dtype, None)
-        out = self.eagle.midlayer(emb, h, pe, mask, self.cache, self.cache_kw)
-        self.cache.advance(q, positions)
-        return out[0]
+        h = feats if own else self.eagle.fc(feats.to(self.feature_dtype))              # [q, d]
+        emb = self.embed(tokens).to(h.dtype)
+        mid = self.eagle.midlayer
+        if self.fused is not None:                   # kernels.cpu.layer: the attention input given, residual h
+            return self._backbone(None, h, positions, visible, own, attn_in=mid.attention_input(emb, h))
+
+        def layer(h, pe, mask):
+            return mid(emb[None], h, pe, mask, self.cache, self.cache_kw)
+        return self._backbone(layer, h, positions, visible, own)
 
     def _prompt_features(self, prompt_ids, prefill_hidden):
         return self.tap.take(prompt_ids.numel())

@@ -132,6 +132,87 @@ void sv_linear_bf16(const uint16_t* x, const uint16_t* wp, const float* bias, vo
     }
 }
 
+/* The same product over a weight left row-major, w [N, K] (a buffer rewritten in place, which a packed copy would
+ * have to follow: MicroSpec's gathered window head, a drafter's vocabulary head): out[m, n] fp32 or bf16. Four
+ * outputs stream four rows at once; the last partial K chunk is masked on both sides. Each output is summed in
+ * its own register in K order, as above, so a row's bits do not depend on M or the other rows. */
+#define RLOADW(j, m) ((__m512bh)_mm512_maskz_loadu_epi16(m, (const void*)(w##j + c * 32)))
+
+static inline void rtile4(const uint16_t* x, int K, const uint16_t* w, int nb, int kc, __mmask32 tail,
+                          float r[MB][NB]) {
+    __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00,
+           a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
+    const uint16_t *x0 = x, *x1 = x + K, *x2 = x + 2 * (size_t)K, *x3 = x + 3 * (size_t)K;
+    /* rows past N (nb < 4) re-read row 0: their sums are computed and dropped */
+    const uint16_t *w0 = w, *w1 = nb > 1 ? w + (size_t)K : w, *w2 = nb > 2 ? w + 2 * (size_t)K : w,
+                   *w3 = nb > 3 ? w + 3 * (size_t)K : w;
+    for (int c = 0; c < kc; c++) {
+        const __mmask32 m = (c == kc - 1 && tail) ? tail : (__mmask32)0xFFFFFFFFu;
+        const __m512bh v0 = (__m512bh)_mm512_maskz_loadu_epi16(m, (const void*)(x0 + c * 32));
+        const __m512bh v1 = (__m512bh)_mm512_maskz_loadu_epi16(m, (const void*)(x1 + c * 32));
+        const __m512bh v2 = (__m512bh)_mm512_maskz_loadu_epi16(m, (const void*)(x2 + c * 32));
+        const __m512bh v3 = (__m512bh)_mm512_maskz_loadu_epi16(m, (const void*)(x3 + c * 32));
+        __m512bh wv;
+        wv = RLOADW(0, m); DP(a00, v0, wv); DP(a10, v1, wv); DP(a20, v2, wv); DP(a30, v3, wv);
+        wv = RLOADW(1, m); DP(a01, v0, wv); DP(a11, v1, wv); DP(a21, v2, wv); DP(a31, v3, wv);
+        wv = RLOADW(2, m); DP(a02, v0, wv); DP(a12, v1, wv); DP(a22, v2, wv); DP(a32, v3, wv);
+        wv = RLOADW(3, m); DP(a03, v0, wv); DP(a13, v1, wv); DP(a23, v2, wv); DP(a33, v3, wv);
+    }
+    r[0][0] = _mm512_reduce_add_ps(a00); r[0][1] = _mm512_reduce_add_ps(a01);
+    r[0][2] = _mm512_reduce_add_ps(a02); r[0][3] = _mm512_reduce_add_ps(a03);
+    r[1][0] = _mm512_reduce_add_ps(a10); r[1][1] = _mm512_reduce_add_ps(a11);
+    r[1][2] = _mm512_reduce_add_ps(a12); r[1][3] = _mm512_reduce_add_ps(a13);
+    r[2][0] = _mm512_reduce_add_ps(a20); r[2][1] = _mm512_reduce_add_ps(a21);
+    r[2][2] = _mm512_reduce_add_ps(a22); r[2][3] = _mm512_reduce_add_ps(a23);
+    r[3][0] = _mm512_reduce_add_ps(a30); r[3][1] = _mm512_reduce_add_ps(a31);
+    r[3][2] = _mm512_reduce_add_ps(a32); r[3][3] = _mm512_reduce_add_ps(a33);
+}
+
+static inline void rtile1(const uint16_t* x, int K, const uint16_t* w, int nb, int kc, __mmask32 tail, float r[NB]) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const uint16_t *w0 = w, *w1 = nb > 1 ? w + (size_t)K : w, *w2 = nb > 2 ? w + 2 * (size_t)K : w,
+                   *w3 = nb > 3 ? w + 3 * (size_t)K : w;
+    for (int c = 0; c < kc; c++) {
+        const __mmask32 m = (c == kc - 1 && tail) ? tail : (__mmask32)0xFFFFFFFFu;
+        const __m512bh v = (__m512bh)_mm512_maskz_loadu_epi16(m, (const void*)(x + c * 32));
+        DP(a0, v, RLOADW(0, m)); DP(a1, v, RLOADW(1, m)); DP(a2, v, RLOADW(2, m)); DP(a3, v, RLOADW(3, m));
+    }
+    r[0] = _mm512_reduce_add_ps(a0); r[1] = _mm512_reduce_add_ps(a1);
+    r[2] = _mm512_reduce_add_ps(a2); r[3] = _mm512_reduce_add_ps(a3);
+}
+
+static void rblocks(const uint16_t* x, const uint16_t* w, void* out, int out_f32, int M, int N, int K, int b0, int b1) {
+    const int kc = (K + 31) / 32;
+    const __mmask32 tail = (K % 32) ? (((__mmask32)1 << (K % 32)) - 1) : 0;
+    float r[MB][NB];
+    for (int b = b0; b < b1; b++) {
+        const int nb = (N - b * NB < NB) ? N - b * NB : NB;
+        for (int m = 0; m < M; m += MB) {
+            const int mb = (M - m < MB) ? M - m : MB;
+            const uint16_t* wb = w + (size_t)b * NB * K;
+            if (0) rtile4(x + (size_t)m * K, K, wb, nb, kc, tail, r);
+            else for (int i = 0; i < mb; i++) rtile1(x + (size_t)(m + i) * K, K, wb, nb, kc, tail, r[i]);
+            for (int i = 0; i < mb; i++)
+                for (int j = 0; j < nb; j++) {
+                    size_t o = (size_t)(m + i) * N + (size_t)b * NB + j;
+                    if (out_f32) ((float*)out)[o] = r[i][j];
+                    else ((uint16_t*)out)[o] = to_bf16(r[i][j]);
+                }
+        }
+    }
+}
+
+void sv_linear_rows_bf16(const uint16_t* x, const uint16_t* w, void* out, int out_f32, int M, int N, int K,
+                         int threads) {
+    const int nblocks = (N + NB - 1) / NB;
+    if (threads <= 1) { rblocks(x, w, out, out_f32, M, N, K, 0, nblocks); return; }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < threads; t++) {
+        int b0 = (int)((long)nblocks * t / threads), b1 = (int)((long)nblocks * (t + 1) / threads);
+        if (b0 < b1) rblocks(x, w, out, out_f32, M, N, K, b0, b1);
+    }
+}
+
 /* ---- fixed-order attention for the exact decode (engine.native rules 2 and 3, one row at a time) ----------
  *
  * For each row r (a token at logical position pos[r]) and query head h: the keys of the row's logical
@@ -142,7 +223,10 @@ void sv_linear_bf16(const uint16_t* x, const uint16_t* wp, const float* bias, vo
  * a visible key gives (max m, sum l, sum of e v) in fp32 with e = exp(s - m), keys in order; blocks are folded
  * in order into a running (M, L, O). Everything here is a function of the row's logical context alone (not
  * of n, of the other rows, or of where an ancestor sits in the cache), so an `ar` step and any tree give
- * the row the same bits. q fp32 [n, H, hd]; kc, vc bf16 [kvh, cap, hd]; out fp32 [n, H, hd]; hd % 16 == 0. */
+ * the row the same bits. q fp32 [n, H, hd] holding bf16 values (scores by VDPBF16PS: exact products, fp32
+ * sums; each key's 16 lanes reduced by `hsum16`'s fixed tree); kc, vc bf16 [kvh, cap, hd]; out fp32 [n, H, hd]
+ * (may be q itself: each (row, KV head) reads its queries before writing); hd % 16 == 0. The query heads of a
+ * KV head run together, sharing each block's slots and visibility. */
 
 #define ABLOCK 32
 
@@ -168,73 +252,122 @@ static inline __m512 exp_ps(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* the 16 horizontal sums of v[0..15] as one vector (lane i = sum of v[i]'s lanes): a fixed tree of in-lane
+ * shuffles and adds, so each sum's order is the same whatever the other 15 hold */
+static inline __m512 hsum16(const __m512* v) {
+    __m512 a[8], b[4], c[2];
+    for (int k = 0; k < 8; k++)       /* per 128-bit lane: [v2k 0+2, v2k+1 0+2, v2k 1+3, v2k+1 1+3] */
+        a[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++) {     /* per 128-bit lane: the lane's sum of v4k .. v4k+3 */
+        const __m512d x = _mm512_castps_pd(a[2 * k]), y = _mm512_castps_pd(a[2 * k + 1]);
+        b[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int k = 0; k < 2; k++)       /* 128-bit lanes (0, 2) + (1, 3) of b2k and b2k+1 */
+        c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+#define MAXG 16   /* query heads per KV head handled together (more: in passes) */
+
 void sv_attention(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* pos,
                   const int64_t* idx, const uint8_t* ok, float* out, int n, int H, int kvh, int hd, long cap,
                   int b0, int window, float scale, int threads) {
     const int g = H / kvh, nv = hd / 16;
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2) if (threads > 1)
     for (int r = 0; r < n; r++)
-        for (int h = 0; h < H; h++) {
-            const float* qr = q + ((size_t)r * H + h) * hd;
-            const uint16_t* K = kc + (size_t)(h / g) * cap * hd;
-            const uint16_t* V = vc + (size_t)(h / g) * cap * hd;
-            __m512 qv[16], O[16], o[16];            /* hd <= 256 */
-            for (int v = 0; v < nv; v++) { qv[v] = _mm512_loadu_ps(qr + 16 * v); O[v] = _mm512_setzero_ps(); }
-            float M = -INFINITY, L = 0.0f;
+        for (int j = 0; j < kvh; j++)
+            for (int h0 = 0; h0 < g; h0 += MAXG) {   /* heads h0 .. h0 + gh - 1 of KV head j */
+            const int gh = g - h0 < MAXG ? g - h0 : MAXG;
+            const uint16_t* K = kc + (size_t)j * cap * hd;
+            const uint16_t* V = vc + (size_t)j * cap * hd;
+            /* q rounded to bf16 (the decode's q is bf16 already), in 32-element chunks for VDPBF16PS; hd % 32 == 16
+             * leaves a last half chunk, zero-padded */
+            __m512bh qb[MAXG][8];
+            float M[MAXG], L[MAXG];
+            __m512 O[MAXG][16];
+            for (int t = 0; t < gh; t++) {
+                const float* qr = q + ((size_t)r * H + (size_t)j * g + h0 + t) * hd;
+                for (int c = 0; c < (hd + 31) / 32; c++) {
+                    const __m512 lo = _mm512_loadu_ps(qr + 32 * c);
+                    const __m512 hi = 32 * c + 16 < hd ? _mm512_loadu_ps(qr + 32 * c + 16) : _mm512_setzero_ps();
+                    qb[t][c] = _mm512_cvtne2ps_pbh(hi, lo);
+                }
+                for (int v = 0; v < nv; v++) O[t][v] = _mm512_setzero_ps();
+                M[t] = -INFINITY;
+                L[t] = 0.0f;
+            }
+            const int chunks = (hd + 31) / 32;
             const long p = pos[r];
             for (int b = 0; b < b0 + 2; b++) {
-                long slot[ABLOCK];
-                float s[ABLOCK];
-                int any = 0;
+                const uint16_t* kp[ABLOCK];
+                uint32_t vis = 0;
                 for (int i = 0; i < ABLOCK; i++) {
-                    const long kp = (long)b * ABLOCK + i;           /* the key's logical position */
-                    int vis;
-                    if (b < b0) { slot[i] = kp; vis = 1; }
+                    const long kpos = (long)b * ABLOCK + i;          /* the key's logical position */
+                    long slot;
+                    int v;
+                    if (b < b0) { slot = kpos; v = 1; }
                     else {
                         const int t = (b - b0) * ABLOCK + i;
-                        slot[i] = idx[(size_t)r * 2 * ABLOCK + t];
-                        vis = ok[(size_t)r * 2 * ABLOCK + t];
+                        slot = idx[(size_t)r * 2 * ABLOCK + t];
+                        v = ok[(size_t)r * 2 * ABLOCK + t];
                     }
-                    if (vis && window > 0 && p - kp >= window) vis = 0;
-                    if (!vis) { s[i] = -INFINITY; continue; }
-                    any = 1;
-                    const uint16_t* k = K + (size_t)slot[i] * hd;
-                    __m512 acc = _mm512_mul_ps(qv[0], bf16x16(k));
-                    for (int v = 1; v < nv; v++) acc = _mm512_fmadd_ps(qv[v], bf16x16(k + 16 * v), acc);
-                    s[i] = _mm512_reduce_add_ps(acc) * scale;
+                    if (v && window > 0 && p - kpos >= window) v = 0;
+                    kp[i] = K + (size_t)(v ? slot : 0) * hd;
+                    vis |= (uint32_t)v << i;
                 }
-                if (!any) continue;                                  /* a block the row cannot see */
-                float m = -INFINITY;
-                for (int i = 0; i < ABLOCK; i++) m = s[i] > m ? s[i] : m;
-                float e[ABLOCK];
-                for (int c = 0; c < ABLOCK; c += 16) {
-                    __m512 sv = _mm512_loadu_ps(s + c);
-                    __mmask16 live = _mm512_cmp_ps_mask(sv, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-                    _mm512_storeu_ps(e + c, _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(sv, _mm512_set1_ps(m)))));
+                if (!vis) continue;                                  /* a block the row cannot see */
+                for (int t = 0; t < gh; t++) {
+                    __m512 sv[2];
+                    for (int half = 0; half < 2; half++) {           /* keys 16 half .. 16 half + 15 */
+                        __m512 acc[16];
+                        for (int i = 0; i < 16; i++) {
+                            const uint16_t* k = kp[16 * half + i];
+                            __m512 a = _mm512_setzero_ps();
+                            for (int c = 0; c < chunks; c++) {
+                                const __m512bh kv = (__m512bh)(32 * c + 16 < hd
+                                    ? _mm512_loadu_si512((const void*)(k + 32 * c))
+                                    : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)(k + 32 * c))));
+                                a = _mm512_dpbf16_ps(a, qb[t][c], kv);
+                            }
+                            acc[i] = a;
+                        }
+                        sv[half] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), (__mmask16)(vis >> (16 * half)),
+                                                      _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+                    }
+                    const float m = _mm512_reduce_max_ps(_mm512_max_ps(sv[0], sv[1]));
+                    const __m512 mv = _mm512_set1_ps(m);
+                    __m512 e[2];
+                    for (int half = 0; half < 2; half++)
+                        e[half] = _mm512_maskz_mov_ps((__mmask16)(vis >> (16 * half)), exp_ps(_mm512_sub_ps(sv[half], mv)));
+                    const float l = _mm512_reduce_add_ps(_mm512_add_ps(e[0], e[1]));
+                    float ew[ABLOCK];
+                    _mm512_storeu_ps(ew, e[0]);
+                    _mm512_storeu_ps(ew + 16, e[1]);
+                    __m512 o[16];
+                    for (int v = 0; v < nv; v++) o[v] = _mm512_setzero_ps();
+                    for (int i = 0; i < ABLOCK; i++) {
+                        if (!((vis >> i) & 1)) continue;
+                        const uint16_t* vr = V + (kp[i] - K);
+                        const __m512 w = _mm512_set1_ps(ew[i]);
+                        for (int v = 0; v < nv; v++) o[v] = _mm512_fmadd_ps(w, bf16x16(vr + 16 * v), o[v]);
+                    }
+                    /* fold the block into the running state, in block order */
+                    const float Mn = m > M[t] ? m : M[t];
+                    const float a = expf(M[t] - Mn), c = expf(m - Mn);   /* expf(-inf) = 0 on the first block */
+                    L[t] = L[t] * a + l * c;
+                    const __m512 av = _mm512_set1_ps(a), cv = _mm512_set1_ps(c);
+                    for (int v = 0; v < nv; v++) O[t][v] = _mm512_fmadd_ps(o[v], cv, _mm512_mul_ps(O[t][v], av));
+                    M[t] = Mn;
                 }
-                float l = 0.0f;
-                for (int v = 0; v < nv; v++) o[v] = _mm512_setzero_ps();
-                for (int i = 0; i < ABLOCK; i++) {
-                    if (s[i] == -INFINITY) continue;
-                    l += e[i];
-                    const uint16_t* vr = V + (size_t)slot[i] * hd;
-                    const __m512 w = _mm512_set1_ps(e[i]);
-                    for (int v = 0; v < nv; v++) o[v] = _mm512_fmadd_ps(w, bf16x16(vr + 16 * v), o[v]);
-                }
-                /* fold the block into the running state, in block order */
-                const float Mn = m > M ? m : M;
-                const float a = expf(M - Mn), c = expf(m - Mn);     /* expf(-inf) = 0 on the first block */
-                L = L * a + l * c;
-                const __m512 av = _mm512_set1_ps(a), cv = _mm512_set1_ps(c);
-                for (int v = 0; v < nv; v++) O[v] = _mm512_fmadd_ps(o[v], cv, _mm512_mul_ps(O[v], av));
-                M = Mn;
             }
-            float* orow = out + ((size_t)r * H + h) * hd;
-            const __m512 inv = _mm512_set1_ps(1.0f / L);
-            for (int v = 0; v < nv; v++) _mm512_storeu_ps(orow + 16 * v, _mm512_mul_ps(O[v], inv));
+            for (int t = 0; t < gh; t++) {
+                float* orow = out + ((size_t)r * H + (size_t)j * g + h0 + t) * hd;
+                const __m512 inv = _mm512_set1_ps(1.0f / L[t]);
+                for (int v = 0; v < nv; v++) _mm512_storeu_ps(orow + 16 * v, _mm512_mul_ps(O[t][v], inv));
+            }
         }
 }
-
 
 /* ---- one decoder layer, fused (the native decode's `_layer` in exact mode, one call per layer) -------------
  *

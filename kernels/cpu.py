@@ -4,6 +4,8 @@ beside its plain-torch reference.
     pack(weight, bias)                  -> PackedLinear (the weight re-laid for the kernel, once)
     PackedLinear(x, out_dtype)          y = x @ W.T (+ b), [M, N]: the small-row bf16 linear (kernels/cpu.c)
     linear_reference(x, weight, bias)   the same product in plain torch (fp32 accumulation, then rounded)
+    rows_linear(x, weight, out_dtype)   the same small-row product over a row-major weight, as it lies (a
+                                        buffer rewritten in place: MicroSpec's window head, a vocab head)
     attention(q, kc, vc, ...)           the exact decode's attention, one row at a time (engine.native rules 2-3)
     attention_reference(...)            the same in plain torch
     pack_layer(...)                     -> LayerKernel: a decoder layer's weights for the fused layer call
@@ -103,6 +105,8 @@ def _build() -> ctypes.CDLL:
     lib.sv_attention.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int] * 4
                                  + [ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int])
     lib.sv_attention.restype = None
+    lib.sv_linear_rows_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
+    lib.sv_linear_rows_bf16.restype = None
     lib.sv_layer_scratch.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.sv_layer_scratch.restype = ctypes.c_size_t
     lib.sv_layer.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
@@ -189,6 +193,37 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear
     return PackedLinear(packed=packed, bias=b, out_features=N, in_features=K)
 
 
+ROWS_MAX = 32     # rows up to which `rows_linear` is the faster path (as KERNEL_MAX_ROWS for the packed one)
+
+
+def rows_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `rows_linear` runs this product here: bf16 CPU tensors, a contiguous weight, at most ROWS_MAX
+    rows, and the kernels built."""
+    return (x.dtype == weight.dtype == torch.bfloat16 and x.device.type == weight.device.type == "cpu"
+            and weight.dim() == 2 and weight.is_contiguous() and 0 < x[..., 0].numel() <= ROWS_MAX
+            and available() is None)
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.float32,
+                threads: int | None = None) -> torch.Tensor:
+    """x [.., K] @ weight [N, K].T with the weight read row-major where it lies (kernels/cpu.c
+    `sv_linear_rows_bf16`): for weights rewritten in place, which a packed copy would have to follow. fp32 or
+    bf16 out; reference `linear_reference`."""
+    if not (x.dtype == weight.dtype == torch.bfloat16 and x.device.type == weight.device.type == "cpu"
+            and weight.dim() == 2 and x.shape[-1] == weight.shape[1]):
+        raise CpuKernelError(f"rows_linear multiplies bf16 CPU x [.., K] by a bf16 CPU weight [N, K]; got "
+                             f"{tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} {weight.dtype}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise CpuKernelError(f"out_dtype must be bf16 or fp32, not {out_dtype}")
+    lead, (N, K) = x.shape[:-1], weight.shape
+    x2, w = x.reshape(-1, K).contiguous(), weight.contiguous()
+    out = torch.empty(x2.shape[0], N, dtype=out_dtype)
+    if x2.shape[0] and N:
+        _load().sv_linear_rows_bf16(x2.data_ptr(), w.data_ptr(), out.data_ptr(), int(out_dtype == torch.float32),
+                                    x2.shape[0], N, K, threads or torch.get_num_threads())
+    return out.view(*lead, N)
+
+
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The plain-torch reference: the fp32 product of the bf16 inputs, bias added in fp32, then rounded to
@@ -200,8 +235,8 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, committed_blocks: int, positions: torch.Tensor,
               idx: torch.Tensor, ok: torch.Tensor, window: int | None, scale: float,
               threads: int | None = None) -> torch.Tensor:
-    """The exact decode's attention (kernels/cpu.c, `sv_attention`): q [n, H, hd] (any float dtype; used in
-    fp32), kc / vc [kvh, capacity, hd] bf16 (one layer's cache; committed slot = logical position),
+    """The exact decode's attention (kernels/cpu.c, `sv_attention`): q [n, H, hd] (any float dtype; rounded to
+    bf16 for the VDPBF16PS scores, which is exact for the decode's q: it is bf16), kc / vc [kvh, capacity, hd] bf16 (one layer's cache; committed slot = logical position),
     committed_blocks: blocks of BLOCK positions read where they lie; idx [n, 2 BLOCK] the cache slot of each
     position of the next two blocks for each row, ok [n, 2 BLOCK] whether it is in the row's context;
     positions [n] the rows' logical positions; window: sliding-window length (None = full attention).

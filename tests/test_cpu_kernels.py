@@ -13,6 +13,8 @@ Mutants these tests were checked against (each fails at least one test here):
 - attention folding the two tail blocks as one 64-key block                           -> committed vs tail
 - attention reading the tail in slot order (idx ignored)                               -> slots moved
 - route_linears serving the first packed copy after the weights changed in place      -> weight updates
+- rows_linear reading the weight's or x's partial last chunk unmasked                  -> row-major tails
+  (computing every row with the 1-row tile instead of the 4-row one passes: the same sums, in the same order)
 - the fused layer: RoPE's rotate-half sign flipped; the activation taken before the gate/up split's
   other half (SiLU for Gemma's GELU); the norm weight multiplied before rounding h (Llama's order);
   the post-attention / post-MLP norms skipped; k and v swapped in the cache write; the act rows not
@@ -89,6 +91,46 @@ def test_the_linear_refuses_what_it_cannot_multiply():
         p(torch.randn(2, 33).bfloat16())
     with pytest.raises(cpu.CpuKernelError, match="bf16 CPU rows"):
         p(torch.randn(2, 32))
+
+
+@pytest.mark.parametrize("N,K", [(3072, 576), (101, 45), (7, 64)])
+def test_the_row_major_linear_equals_its_reference_and_keeps_rows_invariant(N, K):
+    """`rows_linear` (a weight read where it lies: MicroSpec's window buffer): the fp32 product; a row's bits
+    the same at every M; the partial K chunk masked on both sides (the weight row after it holds inf here, and
+    so does the next row of x)."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(N + 1, K, generator=g).bfloat16()
+    w[-1] = float("inf")                               # right after the weight's last row
+    w = w[:N]
+    x = torch.randn(10, K, generator=g).bfloat16()
+    x[9] = float("inf")                                # right after the rows multiplied
+    got = cpu.rows_linear(x[:9], w)
+    ref = cpu.linear_reference(x[:9], w, None, torch.float32)
+    assert torch.isfinite(got).all()
+    x2 = x[:5].clone()                                 # a 4-row tile and one row left over
+    x2[1, 0] = float("inf")                            # what row 0's partial chunk must not read
+    assert torch.isfinite(cpu.rows_linear(x2, w)[[0, 2, 3, 4]]).all()
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+    for M in (1, 2, 4, 5, 9):
+        assert torch.equal(cpu.rows_linear(x[:M], w), got[:M])
+    assert torch.equal(cpu.rows_linear(x[:9], w, threads=2), got)
+    assert torch.equal(cpu.rows_linear(x[:3], w, torch.bfloat16), got[:3].to(torch.bfloat16))
+    with pytest.raises(cpu.CpuKernelError, match="bf16 CPU"):
+        cpu.rows_linear(x.float(), w)
+
+
+def test_the_window_head_runs_the_row_major_kernel_in_bf16():
+    from kernels.head import packed_head_ref, packed_head_torch
+    w = torch.randn(300, 64).bfloat16()
+    tok = torch.arange(300)
+    tok[::7] = -1
+    h = torch.randn(3, 64).bfloat16()
+    got = packed_head_torch(h, w, tok)
+    assert torch.equal(got, cpu.rows_linear(h, w).masked_fill(tok < 0, float("-inf")))
+    ref = packed_head_ref(h, w, tok)
+    live = tok >= 0
+    assert float((got[:, live] - ref[:, live]).abs().max() / ref[:, live].abs().max()) < 1e-5
+    assert torch.isinf(got[:, ~live]).all()
 
 
 # --- attention -------------------------------------------------------------------------------------------

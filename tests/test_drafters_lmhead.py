@@ -135,6 +135,54 @@ def test_expand_tree_matches_the_reference(depth, topk, total, live):
     assert int(d.max()) <= depth
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_pruned_expansion_drafts_the_same_tree_with_fewer_rows(seed):
+    """`prune=True` (what drafters run unless MicroSpec's all_expanded source needs every candidate): the same
+    tree as EAGLE-2's full expansion - tokens, parents, scores - for trees smaller than the expansion, and
+    only min(topk, g) rows per level over min(depth, g) levels."""
+    rng = np.random.default_rng(seed)
+    depth, topk, total = int(rng.integers(2, 7)), int(rng.integers(2, 11)), int(rng.integers(2, 12))
+    live = None
+    if seed % 3 == 0:                        # few live slots: -inf candidates in the frontier
+        live = torch.zeros(40, dtype=torch.bool)
+        live[torch.randperm(40, generator=torch.Generator().manual_seed(seed))[:int(rng.integers(1, 6))]] = True
+    toy = ToyModel(seed=seed, live=live)
+    toy.W *= (0.25, 1.0, 10.0)[seed % 3]       # broad trees, EAGLE-like ones, near-chains: each pruning matters
+    h_root = torch.randn(1, 8, generator=torch.Generator().manual_seed(seed + 100), dtype=torch.float64)
+    full = expand_tree(7, h_root, toy.forward, toy.head, depth=depth, topk=topk, total_tokens=total)
+    toy.rows_h.clear()
+    pruned = expand_tree(7, h_root, toy.forward, toy.head, depth=depth, topk=topk, total_tokens=total, prune=True)
+    assert pruned.tree.tokens.tolist() == full.tree.tokens.tolist(), (depth, topk, total)
+    assert pruned.tree.parents.tolist() == full.tree.parents.tolist()
+    torch.testing.assert_close(pruned.tree.scores, full.tree.scores)
+    g = total - 1
+    assert pruned.num_tree_rows == (min(depth, g) - 1) * min(topk, g, 40)
+    for i, row in enumerate(pruned.tree_row.tolist()):       # rows still name the forward that ran a node
+        if row >= 0:
+            h = h_root[0]
+            for node in pruned.tree.path_to(i)[1:]:
+                h = toy.step(h, pruned.tree.tokens[node])
+            torch.testing.assert_close(toy.rows_h[row], h)
+
+
+def test_pruning_one_short_of_the_tree_changes_it():
+    """The power of the test above: one frontier node too few per level (broad trees) or one level too few
+    (near-chains) loses final nodes."""
+    def tokens(toy, h_root, depth, topk):
+        toy.rows_h.clear()
+        return expand_tree(7, h_root, toy.forward, toy.head, depth=depth, topk=topk, total_tokens=7).tree.tokens.tolist()
+    narrow = deep = 0
+    for seed in range(12):
+        h_root = torch.randn(1, 8, generator=torch.Generator().manual_seed(seed + 100), dtype=torch.float64)
+        broad = ToyModel(seed=seed)
+        broad.W *= 0.25
+        narrow += tokens(broad, h_root, 4, 10) != tokens(broad, h_root, 4, 5)         # g = 6, topk g - 1
+        chain = ToyModel(seed=seed)
+        chain.W *= 10.0
+        deep += tokens(chain, h_root, 6, 10) != tokens(chain, h_root, 5, 10)          # depth g - 1
+    assert narrow > 0 and deep > 0, (narrow, deep)
+
+
 # --- layer specs ------------------------------------------------------------------------------------------
 
 def test_parse_layers_forms():

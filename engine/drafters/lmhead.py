@@ -77,10 +77,21 @@ class Expansion:
 
 def expand_tree(root: int | torch.Tensor, h_root: torch.Tensor, forward: ForwardFn, head: HeadFn, *,
                 depth: int, topk: int, total_tokens: int,
-                timer: PhaseTimer | None = None) -> Expansion:
+                timer: PhaseTimer | None = None, prune: bool = False) -> Expansion:
     """EAGLE-2 dynamic tree (see the module docstring). h_root [1, d]: the backbone's hidden state at the
     root, ready for the head. `timer` (optional) gets the `lm_head` and `tree` phases; `forward` times
-    its own work."""
+    its own work.
+
+    prune: expand only what can reach the final tree of g = total_tokens - 1 nodes - min(topk, g) children
+    per node and frontier nodes per level, min(depth, g) levels. The tree is the same: a child never scores
+    above its parent, so a final node's parent is final too, and fewer than g tried nodes outrank it, hence
+    it sits in the top g of its level and its node among its parent's top g children (ties keep creation
+    order, as the sorts here do). What shrinks is the work: at g = 3 a level runs 3 rows instead of
+    EAGLE-2's 10, and 3 levels instead of 5. `tried_tokens` then holds fewer candidates (MicroSpec's A2
+    `all_expanded` source reads them: it keeps prune off)."""
+    if prune:
+        g = max(1, total_tokens - 1)
+        topk, depth = min(topk, g), min(depth, g)
     timer = timer or PhaseTimer("cpu")
     dev = h_root.device
     with timer.phase("lm_head"):
@@ -190,7 +201,8 @@ class LMHeadDrafter(Drafter, ABC):
         self.policy.route(ids[-1:], h_root, 0)                          # the root row of draft step 0
         self._last = expand_tree(ids[-1], h_root, self._timed_forward, self._head_topk,
                                  depth=self.cfg.eagle_depth, topk=self.cfg.eagle_topk,
-                                 total_tokens=self.cfg.require_draft_size() + 1, timer=self.timer)
+                                 total_tokens=self.cfg.require_draft_size() + 1, timer=self.timer,
+                                 prune=self.cfg.draft_tree_tokens != "all_expanded")
         self.policy.record_step()
         self.steps += 1
         return self._last.tree

@@ -336,11 +336,14 @@ class NativeModel:
         layer = self.compiled_layer() if compiled and exact else self._layer
         tap = self.feature_tap
         fused_slots = None
+        rope_rows = {}
         for slot, li in enumerate(ids_run):
             if tap is not None:
                 tap(li, x)
             L = self.layers[li]
-            cos, sin = (t[positions] for t in rope[L.kind])            # [n, hd]
+            if L.kind not in rope_rows:                                 # once per forward and layer type
+                rope_rows[L.kind] = tuple(t[positions] for t in rope[L.kind])
+            cos, sin = rope_rows[L.kind]                                # [n, hd]
             if L.kind not in masks:                                     # once per forward and layer type
                 masks[L.kind] = (self._exact_masks(P, positions, tail, L.kind) if exact else
                                  self._sdpa_mask(positions, cache, visible, L.kind, key_positions))

@@ -29,6 +29,7 @@ import weakref
 import torch
 
 from engine.verify import warp_probs
+from kernels import cpu as cpu_kernels
 
 
 class StoreError(ValueError):
@@ -63,7 +64,7 @@ def topk_probs(logits: torch.Tensor, k: int, temperature: float = 0.0, top_p: fl
         else:
             z = logits[lo:lo + chunk].float()                              # [c, V]
             lse = torch.logsumexp(z, dim=-1, keepdim=True)                 # [c, 1]
-            vals, idx = z.topk(k, dim=-1)                                  # [c, k] each, descending
+            vals, idx = cpu_kernels.topk(z, k)                             # [c, k] each, descending
             vals = (vals - lse).exp()
         ids[lo:lo + chunk] = idx
         probs[lo:lo + chunk] = vals

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu as cpu_kernels
+
 
 class VerifyError(ValueError):
     """Inputs to verification are inconsistent; the message says which and how."""
@@ -98,7 +100,7 @@ def verify_greedy(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Ten
     _check(tokens, parents, logits)
     if anc is None or depths is None:
         depths, anc = (t.to(parents.device) for t in tree_layout(parents.cpu()))
-    target = logits.argmax(-1)                                   # [n] argmax at every node
+    target = cpu_kernels.argmax(logits)                          # [n] argmax (first maximum) at every node
     match = tokens == target[parents.clamp(min=0)]               # [n] node i's token == argmax at its parent
     match[0] = True                                              # the root is committed already
     ok = ~(anc & ~match[None, :]).any(1)                         # [n] node and all its ancestors match

@@ -369,6 +369,42 @@ void sv_attention(const float* q, const uint16_t* kc, const uint16_t* vc, const 
         }
 }
 
+/* ---- top-k of fp32 rows (k small): the verify's argmax and MicroSpec's verify top-k over a 262k vocabulary --------
+ *
+ * One pass per row at memory speed: 16 values at a time are compared with the current k-th best and only a lane
+ * above it goes to the sorted insertion. Ties keep the lower index (torch.argmax's first maximum). Returns, per
+ * row, whether it held a NaN (the caller then asks torch, which ranks NaN first). */
+static int topk_row(const float* z, long V, int k, float* vals, int64_t* idx) {
+    for (int j = 0; j < k; j++) { vals[j] = -INFINITY; idx[j] = -1; }
+    __m512 th = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
+    for (long i = 0; i < V; i += 16) {
+        const __mmask16 live = V - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (V - i)) - 1);
+        const __m512 v = _mm512_maskz_loadu_ps(live, z + i);
+        nan |= _mm512_mask_cmp_ps_mask(live, v, v, _CMP_UNORD_Q);
+        __mmask16 up = _mm512_mask_cmp_ps_mask(live, v, th, _CMP_GT_OQ);
+        while (up) {
+            const int lane = __builtin_ctz(up);
+            up &= up - 1;
+            const float x = z[i + lane];
+            if (!(x > vals[k - 1])) continue;                /* the threshold rose within this vector */
+            int j = k - 1;
+            while (j > 0 && x > vals[j - 1]) { vals[j] = vals[j - 1]; idx[j] = idx[j - 1]; j--; }
+            vals[j] = x;
+            idx[j] = i + lane;
+            th = _mm512_set1_ps(vals[k - 1]);
+        }
+    }
+    return nan != 0;
+}
+
+int sv_topk_f32(const float* z, int n, long V, int k, float* vals, int64_t* idx, int threads) {
+    int nan = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(|:nan) if (threads > 1 && n > 1)
+    for (int r = 0; r < n; r++) nan |= topk_row(z + (size_t)r * V, V, k, vals + (size_t)r * k, idx + (size_t)r * k);
+    return nan;
+}
+
 /* ---- one decoder layer, fused (the native decode's `_layer` in exact mode, one call per layer) -------------
  *
  * Between the linears a decoder layer is a dozen elementwise steps (norms, RoPE, the cache write, residual

@@ -13,6 +13,8 @@ beside its plain-torch reference.
                                         attention, residuals, gated MLP: kernels/cpu.c `sv_layer`)
     layer_reference(x, spec, ...)       the same in plain torch
     route_linears(module)               a module's own bf16 nn.Linear layers on the kernel (drafters' heads)
+    topk(z, k)                          torch.topk(z, k) of fp32 CPU rows in one pass at memory speed (ties: the
+                                        lower index, as torch.argmax), torch itself elsewhere
     available()                         None when the kernels run here, else why not (one line)
 
 Why it exists. A decode forward multiplies 1-16 rows by every weight of the model: the work is reading the
@@ -37,6 +39,14 @@ in order. It reads the same inputs as engine.native's torch path (the committed 
 and mask) and, like it, depends only on the row's logical context: an `ar` step and a tree give a row the
 same bits. It sums in another order than the torch path (and keeps scores in fp32 where that path rounds
 them to bf16), so the two agree to rounding, not bitwise; a decode uses one of them for all its forwards.
+
+The fused layer. With the linears and the attention in C, what remained of a decode forward was ~25 small torch
+ops per layer (norms, RoPE, casts, the cache write, residual adds, the gated activation): ~8 ms of SmolLM2's
+27 ms forward, ~18 ms of Gemma's 58. `layer` runs a whole decoder layer in one call, rounding to bf16 wherever
+the torch path holds a bf16 tensor (a product or sum of two bf16 values is exact in fp32, so those roundings
+give torch's bits; the norms' sums of squares and the activations' exp / tanh run in another fixed order, so
+they agree to rounding). Everything in it is per row, so the row-invariance above carries over. The forward
+went to 1.06-1.09x its bare linears (`python -m engine.jobs.forward`); the EAGLE heads' layer uses it too.
 
 Built on first use with the system C compiler (`cc`, or `$CC`) into `$SPECVOCAB_CACHE/kernels/` (a file named by
 the hash of the source and flags, so an edit rebuilds); where there is no compiler, no AVX512-BF16, or the
@@ -107,6 +117,9 @@ def _build() -> ctypes.CDLL:
     lib.sv_attention.restype = None
     lib.sv_linear_rows_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
     lib.sv_linear_rows_bf16.restype = None
+    lib.sv_topk_f32.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_void_p,
+                                ctypes.c_void_p, ctypes.c_int]
+    lib.sv_topk_f32.restype = ctypes.c_int
     lib.sv_layer_scratch.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.sv_layer_scratch.restype = ctypes.c_size_t
     lib.sv_layer.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
@@ -222,6 +235,33 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = 
         _load().sv_linear_rows_bf16(x2.data_ptr(), w.data_ptr(), out.data_ptr(), int(out_dtype == torch.float32),
                                     x2.shape[0], N, K, threads or torch.get_num_threads())
     return out.view(*lead, N)
+
+
+TOPK_MAX = 64      # k up to which `topk` scans in C (an insertion sort per improvement); above: torch.topk
+
+
+def topk(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the k largest of each row of z [.., V], descending, as `torch.topk(z, k)`: in C for
+    fp32 CPU rows where the kernels run (one pass at memory speed: Gemma's 262k logits ~0.1 ms a row against
+    torch's ~0.5), ties broken by the lower index (torch.argmax's first maximum; torch.topk leaves tie order
+    unspecified). A row holding NaN, or fewer than k values above -inf, is answered by torch."""
+    V = z.shape[-1]
+    if (z.dtype != torch.float32 or z.device.type != "cpu" or not 0 < k <= min(V, TOPK_MAX)
+            or available() is not None or z.numel() == 0):
+        return torch.topk(z, min(k, V), dim=-1)
+    lead = z.shape[:-1]
+    z2 = z.reshape(-1, V).contiguous()
+    vals = torch.empty(z2.shape[0], k, dtype=torch.float32)
+    idx = torch.empty(z2.shape[0], k, dtype=torch.int64)
+    nan = _lib.sv_topk_f32(z2.data_ptr(), z2.shape[0], V, k, vals.data_ptr(), idx.data_ptr(), torch.get_num_threads())
+    if nan or bool((idx[:, -1] < 0).any()):
+        return torch.topk(z, k, dim=-1)
+    return vals.view(*lead, k), idx.view(*lead, k)
+
+
+def argmax(z: torch.Tensor) -> torch.Tensor:
+    """z.argmax(-1) (the first maximum), through `topk` (k = 1)."""
+    return topk(z, 1)[1][..., 0]
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -14,6 +14,8 @@ Mutants these tests were checked against (each fails at least one test here):
 - attention reading the tail in slot order (idx ignored)                               -> slots moved
 - route_linears serving the first packed copy after the weights changed in place      -> weight updates
 - rows_linear reading the weight's or x's partial last chunk unmasked                  -> row-major tails
+- topk: the masked last vector skipped; ties inserted ahead of the incumbent (>= for >) -> topk
+  (the vector pre-filter's > made >= passes, rightly: the scalar check after it decides)
   (computing every row with the 1-row tile instead of the 4-row one passes: the same sums, in the same order)
 - the fused layer: RoPE's rotate-half sign flipped; the activation taken before the gate/up split's
   other half (SiLU for Gemma's GELU); the norm weight multiplied before rounding h (Llama's order);
@@ -131,6 +133,34 @@ def test_the_window_head_runs_the_row_major_kernel_in_bf16():
     live = tok >= 0
     assert float((got[:, live] - ref[:, live]).abs().max() / ref[:, live].abs().max()) < 1e-5
     assert torch.isinf(got[:, ~live]).all()
+
+
+def test_topk_is_torchs_topk_and_argmax_keeps_the_first_maximum():
+    """`topk` (the verify's argmax, MicroSpec's and UniSpec's top-k over the vocabulary): torch's values and
+    indices; ties go to the lower index (torch.argmax's rule); NaN rows and rows with fewer than k values
+    above -inf are answered by torch."""
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(5, 70001, generator=g)                  # not a multiple of 16: the masked last vector
+    z[2, -1] = 50.0                                          # the maximum in the masked tail
+    for k in (1, 3, 17):
+        v, i = cpu.topk(z, k)
+        tv, ti = torch.topk(z, k)
+        assert torch.equal(v, tv) and torch.equal(i, ti), k
+    assert int(cpu.argmax(z)[2]) == 70000
+    ties = torch.randint(0, 4, (64, 333), generator=g).float()     # many equal maxima per row
+    assert torch.equal(cpu.argmax(ties), ties.argmax(-1))
+    v, i = cpu.topk(ties, 5)
+    assert torch.equal(v, torch.topk(ties, 5).values)
+    for r in range(64):                                      # equal values: ascending indices
+        for a in range(4):
+            if v[r, a] == v[r, a + 1]:
+                assert i[r, a] < i[r, a + 1]
+    z[1, 7] = float("nan")
+    assert torch.equal(cpu.argmax(z), z.argmax(-1))          # torch ranks NaN first; so does the fallback
+    short = torch.full((2, 40), float("-inf"))
+    short[:, 3] = 1.0
+    assert cpu.topk(short, 2)[1][:, 0].tolist() == [3, 3]
+    assert torch.equal(cpu.topk(z.double(), 2)[1], torch.topk(z.double(), 2)[1])   # other dtypes: torch
 
 
 # --- attention -------------------------------------------------------------------------------------------

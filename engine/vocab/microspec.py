@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from engine.vocab.base import VocabError, VocabPolicy, check_w_max, softcap
+from kernels import cpu as cpu_kernels
 from kernels.streams import PackedLMHead
 from kernels.tensor_ops import first_occurrence
 from locality.stream import step_bounds
@@ -130,7 +131,7 @@ class MicroSpecVocab(VocabPolicy):
             return
         with self.timer.phase("gather"):
             rows = ver_row_index(step.accepted.to(step.logits.device), step.logits.shape[0], self.cfg.ver_rows)
-            ver_topk = step.logits[rows].topk(self.cfg.k_ver, dim=-1).indices   # [rows, k_ver]
+            ver_topk = cpu_kernels.topk(step.logits[rows], self.cfg.k_ver)[1]   # [rows, k_ver]
             if self.cfg.draft_tree_tokens == "all_expanded" and tried_tokens is not None:
                 draft = torch.cat([step.tree.tokens[:1].to(self.device), tried_tokens.to(self.device)])
             else:

@@ -33,6 +33,22 @@ static inline uint16_t to_bf16(float f) {            /* round to nearest even, N
 
 #define DP(a, x, w) a = _mm512_dpbf16_ps(a, x, w)
 #define LOADW(j) ((__m512bh)_mm512_loadu_si512((const void*)(wc + (j) * 32)))
+/* the 4 x 4 tile's sixteen products for one K chunk (v0..v3: the rows' chunks; LOAD(j): output j's), and its
+ * sixteen accumulators reduced into r, each by the same fixed tree */
+#define DP16(LOAD) do { __m512bh w_; \
+    w_ = LOAD(0); DP(a00, v0, w_); DP(a10, v1, w_); DP(a20, v2, w_); DP(a30, v3, w_); \
+    w_ = LOAD(1); DP(a01, v0, w_); DP(a11, v1, w_); DP(a21, v2, w_); DP(a31, v3, w_); \
+    w_ = LOAD(2); DP(a02, v0, w_); DP(a12, v1, w_); DP(a22, v2, w_); DP(a32, v3, w_); \
+    w_ = LOAD(3); DP(a03, v0, w_); DP(a13, v1, w_); DP(a23, v2, w_); DP(a33, v3, w_); } while (0)
+#define REDUCE16(r) do { \
+    r[0][0] = _mm512_reduce_add_ps(a00); r[0][1] = _mm512_reduce_add_ps(a01); \
+    r[0][2] = _mm512_reduce_add_ps(a02); r[0][3] = _mm512_reduce_add_ps(a03); \
+    r[1][0] = _mm512_reduce_add_ps(a10); r[1][1] = _mm512_reduce_add_ps(a11); \
+    r[1][2] = _mm512_reduce_add_ps(a12); r[1][3] = _mm512_reduce_add_ps(a13); \
+    r[2][0] = _mm512_reduce_add_ps(a20); r[2][1] = _mm512_reduce_add_ps(a21); \
+    r[2][2] = _mm512_reduce_add_ps(a22); r[2][3] = _mm512_reduce_add_ps(a23); \
+    r[3][0] = _mm512_reduce_add_ps(a30); r[3][1] = _mm512_reduce_add_ps(a31); \
+    r[3][2] = _mm512_reduce_add_ps(a32); r[3][3] = _mm512_reduce_add_ps(a33); } while (0)
 
 /* Four rows x four outputs: sixteen accumulators held in registers (named, so the compiler keeps them there). */
 static inline void tile4(const uint16_t* x, int K, const uint16_t* wb, int kc, __mmask32 tail, float r[4][NB]) {
@@ -58,20 +74,9 @@ static inline void tile4(const uint16_t* x, int K, const uint16_t* wb, int kc, _
         const uint16_t* wc = wb + (size_t)c * NB * 32;
         _mm_prefetch((const char*)wc + PF, _MM_HINT_T0);
         _mm_prefetch((const char*)wc + PF + 128, _MM_HINT_T0);
-        __m512bh w;
-        w = LOADW(0); DP(a00, v0, w); DP(a10, v1, w); DP(a20, v2, w); DP(a30, v3, w);
-        w = LOADW(1); DP(a01, v0, w); DP(a11, v1, w); DP(a21, v2, w); DP(a31, v3, w);
-        w = LOADW(2); DP(a02, v0, w); DP(a12, v1, w); DP(a22, v2, w); DP(a32, v3, w);
-        w = LOADW(3); DP(a03, v0, w); DP(a13, v1, w); DP(a23, v2, w); DP(a33, v3, w);
+        DP16(LOADW);
     }
-    r[0][0] = _mm512_reduce_add_ps(a00); r[0][1] = _mm512_reduce_add_ps(a01);
-    r[0][2] = _mm512_reduce_add_ps(a02); r[0][3] = _mm512_reduce_add_ps(a03);
-    r[1][0] = _mm512_reduce_add_ps(a10); r[1][1] = _mm512_reduce_add_ps(a11);
-    r[1][2] = _mm512_reduce_add_ps(a12); r[1][3] = _mm512_reduce_add_ps(a13);
-    r[2][0] = _mm512_reduce_add_ps(a20); r[2][1] = _mm512_reduce_add_ps(a21);
-    r[2][2] = _mm512_reduce_add_ps(a22); r[2][3] = _mm512_reduce_add_ps(a23);
-    r[3][0] = _mm512_reduce_add_ps(a30); r[3][1] = _mm512_reduce_add_ps(a31);
-    r[3][2] = _mm512_reduce_add_ps(a32); r[3][3] = _mm512_reduce_add_ps(a33);
+    REDUCE16(r);
 }
 
 /* One row x four outputs: the same per-output sequence as tile4 (chunks in order, the masked tail last, the
@@ -152,20 +157,11 @@ static inline void rtile4(const uint16_t* x, int K, const uint16_t* w, int nb, i
         const __m512bh v1 = (__m512bh)_mm512_maskz_loadu_epi16(m, (const void*)(x1 + c * 32));
         const __m512bh v2 = (__m512bh)_mm512_maskz_loadu_epi16(m, (const void*)(x2 + c * 32));
         const __m512bh v3 = (__m512bh)_mm512_maskz_loadu_epi16(m, (const void*)(x3 + c * 32));
-        __m512bh wv;
-        wv = RLOADW(0, m); DP(a00, v0, wv); DP(a10, v1, wv); DP(a20, v2, wv); DP(a30, v3, wv);
-        wv = RLOADW(1, m); DP(a01, v0, wv); DP(a11, v1, wv); DP(a21, v2, wv); DP(a31, v3, wv);
-        wv = RLOADW(2, m); DP(a02, v0, wv); DP(a12, v1, wv); DP(a22, v2, wv); DP(a32, v3, wv);
-        wv = RLOADW(3, m); DP(a03, v0, wv); DP(a13, v1, wv); DP(a23, v2, wv); DP(a33, v3, wv);
+#define RLOAD(j) RLOADW(j, m)
+        DP16(RLOAD);
+#undef RLOAD
     }
-    r[0][0] = _mm512_reduce_add_ps(a00); r[0][1] = _mm512_reduce_add_ps(a01);
-    r[0][2] = _mm512_reduce_add_ps(a02); r[0][3] = _mm512_reduce_add_ps(a03);
-    r[1][0] = _mm512_reduce_add_ps(a10); r[1][1] = _mm512_reduce_add_ps(a11);
-    r[1][2] = _mm512_reduce_add_ps(a12); r[1][3] = _mm512_reduce_add_ps(a13);
-    r[2][0] = _mm512_reduce_add_ps(a20); r[2][1] = _mm512_reduce_add_ps(a21);
-    r[2][2] = _mm512_reduce_add_ps(a22); r[2][3] = _mm512_reduce_add_ps(a23);
-    r[3][0] = _mm512_reduce_add_ps(a30); r[3][1] = _mm512_reduce_add_ps(a31);
-    r[3][2] = _mm512_reduce_add_ps(a32); r[3][3] = _mm512_reduce_add_ps(a33);
+    REDUCE16(r);
 }
 
 static inline void rtile1(const uint16_t* x, int K, const uint16_t* w, int nb, int kc, __mmask32 tail, float r[NB]) {

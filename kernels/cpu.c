@@ -269,7 +269,10 @@ static inline __m512 hsum16(const __m512* v) {
 void sv_attention(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* pos,
                   const int64_t* idx, const uint8_t* ok, float* out, int n, int H, int kvh, int hd, long cap,
                   int b0, int window, float scale, int threads) {
-    const int g = H / kvh, nv = hd / 16;
+    const int g = H / kvh, chunks = (hd + 31) / 32, nvv = 2 * chunks;
+    const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi_idx = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2) if (threads > 1)
     for (int r = 0; r < n; r++)
         for (int j = 0; j < kvh; j++)
@@ -289,11 +292,10 @@ void sv_attention(const float* q, const uint16_t* kc, const uint16_t* vc, const 
                     const __m512 hi = 32 * c + 16 < hd ? _mm512_loadu_ps(qr + 32 * c + 16) : _mm512_setzero_ps();
                     qb[t][c] = _mm512_cvtne2ps_pbh(hi, lo);
                 }
-                for (int v = 0; v < nv; v++) O[t][v] = _mm512_setzero_ps();
+                for (int v = 0; v < nvv; v++) O[t][v] = _mm512_setzero_ps();
                 M[t] = -INFINITY;
                 L[t] = 0.0f;
             }
-            const int chunks = (hd + 31) / 32;
             const long p = pos[r];
             for (int b = 0; b < b0 + 2; b++) {
                 const uint16_t* kp[ABLOCK];
@@ -340,27 +342,41 @@ void sv_attention(const float* q, const uint16_t* kc, const uint16_t* vc, const 
                     float ew[ABLOCK];
                     _mm512_storeu_ps(ew, e[0]);
                     _mm512_storeu_ps(ew + 16, e[1]);
+                    /* values 32 at a time, split into their even and odd elements (a shift and a mask: no
+                     * widening shuffles); o[2c] / o[2c + 1] hold dims 32c + 2j / 32c + 2j + 1. Each output dim
+                     * is still one fmadd per key in key order: the same bits as a dim-ordered layout. */
                     __m512 o[16];
-                    for (int v = 0; v < nv; v++) o[v] = _mm512_setzero_ps();
+                    for (int v = 0; v < nvv; v++) o[v] = _mm512_setzero_ps();
                     for (int i = 0; i < ABLOCK; i++) {
                         if (!((vis >> i) & 1)) continue;
                         const uint16_t* vr = V + (kp[i] - K);
                         const __m512 w = _mm512_set1_ps(ew[i]);
-                        for (int v = 0; v < nv; v++) o[v] = _mm512_fmadd_ps(w, bf16x16(vr + 16 * v), o[v]);
+                        for (int c = 0; c < chunks; c++) {
+                            const __m512i raw = 32 * c + 16 < hd
+                                ? _mm512_loadu_si512((const void*)(vr + 32 * c))
+                                : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)(vr + 32 * c)));
+                            o[2 * c] = _mm512_fmadd_ps(w, _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)), o[2 * c]);
+                            o[2 * c + 1] = _mm512_fmadd_ps(w, _mm512_castsi512_ps(_mm512_and_si512(raw, hi16)),
+                                                           o[2 * c + 1]);
+                        }
                     }
                     /* fold the block into the running state, in block order */
                     const float Mn = m > M[t] ? m : M[t];
                     const float a = expf(M[t] - Mn), c = expf(m - Mn);   /* expf(-inf) = 0 on the first block */
                     L[t] = L[t] * a + l * c;
                     const __m512 av = _mm512_set1_ps(a), cv = _mm512_set1_ps(c);
-                    for (int v = 0; v < nv; v++) O[t][v] = _mm512_fmadd_ps(o[v], cv, _mm512_mul_ps(O[t][v], av));
+                    for (int v = 0; v < nvv; v++) O[t][v] = _mm512_fmadd_ps(o[v], cv, _mm512_mul_ps(O[t][v], av));
                     M[t] = Mn;
                 }
             }
             for (int t = 0; t < gh; t++) {
                 float* orow = out + ((size_t)r * H + (size_t)j * g + h0 + t) * hd;
                 const __m512 inv = _mm512_set1_ps(1.0f / L[t]);
-                for (int v = 0; v < nv; v++) _mm512_storeu_ps(orow + 16 * v, _mm512_mul_ps(O[t][v], inv));
+                for (int c = 0; c < chunks; c++) {                  /* even / odd back to dim order */
+                    const __m512 e = _mm512_mul_ps(O[t][2 * c], inv), od = _mm512_mul_ps(O[t][2 * c + 1], inv);
+                    _mm512_storeu_ps(orow + 32 * c, _mm512_permutex2var_ps(e, lo_idx, od));
+                    if (32 * c + 16 < hd) _mm512_storeu_ps(orow + 32 * c + 16, _mm512_permutex2var_ps(e, hi_idx, od));
+                }
             }
         }
 }

@@ -276,10 +276,11 @@ def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, committed_blo
               idx: torch.Tensor, ok: torch.Tensor, window: int | None, scale: float,
               threads: int | None = None) -> torch.Tensor:
     """The exact decode's attention (kernels/cpu.c, `sv_attention`): q [n, H, hd] (any float dtype; rounded to
-    bf16 for the VDPBF16PS scores, which is exact for the decode's q: it is bf16), kc / vc [kvh, capacity, hd] bf16 (one layer's cache; committed slot = logical position),
-    committed_blocks: blocks of BLOCK positions read where they lie; idx [n, 2 BLOCK] the cache slot of each
-    position of the next two blocks for each row, ok [n, 2 BLOCK] whether it is in the row's context;
-    positions [n] the rows' logical positions; window: sliding-window length (None = full attention).
+    bf16 for the VDPBF16PS scores, which is exact for the decode's q: it is bf16), kc / vc [kvh, capacity, hd]
+    bf16 (one layer's cache; committed slot = logical position), committed_blocks: blocks of BLOCK positions
+    read where they lie; idx [n, 2 BLOCK] the cache slot of each position of the next two blocks for each row,
+    ok [n, 2 BLOCK] whether it is in the row's context; positions [n] the rows' logical positions; window:
+    sliding-window length (None = full attention).
     Returns fp32 [n, H, hd]."""
     n, H, hd = q.shape
     kvh, cap = kc.shape[0], kc.shape[1]

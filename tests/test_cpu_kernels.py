@@ -250,7 +250,10 @@ def _layer_case(d=96, H=6, kvh=2, hd=32, I=160, gemma=False, act="silu", qk_norm
                 din=None, n=6, P=45, seed=0):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: (0.3 * torch.randn(*s, generator=g)).bfloat16()
-    nw = (lambda k: 0.2 * torch.randn(k, generator=g)) if gemma else (lambda k: (1 + 0.2 * torch.randn(k, generator=g)).bfloat16())
+    if gemma:                                      # norm weights as the norm multiplies them (pack_layer)
+        nw = lambda k: 0.2 * torch.randn(k, generator=g)                                      # noqa: E731
+    else:
+        nw = lambda k: (1 + 0.2 * torch.randn(k, generator=g)).bfloat16()                    # noqa: E731
     spec = cpu.pack_layer(r((H + 2 * kvh) * hd, din or d), r((H + 2 * kvh) * hd) if bias else None, r(d, H * hd),
                           r(2 * I, d), r(d, I), heads=H, kv_heads=kvh, head_dim=hd, eps=1e-6,
                           in_norm=nw(d) + gemma if in_norm else None, pre_mlp_norm=nw(d) + gemma,

@@ -170,7 +170,8 @@ def test_pruning_one_short_of_the_tree_changes_it():
     (near-chains) loses final nodes."""
     def tokens(toy, h_root, depth, topk):
         toy.rows_h.clear()
-        return expand_tree(7, h_root, toy.forward, toy.head, depth=depth, topk=topk, total_tokens=7).tree.tokens.tolist()
+        exp = expand_tree(7, h_root, toy.forward, toy.head, depth=depth, topk=topk, total_tokens=7)
+        return exp.tree.tokens.tolist()
     narrow = deep = 0
     for seed in range(12):
         h_root = torch.randn(1, 8, generator=torch.Generator().manual_seed(seed + 100), dtype=torch.float64)

@@ -345,12 +345,14 @@ class EagleTreeDrafter(LMHeadDrafter):
     fused: cpu_kernels.LayerKernel | None = None     # the decoder layer as one kernels.cpu.layer call (`_fuse`)
     fused_calls = 0
 
-    def _fuse(self, layer, din: int) -> None:
+    def _fuse(self, layer) -> None:
         """Run the head's decoder layer as one `kernels.cpu.layer` call per forward (bf16 on a CPU with the
         kernels, `SpecConfig.cpu_kernels`): the transformers layer, its 4-D mask and its cache protocol cost
-        ~1.5 ms per call at SmolLM2's sizes, its 9 MB of weights ~0.6 ms to read. The layer's attention input is
-        x itself (EAGLE-1/2: no input norm) or given (EAGLE-3: [norm(embedding); norm(h)], din = 2 d). Left on the
-        transformers layer where the kernels do not run or the layer is not the plain Llama one."""
+        ~1.5 ms per call at SmolLM2's sizes, its 7 MB of weights ~0.5 ms to read. The layer's attention input is
+        x itself (EAGLE-1/2: no input norm) or given (EAGLE-3: [norm(embedding); norm(h)], 2 d wide). The packed
+        weights are a copy made here: the drafter drafts with the head as it was built (training goes through
+        the module, not a drafter). Left on the transformers layer where the kernels do not run or the layer is
+        not the plain Llama one."""
         at, mlp = layer.self_attn, layer.mlp
         c = self.eagle.config
         hd = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
@@ -494,7 +496,7 @@ class EagleDrafter(EagleTreeDrafter):
         self.eagle = head.to(device=self.device, dtype=out_emb.dtype).eval()
         if cfg.cpu_kernels:                                            # bf16 on a CPU: kernels.cpu's linear
             cpu_kernels.route_linears(self.eagle)
-        self._fuse(self.eagle.layers[0], head.hidden_size)            # ... and the layer as one call
+        self._fuse(self.eagle.layers[0])                               # ... and the layer as one call
         self.cache_kw = cache_kwarg(self.eagle.layers[0])              # `cache` from transformers 5.24 on
         self.embed = self._embedding(target, head)
         self.head_weight = out_emb

@@ -498,7 +498,7 @@ class Eagle3Drafter(EagleTreeDrafter):
         self.eagle = head.to(device=self.device, dtype=dtype).eval()     # d2t / t2d stay int64 / bool
         if cfg.cpu_kernels:                                            # bf16 on a CPU: kernels.cpu's linear
             cpu_kernels.route_linears(self.eagle)
-        self._fuse(self.eagle.midlayer, 2 * head.hidden_size)          # ... and the midlayer as one call
+        self._fuse(self.eagle.midlayer)                                # ... and the midlayer as one call
         self.embed = embed
         self.cache_kw = cache_kwarg(self.eagle.midlayer.self_attn)
         self.maps = DraftVocab.of(self.eagle, self.device)

@@ -74,8 +74,8 @@ MIN_ROWS = 4          # smallest GEMM M that is row-invariant in fp32 on the CPU
 BLOCK = 32            # logical positions per attention block (rule 2); a tree must be shallower than this
 FUSED_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
                       # config activation -> what kernels.cpu.layer computes (others: the per-op path)
-KERNEL_MAX_ROWS = 32  # outside exact mode (a prefill, native-sdpa) the CPU kernel takes forwards up to this
-                      # many rows; above, oneDNN's blocked GEMM is as fast (kernels.cpu's crossover)
+KERNEL_MAX_ROWS = cpu.SMALL_ROWS   # outside exact mode (a prefill, native-sdpa) the CPU kernel takes forwards
+                                   # up to this many rows; above, oneDNN's blocked GEMM is as fast
 
 
 class NativeError(ValueError):
@@ -229,7 +229,7 @@ class NativeModel:
             act = FUSED_ACTIVATIONS.get(getattr(self.config, "hidden_activation", None)
                                         or getattr(self.config, "hidden_act", None))
             for L in self.layers:
-                if act is not None and self._attention_kernel(self.head_dim, check_on=False):
+                if act is not None and cpu.takes_head_dim(self.head_dim):
                     L.fused = cpu.pack_layer(L.qkv_w, L.qkv_b, L.o_w, L.gate_up_w, L.down_w, heads=self.heads,
                                              kv_heads=self.kv_heads, head_dim=self.head_dim, eps=self.eps,
                                              in_norm=L.in_norm, pre_mlp_norm=L.pre_mlp_norm,
@@ -243,8 +243,8 @@ class NativeModel:
         self.kernel_on = bool(on and self.head_kernel is not None)
         return self.kernel_on
 
-    def _attention_kernel(self, hd: int, check_on: bool = True) -> bool:
-        return (self.kernel_on or not check_on) and hd % 16 == 0 and hd <= 256   # what kernels.cpu.attention takes
+    def _attention_kernel(self, hd: int) -> bool:
+        return self.kernel_on and cpu.takes_head_dim(hd)
 
     def _kernel(self, rows: int, exact: bool) -> bool:
         # exact mode: always (a decode's forwards must share one implementation whatever their rows); else up to

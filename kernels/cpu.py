@@ -206,14 +206,16 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear
     return PackedLinear(packed=packed, bias=b, out_features=N, in_features=K)
 
 
-ROWS_MAX = 32     # rows up to which `rows_linear` is the faster path (as KERNEL_MAX_ROWS for the packed one)
+SMALL_ROWS = 32   # rows up to which the kernels' small-row products beat oneDNN's blocked GEMM here (the
+                  # crossover measured in this module's docstring): `rows_linear`, `route_linears`, and
+                  # engine.native's forwards outside exact mode
 
 
 def rows_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `rows_linear` runs this product here: bf16 CPU tensors, a contiguous weight, at most ROWS_MAX
+    """Whether `rows_linear` runs this product here: bf16 CPU tensors, a contiguous weight, at most SMALL_ROWS
     rows, and the kernels built."""
     return (x.dtype == weight.dtype == torch.bfloat16 and x.device.type == weight.device.type == "cpu"
-            and weight.dim() == 2 and weight.is_contiguous() and 0 < x[..., 0].numel() <= ROWS_MAX
+            and weight.dim() == 2 and weight.is_contiguous() and 0 < x[..., 0].numel() <= SMALL_ROWS
             and available() is None)
 
 
@@ -272,6 +274,11 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return y.to(out_dtype)
 
 
+def takes_head_dim(hd: int) -> bool:
+    """Whether the attention (and so the fused layer) takes this head size: a multiple of 16 up to 256."""
+    return hd % 16 == 0 and hd <= 256
+
+
 def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, committed_blocks: int, positions: torch.Tensor,
               idx: torch.Tensor, ok: torch.Tensor, window: int | None, scale: float,
               threads: int | None = None) -> torch.Tensor:
@@ -284,7 +291,7 @@ def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, committed_blo
     Returns fp32 [n, H, hd]."""
     n, H, hd = q.shape
     kvh, cap = kc.shape[0], kc.shape[1]
-    if kc.dtype != torch.bfloat16 or vc.dtype != torch.bfloat16 or hd % 16 or hd > 256 or H % kvh:
+    if kc.dtype != torch.bfloat16 or vc.dtype != torch.bfloat16 or not takes_head_dim(hd) or H % kvh:
         raise CpuKernelError(f"attention takes a bf16 cache with head_dim a multiple of 16 up to 256; got "
                              f"{kc.dtype}, head_dim {hd}, {H} heads over {kvh} KV heads")
     if not (kc.is_contiguous() and vc.is_contiguous()):
@@ -341,7 +348,7 @@ def _stamp(t: torch.Tensor) -> tuple:
     return t.data_ptr(), None if t.is_inference() else t._version
 
 
-def route_linears(module: torch.nn.Module, max_rows: int = 32) -> int:
+def route_linears(module: torch.nn.Module, max_rows: int = SMALL_ROWS) -> int:
     """Run every bf16 `nn.Linear` inside `module` (on a CPU) through the small-row kernel for inputs of up to
     `max_rows` rows (`F.linear` above: oneDNN's blocked GEMM is as fast there). Each linear keeps its parameters
     (state_dict, digests and training see nothing new) and gets a packed copy of its weight; its `forward` is
@@ -421,7 +428,7 @@ def pack_layer(qkv_w: torch.Tensor, qkv_b: torch.Tensor | None, o_w: torch.Tenso
     is x itself (EAGLE-1's layer) or given to `layer` (EAGLE-3's midlayer). act: "silu" or "gelu_tanh"."""
     if act not in ACTIVATIONS:
         raise CpuKernelError(f"act={act!r}: the fused layer computes {sorted(ACTIVATIONS)}")
-    if head_dim % 16 or head_dim > 256 or heads % kv_heads:
+    if not takes_head_dim(head_dim) or heads % kv_heads:
         raise CpuKernelError(f"the fused layer takes head_dim a multiple of 16 up to 256 and whole KV groups; got "
                              f"head_dim {head_dim}, {heads} heads over {kv_heads}")
     if (q_norm is None) != (k_norm is None):

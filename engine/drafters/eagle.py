@@ -360,7 +360,7 @@ class EagleTreeDrafter(LMHeadDrafter):
         if (not self.cfg.cpu_kernels or cpu_kernels.reason(w.device, w.dtype) is not None
                 or getattr(c, "hidden_act", "silu") != "silu" or at.o_proj.bias is not None
                 or any(m.bias is not None for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-                or hd % 16 or hd > 256):
+                or not cpu_kernels.takes_head_dim(hd)):
             return
         with torch.no_grad():
             qkv = torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight])
@@ -399,7 +399,7 @@ class EagleTreeDrafter(LMHeadDrafter):
         kv_pos = torch.cat([self.cache.positions[: self.cache.length].to(positions.device), positions])
         rows, cols = visible[:, P:].nonzero(as_tuple=True)     # the rows' visible keys after the committed ones
         offset = kv_pos[P + cols] - base
-        if q and (int(offset.max()) >= 2 * B if offset.numel() else False):
+        if offset.numel() and int(offset.max()) >= 2 * B:
             raise DrafterError(f"{self.name}: a draft tree reaching {int(offset.max()) - (P - base) + 1} positions "
                                f"past the context does not fit the fused layer's {2 * B}-position tail")
         idx = torch.zeros(q, 2 * B, dtype=torch.long)

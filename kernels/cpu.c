@@ -4,13 +4,19 @@
  * plain-torch reference beside it is `linear_reference` there.
  *
  * Weight layout (packed once by kernels.cpu.pack): [ceil(N / NB)][ceil(K / 32)][NB][32] bf16, zero-padded, so a
- * block of NB outputs streams through memory in one sequential pass and the hardware prefetcher (helped by one
- * software prefetch PF bytes ahead) keeps up.
+ * block of NB outputs streams through memory in one sequential pass.
+ *
+ * Rows run in tiles of 4, 2 and 1 over each block (the block stays in L1 between tiles). The memory stream is
+ * kept going by software prefetches into L2, PF_DIST bytes ahead of the block being read, spread evenly over
+ * all the tiles' passes of that block: the first tile alone would prefetch and the later ones (reading L1)
+ * would leave the memory idle, so an 8-row product cost a 1-row read plus its compute instead of the larger of
+ * the two (exp15: 60 layer-sized weights from DRAM, M = 8: 19.6 -> 14.9 ms; M = 1: 22.6 -> 13.4 ms).
  *
  * Row invariance by construction: every output (m, n) is accumulated in its own 16-lane fp32 register over the
- * K chunks in order (VDPBF16PS), then reduced by one fixed shuffle tree. Nothing in that sequence depends on M,
- * on the other rows, on which rows share a register block, or on the thread count (threads split the output
- * blocks, never K). A token's row therefore has the same bits in a 1-row forward and inside any tree.
+ * K chunks in order (VDPBF16PS), then reduced by one fixed shuffle tree (`hsum16`, and `hsum4`: the same tree
+ * for four registers). Nothing in that sequence depends on M, on the other rows, on which rows share a tile,
+ * or on the thread count (threads split the output blocks, never K). A token's row therefore has the same bits
+ * in a 1-row forward and inside any tree.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -19,7 +25,7 @@
 
 #define NB 4      /* outputs per block (weight rows streamed together) */
 #define MB 4      /* rows per register block: NB x MB = 16 accumulators */
-#define PF 1024   /* software prefetch distance in bytes along the packed weight stream */
+#define PF_DIST 8192   /* bytes the prefetches run ahead of the packed weight stream (into L2) */
 
 int sv_block_outputs(void) { return NB; }
 
@@ -31,85 +37,122 @@ static inline uint16_t to_bf16(float f) {            /* round to nearest even, N
     return (uint16_t)(u >> 16);
 }
 
+/* the 16 horizontal sums of v[0..15] as one vector (lane i = sum of v[i]'s lanes): a fixed tree of in-lane
+ * shuffles and adds, so each sum's order is the same whatever the other 15 hold. A register's 16 lanes
+ * e0..e15 are summed as ((L0 + L1) + (L2 + L3)), each 128-bit lane L = (e0 + e2) + (e1 + e3) of its four. */
+static inline __m512 hsum16(const __m512* v) {
+    __m512 a[8], b[4], c[2];
+    for (int k = 0; k < 8; k++)       /* per 128-bit lane: [v2k 0+2, v2k+1 0+2, v2k 1+3, v2k+1 1+3] */
+        a[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++) {     /* per 128-bit lane: the lane's sum of v4k .. v4k+3 */
+        const __m512d x = _mm512_castps_pd(a[2 * k]), y = _mm512_castps_pd(a[2 * k + 1]);
+        b[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int k = 0; k < 2; k++)       /* 128-bit lanes (0, 2) + (1, 3) of b2k and b2k+1 */
+        c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+/* hsum16's tree for four registers: lane j < 4 of the result = the sum of v_j's lanes, in hsum16's order */
+static inline __m128 hsum4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
+    const __m512 a0 = _mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1));
+    const __m512 a1 = _mm512_add_ps(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3));
+    const __m512d x = _mm512_castps_pd(a0), y = _mm512_castps_pd(a1);
+    const __m512 b = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    const __m512 c = _mm512_add_ps(_mm512_shuffle_f32x4(b, b, 0x88), _mm512_shuffle_f32x4(b, b, 0xDD));
+    const __m512 d = _mm512_add_ps(_mm512_shuffle_f32x4(c, c, 0x88), _mm512_shuffle_f32x4(c, c, 0xDD));
+    return _mm512_castps512_ps128(d);
+}
+
 #define DP(a, x, w) a = _mm512_dpbf16_ps(a, x, w)
 #define LOADW(j) ((__m512bh)_mm512_loadu_si512((const void*)(wc + (j) * 32)))
 /* the 4 x 4 tile's sixteen products for one K chunk (v0..v3: the rows' chunks; LOAD(j): output j's), and its
- * sixteen accumulators reduced into r, each by the same fixed tree */
+ * sixteen accumulators reduced into r[4][NB] (row-major) by hsum16 */
 #define DP16(LOAD) do { __m512bh w_; \
     w_ = LOAD(0); DP(a00, v0, w_); DP(a10, v1, w_); DP(a20, v2, w_); DP(a30, v3, w_); \
     w_ = LOAD(1); DP(a01, v0, w_); DP(a11, v1, w_); DP(a21, v2, w_); DP(a31, v3, w_); \
     w_ = LOAD(2); DP(a02, v0, w_); DP(a12, v1, w_); DP(a22, v2, w_); DP(a32, v3, w_); \
     w_ = LOAD(3); DP(a03, v0, w_); DP(a13, v1, w_); DP(a23, v2, w_); DP(a33, v3, w_); } while (0)
 #define REDUCE16(r) do { \
-    r[0][0] = _mm512_reduce_add_ps(a00); r[0][1] = _mm512_reduce_add_ps(a01); \
-    r[0][2] = _mm512_reduce_add_ps(a02); r[0][3] = _mm512_reduce_add_ps(a03); \
-    r[1][0] = _mm512_reduce_add_ps(a10); r[1][1] = _mm512_reduce_add_ps(a11); \
-    r[1][2] = _mm512_reduce_add_ps(a12); r[1][3] = _mm512_reduce_add_ps(a13); \
-    r[2][0] = _mm512_reduce_add_ps(a20); r[2][1] = _mm512_reduce_add_ps(a21); \
-    r[2][2] = _mm512_reduce_add_ps(a22); r[2][3] = _mm512_reduce_add_ps(a23); \
-    r[3][0] = _mm512_reduce_add_ps(a30); r[3][1] = _mm512_reduce_add_ps(a31); \
-    r[3][2] = _mm512_reduce_add_ps(a32); r[3][3] = _mm512_reduce_add_ps(a33); } while (0)
+    const __m512 acc_[16] = {a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33}; \
+    _mm512_storeu_ps(&r[0][0], hsum16(acc_)); } while (0)
+/* row i's chunk c of x: whole, or the last partial chunk masked to zeros (the packed weight is zero-padded) */
+#define XCHUNK(p, c) ((c) < full ? (__m512bh)_mm512_loadu_si512((const void*)((p) + (c) * 32)) \
+                                 : (__m512bh)_mm512_maskz_loadu_epi16(tail, (const void*)((p) + (c) * 32)))
+/* this pass's share of the next PF_DIST bytes of the stream: ps bytes per chunk, one line at a time */
+#define PREFETCH(c) do { const char* q_ = pf + (size_t)(c) * ps; \
+    for (int o_ = 0; o_ < ps; o_ += 64) _mm_prefetch(q_ + o_, _MM_HINT_T1); } while (0)
 
-/* Four rows x four outputs: sixteen accumulators held in registers (named, so the compiler keeps them there). */
-static inline void tile4(const uint16_t* x, int K, const uint16_t* wb, int kc, __mmask32 tail, float r[4][NB]) {
+/* Four rows x four outputs: sixteen accumulators held in registers (named, so the compiler keeps them there).
+ * kc chunks, the last one partial when tail != 0. */
+static inline void tile4(const uint16_t* x, int K, const uint16_t* wb, int kc, __mmask32 tail, float r[4][NB],
+                         const char* pf, int ps) {
     __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00,
            a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
     const uint16_t *x0 = x, *x1 = x + K, *x2 = x + 2 * (size_t)K, *x3 = x + 3 * (size_t)K;
     const int full = tail ? kc - 1 : kc;
-    for (int c = 0; c <= full; c++) {
-        __m512bh v0, v1, v2, v3;
-        if (c < full) {
-            v0 = (__m512bh)_mm512_loadu_si512((const void*)(x0 + c * 32));
-            v1 = (__m512bh)_mm512_loadu_si512((const void*)(x1 + c * 32));
-            v2 = (__m512bh)_mm512_loadu_si512((const void*)(x2 + c * 32));
-            v3 = (__m512bh)_mm512_loadu_si512((const void*)(x3 + c * 32));
-        } else if (tail) {   /* the last, partial chunk: x masked to zeros (the packed weight is zero-padded) */
-            v0 = (__m512bh)_mm512_maskz_loadu_epi16(tail, (const void*)(x0 + c * 32));
-            v1 = (__m512bh)_mm512_maskz_loadu_epi16(tail, (const void*)(x1 + c * 32));
-            v2 = (__m512bh)_mm512_maskz_loadu_epi16(tail, (const void*)(x2 + c * 32));
-            v3 = (__m512bh)_mm512_maskz_loadu_epi16(tail, (const void*)(x3 + c * 32));
-        } else {
-            break;
-        }
+    for (int c = 0; c < kc; c++) {
+        const __m512bh v0 = XCHUNK(x0, c), v1 = XCHUNK(x1, c), v2 = XCHUNK(x2, c), v3 = XCHUNK(x3, c);
         const uint16_t* wc = wb + (size_t)c * NB * 32;
-        _mm_prefetch((const char*)wc + PF, _MM_HINT_T0);
-        _mm_prefetch((const char*)wc + PF + 128, _MM_HINT_T0);
+        PREFETCH(c);
         DP16(LOADW);
     }
     REDUCE16(r);
 }
 
-/* One row x four outputs: the same per-output sequence as tile4 (chunks in order, the masked tail last, the
- * same reduction), for the rows left over when M is not a multiple of four. */
-static inline void tile1(const uint16_t* x, const uint16_t* wb, int kc, __mmask32 tail, float r[NB]) {
+/* Two rows x four outputs: each output's sequence as in tile4 (chunks in order, the same tree). */
+static inline void tile2(const uint16_t* x, int K, const uint16_t* wb, int kc, __mmask32 tail, float r[2][NB],
+                         const char* pf, int ps) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    const uint16_t *x0 = x, *x1 = x + K;
+    const int full = tail ? kc - 1 : kc;
+    for (int c = 0; c < kc; c++) {
+        const __m512bh v = XCHUNK(x0, c), u = XCHUNK(x1, c);
+        const uint16_t* wc = wb + (size_t)c * NB * 32;
+        PREFETCH(c);
+        __m512bh w_;
+        w_ = LOADW(0); DP(a0, v, w_); DP(b0, u, w_);
+        w_ = LOADW(1); DP(a1, v, w_); DP(b1, u, w_);
+        w_ = LOADW(2); DP(a2, v, w_); DP(b2, u, w_);
+        w_ = LOADW(3); DP(a3, v, w_); DP(b3, u, w_);
+    }
+    _mm_storeu_ps(r[0], hsum4(a0, a1, a2, a3));
+    _mm_storeu_ps(r[1], hsum4(b0, b1, b2, b3));
+}
+
+/* One row x four outputs: the same again. */
+static inline void tile1(const uint16_t* x, const uint16_t* wb, int kc, __mmask32 tail, float r[NB],
+                         const char* pf, int ps) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     const int full = tail ? kc - 1 : kc;
-    for (int c = 0; c <= full; c++) {
-        __m512bh v;
-        if (c < full) v = (__m512bh)_mm512_loadu_si512((const void*)(x + c * 32));
-        else if (tail) v = (__m512bh)_mm512_maskz_loadu_epi16(tail, (const void*)(x + c * 32));
-        else break;
+    for (int c = 0; c < kc; c++) {
+        const __m512bh v = XCHUNK(x, c);
         const uint16_t* wc = wb + (size_t)c * NB * 32;
-        _mm_prefetch((const char*)wc + PF, _MM_HINT_T0);
-        _mm_prefetch((const char*)wc + PF + 128, _MM_HINT_T0);
+        PREFETCH(c);
         DP(a0, v, LOADW(0)); DP(a1, v, LOADW(1)); DP(a2, v, LOADW(2)); DP(a3, v, LOADW(3));
     }
-    r[0] = _mm512_reduce_add_ps(a0); r[1] = _mm512_reduce_add_ps(a1);
-    r[2] = _mm512_reduce_add_ps(a2); r[3] = _mm512_reduce_add_ps(a3);
+    _mm_storeu_ps(r, hsum4(a0, a1, a2, a3));
 }
 
 static void blocks(const uint16_t* x, const uint16_t* wp, const float* bias, void* out, int out_f32,
                    int M, int N, int K, int b0, int b1) {
     const int kc = (K + 31) / 32;
     const __mmask32 tail = (K % 32) ? (((__mmask32)1 << (K % 32)) - 1) : 0;
+    const int passes = M / MB + (M % MB == 3 ? 2 : M % MB ? 1 : 0);   /* tiles of 4, then 2, then 1 */
+    const int ps = NB * 64 / passes;      /* a block chunk is NB * 64 bytes; each pass prefetches its share */
     float r[MB][NB];
     for (int b = b0; b < b1; b++) {
         const uint16_t* wb = wp + (size_t)b * kc * NB * 32;
+        const char* pf = (const char*)wb + PF_DIST;
         const int nb = (N - b * NB < NB) ? N - b * NB : NB;
-        for (int m = 0; m < M; m += MB) {
-            const int mb = (M - m < MB) ? M - m : MB;
-            if (mb == MB) tile4(x + (size_t)m * K, K, wb, kc, tail, r);
-            else for (int i = 0; i < mb; i++) tile1(x + (size_t)(m + i) * K, wb, kc, tail, r[i]);
+        for (int m = 0; m < M;) {
+            const int left = M - m, mb = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+            const uint16_t* xm = x + (size_t)m * K;
+            if (mb == 4) tile4(xm, K, wb, kc, tail, r, pf, ps);
+            else if (mb == 2) tile2(xm, K, wb, kc, tail, r, pf, ps);
+            else tile1(xm, wb, kc, tail, r[0], pf, ps);
+            pf += (size_t)kc * ps;
             for (int i = 0; i < mb; i++)
                 for (int j = 0; j < nb; j++) {
                     float s = r[i][j];
@@ -118,6 +161,7 @@ static void blocks(const uint16_t* x, const uint16_t* wp, const float* bias, voi
                     if (out_f32) ((float*)out)[o] = s;
                     else ((uint16_t*)out)[o] = to_bf16(s);
                 }
+            m += mb;
         }
     }
 }
@@ -173,8 +217,7 @@ static inline void rtile1(const uint16_t* x, int K, const uint16_t* w, int nb, i
         const __m512bh v = (__m512bh)_mm512_maskz_loadu_epi16(m, (const void*)(x + c * 32));
         DP(a0, v, RLOADW(0, m)); DP(a1, v, RLOADW(1, m)); DP(a2, v, RLOADW(2, m)); DP(a3, v, RLOADW(3, m));
     }
-    r[0] = _mm512_reduce_add_ps(a0); r[1] = _mm512_reduce_add_ps(a1);
-    r[2] = _mm512_reduce_add_ps(a2); r[3] = _mm512_reduce_add_ps(a3);
+    _mm_storeu_ps(r, hsum4(a0, a1, a2, a3));
 }
 
 static void rblocks(const uint16_t* x, const uint16_t* w, void* out, int out_f32, int M, int N, int K, int b0, int b1) {
@@ -186,7 +229,7 @@ static void rblocks(const uint16_t* x, const uint16_t* w, void* out, int out_f32
         for (int m = 0; m < M; m += MB) {
             const int mb = (M - m < MB) ? M - m : MB;
             const uint16_t* wb = w + (size_t)b * NB * K;
-            if (0) rtile4(x + (size_t)m * K, K, wb, nb, kc, tail, r);
+            if (mb == MB) rtile4(x + (size_t)m * K, K, wb, nb, kc, tail, r);
             else for (int i = 0; i < mb; i++) rtile1(x + (size_t)(m + i) * K, K, wb, nb, kc, tail, r[i]);
             for (int i = 0; i < mb; i++)
                 for (int j = 0; j < nb; j++) {
@@ -246,22 +289,6 @@ static inline __m512 exp_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n);
-}
-
-/* the 16 horizontal sums of v[0..15] as one vector (lane i = sum of v[i]'s lanes): a fixed tree of in-lane
- * shuffles and adds, so each sum's order is the same whatever the other 15 hold */
-static inline __m512 hsum16(const __m512* v) {
-    __m512 a[8], b[4], c[2];
-    for (int k = 0; k < 8; k++)       /* per 128-bit lane: [v2k 0+2, v2k+1 0+2, v2k 1+3, v2k+1 1+3] */
-        a[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-    for (int k = 0; k < 4; k++) {     /* per 128-bit lane: the lane's sum of v4k .. v4k+3 */
-        const __m512d x = _mm512_castps_pd(a[2 * k]), y = _mm512_castps_pd(a[2 * k + 1]);
-        b[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    for (int k = 0; k < 2; k++)       /* 128-bit lanes (0, 2) + (1, 3) of b2k and b2k+1 */
-        c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0x88),
-                             _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
 #define MAXG 16   /* query heads per KV head handled together (more: in passes) */

@@ -291,13 +291,45 @@ static inline __m512 exp_ps(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* One block's values for NT query heads of a KV head (NT a constant at each call, so the accumulators stay in
+ * registers), folded into their running outputs: O = O fa + (sum over visible keys i of ew[i] v_i) fc. Values
+ * are read 32 dims at a time and split into their even and odd elements (a shift and a mask: no widening
+ * shuffles); O[t][2c] / O[t][2c + 1] hold dims 32c + 2j / 32c + 2j + 1. Each output dim is one fmadd per key in
+ * key order, so the heads sharing a load, and the dim order, change no bit. */
+static inline __attribute__((always_inline)) void fold_values(const int NT, const uint16_t* V, const uint16_t* K,
+        const uint16_t* const* kp, uint32_t vis, const float (*ew)[ABLOCK], const float* fa, const float* fc,
+        __m512 (*O)[16], int hd) {
+    const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int c = 0; c < (hd + 31) / 32; c++) {
+        __m512 oe[4], oo[4];
+        for (int t = 0; t < NT; t++) oe[t] = oo[t] = _mm512_setzero_ps();
+        for (uint32_t left = vis; left; left &= left - 1) {
+            const int i = __builtin_ctz(left);
+            const uint16_t* vr = V + (kp[i] - K) + 32 * c;
+            const __m512i raw = 32 * c + 16 < hd ? _mm512_loadu_si512((const void*)vr)
+                                                 : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)vr));
+            const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+            const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(raw, hi16));
+            for (int t = 0; t < NT; t++) {
+                const __m512 w = _mm512_set1_ps(ew[t][i]);
+                oe[t] = _mm512_fmadd_ps(w, ve, oe[t]);
+                oo[t] = _mm512_fmadd_ps(w, vo, oo[t]);
+            }
+        }
+        for (int t = 0; t < NT; t++) {
+            const __m512 av = _mm512_set1_ps(fa[t]), cv = _mm512_set1_ps(fc[t]);
+            O[t][2 * c] = _mm512_fmadd_ps(oe[t], cv, _mm512_mul_ps(O[t][2 * c], av));
+            O[t][2 * c + 1] = _mm512_fmadd_ps(oo[t], cv, _mm512_mul_ps(O[t][2 * c + 1], av));
+        }
+    }
+}
+
 #define MAXG 16   /* query heads per KV head handled together (more: in passes) */
 
 void sv_attention(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* pos,
                   const int64_t* idx, const uint8_t* ok, float* out, int n, int H, int kvh, int hd, long cap,
                   int b0, int window, float scale, int threads) {
     const int g = H / kvh, chunks = (hd + 31) / 32, nvv = 2 * chunks;
-    const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
     const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     const __m512i hi_idx = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2) if (threads > 1)
@@ -310,7 +342,7 @@ void sv_attention(const float* q, const uint16_t* kc, const uint16_t* vc, const 
             /* q rounded to bf16 (the decode's q is bf16 already), in 32-element chunks for VDPBF16PS; hd % 32 == 16
              * leaves a last half chunk, zero-padded */
             __m512bh qb[MAXG][8];
-            float M[MAXG], L[MAXG];
+            float M[MAXG], L[MAXG], fa[MAXG], fc[MAXG], ew[MAXG][ABLOCK];
             __m512 O[MAXG][16];
             for (int t = 0; t < gh; t++) {
                 const float* qr = q + ((size_t)r * H + (size_t)j * g + h0 + t) * hd;
@@ -366,34 +398,22 @@ void sv_attention(const float* q, const uint16_t* kc, const uint16_t* vc, const 
                     for (int half = 0; half < 2; half++)
                         e[half] = _mm512_maskz_mov_ps((__mmask16)(vis >> (16 * half)), exp_ps(_mm512_sub_ps(sv[half], mv)));
                     const float l = _mm512_reduce_add_ps(_mm512_add_ps(e[0], e[1]));
-                    float ew[ABLOCK];
-                    _mm512_storeu_ps(ew, e[0]);
-                    _mm512_storeu_ps(ew + 16, e[1]);
-                    /* values 32 at a time, split into their even and odd elements (a shift and a mask: no
-                     * widening shuffles); o[2c] / o[2c + 1] hold dims 32c + 2j / 32c + 2j + 1. Each output dim
-                     * is still one fmadd per key in key order: the same bits as a dim-ordered layout. */
-                    __m512 o[16];
-                    for (int v = 0; v < nvv; v++) o[v] = _mm512_setzero_ps();
-                    for (int i = 0; i < ABLOCK; i++) {
-                        if (!((vis >> i) & 1)) continue;
-                        const uint16_t* vr = V + (kp[i] - K);
-                        const __m512 w = _mm512_set1_ps(ew[i]);
-                        for (int c = 0; c < chunks; c++) {
-                            const __m512i raw = 32 * c + 16 < hd
-                                ? _mm512_loadu_si512((const void*)(vr + 32 * c))
-                                : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)(vr + 32 * c)));
-                            o[2 * c] = _mm512_fmadd_ps(w, _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)), o[2 * c]);
-                            o[2 * c + 1] = _mm512_fmadd_ps(w, _mm512_castsi512_ps(_mm512_and_si512(raw, hi16)),
-                                                           o[2 * c + 1]);
-                        }
-                    }
-                    /* fold the block into the running state, in block order */
+                    _mm512_storeu_ps(ew[t], e[0]);
+                    _mm512_storeu_ps(ew[t] + 16, e[1]);
+                    /* the fold's factors (the block goes into the running state below, in block order) */
                     const float Mn = m > M[t] ? m : M[t];
-                    const float a = expf(M[t] - Mn), c = expf(m - Mn);   /* expf(-inf) = 0 on the first block */
-                    L[t] = L[t] * a + l * c;
-                    const __m512 av = _mm512_set1_ps(a), cv = _mm512_set1_ps(c);
-                    for (int v = 0; v < nvv; v++) O[t][v] = _mm512_fmadd_ps(o[v], cv, _mm512_mul_ps(O[t][v], av));
+                    fa[t] = expf(M[t] - Mn);                         /* expf(-inf) = 0 on the first block */
+                    fc[t] = expf(m - Mn);
+                    L[t] = L[t] * fa[t] + l * fc[t];
                     M[t] = Mn;
+                }
+                /* the values: up to four heads at a time share each value row's load */
+                for (int t0 = 0; t0 < gh; t0 += 4) {
+                    const int nt = gh - t0 < 4 ? gh - t0 : 4;
+                    if (nt == 4) fold_values(4, V, K, kp, vis, ew + t0, fa + t0, fc + t0, O + t0, hd);
+                    else if (nt == 3) fold_values(3, V, K, kp, vis, ew + t0, fa + t0, fc + t0, O + t0, hd);
+                    else if (nt == 2) fold_values(2, V, K, kp, vis, ew + t0, fa + t0, fc + t0, O + t0, hd);
+                    else fold_values(1, V, K, kp, vis, ew + t0, fa + t0, fc + t0, O + t0, hd);
                 }
             }
             for (int t = 0; t < gh; t++) {

@@ -43,6 +43,9 @@ in order. It reads the same inputs as engine.native's torch path (the committed 
 and mask) and, like it, depends only on the row's logical context: an `ar` step and a tree give a row the
 same bits. It sums in another order than the torch path (and keeps scores in fp32 where that path rounds
 them to bf16), so the two agree to rounding, not bitwise; a decode uses one of them for all its forwards.
+A KV head's query heads share each value row's load and widening (up to four at a time, each dim still one
+fmadd per key in key order: the same bits), which took a SmolLM2-shaped layer at 16 rows and a 400-token cache
+from 0.48 to 0.29 ms and a Gemma-shaped one at 8 rows from 0.30 to 0.18 ms.
 
 The fused layer. With the linears and the attention in C, what remained of a decode forward was ~25 small torch
 ops per layer (norms, RoPE, casts, the cache write, residual adds, the gated activation): ~8 ms of SmolLM2's

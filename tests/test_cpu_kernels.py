@@ -4,6 +4,8 @@ alone.
 
 Mutants these tests were checked against (each fails at least one test here):
 - the linear's leftover rows (M % 4) summed in another order than the 4-row tile    -> row invariance
+  (the 2-row tile's second row reduced lane by lane; hsum4 pairing 128-bit lanes (0,1),(2,3) instead of
+  hsum16's (0,2),(1,3); rows_linear's 4-row tile reduced lane by lane                -> row invariance)
 - threads splitting K instead of the outputs                                         -> thread invariance
 - the partial last K chunk of x read unmasked (the next row's values leak in)        -> masked tail
 - bias dropped, or added after rounding to bf16                                       -> reference (fp32 out)

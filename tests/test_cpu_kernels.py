@@ -14,6 +14,8 @@ Mutants these tests were checked against (each fails at least one test here):
 - attention ignoring `ok` (the tree's ancestry) or the sliding window                  -> reference
 - attention folding the two tail blocks as one 64-key block                           -> committed vs tail
 - attention reading the tail in slot order (idx ignored)                               -> slots moved
+- attention's shared value loop weighting every head by the first head's probabilities;
+  the fold's rescale of the running output skipped (fa = 1)                           -> reference
 - route_linears serving the first packed copy after the weights changed in place      -> weight updates
 - rows_linear reading the weight's or x's partial last chunk unmasked                  -> row-major tails
 - topk: the masked last vector skipped; ties inserted ahead of the incumbent (>= for >) -> topk

@@ -32,7 +32,6 @@ from engine.models import load_model
 from engine.target import make_target
 from engine.tree import StepResult
 from engine.verify import tree_layout
-from engine.vocab import VocabError
 from engine.vocab.dynaspec import DynaSpecError, FittedDynaSpec, Router, save_dynaspec
 from tests.eagle3_testing import official_state, reference_logp, target_features, write_checkpoint
 

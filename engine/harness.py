@@ -82,6 +82,8 @@ class GenerateResult:
     draft_s: float                  # drafter begin + propose + observe
     verify_s: float                 # tree forward + acceptance + cache compaction
     draft_tokens: int = 0           # draft tokens proposed over all steps (root excluded)
+    begin_s: float = 0.0            # the drafter's pass over the prompt (`Drafter.begin`), part of draft_s: with
+                                    # prefill_s, the one-time cost a long generation amortises
     stop_reason: str = "max_new_tokens"     # "eos" or "max_new_tokens"
     drafter_timings: dict = field(default_factory=dict)
     drafter_stats: dict = field(default_factory=dict)   # `drafter.stats()` if it has one (active vocab, coverage)
@@ -312,7 +314,7 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
 
     drafter.begin(prompt, logits, hidden)
     del hidden, logits
-    draft_s = _clock(device) - t_prefill
+    draft_s = begin_s = _clock(device) - t_prefill
     verify_s, steps, num_draft = 0.0, 1, 0
     bins_proposed = torch.zeros(SCORE_BINS, dtype=torch.long, device=device)
     bins_accepted = torch.zeros(SCORE_BINS, dtype=torch.long, device=device)
@@ -372,7 +374,7 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
     method = cfg.method if drafter.name in ("base", cfg.method) else drafter.name   # a hand-made drafter
     return GenerateResult(method=method, prompt_ids=prompt.cpu(), output_ids=torch.tensor(out[:T]),
                           steps=steps, wall_s=wall_s, prefill_s=prefill_s, draft_s=draft_s, verify_s=verify_s,
-                          draft_tokens=num_draft, stop_reason=stop or "max_new_tokens",
+                          draft_tokens=num_draft, begin_s=begin_s, stop_reason=stop or "max_new_tokens",
                           drafter_timings=dict(drafter.timings()), records=records, prefill_topk=top_rows,
                           drafter_stats=dict(drafter.stats()) if hasattr(drafter, "stats") else {},
                           score_bins_proposed=bins_proposed.tolist(), score_bins_accepted=bins_accepted.tolist(),

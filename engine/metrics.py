@@ -12,11 +12,20 @@ keep their columns; a results folder written before still loads. The summaries n
     tokens_per_s        mean over rows of the row's new_tokens / (wall_s - uncharged_s) (prefill included)
     speedup             tokens_per_s / ar's tokens_per_s on the same rows' group (same model, prompt set and
                         task): a ratio of the two means, not a mean of per-row ratios (MicroSpec Table 2)
+    decode_tokens_per_s mean over rows of (new_tokens - 1) / (wall_s - prefill_s - begin_s - uncharged_s): the
+                        steps after the prefill (which commits the first token) and the drafter's pass over
+                        the prompt - the rate a long generation approaches. The papers generate up to 1024
+                        tokens, where those one-time costs vanish; a CPU sweep's 32 spend ~30% of an `ar`
+                        run in the prefill, which pulls `speedup` toward 1. Null for rows without begin_s
+                        (written before it) or with one new token.
+    decode_speedup      decode_tokens_per_s / ar's, as speedup
     tau                 sum new_tokens / sum steps: tokens committed per step, the target's bonus token
                         included (the prefill is step 0 and commits one token: ar = 1.00) - the acceptance
                         length of vLLM's spec-decode metrics; `engine.harness.GenerateResult.tau` per row
-    draft_ms            sum (draft_s - draft_prefill_s - uncharged_s) / sum (steps - 1), in ms: draft time per
-                        drafted step (the prefill, step 0, drafts nothing)
+    draft_ms            sum (draft_s - begin_s - uncharged_s) / sum (steps - 1), in ms: draft time per drafted
+                        step (the prefill, step 0, drafts nothing; begin_s, the drafter's pass over the prompt,
+                        is no step's; rows written before begin_s subtract draft_prefill_s, the LM-head
+                        drafters' share of it)
     <phase>_ms          sum <phase>_s / sum (steps - 1), phase in PHASES (MicroSpec Fig. 4); null for a run
                         whose drafter does not time its phases
     mean_active_vocab   the draft vocabulary's mean size, over drafted steps (row means weighted by steps - 1)
@@ -61,7 +70,8 @@ ROW_SCHEMA = {
     "repeat": pl.Int32, "prompt_tokens": pl.Int64, "new_tokens": pl.Int64, "steps": pl.Int64,
     "tau": pl.Float64, "g": pl.Float64, "wall_s": pl.Float64, "prefill_s": pl.Float64, "draft_s": pl.Float64,
     "verify_s": pl.Float64, "tokens_per_s": pl.Float64,
-    **{f"{p}_s": pl.Float64 for p in PHASES}, "draft_prefill_s": pl.Float64, "uncharged_s": pl.Float64,
+    **{f"{p}_s": pl.Float64 for p in PHASES}, "draft_prefill_s": pl.Float64, "begin_s": pl.Float64,
+    "uncharged_s": pl.Float64,
     "mean_active_vocab": pl.Float64, "max_active_vocab": pl.Float64, "mean_union_vocab": pl.Float64,
     "draft_coverage": pl.Float64, "bonus_coverage": pl.Float64, "threads": pl.Int32, "stop_reason": pl.String,
     "temperature": pl.Float64,
@@ -107,6 +117,14 @@ def tokens_per_s() -> pl.Expr:
     return pl.col("tokens_per_s").mean()
 
 
+def decode_tokens_per_s() -> pl.Expr:
+    """Aggregation: the mean of the rows' decode-phase tokens/s, (new_tokens - 1) / (wall_s - prefill_s - begin_s
+    - uncharged_s); a row without begin_s or with one new token counts as null (module docstring)."""
+    rate = ((pl.col("new_tokens") - 1)
+            / (pl.col("wall_s") - pl.col("prefill_s") - pl.col("begin_s") - pl.col("uncharged_s").fill_null(0.0)))
+    return pl.when(pl.col("new_tokens") > 1).then(rate).mean()
+
+
 def per_drafted_step_ms(seconds: pl.Expr) -> pl.Expr:
     """Aggregation: sum `seconds` / sum (steps - 1), in ms; null where nothing was drafted."""
     drafted = drafted_steps().sum()
@@ -116,7 +134,7 @@ def per_drafted_step_ms(seconds: pl.Expr) -> pl.Expr:
 def draft_ms() -> pl.Expr:
     """Aggregation: draft time per drafted step in ms, the drafter's pass over the prompt and the oracle's
     uncharged full head left out."""
-    return per_drafted_step_ms(pl.col("draft_s") - pl.col("draft_prefill_s").fill_null(0.0)
+    return per_drafted_step_ms(pl.col("draft_s") - pl.coalesce("begin_s", "draft_prefill_s", pl.lit(0.0))
                                - pl.col("uncharged_s").fill_null(0.0))
 
 
@@ -270,7 +288,8 @@ def run_measures(frame: pl.DataFrame, keys: Sequence[str]) -> pl.DataFrame:
     agg = (frame.group_by(*keys, *RUN)
            .agg(policy=pl.col("policy").first(), vocab_size=pl.col("vocab_size").first(),
                 dynaspec_k_max=pl.col("dynaspec_k_max").first(), draft_head=pl.col("draft_head").first(),
-                rows=pl.len(), tokens_per_s=tokens_per_s(), tau=tau(), g=pl.col("g").mean(),
+                rows=pl.len(), tokens_per_s=tokens_per_s(), decode_tokens_per_s=decode_tokens_per_s(), tau=tau(),
+                g=pl.col("g").mean(),
                 mean_active_vocab=step_mean("mean_active_vocab"), mean_union_vocab=step_mean("mean_union_vocab"),
                 draft_ms=draft_ms(), **{f"{p}_ms": per_drafted_step_ms(pl.col(f"{p}_s")) for p in PHASES},
                 draft_coverage=draft_coverage(), has_phases=pl.col("backbone_s").is_not_null().any()))
@@ -283,13 +302,16 @@ def with_speedup(table: pl.DataFrame, keys: Sequence[str]) -> pl.DataFrame:
     """`table` (one row per (*keys, method, run)) with `speedup`: tokens_per_s over ar's on the same `keys`
     (the mean of ar's runs' there, when several); null where ar did not run."""
     ar = (table.filter(pl.col("method") == "ar").group_by(*keys)
-          .agg(_ar_tokens_per_s=pl.col("tokens_per_s").mean()))
+          .agg(_ar_tokens_per_s=pl.col("tokens_per_s").mean(), _ar_decode=pl.col("decode_tokens_per_s").mean()))
     return (table.join(ar, on=list(keys), how="left", nulls_equal=True)
-            .with_columns(speedup=pl.col("tokens_per_s") / pl.col("_ar_tokens_per_s")).drop("_ar_tokens_per_s"))
+            .with_columns(speedup=pl.col("tokens_per_s") / pl.col("_ar_tokens_per_s"),
+                          decode_speedup=pl.col("decode_tokens_per_s") / pl.col("_ar_decode"))
+            .drop("_ar_tokens_per_s", "_ar_decode"))
 
 
 SUMMARY_COLUMNS = ("task", *RUN, "policy", "vocab_size", "dynaspec_k_max", "draft_head", "rows", "tokens_per_s",
-                   "speedup", "tau", "g", "mean_active_vocab", "mean_union_vocab", "draft_ms", *PHASE_MS,
+                   "speedup", "decode_tokens_per_s", "decode_speedup", "tau", "g", "mean_active_vocab",
+                   "mean_union_vocab", "draft_ms", *PHASE_MS,
                    "draft_coverage", "lossless")
 
 
@@ -321,14 +343,14 @@ def table2_summary(frame: pl.DataFrame) -> pl.DataFrame:
     model, prompt set, task (and `panel`, `with_task`) and run, `run_measures` and speedup over ar on the same
     model, prompt set and task. One more row per (model, prompt set, run) with task = panel = AVG: the mean
     over tasks of every measure, speedup = that mean tokens/s over ar's (Table 2's "Avg. Speed" and "Avg.
-    Len."). Rows in the order models, prompt sets, tasks (AVG last), then METHOD_ORDER, POLICIES, size."""
+    Len."; decode_speedup likewise). Rows in the order models, prompt sets, tasks (AVG last), then METHOD_ORDER, POLICIES, size."""
     frame = with_schema(frame, ("model", "prompt_set", "category"))
     if "task" not in frame.columns or "panel" not in frame.columns:
         frame = with_task(frame)
     keys = ["model", "prompt_set"]
     agg = run_measures(frame, [*keys, "task", "panel"])
-    means = ["tokens_per_s", "tau", "g", "mean_active_vocab", "mean_union_vocab", "draft_ms", *PHASE_MS,
-             "draft_coverage"]
+    means = ["tokens_per_s", "decode_tokens_per_s", "tau", "g", "mean_active_vocab", "mean_union_vocab", "draft_ms",
+             *PHASE_MS, "draft_coverage"]
     avg = (agg.group_by(*keys, *RUN)
            .agg(pl.col("policy", "vocab_size", "dynaspec_k_max", "draft_head").first(), rows=pl.col("rows").sum(),
                 **{c: pl.col(c).mean() for c in means})

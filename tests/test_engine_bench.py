@@ -485,7 +485,10 @@ def test_layerskip_every_vocab_is_lossless_with_phase_columns(loaded, prompt_fil
         rows = ls.filter(pl.col("run") == v)
         drafted = (rows["steps"] - 1).sum()
         assert allrows[("layerskip", v)]["draft_ms"] == pytest.approx(
-            (rows["draft_s"] - rows["draft_prefill_s"] - rows["uncharged_s"]).sum() / drafted * 1e3)
+            (rows["draft_s"] - rows["begin_s"] - rows["uncharged_s"]).sum() / drafted * 1e3)
+        assert (rows["begin_s"] >= rows["draft_prefill_s"]).all()    # the head's prompt pass is inside begin
+        decode = (rows["new_tokens"] - 1) / (rows["wall_s"] - rows["prefill_s"] - rows["begin_s"] - rows["uncharged_s"])
+        assert allrows[("layerskip", v)]["decode_tokens_per_s"] == pytest.approx(decode.mean())
         assert allrows[("layerskip", v)]["lm_head_ms"] == pytest.approx(rows["lm_head_s"].sum() / drafted * 1e3)
         assert allrows[("layerskip", v)]["tau"] == pytest.approx(rows["new_tokens"].sum() / rows["steps"].sum())
     assert allrows[("ar", "full")]["backbone_ms"] is None and allrows[("ar", "full")]["speedup"] == 1.0

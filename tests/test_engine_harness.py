@@ -3,6 +3,7 @@ for token; self-speculation accepts every draft token; stops, records, errors; s
 distribution over whole generations."""
 
 import re
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -293,6 +294,22 @@ def test_drafters_get_prefill_logits_at_every_position_unless_they_opt_out(targe
     generate(model, prompt, info=info, drafter=spy, max_new_tokens=2)
     generate(model, prompt, info=info, drafter=last, max_new_tokens=2)
     assert spy.shapes == ((11, v), (11, d)) and last.shapes == ((1, v), (11, d))
+
+
+class _SlowBegin(Drafter):
+    def begin(self, prompt_ids, prefill_logits, prefill_hidden):
+        time.sleep(0.05)
+
+
+def test_begin_s_is_the_drafters_pass_over_the_prompt_inside_draft_s(target):
+    """`begin_s` (what the decode-phase measures leave out with the prefill) times `Drafter.begin` alone:
+    not the prefill's time, not a step's; ar's is ~0."""
+    model, info = target
+    res = generate(model, list(range(11)), info=info, drafter=_SlowBegin(model, None), max_new_tokens=3, eos_ids=[])
+    assert 0.05 <= res.begin_s <= res.draft_s and res.begin_s < 0.05 + res.prefill_s
+    assert res.wall_s >= res.prefill_s + res.begin_s + res.verify_s
+    ar = generate(model, list(range(11)), info=info, max_new_tokens=3, eos_ids=[])
+    assert ar.begin_s < 0.01
 
 
 # --- the draft size: one field, resolved once --------------------------------------------------------------

@@ -194,3 +194,40 @@ def test_sweeps_tables_summarise_through_the_metrics():
 def test_a_frame_without_the_run_key_is_refused():
     with pytest.raises(metrics.MetricsError, match="missing \\['prompt_id'\\]"):
         metrics.summarize(bench_rows().drop("prompt_id"))
+
+
+def test_the_decode_phase_leaves_out_the_prefill_and_the_drafters_pass_over_the_prompt():
+    """decode_tokens_per_s = mean over rows of (new_tokens - 1) / (wall_s - prefill_s - begin_s - uncharged_s);
+    decode_speedup its ratio to ar's; draft_ms subtracts begin_s (every drafter's pass over the prompt) where
+    a row has it. Rules out: new_tokens instead of new_tokens - 1 (the prefill's token), begin_s kept in,
+    the prefill kept in (= tokens_per_s), a ratio of sums instead of the mean of the rows' rates."""
+    base = bench_rows([r for r in ROWS if r[1] in ("ar", "pld")])
+    timing = {  # (method, prompt_id): (prefill_s, begin_s)
+        ("ar", "w1"): (0.02, 0.0), ("ar", "w2"): (0.04, 0.0), ("ar", "m1"): (0.03, 0.0),
+        ("pld", "w1"): (0.02, 0.005), ("pld", "w2"): (0.04, 0.001), ("pld", "m1"): (0.03, 0.0)}
+    frame = base.with_columns(
+        prefill_s=pl.struct("method", "prompt_id").map_elements(lambda r: timing[(r["method"], r["prompt_id"])][0],
+                                                                return_dtype=pl.Float64),
+        begin_s=pl.struct("method", "prompt_id").map_elements(lambda r: timing[(r["method"], r["prompt_id"])][1],
+                                                              return_dtype=pl.Float64))
+    table = metrics.summarize(frame)
+    ar_w = [(10 - 1) / (0.10 - 0.02), (12 - 1) / (0.10 - 0.04)]
+    pld_w = [(10 - 1) / (10 / 150 - 0.02 - 0.005), (12 - 1) / (12 / 210 - 0.04 - 0.001)]
+    ar, pld = one(table, task="writing", method="ar"), one(table, task="writing", method="pld")
+    assert ar["decode_tokens_per_s"] == pytest.approx(sum(ar_w) / 2)
+    assert pld["decode_tokens_per_s"] == pytest.approx(sum(pld_w) / 2)
+    assert pld["decode_speedup"] == pytest.approx(sum(pld_w) / sum(ar_w))
+    assert pld["decode_speedup"] != pytest.approx(pld["speedup"])
+    # draft time: the rows' begin_s out, not draft_prefill_s (0.001 each)
+    assert pld["draft_ms"] == pytest.approx(((0.004 - 0.005) + (0.006 - 0.001)) / (3 + 4) * 1e3)
+    # a results file written before begin_s: no decode measure, draft_ms as before
+    old = metrics.summarize(base)
+    assert one(old, task="writing", method="pld")["decode_speedup"] is None
+    # Table 2's average: the mean over tasks, and its ratio
+    t2 = metrics.table2_summary(frame)
+    avg_ar = one(t2, task=AVG, method="ar")["decode_tokens_per_s"]
+    avg_pld = one(t2, task=AVG, method="pld")
+    math_ar = (8 - 1) / (0.10 - 0.03)
+    math_pld = (8 - 1) / (8 / 160 - 0.03)
+    assert avg_ar == pytest.approx((sum(ar_w) / 2 + math_ar) / 2)
+    assert avg_pld["decode_speedup"] == pytest.approx((sum(pld_w) / 2 + math_pld) / 2 / avg_ar)

@@ -56,7 +56,10 @@ it, through ar's backend: only differing rows pay that forward), `ar_gap` (ar's 
 method's) and `prompt_differs` (a later turn after a diverged one: not compared, the earlier turn's verdict).
 Rows benched without ar in the same call (a sweep's cells) are diagnosed afterwards with `diagnose`.
 
-`tokens_per_s` = new_tokens / (wall_s - uncharged_s) (= new_tokens / wall_s except for oracle rows).
+`tokens_per_s` = new_tokens / (wall_s - uncharged_s) (= new_tokens / wall_s except for oracle rows). `begin_s`
+is the drafter's pass over the prompt (`Drafter.begin`: EAGLE's backbone over the prompt, UniSpec's store fill
+from the prefill logits, MicroSpec's first window), part of `draft_s`; with `prefill_s` it is what the
+decode-phase measures (`decode_tokens_per_s`, `decode_speedup` in `engine.metrics`) leave out.
 
 Then prints (`print_summary`) what was compared (model, device, dtype, threads, prompts, tokens, each
 drafter's head and runs), MicroSpec Table 2's layout (a row per run: tokens/s per task - the category, or the
@@ -378,6 +381,7 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
                 "prompt_tokens": len(ids),
                 "new_tokens": res.new_tokens, "steps": res.steps, "tau": res.tau, "g": res.g, "wall_s": res.wall_s,
                 "prefill_s": res.prefill_s, "draft_s": res.draft_s, "verify_s": res.verify_s,
+                "begin_s": res.begin_s,
                 "tokens_per_s": res.new_tokens / (res.wall_s - extra["uncharged_s"]), **extra,
                 "threads": torch.get_num_threads(), "stop_reason": res.stop_reason,
                 "temperature": cfg.temperature, "seed": cfg.seed + repeat, "output_ids": res.output_ids.tolist(),
@@ -481,18 +485,19 @@ def print_summary(frame: pl.DataFrame) -> pl.DataFrame:
     (`compare_vocabs`). Phase columns no run spent time in, and columns no run has, are left out. Returns
     `engine.metrics.summarize`'s table."""
     full = summarize(frame)
-    num = ["tokens_per_s", "speedup", "tau", "g", "draft_ms", *[f"{p}_ms" for p in PHASES]]
+    num = ["tokens_per_s", "speedup", "decode_speedup", "tau", "g", "draft_ms", *[f"{p}_ms" for p in PHASES]]
     table = full.with_columns(pl.col(num).round(2), pl.col("mean_active_vocab", "mean_union_vocab").round(0),
                               pl.col("draft_coverage").round(3))
     phases = [f"{p}_ms" for p in PHASES if (full[f"{p}_ms"].fill_null(0.0) > 0).any()]
     shown = (lambda cols: [c for c in cols if full[c].null_count() < full.height])
     per_task = shown(["tokens_per_s", "speedup", "tau", "mean_active_vocab", "draft_ms", *phases, "lossless"])
-    overall = shown(["policy", "vocab_size", "dynaspec_k_max", "rows", "tokens_per_s", "speedup", "tau", "g",
+    overall = shown(["policy", "vocab_size", "dynaspec_k_max", "rows", "tokens_per_s", "speedup", "decode_speedup",
+                     "tau", "g",
                      "mean_active_vocab", "mean_union_vocab", "draft_ms", *phases, "draft_coverage", "lossless"])
     for line in describe_bench(frame):
         print(line)
     with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True,
-                   tbl_width_chars=250, fmt_str_lengths=60):
+                   tbl_width_chars=330, fmt_str_lengths=60):
         print(f"MicroSpec Table 2's layout: tokens/s per task; {ALL}: over every row, with its speedup over ar, "
               "tau and lossless")
         print(table2(table))

@@ -343,7 +343,8 @@ def table2_summary(frame: pl.DataFrame) -> pl.DataFrame:
     model, prompt set, task (and `panel`, `with_task`) and run, `run_measures` and speedup over ar on the same
     model, prompt set and task. One more row per (model, prompt set, run) with task = panel = AVG: the mean
     over tasks of every measure, speedup = that mean tokens/s over ar's (Table 2's "Avg. Speed" and "Avg.
-    Len."; decode_speedup likewise). Rows in the order models, prompt sets, tasks (AVG last), then METHOD_ORDER, POLICIES, size."""
+    Len."; decode_speedup likewise). Rows in the order models, prompt sets, tasks (AVG last), then
+    METHOD_ORDER, POLICIES, size."""
     frame = with_schema(frame, ("model", "prompt_set", "category"))
     if "task" not in frame.columns or "panel" not in frame.columns:
         frame = with_task(frame)

@@ -613,3 +613,82 @@ void sv_layer(const sv_layer_t* L, uint16_t* x, const uint16_t* attn_in, const u
     if (L->post_mlp_norm) rmsnorm(t, L->post_mlp_norm, t, n, d, L->eps, L->gemma_norm, d, d);
     add_rows(x, t, (size_t)n * d);
 }
+
+/* ---- MicroSpec's window step (kernels/window.py `_window_step_torch` is the reference: the same state, the same
+ * slot assignment, bit for bit) ---------------------------------------------------------------------------------
+ *
+ * One step's entries [m] (m <= W; negative = padding) are pushed into the ring (fifo_unique: only the first
+ * occurrence of each token not active at the start of the step), counts follow, then Eq. 4 commits: evicted tokens
+ * whose count fell to 0 leave (first occurrence in lane order; their rows pushed on the free stack in that order),
+ * then pushed tokens not active at the start of the step enter (first occurrence in push order; each pops the
+ * stack's top). Every mask is taken before any of active / slot_of changes, as in the vectorised reference.
+ * `mark` [V] is scratch holding INT32_MAX everywhere on entry, and again on return (the Triton kernel's
+ * first_pos). Writes the gather list (slots, tokens; -1 past the count) into out_slots / out_tokens [m] and
+ * returns the count. The work is O(m), independent of V and W. */
+long sv_window_step(const int64_t* entries, int m, int fifo_unique, int32_t* ring, int W, int64_t* ring_head,
+                    int64_t* stream_len, int32_t* cnt, uint8_t* active, int32_t* slot_of, int32_t* tok_of_slot,
+                    int32_t* free_slots, int64_t* free_top, int32_t* mark, int64_t* e, int64_t* old,
+                    uint8_t* flag, int64_t* out_slots, int64_t* out_tokens) {
+    const int32_t IDLE = 2147483647;
+    int n = 0;                                            /* the pushed entries e[0 .. n) in order */
+    for (int k = 0; k < m; k++) {
+        const int64_t v = entries[k];
+        if (v < 0) continue;
+        if (fifo_unique) {
+            if (active[v] || mark[v] != IDLE) continue;
+            mark[v] = k;
+        }
+        e[n++] = v;
+    }
+    if (fifo_unique) for (int j = 0; j < n; j++) mark[e[j]] = IDLE;
+    /* the push: lane k < n overwrites ring position (ring_head + k) % W, distinct since m <= W */
+    for (int k = 0; k < n; k++) {
+        const long pos = (long)((*ring_head + k) % W);
+        old[k] = ring[pos];
+        ring[pos] = (int32_t)e[k];
+        if (old[k] >= 0) cnt[old[k]] -= 1;
+    }
+    for (int k = 0; k < n; k++) cnt[e[k]] += 1;
+    *ring_head += n;
+    *stream_len += n;
+    /* the masks, all against the state at the start of the commit */
+    for (int k = 0; k < n; k++) {                         /* flag bit 0: leave, bit 1: enter */
+        uint8_t f = 0;
+        const int64_t o = old[k];
+        if (o >= 0 && mark[o] == IDLE) { mark[o] = k; if (cnt[o] == 0 && active[o]) f |= 1; }
+        flag[k] = f;
+    }
+    for (int k = 0; k < n; k++) if (old[k] >= 0) mark[old[k]] = IDLE;
+    for (int k = 0; k < n; k++) {
+        const int64_t v = e[k];
+        if (mark[v] == IDLE) { mark[v] = k; if (!active[v]) flag[k] |= 2; }
+    }
+    for (int k = 0; k < n; k++) mark[e[k]] = IDLE;
+    /* leave: free rows, pushed on the stack in lane order */
+    int64_t top = *free_top;
+    for (int k = 0; k < n; k++) {
+        if (!(flag[k] & 1)) continue;
+        const int64_t t = old[k];
+        const int32_t s = slot_of[t];
+        free_slots[top++] = s;
+        if (s >= 0) tok_of_slot[s] = -1;
+        slot_of[t] = -1;
+        active[t] = 0;
+    }
+    /* enter: rows popped from the stack top, in push order */
+    long count = 0;
+    for (int k = 0; k < n; k++) {
+        if (!(flag[k] & 2)) continue;
+        const int64_t t = e[k];
+        const int32_t s = free_slots[top - 1 - count];
+        slot_of[t] = s;
+        tok_of_slot[s] = (int32_t)t;
+        active[t] = 1;
+        out_slots[count] = s;
+        out_tokens[count] = t;
+        count++;
+    }
+    *free_top = top - count;
+    for (long j = count; j < m; j++) { out_slots[j] = -1; out_tokens[j] = -1; }
+    return count;
+}

@@ -15,6 +15,8 @@ beside its plain-torch reference.
     route_linears(module)               a module's own bf16 nn.Linear layers on the kernel (drafters' heads)
     topk(z, k)                          torch.topk(z, k) of fp32 CPU rows in one pass at memory speed (ties: the
                                         lower index, as torch.argmax), torch itself elsewhere
+    window_step(entries, ...)           MicroSpec's window step in place (kernels.window: `_window_step_torch`
+                                        is its reference, bit for bit), O(m) per step
     available()                         None when the kernels run here, else why not (one line)
 
 Why it exists. A decode forward multiplies 1-16 rows by every weight of the model: the work is reading the
@@ -133,6 +135,9 @@ def _build() -> ctypes.CDLL:
                              + [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
                              + [ctypes.c_int] * 2)
     lib.sv_layer.restype = None
+    lib.sv_window_step.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+                                   + [ctypes.c_void_p] * 14)
+    lib.sv_window_step.restype = ctypes.c_long
     return lib
 
 
@@ -266,6 +271,27 @@ def topk(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if nan or bool((idx[:, -1] < 0).any()):
         return torch.topk(z, k, dim=-1)
     return vals.view(*lead, k), idx.view(*lead, k)
+
+
+def window_step(entries: torch.Tensor, fifo_unique: bool, ring: torch.Tensor, ring_head: torch.Tensor,
+                stream_len: torch.Tensor, cnt: torch.Tensor, active: torch.Tensor, slot_of: torch.Tensor,
+                tok_of_slot: torch.Tensor, free_slots: torch.Tensor, free_top: torch.Tensor,
+                mark: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MicroSpec's window step on CPU tensors in place (kernels/cpu.c `sv_window_step`; the reference, bit for
+    bit, is kernels.window's `_window_step_torch`, whose state fields these are): entries [m] int64 with
+    m <= ring.numel(). Returns the gather list (slots [m], tokens [m], -1 past the count; count 0-d int64).
+    The caller (`kernels.window.window_step`) checks ids and shapes; `available()` must be None."""
+    m = entries.numel()
+    e = entries.to(torch.int64).contiguous()
+    scratch = torch.empty(2, m, dtype=torch.int64)
+    flag = torch.empty(m, dtype=torch.uint8)
+    slots, tokens = torch.empty(m, dtype=torch.int64), torch.empty(m, dtype=torch.int64)
+    count = _lib.sv_window_step(e.data_ptr(), m, int(fifo_unique), ring.data_ptr(), ring.numel(),
+                                ring_head.data_ptr(), stream_len.data_ptr(), cnt.data_ptr(), active.data_ptr(),
+                                slot_of.data_ptr(), tok_of_slot.data_ptr(), free_slots.data_ptr(), free_top.data_ptr(),
+                                mark.data_ptr(), scratch[0].data_ptr(), scratch[1].data_ptr(), flag.data_ptr(),
+                                slots.data_ptr(), tokens.data_ptr())
+    return slots, tokens, torch.tensor(count, dtype=torch.int64)
 
 
 def argmax(z: torch.Tensor) -> torch.Tensor:

@@ -24,9 +24,12 @@ Window modes (two readings of MicroSpec §3.2 Eq. 4):
   "eq4_exact"   Eq. 4 literally: every entry is pushed; re-appending a token refreshes its recency.
   "fifo_unique" a step pushes only Unique(entries) minus I_t (keep-first order), so the ring holds
                 distinct tokens; a token active at the start of the step is not refreshed.
-Both are implemented twice, bit-identical (same slot assignment): `_window_step_torch` (vectorised
-torch, what CPU runs) and `_window_step_kernel` (one Triton program per step; lock-free within the
-program: atomics for counts and keep-first dedup, prefix sums for compaction and the slot stack).
+Both are implemented three times, bit-identical (same slot assignment): `_window_step_torch` (vectorised
+torch, the reference), `_window_step_kernel` (one Triton program per step; lock-free within the
+program: atomics for counts and keep-first dedup, prefix sums for compaction and the slot stack) and
+`kernels.cpu.window_step` (one C loop over the step's entries: what a CPU with the kernels runs, ~50x
+fewer launches than the torch path's ~50 small ops, which cost ~0.8 ms a step; `using_c_step(False)` turns
+it off).
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ from typing import NamedTuple
 
 import torch
 
+import contextlib
+from typing import Iterator
+
+from kernels import cpu as cpu_kernels
 from kernels import hardware  # noqa: F401  (sets TRITON_INTERPRET before the kernels below are defined)
 from kernels.hardware import check_triton_can_run, triton_enabled
 from kernels.tensor_ops import compact, first_occurrence, scatter_masked_
@@ -360,6 +367,28 @@ def _pushed_suffix(state: WindowState, entries: torch.Tensor) -> tuple[torch.Ten
     return suffix, n
 
 
+_C_STEP = True
+
+
+@contextlib.contextmanager
+def using_c_step(flag: bool) -> Iterator[None]:
+    """`with using_c_step(False): ...` runs the torch reference on CPU where the C step would run."""
+    global _C_STEP
+    previous, _C_STEP = _C_STEP, flag
+    try:
+        yield
+    finally:
+        _C_STEP = previous
+
+
+def _window_step_c(st: WindowState, entries: torch.Tensor) -> GatherList:
+    """The same step as `_window_step_torch`, in C (kernels/cpu.c `sv_window_step`)."""
+    slots, tokens, count = cpu_kernels.window_step(
+        entries, st.mode == "fifo_unique", st.ring, st.ring_head, st.stream_len, st.cnt, st.active, st.slot_of,
+        st.tok_of_slot, st.free_slots, st.free_top, st.first_pos)
+    return GatherList(slots, tokens, count)
+
+
 def window_step(state: WindowState, entries: torch.Tensor) -> GatherList:
     """Append one step's entries [m] (int, negative = padding) to the candidate stream and commit Eq. 4
     (or fifo_unique). Returns the gather list of the tokens that entered I. No host sync.
@@ -377,6 +406,8 @@ def window_step(state: WindowState, entries: torch.Tensor) -> GatherList:
         state.stream_len += dropped
     if triton_enabled():
         return _window_step_triton(state, entries)
+    if _C_STEP and state.device.type == "cpu" and cpu_kernels.available() is None:
+        return _window_step_c(state, entries)
     return _window_step_torch(state, entries)
 
 

@@ -1,18 +1,30 @@
 """The device window state (kernels.window) against a host reference written like specs/microspec.md 2.5.
 
 `HostVocab` is the spec's `MicroSpecVocab` (plain lists and sets, one entry at a time) plus the
-`fifo_unique` mode of ambiguity A4. The device state - torch path and Triton kernel - must agree with it
-exactly after every step, and its slot map must stay consistent."""
+`fifo_unique` mode of ambiguity A4. The device state - torch path, Triton kernel and the C step of
+kernels.cpu - must agree with it exactly after every step, and its slot map must stay consistent."""
 
+import contextlib
 import random
 
 import pytest
 import torch
 
+from kernels import cpu as cpu_kernels
 from kernels import window as wn
 from kernels.hardware import DEVICE, using_triton
 
-BACKENDS = pytest.mark.parametrize("backend", [True, False], ids=["triton", "torch"])
+_NO_C = (cpu_kernels.available() or "") if DEVICE.type == "cpu" else "the window state is on CUDA"
+BACKENDS = pytest.mark.parametrize("backend", [
+    "triton", "torch",
+    pytest.param("c", marks=pytest.mark.skipif(bool(_NO_C), reason=f"the C window step does not run: {_NO_C}"))])
+
+
+@contextlib.contextmanager
+def on(backend: str):
+    """Run window steps on one backend: the Triton kernel, the torch reference, or the C step (CPU)."""
+    with using_triton(backend == "triton"), wn.using_c_step(backend == "c"):
+        yield
 MODES = pytest.mark.parametrize("mode", wn.MODES)
 
 
@@ -107,7 +119,7 @@ def test_random_streams_match_host_reference(V, W, mode, backend):
     rng = random.Random(V * 1000 + W)
     state = wn.new_window_state(V, W, DEVICE, mode)
     host = HostVocab(V, W, mode)
-    with using_triton(backend):
+    with on(backend):
         prompt = random_entries(rng, V, rng.randrange(0, 3 * W + 2))
         gathered = wn.window_init(state, ids(prompt))
         # spec 2.5 note: init pushes only the last W_max entries of S_init; stream_len keeps the true |S|
@@ -129,30 +141,33 @@ def test_random_streams_match_host_reference(V, W, mode, backend):
 
 
 @MODES
-def test_triton_kernel_and_torch_path_are_bit_identical(mode):
+def test_triton_kernel_torch_path_and_c_step_are_bit_identical(mode):
     rng = random.Random(5)
     V, W = 120, 31
-    states = {b: wn.new_window_state(V, W, DEVICE, mode) for b in (True, False)}
+    backends = ["triton", "torch"] + ([] if _NO_C else ["c"])
+    states = {b: wn.new_window_state(V, W, DEVICE, mode) for b in backends}
     for step in range(40):
         entries = torch.tensor(random_entries(rng, V, rng.randrange(0, W + 1), hot=30), dtype=torch.long,
                                device=DEVICE)
         out = {}
         for backend, state in states.items():
-            with using_triton(backend):
+            with on(backend):
                 out[backend] = wn.window_step(state, entries)
-        for name in ("ring", "ring_head", "stream_len", "cnt", "active", "slot_of", "tok_of_slot", "free_top"):
-            assert torch.equal(getattr(states[True], name), getattr(states[False], name)), (step, name)
-        top = int(states[True].free_top)
-        assert torch.equal(states[True].free_slots[:top], states[False].free_slots[:top])
-        for a, b in zip(out[True], out[False]):
-            assert torch.equal(a, b)
+        for other in backends[1:]:
+            for name in ("ring", "ring_head", "stream_len", "cnt", "active", "slot_of", "tok_of_slot", "free_top",
+                         "first_pos"):
+                assert torch.equal(getattr(states["triton"], name), getattr(states[other], name)), (step, other, name)
+            top = int(states["triton"].free_top)
+            assert torch.equal(states["triton"].free_slots[:top], states[other].free_slots[:top])
+            for a, b in zip(out["triton"], out[other]):
+                assert torch.equal(a, b), (step, other)
 
 
 @BACKENDS
 def test_full_window_turns_over_completely(backend):
     V, W = 64, 8
     state = wn.new_window_state(V, W, DEVICE)
-    with using_triton(backend):
+    with on(backend):
         for step in range(6):
             entries = ids(range(step * W, (step + 1) * W)) % V        # W fresh tokens per step
             gathered = wn.window_step(state, entries)
@@ -167,7 +182,7 @@ def test_eq4_refreshes_and_fifo_unique_does_not(backend):
     """Spec A4 by hand: W=3, S_init = (1, 2, 3), then one step appends (1, 4)."""
     expected = {"eq4_exact": {1, 3, 4},      # ring 1 2 3 -> 4 1 3 (push 1 evicts 1, push 4 evicts 2)
                 "fifo_unique": {2, 3, 4}}    # 1 is active, not pushed; 4 evicts 1
-    with using_triton(backend):
+    with on(backend):
         for mode, active in expected.items():
             state = wn.new_window_state(10, 3, DEVICE, mode)
             wn.window_init(state, ids([1, 2, 3]))
@@ -179,7 +194,7 @@ def test_eq4_refreshes_and_fifo_unique_does_not(backend):
 @BACKENDS
 def test_empty_and_all_padding_steps_change_nothing(backend):
     state = wn.new_window_state(30, 5, DEVICE)
-    with using_triton(backend):
+    with on(backend):
         wn.window_init(state, ids([3, 4, 3, 9]))
         before = {k: v.clone() for k, v in vars(state).items() if isinstance(v, torch.Tensor)}
         for entries in (ids([]), ids([-1] * 5)):
@@ -210,7 +225,7 @@ def test_steps_longer_than_the_window_match_host_reference(V, W, mode, backend):
     state = wn.new_window_state(V, W, DEVICE, mode)
     host = HostVocab(V, W, mode)
     stream = []
-    with using_triton(backend):
+    with on(backend):
         for _ in range(20):
             entries = random_entries(rng, V, rng.randrange(W + 1, 4 * W + 2), pad_rate=0.5, hot=max(2, V // 4))
             gathered = wn.window_step(state, ids(entries))
@@ -241,7 +256,7 @@ def test_unique_new_keeps_first_occurrences_in_order(m, backend):
     exclude = torch.zeros(V, dtype=torch.bool, device=DEVICE)
     exclude[::7] = True
     for ex in (None, exclude):
-        with using_triton(backend):
+        with on(backend):
             uniq, count = wn.unique_new(ids(candidates), V, ex)
         expected = [v for v in dict.fromkeys(candidates) if v >= 0 and (ex is None or not ex[v])]
         assert uniq.shape == (m,) and int(count) == len(expected)

@@ -188,7 +188,7 @@ void sv_linear_bf16(const uint16_t* x, const uint16_t* wp, const float* bias, vo
 #define RLOADW(j, m) ((__m512bh)_mm512_maskz_loadu_epi16(m, (const void*)(w##j + c * 32)))
 
 static inline void rtile4(const uint16_t* x, int K, const uint16_t* w, int nb, int kc, __mmask32 tail,
-                          float r[MB][NB]) {
+                          float r[MB][NB], const char* pf, int ps) {
     __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00,
            a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
     const uint16_t *x0 = x, *x1 = x + K, *x2 = x + 2 * (size_t)K, *x3 = x + 3 * (size_t)K;
@@ -202,19 +202,22 @@ static inline void rtile4(const uint16_t* x, int K, const uint16_t* w, int nb, i
         const __m512bh v2 = (__m512bh)_mm512_maskz_loadu_epi16(m, (const void*)(x2 + c * 32));
         const __m512bh v3 = (__m512bh)_mm512_maskz_loadu_epi16(m, (const void*)(x3 + c * 32));
 #define RLOAD(j) RLOADW(j, m)
+        PREFETCH(c);
         DP16(RLOAD);
 #undef RLOAD
     }
     REDUCE16(r);
 }
 
-static inline void rtile1(const uint16_t* x, int K, const uint16_t* w, int nb, int kc, __mmask32 tail, float r[NB]) {
+static inline void rtile1(const uint16_t* x, int K, const uint16_t* w, int nb, int kc, __mmask32 tail, float r[NB],
+                          const char* pf, int ps) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     const uint16_t *w0 = w, *w1 = nb > 1 ? w + (size_t)K : w, *w2 = nb > 2 ? w + 2 * (size_t)K : w,
                    *w3 = nb > 3 ? w + 3 * (size_t)K : w;
     for (int c = 0; c < kc; c++) {
         const __mmask32 m = (c == kc - 1 && tail) ? tail : (__mmask32)0xFFFFFFFFu;
         const __m512bh v = (__m512bh)_mm512_maskz_loadu_epi16(m, (const void*)(x + c * 32));
+        PREFETCH(c);
         DP(a0, v, RLOADW(0, m)); DP(a1, v, RLOADW(1, m)); DP(a2, v, RLOADW(2, m)); DP(a3, v, RLOADW(3, m));
     }
     _mm_storeu_ps(r, hsum4(a0, a1, a2, a3));
@@ -223,14 +226,20 @@ static inline void rtile1(const uint16_t* x, int K, const uint16_t* w, int nb, i
 static void rblocks(const uint16_t* x, const uint16_t* w, void* out, int out_f32, int M, int N, int K, int b0, int b1) {
     const int kc = (K + 31) / 32;
     const __mmask32 tail = (K % 32) ? (((__mmask32)1 << (K % 32)) - 1) : 0;
+    const int passes = M / MB + M % MB;       /* tiles of 4, then 1: the prefetch schedule of `blocks` */
+    const int ps = NB * 64 / passes;
     float r[MB][NB];
     for (int b = b0; b < b1; b++) {
         const int nb = (N - b * NB < NB) ? N - b * NB : NB;
+        const uint16_t* wb = w + (size_t)b * NB * K;
+        const char* pf = (const char*)wb + PF_DIST;  /* the block's NB rows lie together: one stream */
         for (int m = 0; m < M; m += MB) {
             const int mb = (M - m < MB) ? M - m : MB;
-            const uint16_t* wb = w + (size_t)b * NB * K;
-            if (mb == MB) rtile4(x + (size_t)m * K, K, wb, nb, kc, tail, r);
-            else for (int i = 0; i < mb; i++) rtile1(x + (size_t)(m + i) * K, K, wb, nb, kc, tail, r[i]);
+            if (mb == MB) { rtile4(x + (size_t)m * K, K, wb, nb, kc, tail, r, pf, ps); pf += (size_t)kc * ps; }
+            else for (int i = 0; i < mb; i++) {
+                rtile1(x + (size_t)(m + i) * K, K, wb, nb, kc, tail, r[i], pf, ps);
+                pf += (size_t)kc * ps;
+            }
             for (int i = 0; i < mb; i++)
                 for (int j = 0; j < nb; j++) {
                     size_t o = (size_t)(m + i) * N + (size_t)b * NB + j;

@@ -254,6 +254,26 @@ def test_lossless_greedy_every_policy(tiny, method):
             assert t["oracle_uncharged"] > 0
 
 
+def test_the_policys_pass_over_the_prompt_is_draft_prefill_not_gather(tiny, monkeypatch):
+    """MicroSpec's first window (its `begin`, timed as gather) is moved to draft_prefill, so gather is the
+    steps' own (MicroSpec Fig. 4 per drafted step). The policy's begin is slowed by 50 ms here."""
+    import time
+    from engine.vocab.microspec import MicroSpecVocab
+    model, info, _, _ = tiny
+    original = MicroSpecVocab.begin_ids
+
+    def slow_begin(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        with self.timer.phase("gather"):
+            time.sleep(0.05)
+    monkeypatch.setattr(MicroSpecVocab, "begin_ids", slow_begin)
+    out = generate(model, _prompt(0), method="layerskip", drafter_layers="skip:1", vocab="microspec", w_max=48,
+                   max_new_tokens=12, eos_ids=[], draft_size=4)
+    t = out.drafter_timings
+    assert t["draft_prefill"] >= 0.05 and 0 < t["gather"] < 0.05
+    assert out.begin_s >= t["draft_prefill"]
+
+
 def test_layerskip_drafts_tokens_the_target_accepts(tiny):
     model, info, _, _ = tiny
     out = generate(model, _prompt(0), method="layerskip", drafter_layers="skip:2", max_new_tokens=20, eos_ids=[])

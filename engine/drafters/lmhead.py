@@ -32,7 +32,8 @@ Phases timed per drafter (`timings()`, seconds since `begin`): `backbone` (catch
 tokens + tree forwards + cache compaction), `lm_head` (policy head + log-softmax + top-k), `tree`
 (selection and tree build), `gather` (the policy's stream update, window step and row gather; on CUDA
 the gather itself runs on a copy stream and only the wait lands in `lm_head`), `draft_prefill` (the
-drafter's pass over the prompt in `begin`, not part of any step), `oracle_uncharged` (oracle policy only:
+drafter's and its policy's pass over the prompt in `begin`, not part of any step: the policy's first
+gather is moved here from `gather`), `oracle_uncharged` (oracle policy only:
 its full head, already subtracted from `lm_head`), `router` (dynaspec policy only: its router, called
 through `policy.route` before the backbone runs each level; on CUDA it runs on a side stream). `stats()`:
 steps drafted, mean/max active vocab, coverage of the committed tokens by the vocab the drafter had.
@@ -190,6 +191,9 @@ class LMHeadDrafter(Drafter, ABC):
         self.steps = 0
         self._last = None
         self.policy.begin(torch.as_tensor(prompt_ids).reshape(-1), prefill_logits)   # times `gather`
+        # the policy's pass over the prompt (MicroSpec's first window, DynaSpec's prompt clusters) is no step's
+        # gather: `timings` moves it to draft_prefill, so every phase is per drafted step (MicroSpec Fig. 4)
+        self._begin_gather = self.timer.totals().get("gather", 0.0)
         with self.timer.phase("draft_prefill"):
             self._backbone_begin(torch.as_tensor(prompt_ids, device=self.device).reshape(-1), prefill_hidden)
 
@@ -216,6 +220,10 @@ class LMHeadDrafter(Drafter, ABC):
 
     def timings(self) -> dict[str, float]:
         out = self.timer.totals()
+        moved = getattr(self, "_begin_gather", 0.0)
+        if moved and "gather" in out:
+            out["gather"] -= moved
+            out["draft_prefill"] = out.get("draft_prefill", 0.0) + moved
         if "oracle_uncharged" in out:      # the oracle's full head runs inside lm_head but is not charged
             out["lm_head"] = out.get("lm_head", 0.0) - out["oracle_uncharged"]
         return out

@@ -122,7 +122,7 @@ class MicroSpecVocab(VocabPolicy):
             raise VocabError(f"microspec needs the target's logits at all {prompt_ids.numel()} prompt positions "
                              f"([L, V], Eq. 2), got {got}; run the prefill LM head over every position")
         with self.timer.phase("gather"):
-            topk = prefill_logits.topk(self.cfg.k_pre, dim=-1).indices         # [L, k_pre]
+            topk = cpu_kernels.topk(prefill_logits, self.cfg.k_pre)[1]          # [L, k_pre] (C on CPU: one pass)
         self.begin_ids(prompt_ids, topk)
 
     def observe(self, step, tried_tokens=None):

@@ -278,10 +278,6 @@ void sv_linear_rows_bf16(const uint16_t* x, const uint16_t* w, void* out, int ou
 
 #define ABLOCK 32
 
-static inline __m512 bf16x16(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
 /* exp(x) (the attention calls it with x = s - block max <= 0): 2^n * p(f), n = round(x log2 e), f = x - n ln 2 (two-part ln 2),
  * p a degree-6 polynomial (Cephes' expf coefficients); fixed operations, so fixed bits. */
 static inline __m512 exp_ps(__m512 x) {

@@ -176,6 +176,7 @@ class LMHeadDrafter(Drafter, ABC):
         self.policy = None
         self._last: Expansion | None = None
         self.steps = 0
+        self._begin_gather = 0.0          # the policy's gather in `begin`, reported as draft_prefill (`timings`)
 
     def _make_policy(self):
         self.policy = make_policy(self.cfg, self.head_weight, softcap=self.softcap, timer=self.timer,
@@ -220,10 +221,9 @@ class LMHeadDrafter(Drafter, ABC):
 
     def timings(self) -> dict[str, float]:
         out = self.timer.totals()
-        moved = getattr(self, "_begin_gather", 0.0)
-        if moved and "gather" in out:
-            out["gather"] -= moved
-            out["draft_prefill"] = out.get("draft_prefill", 0.0) + moved
+        if self._begin_gather and "gather" in out:
+            out["gather"] -= self._begin_gather
+            out["draft_prefill"] = out.get("draft_prefill", 0.0) + self._begin_gather
         if "oracle_uncharged" in out:      # the oracle's full head runs inside lm_head but is not charged
             out["lm_head"] = out.get("lm_head", 0.0) - out["oracle_uncharged"]
         return out

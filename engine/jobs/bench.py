@@ -68,7 +68,7 @@ a compact table per task and the overall block, per run: tokens/s, speedup over 
 ar = 1.00), mean_active_vocab, the draft time per drafted step in ms and its split by phase, draft_coverage and
 `lossless` (greedy only): "exact" if every output of the run equals `ar`'s, else "mismatch" if any row is a
 mismatch, else "near-tie". Each measure is defined once, in `engine.metrics` (its docstring: the formulas,
-e.g. draft_ms = sum (draft_s - draft_prefill_s - uncharged_s) / sum (steps - 1); `summarize`). Last, for a
+e.g. draft_ms = sum (draft_s - begin_s - uncharged_s) / sum (steps - 1); `summarize`). Last, for a
 drafter benched with several policies, one line per pair measured in this run (`compare_vocabs`): every other
 policy against `full`, microspec against frspec and dynaspec, and dynaspec against frspec: draft-time ratio,
 tau ratio and tokens/s ratio, with the papers' claims as targets; and for every output that differs from ar's a

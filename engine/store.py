@@ -63,9 +63,8 @@ def topk_probs(logits: torch.Tensor, k: int, temperature: float = 0.0, top_p: fl
             vals, idx = warp_probs(logits[lo:lo + chunk], temperature, top_p).topk(k, dim=-1)  # [c, k]
         else:
             z = logits[lo:lo + chunk].float()                              # [c, V]
-            lse = torch.logsumexp(z, dim=-1, keepdim=True)                 # [c, 1]
-            vals, idx = cpu_kernels.topk(z, k)                             # [c, k] each, descending
-            vals = (vals - lse).exp()
+            vals, idx, lse = cpu_kernels.topk_lse(z, k)                    # [c, k] each, descending; [c]
+            vals = (vals - lse[:, None]).exp()
         ids[lo:lo + chunk] = idx
         probs[lo:lo + chunk] = vals
     return ids, probs

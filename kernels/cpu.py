@@ -131,6 +131,9 @@ def _build() -> ctypes.CDLL:
     lib.sv_topk_f32.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_void_p,
                                 ctypes.c_void_p, ctypes.c_int]
     lib.sv_topk_f32.restype = ctypes.c_int
+    lib.sv_topk_lse_f32.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_int] + [ctypes.c_void_p] * 3 + [
+        ctypes.c_int]
+    lib.sv_topk_lse_f32.restype = ctypes.c_int
     lib.sv_layer_scratch.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.sv_layer_scratch.restype = ctypes.c_size_t
     lib.sv_layer.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
@@ -273,6 +276,36 @@ def topk(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if nan or bool((idx[:, -1] < 0).any()):
         return torch.topk(z, k, dim=-1)
     return vals.view(*lead, k), idx.view(*lead, k)
+
+
+def topk_lse(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(values [.., k], indices [.., k], logsumexp [..]) of each row of z [.., V]: `topk`, and the row's
+    log-sum-exp, so that exp(values - lse) are the top-k softmax probabilities (the successor store's
+    confidences, engine.store.topk_probs). In C for fp32 CPU rows where the kernels run: the top-k pass, then
+    one pass of exp(z - max) summed in fp64 (kernels/cpu.c `sv_topk_lse_f32`; torch.logsumexp spends ~3 ns a
+    logit on one thread, ~10x this). The log-sum-exp agrees with torch's to float rounding (a few ulp), not
+    bitwise. Elsewhere, and for rows C declines (NaN, +inf, fewer than k values above -inf):
+    `topk_lse_reference`."""
+    V = z.shape[-1]
+    if (z.dtype != torch.float32 or z.device.type != "cpu" or not 0 < k <= min(V, TOPK_MAX)
+            or available() is not None or z.numel() == 0):
+        return topk_lse_reference(z, k)
+    lead = z.shape[:-1]
+    z2 = z.reshape(-1, V).contiguous()
+    vals = torch.empty(z2.shape[0], k, dtype=torch.float32)
+    idx = torch.empty(z2.shape[0], k, dtype=torch.int64)
+    lse = torch.empty(z2.shape[0], dtype=torch.float32)
+    bad = _lib.sv_topk_lse_f32(z2.data_ptr(), z2.shape[0], V, k, vals.data_ptr(), idx.data_ptr(), lse.data_ptr(),
+                               torch.get_num_threads())
+    if bad:
+        return topk_lse_reference(z, k)
+    return vals.view(*lead, k), idx.view(*lead, k), lse.view(lead)
+
+
+def topk_lse_reference(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plain-torch `topk_lse`: `topk` (torch.topk where C does not run) and torch.logsumexp."""
+    vals, idx = topk(z, min(k, z.shape[-1]))
+    return vals, idx, torch.logsumexp(z.float(), dim=-1)
 
 
 def window_step(entries: torch.Tensor, fifo_unique: bool, ring: torch.Tensor, ring_head: torch.Tensor,

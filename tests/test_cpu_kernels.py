@@ -19,6 +19,10 @@ Mutants these tests were checked against (each fails at least one test here):
 - route_linears serving the first packed copy after the weights changed in place      -> weight updates
 - rows_linear reading the weight's or x's partial last chunk unmasked                  -> row-major tails
 - topk: the masked last vector skipped; ties inserted ahead of the incumbent (>= for >) -> topk
+- topk_lse: the masked last vector left out of the sum; the high half of each 16 (s1) dropped; lse without
+  the max added back                                                                   -> topk_lse
+  (exp_ps's polynomial one term short passes here, rightly: ~3e-7 of the sum, under lse's float rounding;
+  the attention's reference tests catch it)
   (the vector pre-filter's > made >= passes, rightly: the scalar check after it decides)
   (computing every row with the 1-row tile instead of the 4-row one passes: the same sums, in the same order)
 - the fused layer: RoPE's rotate-half sign flipped; the activation taken before the gate/up split's
@@ -165,6 +169,36 @@ def test_topk_is_torchs_topk_and_argmax_keeps_the_first_maximum():
     short[:, 3] = 1.0
     assert cpu.topk(short, 2)[1][:, 0].tolist() == [3, 3]
     assert torch.equal(cpu.topk(z.double(), 2)[1], torch.topk(z.double(), 2)[1])   # other dtypes: torch
+
+
+def test_topk_lse_gives_topk_and_each_rows_logsumexp():
+    """`topk_lse` (the successor store's confidences): `topk`'s values and indices, and a log-sum-exp within a
+    few ulp of float64's - over the masked last vector too, on rows with -inf entries, on any thread count; rows
+    C declines (NaN, +inf, fewer than k finite values) get the torch reference's answer."""
+    g = torch.Generator().manual_seed(11)
+    z = torch.randn(6, 70001, generator=g) * 8              # not a multiple of 16: the masked last vector
+    z[2, -1] = 90.0                                          # the maximum in the masked tail: lse = 90 + ...
+    z[3, 5:] = -torch.inf                                    # a masked vocabulary: 5 finite logits
+    z[4, 70001 - 9:] = 60.0                                  # the tail's mass decides the row's lse
+    want = torch.logsumexp(z.double(), dim=-1)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        v, i, lse = cpu.topk_lse(z, 5)
+        tv, ti = cpu.topk(z, 5)
+        assert torch.equal(v, tv) and torch.equal(i, ti)
+        assert lse.dtype == torch.float32 and lse.shape == (6,)
+        assert torch.allclose(lse.double(), want, rtol=0, atol=4 * 90 * 2.0 ** -23), (lse.double() - want).abs().max()
+    torch.set_num_threads(1)
+    p = (v - lse[:, None]).exp()                            # the top-k probabilities
+    assert torch.allclose(p.double(), (tv.double() - want[:, None]).exp(), rtol=1e-5, atol=0)
+    odd = torch.full((4, 40), 0.5)
+    odd[0, 7] = float("nan")
+    odd[1, 3] = float("inf")
+    odd[2, 2:] = -torch.inf                                  # 2 finite values, k = 3
+    v, i, lse = cpu.topk_lse(odd, 3)
+    rv, ri, rl = cpu.topk_lse_reference(odd, 3)
+    assert torch.equal(i, ri) and torch.equal(lse.isnan(), rl.isnan()) and lse[1] == torch.inf
+    assert torch.equal(lse[2:], rl[2:])
 
 
 # --- attention -------------------------------------------------------------------------------------------

@@ -53,7 +53,11 @@ The cache: `$SPECVOCAB_CACHE/calibration.json` (default `~/.cache/specvocab`), o
 `model|device|dtype|method|fingerprint`. The fingerprint is a short hash of every config field that changes
 tau(g) or s(g) for that method (`calibration_fields`, defined in engine.config without torch: r, k, depth,
 confidence, the store's persistence, the drafter's layers, the vocabulary policy and its size, ...); the
-fields themselves are stored in the record. `resolve_draft_size` never calibrates silently: with no cached g*
+fields themselves are stored in the record. A record also carries the `code_stamp` of the decoder that measured
+it (a hash of engine/ and kernels/ sources and torch's version): s(g) is a property of that code as much as of
+the device, so a g* measured before a kernel changed is stale. `resolve_draft_size` still takes a stale g* (a
+better guess than the fallback) and warns once per key, naming the command that re-measures it. It never
+calibrates silently: with no cached g*
 it warns once per key, naming the command that makes one (`calibrate_command`), and falls back to the method's
 uncalibrated default - `FALLBACK_DRAFT_SIZE[device type]` for unispec, what the harness passes for the others
 (`engine.config.DEFAULT_DRAFT_SIZE`, recycling's whole template) - or raises with `on_missing="error"`.
@@ -69,6 +73,8 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
+import hashlib
 import json
 import math
 import platform
@@ -391,6 +397,34 @@ def cached_draft_size(key: str) -> int | None:
     return None if rec is None else int(rec["g_star"])
 
 
+_PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+CODE_DIRS = ("engine", "kernels")      # the decoder: what a step costs and what it accepts (engine/jobs excluded)
+
+
+def code_files(root: str | Path = _PACKAGE_ROOT) -> list[Path]:
+    """The sources `code_stamp` hashes under `root`: engine/ and kernels/ (.py and .c), without engine/jobs
+    (the command lines around the decoder), in a stable order."""
+    root = Path(root)
+    files = [f for d in CODE_DIRS for f in (root / d).rglob("*") if f.suffix in (".py", ".c") and f.is_file()]
+    return sorted((f for f in files if "jobs" not in f.relative_to(root).parts[1:2]),
+                  key=lambda f: f.relative_to(root).as_posix())
+
+
+@functools.lru_cache(maxsize=None)
+def _stamp_of(root: Path) -> str:
+    h = hashlib.sha1(torch.__version__.encode())
+    for f in code_files(root):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def code_stamp(root: str | Path | None = None) -> str:
+    """A short hash of the decoder's sources (`code_files`) and torch's version: what a calibration record's
+    `code` field holds, so that `resolve_draft_size` can tell a g* measured by other code (computed once per
+    process and root)."""
+    return _stamp_of(Path(root).resolve() if root is not None else _PACKAGE_ROOT)
+
+
 def calibrate_command(cfg: SpecConfig, model) -> str:
     """The `python -m engine.jobs.calibrate` command that calibrates cfg's key on this machine: the model, the
     method, the device, dtype and (CPU) threads of the key, and a `--set` for every calibration field where
@@ -408,7 +442,7 @@ def calibrate_command(cfg: SpecConfig, model) -> str:
     return " ".join(parts)
 
 
-_warned: set[tuple[Path, str]] = set()
+_warned: set[tuple] = set()
 
 
 def resolve_draft_size(cfg: SpecConfig, model, *, on_missing: str = "fallback", fallback: int | None = None) -> int:
@@ -431,6 +465,13 @@ def resolve_draft_size(cfg: SpecConfig, model, *, on_missing: str = "fallback", 
     key = model_key(model, cfg)
     g = cached_draft_size(key)
     if g is not None:
+        code = load_calibrations().get(key, {}).get("code")
+        if code != code_stamp() and (cache_file(), key, "stale") not in _warned:     # once per cache and key
+            _warned.add((cache_file(), key, "stale"))
+            made = f"code stamp {code}" if code else "no code stamp (an older version)"
+            warnings.warn(f"the calibrated draft size g = {g} for {cfg.method} ({key}) was measured by other code "
+                          f"({made}; this decoder's is {code_stamp()}): using it, but a kernel or drafter change "
+                          f"moves g*; re-measure with `{calibrate_command(cfg, model)}`", stacklevel=2)
         return g
     dev_type = next(model.parameters()).device.type
     if fallback is None:

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import shlex
+import shutil
 import warnings
 from pathlib import Path
 
@@ -171,6 +172,57 @@ def test_cache_round_trip_and_resolve(cache_dir, tiny):
         calib.cached_draft_size(key)
 
 
+def test_a_g_star_measured_by_other_code_is_used_with_one_warning_naming_the_command(cache_dir, tiny):
+    """s(g) belongs to the code that measured it: a record whose `code` is not this decoder's `code_stamp` (or
+    has none: an older version) still gives its g* (a better guess than the fallback), with one warning per
+    key that names the command re-measuring it; a record of this code gives it silently."""
+    model, _ = tiny
+    cfg = SpecConfig.preset("unispec")
+    key = calib.model_key(model, cfg)
+    for code in ("0123456789ab", None):
+        rec = {"g_star": 9} if code is None else {"g_star": 9, "code": code}
+        calib.save_calibration(key, rec)
+        calib._warned.clear()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            assert [calib.resolve_draft_size(cfg, model) for _ in range(3)] == [9, 9, 9]
+        msgs = [str(x.message) for x in w]
+        assert len(msgs) == 1 and "measured by other code" in msgs[0], msgs
+        assert calib.calibrate_command(cfg, model) in msgs[0] and calib.code_stamp() in msgs[0]
+        assert (code or "no code stamp") in msgs[0]
+    calib.save_calibration(key, {"g_star": 9, "code": calib.code_stamp()})
+    calib._warned.clear()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert calib.resolve_draft_size(cfg, model) == 9
+    assert not w
+
+
+def test_the_code_stamp_follows_the_decoders_sources_not_its_jobs(tmp_path, monkeypatch):
+    """`code_stamp` hashes engine/ and kernels/ (Python and C) without engine/jobs, and torch's version: a copy
+    of them stamps the same; an edit to the C kernels or a drafter, or another torch, changes the stamp; an
+    edit to a job does not."""
+    root = Path(calib.__file__).resolve().parent.parent
+    skip = shutil.ignore_patterns("heads", "__pycache__", "*.safetensors", "*.so")
+
+    def stamp_of_copy(name, edit=None):
+        dst = tmp_path / name
+        for d in calib.CODE_DIRS:
+            shutil.copytree(root / d, dst / d, ignore=skip)
+        if edit:
+            with open(dst / edit, "a") as f:
+                f.write("\n")
+        return calib.code_stamp(dst)
+
+    assert stamp_of_copy("same") == calib.code_stamp()
+    assert stamp_of_copy("c", "kernels/cpu.c") != calib.code_stamp()
+    assert stamp_of_copy("drafter", "engine/drafters/unispec.py") != calib.code_stamp()
+    assert stamp_of_copy("job", "engine/jobs/bench.py") == calib.code_stamp()
+    assert [f.name for f in calib.code_files(root) if f.suffix == ".c"] == ["cpu.c"]
+    monkeypatch.setattr(torch, "__version__", "0.0.0-other")
+    assert stamp_of_copy("torch") != calib.code_stamp()
+
+
 def test_every_config_field_is_in_or_out_of_the_calibration_key():
     """A field added to SpecConfig must be classified: it changes tau(g)/s(g) of some method (part of the
     key) or of none. Otherwise a calibration would silently be reused across settings it does not fit."""
@@ -240,7 +292,10 @@ def test_measure_and_calibrate_through_harness(cache_dir, tiny):
     # the fitted g* runs at its row bucket's largest tree (engine.harness.bucket_edge): 1..3 -> 3, 4..7 -> 7
     assert rec["g_star"] in (3, 7) and len(rec["rows"]) == 3
     assert rec.get("g_star_fit", rec["g_star"]) in range(1, 5)
-    assert calib.resolve_draft_size(cfg, model) == rec["g_star"]
+    assert rec["code"] == calib.code_stamp()                     # measured by this code: taken without a warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert calib.resolve_draft_size(cfg, model) == rec["g_star"]
 
 
 def test_every_grid_point_starts_from_the_same_store(tiny, monkeypatch):

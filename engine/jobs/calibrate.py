@@ -37,8 +37,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from engine.calibration import (EAGLE_CANDIDATES, CalibrationError, Pipeline, default_grid, device_name,
-                                eagle_total_token, fit_record, model_id, model_key, pipeline_of, refit, save_calibration)
+from engine.calibration import (EAGLE_CANDIDATES, CalibrationError, Pipeline, code_stamp, default_grid,
+                                device_name, eagle_total_token, fit_record, model_id, model_key, pipeline_of, refit,
+                                save_calibration)
 from engine.config import (DRAFTING_METHODS, SpecConfig, calibration_fields, config_fingerprint,
                            parse_overrides)
 from engine.jobs.frequency import FrequencyError, with_default_ranking
@@ -228,7 +229,7 @@ def calibrate(model, prompts: Sequence[torch.Tensor], method: str = "unispec", *
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "method": method,
         "config": calibration_fields(base), "fingerprint": config_fingerprint(base), "rows": rows,
         "prompts": len(prompts), "repeats": repeats,
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "threads": torch.get_num_threads(), "code": code_stamp(),
         "wallclock_s": time.perf_counter() - t0, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     if run != base:

@@ -216,20 +216,23 @@ class NativeModel:
 
     # -- weights -------------------------------------------------------------------------------------
     def cpu_kernels_reason(self) -> str | None:
-        """None when the CPU kernels (kernels.cpu) can run this model, else why not."""
-        return cpu.reason(self.device, self.dtype)
+        """None when the CPU kernels (kernels.cpu) can run this model's linears (bf16, or fp32 on AVX-512F), else
+        why not."""
+        return cpu.linear_reason(self.device, self.dtype)
 
     @torch.no_grad()
     def use_cpu_kernels(self, on: bool = True) -> bool:
         """Run this model's linears (every layer's four and the LM head) through the CPU small-row kernel
         (`on`, where `cpu_kernels_reason()` is None) or `F.linear` (oneDNN). Returns whether the kernel runs.
         The first switch on packs the weights for it: a copy, so the model then holds its weight bytes twice.
-        Rule 1 holds either way: both give a row the same bits for every M (the kernel by construction)."""
+        bf16: the fused layer and the attention kernel too; rule 1 holds either way (both give a row the same
+        bits for every M, the kernel by construction). fp32: the linears only (the attention stays torch's, its
+        GEMMs at >= 4 rows); with them a row's bits no longer need M >= 4, so a step runs unpadded."""
         if on and self.cpu_kernels_reason() is None and self.head_kernel is None:
             act = FUSED_ACTIVATIONS.get(getattr(self.config, "hidden_activation", None)
                                         or getattr(self.config, "hidden_act", None))
             for L in self.layers:
-                if act is not None and cpu.takes_head_dim(self.head_dim):
+                if act is not None and cpu.takes_head_dim(self.head_dim) and self.dtype == torch.bfloat16:
                     L.fused = cpu.pack_layer(L.qkv_w, L.qkv_b, L.o_w, L.gate_up_w, L.down_w, heads=self.heads,
                                              kv_heads=self.kv_heads, head_dim=self.head_dim, eps=self.eps,
                                              in_norm=L.in_norm, pre_mlp_norm=L.pre_mlp_norm,
@@ -244,7 +247,7 @@ class NativeModel:
         return self.kernel_on
 
     def _attention_kernel(self, hd: int) -> bool:
-        return self.kernel_on and cpu.takes_head_dim(hd)
+        return self.kernel_on and self.dtype == torch.bfloat16 and cpu.takes_head_dim(hd)
 
     def _kernel(self, rows: int, exact: bool) -> bool:
         # exact mode: always (a decode's forwards must share one implementation whatever their rows); else up to
@@ -436,7 +439,7 @@ class NativeModel:
             k_pos = b0 * BLOCK + torch.arange(2 * BLOCK, device=dev)
             allowed = allowed & (positions[:, None] - k_pos[None, :] < window)
         kernel_args = ((positions.contiguous(), allowed.to(torch.uint8).contiguous(), window or 0)
-                       if self.kernel_on else None)
+                       if self.kernel_on and self.dtype == torch.bfloat16 else None)
         return committed, ~allowed[None, :, None, :], kernel_args
 
     def _attention_exact(self, q, kc, vc, P, idx, masked) -> torch.Tensor:

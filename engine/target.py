@@ -269,7 +269,7 @@ def resolve_backend(model, backend: str = "auto") -> str:
 def backend_label(model, backend: str = "auto", fixed_shape: bool = True, compile: bool = False,
                   cuda_graphs: bool = True, cpu_kernels: bool = True) -> str:
     """How a decode's target runs, in the forward benchmark's words: "hf", "native" (fixed-shape),
-    "native-blas" (fixed-shape, bf16 on a CPU without the small-row kernel of kernels.cpu: oneDNN's
+    "native-blas" (fixed-shape, bf16 or fp32 on a CPU without the small-row kernels of kernels.cpu: oneDNN's
     GEMMs), "native-compiled", "native-graph" (fixed-shape under CUDA graphs: the default on CUDA),
     "native-compiled-graph" (both) or "native-sdpa" (native without the fixed shape). Results and figures
     carry it."""
@@ -279,16 +279,16 @@ def backend_label(model, backend: str = "auto", fixed_shape: bool = True, compil
         return "native-sdpa"
     p = next(model.parameters())
     graphed = cuda_graphs and p.device.type in GRAPH_DEVICES
-    blas = (not compile and p.device.type == "cpu" and p.dtype == torch.bfloat16
-            and not cpu_kernels_run(model, backend, cpu_kernels))   # bf16 on a CPU, the kernels off
+    blas = (not compile and p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float32)
+            and not cpu_kernels_run(model, backend, cpu_kernels))   # bf16 / fp32 on a CPU, the kernels off
     return "native" + ("-compiled" if compile else "") + ("-graph" if graphed else "") + ("-blas" if blas else "")
 
 
 def cpu_kernels_run(model, backend: str = "auto", cpu_kernels: bool = True) -> bool:
-    """Whether a decode of `model` runs the CPU kernels (kernels.cpu): asked for, the native backend, bf16 on a
-    CPU, and the kernels built here."""
+    """Whether a decode of `model` runs the CPU kernels (kernels.cpu): asked for, the native backend, bf16 (on a
+    CPU with AVX512-BF16) or fp32 (AVX-512F: the linears only) on a CPU, and the kernels built here."""
     p = next(model.parameters())
-    return cpu_kernels and cpu.reason(p.device, p.dtype) is None and resolve_backend(model, backend) == "native"
+    return cpu_kernels and cpu.linear_reason(p.device, p.dtype) is None and resolve_backend(model, backend) == "native"
 
 
 def pads_rows(model, backend: str = "auto", fixed_shape: bool = True, rows: int | None = None,

@@ -181,6 +181,106 @@ void sv_linear_bf16(const uint16_t* x, const uint16_t* wp, const float* bias, vo
     }
 }
 
+/* ---- the same product in fp32 (AVX-512F only): a model kept in fp32 ------------------------------------------
+ *
+ * Packed [ceil(N / NB)][ceil(K / 16)][NB][16] fp32 (a chunk is 64 bytes, as a bf16 chunk of 32 is), tiles of 4, 2
+ * and 1 rows with the same prefetch schedule, each output summed by one FMA chain over the K chunks in order and
+ * reduced by hsum16 / hsum4. So, as in bf16, a row's bits are a function of that row: what lets an fp32 decode
+ * run every step unpadded (oneDNN's fp32 GEMM gives rows 1-3 of a product other bits than it gives them inside
+ * a larger one, so the torch path pads every step to >= 4 rows: an `ar` step then streams the weights for 4). */
+#define FCHUNK(p, c) ((c) < full ? _mm512_loadu_ps((p) + (c) * 16) : _mm512_maskz_loadu_ps(tail, (p) + (c) * 16))
+#define FM(a, x, w) a = _mm512_fmadd_ps(x, w, a)
+#define FLOADW(j) _mm512_loadu_ps(wc + (j) * 16)
+
+static inline void ftile4(const float* x, int K, const float* wb, int kc, __mmask16 tail, float r[4][NB],
+                          const char* pf, int ps) {
+    __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00,
+           a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
+    const float *x0 = x, *x1 = x + K, *x2 = x + 2 * (size_t)K, *x3 = x + 3 * (size_t)K;
+    const int full = tail ? kc - 1 : kc;
+    for (int c = 0; c < kc; c++) {
+        const __m512 v0 = FCHUNK(x0, c), v1 = FCHUNK(x1, c), v2 = FCHUNK(x2, c), v3 = FCHUNK(x3, c);
+        const float* wc = wb + (size_t)c * NB * 16;
+        PREFETCH(c);
+        __m512 w_;
+        w_ = FLOADW(0); FM(a00, v0, w_); FM(a10, v1, w_); FM(a20, v2, w_); FM(a30, v3, w_);
+        w_ = FLOADW(1); FM(a01, v0, w_); FM(a11, v1, w_); FM(a21, v2, w_); FM(a31, v3, w_);
+        w_ = FLOADW(2); FM(a02, v0, w_); FM(a12, v1, w_); FM(a22, v2, w_); FM(a32, v3, w_);
+        w_ = FLOADW(3); FM(a03, v0, w_); FM(a13, v1, w_); FM(a23, v2, w_); FM(a33, v3, w_);
+    }
+    REDUCE16(r);
+}
+
+static inline void ftile2(const float* x, int K, const float* wb, int kc, __mmask16 tail, float r[2][NB],
+                          const char* pf, int ps) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    const float *x0 = x, *x1 = x + K;
+    const int full = tail ? kc - 1 : kc;
+    for (int c = 0; c < kc; c++) {
+        const __m512 v = FCHUNK(x0, c), u = FCHUNK(x1, c);
+        const float* wc = wb + (size_t)c * NB * 16;
+        PREFETCH(c);
+        __m512 w_;
+        w_ = FLOADW(0); FM(a0, v, w_); FM(b0, u, w_);
+        w_ = FLOADW(1); FM(a1, v, w_); FM(b1, u, w_);
+        w_ = FLOADW(2); FM(a2, v, w_); FM(b2, u, w_);
+        w_ = FLOADW(3); FM(a3, v, w_); FM(b3, u, w_);
+    }
+    _mm_storeu_ps(r[0], hsum4(a0, a1, a2, a3));
+    _mm_storeu_ps(r[1], hsum4(b0, b1, b2, b3));
+}
+
+static inline void ftile1(const float* x, const float* wb, int kc, __mmask16 tail, float r[NB], const char* pf, int ps) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const int full = tail ? kc - 1 : kc;
+    for (int c = 0; c < kc; c++) {
+        const __m512 v = FCHUNK(x, c);
+        const float* wc = wb + (size_t)c * NB * 16;
+        PREFETCH(c);
+        FM(a0, v, FLOADW(0)); FM(a1, v, FLOADW(1)); FM(a2, v, FLOADW(2)); FM(a3, v, FLOADW(3));
+    }
+    _mm_storeu_ps(r, hsum4(a0, a1, a2, a3));
+}
+
+static void fblocks(const float* x, const float* wp, const float* bias, float* out, int M, int N, int K, int b0, int b1) {
+    const int kc = (K + 15) / 16;
+    const __mmask16 tail = (K % 16) ? (__mmask16)((1u << (K % 16)) - 1) : 0;
+    const int passes = M / MB + (M % MB == 3 ? 2 : M % MB ? 1 : 0);
+    const int ps = NB * 64 / passes;
+    float r[MB][NB];
+    for (int b = b0; b < b1; b++) {
+        const float* wb = wp + (size_t)b * kc * NB * 16;
+        const char* pf = (const char*)wb + PF_DIST;
+        const int nb = (N - b * NB < NB) ? N - b * NB : NB;
+        for (int m = 0; m < M;) {
+            const int left = M - m, mb = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+            const float* xm = x + (size_t)m * K;
+            if (mb == 4) ftile4(xm, K, wb, kc, tail, r, pf, ps);
+            else if (mb == 2) ftile2(xm, K, wb, kc, tail, r, pf, ps);
+            else ftile1(xm, wb, kc, tail, r[0], pf, ps);
+            pf += (size_t)kc * ps;
+            for (int i = 0; i < mb; i++)
+                for (int j = 0; j < nb; j++)
+                    out[(size_t)(m + i) * N + (size_t)b * NB + j] = bias ? r[i][j] + bias[b * NB + j] : r[i][j];
+            m += mb;
+        }
+    }
+}
+
+/* x [M, K] fp32 contiguous; wp packed (above); bias [N] or NULL; out [M, N] fp32. */
+void sv_linear_f32(const float* x, const float* wp, const float* bias, float* out, int M, int N, int K, int threads) {
+    const int nblocks = (N + NB - 1) / NB;
+    if (threads <= 1) {
+        fblocks(x, wp, bias, out, M, N, K, 0, nblocks);
+        return;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < threads; t++) {
+        int b0 = (int)((long)nblocks * t / threads), b1 = (int)((long)nblocks * (t + 1) / threads);
+        if (b0 < b1) fblocks(x, wp, bias, out, M, N, K, b0, b1);
+    }
+}
+
 /* The same product over a weight left row-major, w [N, K] (a buffer rewritten in place, which a packed copy would
  * have to follow: MicroSpec's gathered window head, a drafter's vocabulary head): out[m, n] fp32 or bf16. Four
  * outputs stream four rows at once; the last partial K chunk is masked on both sides. Each output is summed in

@@ -1,8 +1,9 @@
 """CPU kernels for the native decode on x86 with AVX512-BF16 (issue #16's "better small-row kernel"), each
 beside its plain-torch reference.
 
-    pack(weight, bias)                  -> PackedLinear (the weight re-laid for the kernel, once)
-    PackedLinear(x, out_dtype)          y = x @ W.T (+ b), [M, N]: the small-row bf16 linear (kernels/cpu.c)
+    pack(weight, bias)                  -> PackedLinear (the weight re-laid for the kernel, once; bf16 or fp32)
+    PackedLinear(x, out_dtype)          y = x @ W.T (+ b), [M, N]: the small-row bf16 linear (kernels/cpu.c), or
+                                        for an fp32 weight the same product in fp32 (AVX-512F only)
     linear_reference(x, weight, bias)   the same product in plain torch (fp32 accumulation, then rounded)
     rows_linear(x, weight, out_dtype)   the same small-row product over a row-major weight, as it lies (a
                                         buffer rewritten in place: MicroSpec's window head, a vocab head),
@@ -17,9 +18,12 @@ beside its plain-torch reference.
     route_linears(module)               a module's own bf16 nn.Linear layers on the kernel (drafters' heads)
     topk(z, k)                          torch.topk(z, k) of fp32 CPU rows in one pass at memory speed (ties: the
                                         lower index, as torch.argmax), torch itself elsewhere
+    topk_lse(z, k)                      topk and each row's log-sum-exp (the successor store's confidences)
     window_step(entries, ...)           MicroSpec's window step in place (kernels.window: `_window_step_torch`
                                         is its reference, bit for bit), O(m) per step
-    available()                         None when the kernels run here, else why not (one line)
+    available()                         None when the bf16 kernels run here, else why not (one line)
+    available_fp32()                    None when the fp32 ones run (linear, top-k, window step: AVX-512F is
+                                        enough; a CPU without AVX512-BF16 keeps its models in fp32)
 
 Why it exists. A decode forward multiplies 1-16 rows by every weight of the model: the work is reading the
 weights, so its limit is memory bandwidth. oneDNN's bf16 GEMM (what `F.linear` calls on a CPU) reached about
@@ -84,8 +88,10 @@ SOURCE = Path(__file__).with_name("cpu.c")
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
 BLOCK = 32                                                            # attention block (engine.native.BLOCK)
-REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")   # /proc/cpuinfo names
+BUILD_FLAGS = ("avx512f", "avx512bw", "avx512vl")                    # /proc/cpuinfo names: the fp32 kernels
+REQUIRED_FLAGS = (*BUILD_FLAGS, "avx512_bf16")                          # ... and the bf16 ones
 CHUNK = 32                                                            # K elements per VDPBF16PS
+CHUNK_F32 = 16                                                        # K elements per fp32 FMA
 
 
 class CpuKernelError(RuntimeError):
@@ -98,9 +104,10 @@ _tried = False
 
 
 def _build() -> ctypes.CDLL:
-    missing = [f for f in REQUIRED_FLAGS if f not in cpu_flags()]
+    missing = [f for f in BUILD_FLAGS if f not in cpu_flags()]
     if missing:
-        raise CpuKernelError(f"this CPU lacks {', '.join(missing)} (the kernel needs AVX512-BF16)")
+        raise CpuKernelError(f"this CPU lacks {', '.join(missing)} (the kernels need AVX-512; the bf16 ones "
+                             f"AVX512-BF16 too)")
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise CpuKernelError("no C compiler (cc / gcc / $CC) to build kernels/cpu.c")
@@ -122,6 +129,8 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(out))
     lib.sv_linear_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
     lib.sv_linear_bf16.restype = None
+    lib.sv_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    lib.sv_linear_f32.restype = None
     lib.sv_block_outputs.restype = ctypes.c_int
     lib.sv_attention.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int] * 4
                                  + [ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int])
@@ -157,18 +166,39 @@ def _load() -> ctypes.CDLL | None:
     return _lib
 
 
-def available() -> str | None:
-    """None when the kernel runs on this machine, else why not (one line)."""
+def available_fp32() -> str | None:
+    """None when the fp32 kernels (the fp32 linear, `topk`, `topk_lse`, `window_step`) run on this machine, else
+    why not (one line): the library built, on a CPU with AVX-512F/BW/VL."""
     return None if _load() is not None else _why_not
 
 
+def available() -> str | None:
+    """None when the bf16 kernels run on this machine (everything here), else why not (one line): the fp32 ones
+    run, and the CPU has AVX512-BF16. The library itself builds without it: the bf16 functions are then never
+    called."""
+    why = available_fp32()
+    if why is None and "avx512_bf16" not in cpu_flags():
+        return "this CPU lacks avx512_bf16 (the bf16 kernels need AVX512-BF16; the fp32 ones run)"
+    return why
+
+
 def reason(device: torch.device, dtype: torch.dtype) -> str | None:
-    """None when the kernels can run a model on `device` in `dtype`, else why not (one line)."""
+    """None when the bf16 kernels (all of them: the linears, the attention, the fused layer) can run a model on
+    `device` in `dtype`, else why not (one line)."""
     if torch.device(device).type != "cpu":
         return f"the model is on {torch.device(device).type}, the kernels are for CPUs"
     if dtype != torch.bfloat16:
         return f"the model is in {str(dtype).removeprefix('torch.')}, the kernels multiply bf16"
     return available()
+
+
+def linear_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when the packed linear (`pack`) can run a model's weights on `device` in `dtype` - bf16 (`reason`)
+    or fp32 (`available_fp32`) - else why not (one line)."""
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        return available_fp32()
+    why = reason(device, dtype)
+    return why.replace("multiply bf16", "multiply bf16 or fp32") if why else None
 
 
 def block_outputs() -> int:
@@ -182,7 +212,8 @@ def block_outputs() -> int:
 @dataclass
 class PackedLinear:
     """One weight [N, K] (and bias [N]) laid out for the kernel: packed [ceil(N/NB), ceil(K/32), NB, 32] bf16,
-    zero-padded; bias in fp32. Calling it runs the kernel on x [M, K] bf16."""
+    zero-padded; bias in fp32. Calling it runs the kernel on x [M, K] bf16. An fp32 weight is packed
+    [ceil(N/NB), ceil(K/16), NB, 16] fp32 and takes fp32 rows, out in fp32 (`sv_linear_f32`)."""
     packed: torch.Tensor
     bias: torch.Tensor | None
     out_features: int
@@ -190,16 +221,24 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
                  threads: int | None = None) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
-            raise CpuKernelError(f"the kernel multiplies bf16 CPU rows; got {x.dtype} on {x.device}")
-        if out_dtype not in (torch.bfloat16, torch.float32):
+        fp32 = self.packed.dtype == torch.float32
+        if x.dtype != self.packed.dtype or x.device.type != "cpu":
+            raise CpuKernelError(f"this weight was packed in {self.packed.dtype}: it multiplies CPU rows of that "
+                                 f"dtype; got {x.dtype} on {x.device}")
+        if fp32:
+            out_dtype = torch.float32
+        elif out_dtype not in (torch.bfloat16, torch.float32):
             raise CpuKernelError(f"out_dtype must be bf16 or fp32, not {out_dtype}")
         lead = x.shape[:-1]
         if x.shape[-1] != self.in_features:
             raise CpuKernelError(f"x has {x.shape[-1]} features; this weight takes {self.in_features}")
         x2 = x.reshape(-1, self.in_features).contiguous()
         out = torch.empty(x2.shape[0], self.out_features, dtype=out_dtype)
-        if x2.shape[0]:
+        if x2.shape[0] and fp32:
+            _lib.sv_linear_f32(x2.data_ptr(), self.packed.data_ptr(),
+                               None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), x2.shape[0],
+                               self.out_features, self.in_features, threads or torch.get_num_threads())
+        elif x2.shape[0]:
             _lib.sv_linear_bf16(x2.data_ptr(), self.packed.data_ptr(),
                                 None if self.bias is None else self.bias.data_ptr(), out.data_ptr(),
                                 int(out_dtype == torch.float32), x2.shape[0], self.out_features,
@@ -209,16 +248,17 @@ class PackedLinear:
 
 @torch.no_grad()
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
-    """The kernel's layout of `weight` [N, K] (bf16, CPU): a new tensor, the original is untouched."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
-        raise CpuKernelError(f"pack takes a 2-D bf16 CPU weight; got {tuple(weight.shape)} {weight.dtype} "
+    """The kernel's layout of `weight` [N, K] (bf16 or fp32, CPU): a new tensor, the original is untouched."""
+    if weight.dtype not in (torch.bfloat16, torch.float32) or weight.device.type != "cpu" or weight.dim() != 2:
+        raise CpuKernelError(f"pack takes a 2-D bf16 or fp32 CPU weight; got {tuple(weight.shape)} {weight.dtype} "
                              f"on {weight.device}")
     nb = block_outputs()
     N, K = weight.shape
-    Np, Kp = -(-N // nb) * nb, -(-K // CHUNK) * CHUNK
-    w = torch.zeros(Np, Kp, dtype=torch.bfloat16)
+    chunk = CHUNK if weight.dtype == torch.bfloat16 else CHUNK_F32
+    Np, Kp = -(-N // nb) * nb, -(-K // chunk) * chunk
+    w = torch.zeros(Np, Kp, dtype=weight.dtype)
     w[:N, :K] = weight
-    packed = w.view(Np // nb, nb, Kp // CHUNK, CHUNK).transpose(1, 2).contiguous()
+    packed = w.view(Np // nb, nb, Kp // chunk, chunk).transpose(1, 2).contiguous()
     b = None if bias is None else bias.detach().float().contiguous()
     return PackedLinear(packed=packed, bias=b, out_features=N, in_features=K)
 
@@ -266,7 +306,7 @@ def topk(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     unspecified). A row holding NaN, or fewer than k values above -inf, is answered by torch."""
     V = z.shape[-1]
     if (z.dtype != torch.float32 or z.device.type != "cpu" or not 0 < k <= min(V, TOPK_MAX)
-            or available() is not None or z.numel() == 0):
+            or available_fp32() is not None or z.numel() == 0):
         return torch.topk(z, min(k, V), dim=-1)
     lead = z.shape[:-1]
     z2 = z.reshape(-1, V).contiguous()
@@ -288,7 +328,7 @@ def topk_lse(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch
     `topk_lse_reference`."""
     V = z.shape[-1]
     if (z.dtype != torch.float32 or z.device.type != "cpu" or not 0 < k <= min(V, TOPK_MAX)
-            or available() is not None or z.numel() == 0):
+            or available_fp32() is not None or z.numel() == 0):
         return topk_lse_reference(z, k)
     lead = z.shape[:-1]
     z2 = z.reshape(-1, V).contiguous()
@@ -315,7 +355,7 @@ def window_step(entries: torch.Tensor, fifo_unique: bool, ring: torch.Tensor, ri
     """MicroSpec's window step on CPU tensors in place (kernels/cpu.c `sv_window_step`; the reference, bit for
     bit, is kernels.window's `_window_step_torch`, whose state fields these are): entries [m] int64 with
     m <= ring.numel(). Returns the gather list (slots [m], tokens [m], -1 past the count; count 0-d int64).
-    The caller (`kernels.window.window_step`) checks ids and shapes; `available()` must be None."""
+    The caller (`kernels.window.window_step`) checks ids and shapes; `available_fp32()` must be None."""
     m = entries.numel()
     e = entries.to(torch.int64).contiguous()
     scratch = torch.empty(2, m, dtype=torch.int64)

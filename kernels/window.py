@@ -406,7 +406,7 @@ def window_step(state: WindowState, entries: torch.Tensor) -> GatherList:
         state.stream_len += dropped
     if triton_enabled():
         return _window_step_triton(state, entries)
-    if _C_STEP and state.device.type == "cpu" and cpu_kernels.available() is None:
+    if _C_STEP and state.device.type == "cpu" and cpu_kernels.available_fp32() is None:
         return _window_step_c(state, entries)
     return _window_step_torch(state, entries)
 

@@ -11,6 +11,8 @@ Mutants these tests were checked against (each fails at least one test here):
 - bias dropped, or added after rounding to bf16                                       -> reference (fp32 out)
 - bf16 output truncated instead of rounded to nearest even                            -> rounding
 - the packed layout's block and chunk axes swapped                                    -> reference
+- the fp32 linear: its partial last chunk read unmasked; the 2-row tile's second row reduced lane by lane;
+  bias dropped; packed at bf16's 32-wide chunks                                        -> fp32 linear
 - attention ignoring `ok` (the tree's ancestry) or the sliding window                  -> reference
 - attention folding the two tail blocks as one 64-key block                           -> committed vs tail
 - attention reading the tail in slot order (idx ignored)                               -> slots moved
@@ -94,13 +96,64 @@ def test_the_linear_reads_no_further_than_each_row():
 
 def test_the_linear_refuses_what_it_cannot_multiply():
     w, _ = _weights(8, 32)
-    with pytest.raises(cpu.CpuKernelError, match="bf16"):
-        cpu.pack(w.float())
+    with pytest.raises(cpu.CpuKernelError, match="bf16 or fp32"):
+        cpu.pack(w.half())
     p = cpu.pack(w)
     with pytest.raises(cpu.CpuKernelError, match="features"):
         p(torch.randn(2, 33).bfloat16())
-    with pytest.raises(cpu.CpuKernelError, match="bf16 CPU rows"):
+    with pytest.raises(cpu.CpuKernelError, match="packed in torch.bfloat16"):
         p(torch.randn(2, 32))
+    with pytest.raises(cpu.CpuKernelError, match="packed in torch.float32"):
+        cpu.pack(w.float())(torch.randn(2, 32).bfloat16())
+
+
+@pytest.mark.parametrize("N,K", [(64, 64), (1001, 577), (13, 40), (960, 576), (7, 9)])
+def test_the_fp32_linear_equals_the_product_and_gives_a_row_the_same_bits_for_every_row_count(N, K):
+    """The fp32 kernel (`pack` of an fp32 weight): the float64 product to fp32 rounding, bias included; a row's
+    bits the same at every M (every place in the 4-row, 2-row and 1-row tiles), on any thread count, in any
+    row order; the partial last K chunk masked (the next row's inf does not leak in)."""
+    g = torch.Generator().manual_seed(N + K)
+    w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    p = cpu.pack(w, b)
+    assert p.packed.dtype == torch.float32
+    x = torch.randn(11, K, generator=g)
+    full = p(x, threads=1)
+    assert full.dtype == torch.float32 and full.shape == (11, N)
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    assert float((full.double() - ref).abs().max() / ref.abs().max()) < 1e-6
+    for M in range(1, 12):
+        assert torch.equal(p(x[:M], threads=1), full[:M]), M
+        assert torch.equal(p(x[M - 1:M])[0], full[M - 1])
+    for threads in (2, 3):
+        assert torch.equal(p(x, threads=threads), full)
+    perm = torch.randperm(11, generator=g)
+    assert torch.equal(p(x[perm]), full[perm])
+    leak = x.clone()
+    leak[4, :] = float("inf")                             # row 3's partial chunk must not read row 4
+    assert torch.equal(p(leak)[3], full[3])
+
+
+def test_a_cpu_with_avx512_but_not_bf16_runs_the_fp32_kernels_and_says_why_not_the_bf16_ones(monkeypatch):
+    """The library builds on AVX-512F/BW/VL alone; there `available_fp32()` is None (fp32 linear, top-k, window
+    step), `available()` and `reason(.., bf16)` name avx512_bf16, `linear_reason` passes fp32 only; without
+    AVX-512 the build names what is missing."""
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: set(cpu.BUILD_FLAGS))
+    monkeypatch.setattr(cpu, "_tried", False)
+    monkeypatch.setattr(cpu, "_lib", None)
+    monkeypatch.setattr(cpu, "_why_not", None)
+    assert cpu.available_fp32() is None and "avx512_bf16" in cpu.available()
+    assert "avx512_bf16" in cpu.reason(torch.device("cpu"), torch.bfloat16)
+    assert "avx512_bf16" in cpu.linear_reason(torch.device("cpu"), torch.bfloat16)
+    assert cpu.linear_reason(torch.device("cpu"), torch.float32) is None
+    assert "bf16 or fp32" in cpu.linear_reason(torch.device("cpu"), torch.float16)
+    w = torch.randn(8, 20)
+    assert torch.allclose(cpu.pack(w)(torch.ones(1, 20)), w.sum(1)[None], rtol=1e-5)
+    z = torch.randn(2, 100)
+    assert torch.equal(cpu.topk(z, 3)[1], torch.topk(z, 3).indices)
+    monkeypatch.setattr(cpu, "_tried", False)
+    monkeypatch.setattr(cpu, "_lib", None)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: {"avx512f", "avx2"})
+    assert "avx512bw" in cpu.available_fp32() and "avx512bw" in cpu.available()
 
 
 @pytest.mark.parametrize("N,K", [(3072, 576), (101, 45), (7, 64)])
@@ -389,9 +442,9 @@ def test_the_fused_layer_refuses_what_it_cannot_run():
 
 # --- where the kernels cannot run --------------------------------------------------------------------------
 
-def test_a_cpu_without_avx512_bf16_gets_a_reason_not_a_crash(monkeypatch):
+def test_a_cpu_without_avx512_gets_a_reason_not_a_crash(monkeypatch):
     monkeypatch.setattr(cpu, "cpu_flags", lambda: {"avx512f", "avx2"})
-    with pytest.raises(cpu.CpuKernelError, match="avx512_bf16"):
+    with pytest.raises(cpu.CpuKernelError, match="avx512bw, avx512vl"):
         cpu._build()
     monkeypatch.setattr(cpu, "cpu_flags", lambda: set(cpu.REQUIRED_FLAGS))
     monkeypatch.setenv("CC", "/nonexistent/cc")

@@ -19,6 +19,7 @@ from engine.drafters import UnknownMethodError, make_drafter
 from engine.models import load_model
 from engine.tree import DraftTree, Drafter
 from engine.verify import warp_probs
+from kernels import cpu
 from locality.trace import read_traces, write_traces
 from tests.engine_testing import ARCHS, OracleTreeDrafter, SelfDrafter, naive_greedy, untie_head
 from tests.sampling_stats import assert_fits, assert_rejects
@@ -320,23 +321,29 @@ def small():
     return untie_head(model), info
 
 
-def test_draft_size_none_is_each_methods_default(small, tmp_path, monkeypatch):
+@pytest.mark.parametrize("cpu_kernels", [False, True])
+def test_draft_size_none_is_each_methods_default(small, tmp_path, monkeypatch, cpu_kernels):
     model, _ = small
     monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path))
-    # the defaults (pld 10, layerskip / eagle 59) at their row bucket's edge (engine.harness.bucket_edge);
-    # recycling's whole template; hf-prompt-lookup's 10 (transformers' forward: no buckets)
-    expect = {"ar": None, "pld": 15, "hf-prompt-lookup": 10, "layerskip": 63, "eagle": 63,
-              "recycling": template_size("tr-default")}
+    if cpu_kernels and cpu.linear_reason(torch.device("cpu"), next(model.parameters()).dtype) is not None:
+        pytest.skip(f"the CPU kernels do not run here: {cpu.available_fp32()}")
+    # the defaults (pld 10, layerskip / eagle 59), where steps are padded (the fp32 model on oneDNN) at their
+    # row bucket's edge (engine.harness.bucket_edge), unpadded (the fp32 kernels) as they are; recycling's
+    # whole template; hf-prompt-lookup's 10 (transformers' forward: no buckets)
+    padded = not cpu_kernels
+    expect = {"ar": None, "pld": 15 if padded else 10, "hf-prompt-lookup": 10, "layerskip": 63 if padded else 59,
+              "eagle": 63 if padded else 59, "recycling": template_size("tr-default")}
     for method, g in expect.items():
-        assert resolve_config(SpecConfig.preset(method), model=model).draft_size == g, method
+        cfg = SpecConfig.preset(method, cpu_kernels=cpu_kernels)
+        assert resolve_config(cfg, model=model).draft_size == g, method
     assert template_size("tr-default") == 80                       # Token Recycling's Figure 5 tree
     assert resolve_config(SpecConfig.preset("pld", draft_size=3), model=model).draft_size == 3
     assert resolve_config(SpecConfig.preset("pld")).draft_size is None     # no model: nothing to resolve
-    unispec = SpecConfig.preset("unispec")
+    unispec = SpecConfig.preset("unispec", cpu_kernels=cpu_kernels)
     with pytest.warns(UserWarning, match="no calibrated draft size"):
         assert resolve_config(unispec, model=model).draft_size == FALLBACK_DRAFT_SIZE["cpu"]
     save_calibration(model_key(model, unispec), {"g_star": 17})
-    assert resolve_config(unispec, model=model).draft_size == 31        # 17 at its row bucket's edge
+    assert resolve_config(unispec, model=model).draft_size == (31 if padded else 17)   # at its bucket's edge
     with pytest.warns(UserWarning, match="no calibrated draft size"):         # another r: another key
         other_r = resolve_config(unispec, overrides={"threshold_r": 0.2}, model=model)
     assert other_r.draft_size == FALLBACK_DRAFT_SIZE["cpu"]

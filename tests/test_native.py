@@ -174,8 +174,9 @@ def _row_logits_in_trees(model, prompt: torch.Tensor, path: list[int], fixed_sha
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["smollm2_bf16", "gemma_bf16"])
+@pytest.mark.parametrize("which", ["smollm2_bf16", "gemma_bf16", "smollm2_fp32"])
 def test_a_row_is_bitwise_the_same_alone_and_inside_trees_in_bf16(request, which):
+    """bf16 (and SmolLM2 in fp32, where the kernels run the linears only and a step is unpadded too)."""
     model, _, info = request.getfixturevalue(which)
     rng = np.random.default_rng(2)
     for L in (BLOCK - 2, 3 * BLOCK + 1, 5 * BLOCK - 1):          # trees that cross a block boundary, and not
@@ -185,8 +186,25 @@ def test_a_row_is_bitwise_the_same_alone_and_inside_trees_in_bf16(request, which
             native_model(model).fused_calls = 0
             ref, rows = _row_logits_in_trees(model, prompt, path, fixed_shape=True, cpu_kernels=cpu_kernels)
             net = native_model(model)
-            assert net.kernel_on == (cpu_kernels and cpu.available() is None)
-            assert (net.fused_calls > 0) == net.kernel_on       # rows through kernels.cpu.layer
+            assert net.kernel_on == (cpu_kernels and cpu.linear_reason(net.device, net.dtype) is None)
+            # rows through kernels.cpu.layer (bf16; fp32 runs the packed linears inside the torch layer)
+            assert (net.fused_calls > 0) == (net.kernel_on and net.dtype == torch.bfloat16)
+            for r in rows:
+                assert torch.equal(r, ref)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_row_is_bitwise_the_same_alone_and_inside_trees_in_fp32(name):
+    """fp32 on the random models of each family, with the fp32 kernels (the linears; each step runs exactly its
+    tree: 1 row for `ar`) and without (oneDNN, every step padded to >= 4 rows)."""
+    model = untie_head(load_model(name, dtype="fp32")[0])
+    rng = np.random.default_rng(4)
+    for L in (BLOCK - 2, 3 * BLOCK + 1):
+        prompt = torch.as_tensor(rng.integers(0, 512, L))
+        path = rng.integers(0, 512, 4).tolist()
+        for cpu_kernels in (True, False):
+            ref, rows = _row_logits_in_trees(model, prompt, path, fixed_shape=True, cpu_kernels=cpu_kernels)
+            assert native_model(model).kernel_on == (cpu_kernels and cpu.available_fp32() is None)
             for r in rows:
                 assert torch.equal(r, ref)
 
@@ -213,7 +231,7 @@ LOSSLESS = [("pld", {}), ("recycling", {}), ("unispec", {"draft_size": 12}),
             ("eagle", {"eagle_head": "random", "draft_size": 6, "eagle_depth": 3, "vocab": "oracle"})]
 
 
-@pytest.mark.parametrize("dtype,cpu_kernels", [("fp32", True), ("bf16", True), ("bf16", False)])
+@pytest.mark.parametrize("dtype,cpu_kernels", [("fp32", True), ("fp32", False), ("bf16", True), ("bf16", False)])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_method_equals_ar_on_the_native_path(name, dtype, cpu_kernels):
     model = untie_head(load_model(name, dtype=dtype)[0]).to(dtype=torch.bfloat16 if dtype == "bf16" else
@@ -223,7 +241,8 @@ def test_every_method_equals_ar_on_the_native_path(name, dtype, cpu_kernels):
     for ids in prompts:
         ar = generate(model, ids, method="ar", max_new_tokens=40, eos_ids=[], backend="native",
                       cpu_kernels=cpu_kernels)
-        assert native_model(model).kernel_on == (dtype == "bf16" and cpu_kernels and cpu.available() is None)
+        assert native_model(model).kernel_on == (cpu_kernels and cpu.linear_reason(torch.device("cpu"), next(
+            model.parameters()).dtype) is None)                  # bf16: every kernel; fp32: the linears
         hf = generate(model, ids, method="ar", max_new_tokens=40, eos_ids=[], backend="hf")
         if dtype == "fp32":                                      # the reference agrees in fp32
             assert ar.output_ids.tolist() == hf.output_ids.tolist()
@@ -391,15 +410,17 @@ def test_the_prefills_last_logits_do_not_depend_on_how_many_rows_the_head_ran(cp
     assert torch.equal(rows[True][-1], rows[False][0])
 
 
-def test_with_the_cpu_kernels_a_step_runs_its_tree_unpadded_and_g_stays():
-    """bf16 on a CPU where kernels.cpu runs: no row buckets (engine.target.pads_rows), so a tree of g + 1 nodes
-    costs g + 1 rows and g is not raised; without the kernels (cpu_kernels=False) the bucket edge again."""
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_with_the_cpu_kernels_a_step_runs_its_tree_unpadded_and_g_stays(dtype):
+    """bf16 or fp32 on a CPU where kernels.cpu runs: no row buckets (engine.target.pads_rows), so a tree of g + 1
+    nodes costs g + 1 rows and g is not raised; without the kernels (cpu_kernels=False) the bucket edge again."""
     from engine.harness import bucket_edge
     from engine.target import pads_rows
-    model = load_model("random-llama", vocab_size=300, hidden_size=64, num_layers=1, dtype="bf16")[0]
+    model = load_model("random-llama", vocab_size=300, hidden_size=64, num_layers=1, dtype=dtype)[0]
     uni = SpecConfig.preset("unispec")
-    if cpu.available() is not None:
-        pytest.skip(f"the CPU kernels do not run here: {cpu.available()}")
+    why = cpu.linear_reason(torch.device("cpu"), next(model.parameters()).dtype)
+    if why is not None:
+        pytest.skip(f"the CPU kernels do not run here: {why}")
     assert not pads_rows(model) and pads_rows(model, cpu_kernels=False)
     assert [bucket_edge(uni, model, g) for g in (1, 2, 4, 7)] == [1, 2, 4, 7]
     assert [bucket_edge(uni.replace(cpu_kernels=False), model, g) for g in (1, 2, 4, 7)] == [3, 3, 7, 7]
@@ -425,7 +446,9 @@ def test_backend_labels_name_the_cpu_path():
     assert backend_label(model) == ("native" if kernels_here else "native-blas")
     assert backend_label(model, cpu_kernels=False) == "native-blas"
     assert backend_label(model, compile=True) == "native-compiled"        # compiled: F.linear inside the graph
-    assert backend_label(load_model("random-llama", dtype="fp32")[0]) == "native"   # no kernel for fp32
+    fp32 = load_model("random-llama", dtype="fp32")[0]                  # the fp32 linears: AVX-512F is enough
+    assert backend_label(fp32) == ("native" if cpu.available_fp32() is None else "native-blas")
+    assert backend_label(fp32, cpu_kernels=False) == "native-blas"
     assert backend_label(model, "hf") == "hf" and backend_label(model, fixed_shape=False) == "native-sdpa"
 
 

@@ -244,7 +244,7 @@ def main(argv=None) -> None:
             bw = copy_bandwidth(a.copy_mb, device=device)
             bound_ms = wbytes / bw / 1e6
             bare = {n: bare_matmul_ms(model, n, a.repeats) for n in sizes}
-            why_not = cpu.reason(device, native_model(model).dtype)
+            why_not = cpu.linear_reason(device, native_model(model).dtype)
             bare_k = {n: bare_matmul_ms(model, n, a.repeats, kernel=True) for n in sizes} if why_not is None else {}
             where = (torch.cuda.get_device_name(device) if device.type == "cuda" else f"{threads} thread(s)")
             print(f"\n{info.name} {dtype}, {where}, {a.context}-token cache: weights {wbytes / 1e6:.0f} MB, "

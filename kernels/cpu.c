@@ -22,6 +22,7 @@
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
+#include <stdlib.h>
 
 #define NB 4      /* outputs per block (weight rows streamed together) */
 #define MB 4      /* rows per register block: NB x MB = 16 accumulators */
@@ -595,6 +596,112 @@ int sv_topk_lse_f32(const float* z, int n, long V, int k, float* vals, int64_t* 
         lse[r] = (float)((double)vr[0] + log(_mm512_reduce_add_pd(_mm512_add_pd(s0, s1))));
     }
     return bad;
+}
+
+/* ---- UniSpec's draft tree (UniSpec Alg. 1 l.16-30, App. A) ---------------------------------------------------
+ *
+ * engine.drafters.unispec.build_unispec_tree is the reference, node for node and bit for bit: the same pool
+ * (level 1 = S[root] (+) C sorted by confidence, duplicates and empty slots dropped; each deeper level the store
+ * rows of the previous level's frontier - its top-k scores >= r - row-major), the same scores (path: the
+ * parent's score times the stored probability, one fp32 multiply), the same selection (the first g eligible
+ * nodes by bottleneck confidence desc, depth asc, pool index asc) and the same re-indexing (depth, then rank).
+ * Every torch sort there is stable; here each sort key ends with the index, so the order is the same total
+ * order. The torch version is ~40 small ops a step (~0.8 ms on a CPU); this is one call of a few microseconds.
+ * Returns the node count (root included), or -1 when root or a cache token is outside [0, V) (the caller then
+ * runs the reference, which names the problem). */
+typedef struct { float key; int depth; int idx; } sv_rank_t;
+
+static int rank_cmp(const void* a, const void* b) {          /* key desc, depth asc, idx asc */
+    const sv_rank_t *x = (const sv_rank_t*)a, *y = (const sv_rank_t*)b;
+    if (x->key != y->key) return x->key > y->key ? -1 : 1;
+    if (x->depth != y->depth) return x->depth < y->depth ? -1 : 1;
+    return (x->idx > y->idx) - (x->idx < y->idx);
+}
+
+/* indices (into s[0..m)) of the top-k scores that are >= r, best first (ties: lower index first) */
+static int frontier(const float* s, int m, int k, float r, sv_rank_t* tmp, int* out) {
+    for (int i = 0; i < m; i++) { tmp[i].key = s[i]; tmp[i].depth = 0; tmp[i].idx = i; }
+    qsort(tmp, m, sizeof(sv_rank_t), rank_cmp);
+    int f = 0;
+    for (int i = 0; i < m && i < k; i++)
+        if (tmp[i].key >= r) out[f++] = tmp[i].idx;
+    return f;
+}
+
+long sv_unispec_tree(long root, const int64_t* stok, const float* scon, long V, int ks, const int64_t* ctok,
+                     const float* ccon, int kc, int k, int depth, float r, int g, int path, float min_score,
+                     int exclude_root, int64_t* out_tok, int64_t* out_par, float* out_score) {
+    if (root < 0 || root >= V) return -1;
+    for (int i = 0; i < kc; i++) if (ctok[i] < 0 || ctok[i] >= V) return -1;
+    const int m0 = ks + kc, cap = m0 + (depth > 1 ? (depth - 1) * k * ks : 0);
+    int64_t* tok = malloc(sizeof(int64_t) * cap);
+    float* score = malloc(sizeof(float) * cap);
+    float* eff = malloc(sizeof(float) * cap);
+    int* parent = malloc(sizeof(int) * cap);
+    int* dep = malloc(sizeof(int) * cap);
+    int* fr = malloc(sizeof(int) * cap);
+    int* newi = malloc(sizeof(int) * cap);
+    sv_rank_t* tmp = malloc(sizeof(sv_rank_t) * cap);
+    /* level 1: S[root] then C, sorted by confidence (stable), duplicates after their best copy and empty slots out */
+    int64_t t0[m0 > 0 ? m0 : 1];
+    float c0[m0 > 0 ? m0 : 1];
+    for (int j = 0; j < ks; j++) { t0[j] = stok[root * ks + j]; c0[j] = scon[root * ks + j]; }
+    for (int j = 0; j < kc; j++) { t0[ks + j] = ctok[j]; c0[ks + j] = (exclude_root && ctok[j] == root) ? 0.0f : ccon[j]; }
+    for (int i = 0; i < m0; i++) { tmp[i].key = c0[i]; tmp[i].depth = 0; tmp[i].idx = i; }
+    qsort(tmp, m0, sizeof(sv_rank_t), rank_cmp);
+    int P = 0;
+    for (int i = 0; i < m0; i++) {
+        const int64_t t = t0[tmp[i].idx];
+        int seen = 0;
+        for (int j = 0; j < i && !seen; j++) seen = t0[tmp[j].idx] == t;
+        if (!seen && tmp[i].key > 0) { tok[P] = t; score[P] = tmp[i].key; parent[P] = -1; dep[P] = 1; P++; }
+    }
+    /* levels 2..depth: the frontier's store rows, row-major */
+    int lo = 0, hi = P;
+    int f = frontier(score + lo, hi - lo, k, r, tmp, fr);
+    for (int lvl = 2; lvl <= depth && f > 0; lvl++) {
+        for (int a = 0; a < f; a++) {
+            const int pi = lo + fr[a];
+            const int64_t* row_t = stok + tok[pi] * ks;
+            const float* row_c = scon + tok[pi] * ks;
+            for (int j = 0; j < ks; j++) {
+                if (!(row_c[j] > 0)) continue;
+                tok[P] = row_t[j];
+                score[P] = path ? score[pi] * row_c[j] : row_c[j];
+                parent[P] = pi;
+                dep[P] = lvl;
+                P++;
+            }
+        }
+        lo = hi;
+        hi = P;
+        f = frontier(score + lo, hi - lo, k, r, tmp, fr);
+    }
+    /* selection: bottleneck confidence, the first g eligible nodes */
+    int n = 0;
+    for (int i = 0; i < P; i++) {
+        eff[i] = parent[i] < 0 ? score[i] : (score[i] < eff[parent[i]] ? score[i] : eff[parent[i]]);
+        if (score[i] >= min_score && score[i] > 0) { tmp[n].key = eff[i]; tmp[n].depth = dep[i]; tmp[n].idx = i; n++; }
+    }
+    qsort(tmp, n, sizeof(sv_rank_t), rank_cmp);
+    const int chosen = n < g ? n : g;
+    /* re-index: depth asc, then selection rank (tmp[0..chosen) is in rank order: one pass per depth) */
+    int* order = fr;
+    int o = 0;
+    for (int d = 1; d <= depth; d++)
+        for (int i = 0; i < chosen; i++)
+            if (dep[tmp[i].idx] == d) order[o++] = tmp[i].idx;
+    for (int i = 0; i < P; i++) newi[i] = -1;
+    for (int i = 0; i < chosen; i++) newi[order[i]] = i + 1;
+    out_tok[0] = root; out_par[0] = -1; out_score[0] = 1.0f;
+    for (int i = 0; i < chosen; i++) {
+        const int pi = order[i];
+        out_tok[i + 1] = tok[pi];
+        out_par[i + 1] = parent[pi] < 0 ? 0 : newi[parent[pi]];
+        out_score[i + 1] = score[pi];
+    }
+    free(tok); free(score); free(eff); free(parent); free(dep); free(fr); free(newi); free(tmp);
+    return chosen + 1;
 }
 
 /* ---- one decoder layer, fused (the native decode's `_layer` in exact mode, one call per layer) -------------

@@ -19,6 +19,7 @@ beside its plain-torch reference.
     topk(z, k)                          torch.topk(z, k) of fp32 CPU rows in one pass at memory speed (ties: the
                                         lower index, as torch.argmax), torch itself elsewhere
     topk_lse(z, k)                      topk and each row's log-sum-exp (the successor store's confidences)
+    unispec_tree(root, store, ...)      UniSpec's draft tree in one call (reference: engine.drafters.unispec)
     window_step(entries, ...)           MicroSpec's window step in place (kernels.window: `_window_step_torch`
                                         is its reference, bit for bit), O(m) per step
     available()                         None when the bf16 kernels run here, else why not (one line)
@@ -54,6 +55,16 @@ them to bf16), so the two agree to rounding, not bitwise; a decode uses one of t
 A KV head's query heads share each value row's load and widening (up to four at a time, each dim still one
 fmadd per key in key order: the same bits), which took a SmolLM2-shaped layer at 16 rows and a 400-token cache
 from 0.48 to 0.29 ms and a Gemma-shaped one at 8 rows from 0.30 to 0.18 ms.
+
+fp32. A model kept in fp32 (the default on a CPU without bf16 dot products) runs its linears on `sv_linear_f32`:
+the bf16 kernel's tiles, reduction tree and prefetch schedule, with one FMA chain per output over 16-wide fp32
+chunks, so rows are invariant by construction here too, and it needs AVX-512F/BW/VL only (`available_fp32`:
+the library builds without AVX512-BF16, whose functions are then never called). oneDNN's fp32 GEMM gives rows
+1-3 of a product other bits than inside a larger one, so the exact decode without the kernel pads every step to
+4 rows and an `ar` step streams the weights for 4. SmolLM2 fp32, 1 thread, 400-token cache, one run: a forward
+at n = 1 / 8 took 47.7 / 70.6 ms (native-blas 108.4 / 134.5, hf 68.6 / 111.3; the bare kernel 31.9 / 40.0 at a
+25.6 ms copy bound) and `ar` decoded 21.2 tokens/s against 9.0 (native-blas) and 15.3 (hf). The attention and
+the layer's small ops stay torch's in fp32: the 16 ms between the bare kernel and the forward.
 
 The fused layer. With the linears and the attention in C, what remained of a decode forward was ~25 small torch
 ops per layer (norms, RoPE, casts, the cache write, residual adds, the gated activation): ~8 ms of SmolLM2's
@@ -143,6 +154,10 @@ def _build() -> ctypes.CDLL:
     lib.sv_topk_lse_f32.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_int] + [ctypes.c_void_p] * 3 + [
         ctypes.c_int]
     lib.sv_topk_lse_f32.restype = ctypes.c_int
+    lib.sv_unispec_tree.argtypes = ([ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+                                    + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_int]
+                                    + [ctypes.c_int, ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 3)
+    lib.sv_unispec_tree.restype = ctypes.c_long
     lib.sv_layer_scratch.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.sv_layer_scratch.restype = ctypes.c_size_t
     lib.sv_layer.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
@@ -346,6 +361,29 @@ def topk_lse_reference(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     """The plain-torch `topk_lse`: `topk` (torch.topk where C does not run) and torch.logsumexp."""
     vals, idx = topk(z, min(k, z.shape[-1]))
     return vals, idx, torch.logsumexp(z.float(), dim=-1)
+
+
+def unispec_tree(root: int, store_tok: torch.Tensor, store_con: torch.Tensor, cache_tok: torch.Tensor | None,
+                 cache_con: torch.Tensor | None, *, k: int, depth: int, r: float, g: int, path: bool,
+                 min_score: float, exclude_root: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """UniSpec's draft tree in one C call (kernels/cpu.c `sv_unispec_tree`): (tokens [n], parents [n] int64,
+    scores [n] fp32), root first, n <= 1 + g; the same tree, node for node and bit for bit, as the reference
+    `engine.drafters.unispec.build_unispec_tree` (that module calls this where it runs: CPU stores,
+    `available_fp32()` None). store_tok [V, ks] int64 / store_con [V, ks] fp32, contiguous; cache [kc] or None.
+    Returns None where the root or a cache token is outside [0, V): the reference then names the problem."""
+    V, ks = store_tok.shape
+    ct = cache_tok.to(torch.int64).contiguous() if cache_tok is not None else None
+    cc = cache_con.to(torch.float32).contiguous() if cache_con is not None else None
+    tok = torch.empty(1 + g, dtype=torch.int64)
+    par = torch.empty(1 + g, dtype=torch.int64)
+    score = torch.empty(1 + g, dtype=torch.float32)
+    n = _load().sv_unispec_tree(int(root), store_tok.data_ptr(), store_con.data_ptr(), V, ks,
+                                None if ct is None else ct.data_ptr(), None if cc is None else cc.data_ptr(),
+                                0 if ct is None else ct.numel(), k, depth, r, g, int(path), min_score,
+                                int(exclude_root), tok.data_ptr(), par.data_ptr(), score.data_ptr())
+    if n < 0:
+        return None
+    return tok[:n], par[:n], score[:n]
 
 
 def window_step(entries: torch.Tensor, fifo_unique: bool, ring: torch.Tensor, ring_head: torch.Tensor,

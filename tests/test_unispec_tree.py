@@ -3,6 +3,10 @@
 - the successor store update vs a loop that writes rows one by one (later rows win);
 - node confidences (both variants) on a hand-built store;
 - the vectorised tree construction vs a node-by-node reference of UniSpec Alg. 1 l.16-30 on random stores;
+- the C tree (`kernels.cpu.unispec_tree`, what the drafter runs on a CPU) vs the vectorised one, bitwise
+  (mutants: the root kept in C; eff = score without the bottleneck; the frontier without its r check; the path
+  product taken in node mode. The sorts' index tie-break dropped passes here, rightly: glibc's qsort is a
+  merge sort, stable by itself; the tie-break keeps the order on a C library whose qsort is not);
 - ancestor closure and size of the top-g selection;
 - Token Recycling's template (80 nodes, depth 6) and its truncation;
 - sampling-mode confidences come from the verifier's warped distribution; ids outside the vocabulary and
@@ -22,6 +26,7 @@ from engine.drafters.unispec import UniSpecDrafter, UniSpecError, accepted_last_
 from engine.store import StoreError, SuccessorStore, deployment_store, topk_probs
 from engine.tree import DraftTree, StepResult
 from engine.verify import warp_probs
+from kernels import cpu as cpu_kernels
 
 
 # ---- store ---------------------------------------------------------------------------------------
@@ -298,6 +303,56 @@ def test_tree_matches_reference_on_random_stores(confidence, scope):
         for p in got:
             assert math.isclose(got[p], ref[p], rel_tol=1e-6)
         assert tree.num_draft <= g
+
+
+@pytest.mark.skipif(cpu_kernels.available_fp32() is not None,
+                    reason=f"the CPU kernels do not run here: {cpu_kernels.available_fp32()}")
+def test_the_c_tree_is_the_torch_tree_node_for_node():
+    """`kernels.cpu.unispec_tree` (what the drafter runs on a CPU) against `build_unispec_tree`: the same tokens,
+    parents and fp32 scores, bitwise, on random stores with many tied confidences (rounded to 1/64, or to a few
+    levels) and empty slots, over both confidence modes, both threshold scopes, with and without the first-level
+    cache and its root exclusion; an id outside the vocabulary is left to the reference (None)."""
+    rng = random.Random(3)
+    for trial in range(600):
+        vocab, k = rng.choice([(12, 3), (40, 5), (64, 10)])
+        S_tok, S_con = random_store(vocab, k, seed=trial, fill=rng.choice([0.5, 0.9, 1.0]))
+        if trial % 4 == 0:                                    # few levels: ties everywhere
+            S_con = (S_con * 3).round() / 3
+        C_tok, C_con = random_store(vocab, k, seed=1000 + trial, fill=1.0)
+        C_tok, C_con = (C_tok[0], C_con[0]) if trial % 3 else (None, None)
+        root, d, g = rng.randrange(vocab), rng.randint(1, 6), rng.choice([1, 3, 8, 25, 60])
+        r = rng.choice([0.0, 0.02, 0.05, 0.2])
+        confidence, scope, exclude = rng.choice(["path", "node"]), rng.choice(["expand", "expand+select"]), trial % 2
+        ref = build_unispec_tree(root, S_tok, S_con, C_tok, C_con, k=k, depth=d, r=r, g=g, confidence=confidence,
+                                 threshold_scope=scope, cache_exclude_root=bool(exclude))
+        tok, par, score = cpu_kernels.unispec_tree(root, S_tok, S_con, C_tok, C_con, k=k, depth=d, r=r, g=g,
+                                                   path=confidence == "path", exclude_root=bool(exclude),
+                                                   min_score=r if scope == "expand+select" else 0.0)
+        assert torch.equal(tok, ref.tokens) and torch.equal(par, ref.parents), trial
+        assert torch.equal(score, ref.scores.float()), trial
+    S_tok, S_con = random_store(12, 3, seed=0)
+    assert cpu_kernels.unispec_tree(12, S_tok, S_con, None, None, k=3, depth=2, r=0.0, g=4, path=True,
+                                    min_score=0.0, exclude_root=True) is None
+    assert cpu_kernels.unispec_tree(1, S_tok, S_con, torch.tensor([3, 99]), torch.tensor([0.5, 0.2]), k=3, depth=2,
+                                    r=0.0, g=4, path=True, min_score=0.0, exclude_root=True) is None
+
+
+@pytest.mark.skipif(cpu_kernels.available_fp32() is not None,
+                    reason=f"the CPU kernels do not run here: {cpu_kernels.available_fp32()}")
+def test_the_drafter_drafts_the_same_trees_with_and_without_the_c_tree(monkeypatch):
+    """A whole decode: UniSpecDrafter's trees with the C tree (`cpu_kernels=True`) equal the torch ones."""
+    from engine import generate
+    from engine.models import load_model
+    model = load_model("random-llama", vocab_size=200, hidden_size=32, num_layers=1, seed=2)[0]
+    calls = []
+    real = cpu_kernels.unispec_tree
+    monkeypatch.setattr(cpu_kernels, "unispec_tree", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    ids = list(range(3, 40)) * 2
+    runs = [generate(model, ids, method="unispec", max_new_tokens=24, eos_ids=[], draft_size=6, record=True,
+                     cpu_kernels=ck, store_persistence="per_prompt") for ck in (True, False)]
+    assert len(calls) == runs[0].steps - 1 > 0                    # every step but the last drafted in C
+    trees = [[(s.tree_tokens, s.tree_parents) for s in run.records] for run in runs]
+    assert trees[0] == trees[1] and runs[0].output_ids.tolist() == runs[1].output_ids.tolist()
 
 
 def test_selection_is_ancestor_closed_and_topological():

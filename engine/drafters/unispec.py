@@ -30,6 +30,7 @@ import torch
 from engine.store import SuccessorStore, check_token_ids, drafter_store, topk_probs
 from engine.drafters import register_drafter
 from engine.tree import Drafter, DraftTree, StepResult
+from kernels import cpu as cpu_kernels
 
 
 class UniSpecError(ValueError):
@@ -239,10 +240,19 @@ class UniSpecDrafter(Drafter):
         t0 = time.perf_counter()
         cfg = self.cfg
         cache = (self.cache_tok, self.cache_con) if cfg.broaden_first_level else (None, None)
-        tree = build_unispec_tree(ids[-1], self.store.tok, self.store.con, *cache, k=cfg.store_k,
-                                  depth=cfg.tree_depth, r=cfg.threshold_r, g=self.draft_size,
-                                  confidence=cfg.confidence, threshold_scope=cfg.threshold_scope,
-                                  cache_exclude_root=cfg.cache_exclude_root)
+        tree = None
+        if cfg.cpu_kernels and self.store.device.type == "cpu" and cpu_kernels.available_fp32() is None:
+            out = cpu_kernels.unispec_tree(         # the same tree in one C call (tests/test_unispec_tree.py)
+                int(ids[-1]), self.store.tok, self.store.con, *cache, k=cfg.store_k, depth=cfg.tree_depth,
+                r=cfg.threshold_r, g=self.draft_size, path=cfg.confidence == "path",
+                min_score=cfg.threshold_r if cfg.threshold_scope == "expand+select" else 0.0,
+                exclude_root=cfg.cache_exclude_root)
+            tree = None if out is None else DraftTree(*out)
+        if tree is None:                            # elsewhere, and for ids the reference must name
+            tree = build_unispec_tree(ids[-1], self.store.tok, self.store.con, *cache, k=cfg.store_k,
+                                      depth=cfg.tree_depth, r=cfg.threshold_r, g=self.draft_size,
+                                      confidence=cfg.confidence, threshold_scope=cfg.threshold_scope,
+                                      cache_exclude_root=cfg.cache_exclude_root)
         self._t["tree"] += time.perf_counter() - t0
         return tree
 

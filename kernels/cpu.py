@@ -1,5 +1,6 @@
-"""CPU kernels for the native decode on x86 with AVX512-BF16 (issue #16's "better small-row kernel"), each
-beside its plain-torch reference.
+"""CPU kernels for the native decode on x86 with AVX-512 (bf16: AVX512-BF16; issue #16's "better small-row
+kernel"), each beside its plain-torch reference. (Over 600 lines on purpose: the one C library's build, its
+availability and every wrapper of it, each beside its reference, in one place.)
 
     pack(weight, bias)                  -> PackedLinear (the weight re-laid for the kernel, once; bf16 or fp32)
     PackedLinear(x, out_dtype)          y = x @ W.T (+ b), [M, N]: the small-row bf16 linear (kernels/cpu.c), or

@@ -470,6 +470,7 @@ def test_the_forward_benchmark_prints_what_it_compared_and_the_targets(tmp_path,
     printed = capsys.readouterr().out
     assert "copy bandwidth" in printed and "bare matmul" in printed and "bound" in printed
     assert "ar step native bf16" in printed and "verify(16) / verify(1)" in printed
+    assert "ar step native fp32" in printed                     # informational: the fp32 path vs hf
     frame = pl.read_parquet(out)
     assert frame.height == 2 * 2 * 3                            # dtypes x backends x sizes
     assert set(frame["backend"]) == {"hf", "native"} and (frame["ms"] > 0).all() and (frame["bare_ms"] > 0).all()

@@ -194,6 +194,10 @@ def print_targets(rows: list[dict]) -> None:
             print(f"  {model}, {threads} thread(s): ar step native bf16 {nb(1):.1f} ms vs hf fp32 {hf32:.1f} ms = "
                   f"{r:.2f}x (>= 2x {verdict(r >= 2)}; the bare matmuls alone give "
                   f"{bare[(model, threads, 'fp32', 1)] / bare[(model, threads, 'bf16', 1)]:.2f}x)")
+        nf = ms.get((model, threads, "fp32", "native", 1))
+        if nf and hf32:
+            print(f"  {model}, {threads} thread(s): ar step native fp32 {nf:.1f} ms vs hf fp32 {hf32:.1f} ms = "
+                  f"{hf32 / nf:.2f}x (no target: what a CPU without bf16 dot products runs by default)")
         if nb(1):
             r = nb(1) / bare[(model, threads, "bf16", 1)]
             print(f"  {model}, {threads} thread(s): native bf16 forward / bare matmuls (n=1) = {r:.2f} "

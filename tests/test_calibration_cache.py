@@ -14,19 +14,9 @@ import torch
 
 from engine import calibration as calib
 from engine.config import SpecConfig
-from engine.models import load_model
+from tests import test_calibrate
 
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path))
-    return tmp_path
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    model, _, info = load_model("random-llama", vocab_size=300, hidden_size=32, num_layers=1)
-    return model, info
+cache_dir, tiny = test_calibrate.cache_dir, test_calibrate.tiny    # its fixtures: a private cache, a tiny model
 
 
 def test_a_g_star_measured_by_other_code_is_used_with_one_warning_naming_the_command(cache_dir, tiny):

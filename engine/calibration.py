@@ -463,9 +463,9 @@ def resolve_draft_size(cfg: SpecConfig, model, *, on_missing: str = "fallback", 
         raise CalibrationError("resolve_draft_size needs the target model (for its device and dtype) when "
                                "cfg.draft_size is None; pass the model or set draft_size")
     key = model_key(model, cfg)
-    g = cached_draft_size(key)
-    if g is not None:
-        code = load_calibrations().get(key, {}).get("code")
+    rec = load_calibrations().get(key)
+    if rec is not None:
+        g, code = int(rec["g_star"]), rec.get("code")
         if code != code_stamp() and (cache_file(), key, "stale") not in _warned:     # once per cache and key
             _warned.add((cache_file(), key, "stale"))
             made = f"code stamp {code}" if code else "no code stamp (an older version)"

@@ -113,6 +113,7 @@ class CpuKernelError(RuntimeError):
 _lib: ctypes.CDLL | None = None
 _why_not: str | None = None
 _tried = False
+_bf16 = False            # the CPU has AVX512-BF16 (read with the build, once)
 
 
 def _build() -> ctypes.CDLL:
@@ -172,9 +173,10 @@ def _build() -> ctypes.CDLL:
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib, _why_not, _tried
+    global _lib, _why_not, _tried, _bf16
     if not _tried:
         _tried = True
+        _bf16 = "avx512_bf16" in cpu_flags()
         try:
             _lib = _build()
         except (CpuKernelError, OSError) as e:
@@ -193,7 +195,7 @@ def available() -> str | None:
     run, and the CPU has AVX512-BF16. The library itself builds without it: the bf16 functions are then never
     called."""
     why = available_fp32()
-    if why is None and "avx512_bf16" not in cpu_flags():
+    if why is None and not _bf16:
         return "this CPU lacks avx512_bf16 (the bf16 kernels need AVX512-BF16; the fp32 ones run)"
     return why
 

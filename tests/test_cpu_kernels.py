@@ -138,6 +138,7 @@ def test_a_cpu_with_avx512_but_not_bf16_runs_the_fp32_kernels_and_says_why_not_t
     step), `available()` and `reason(.., bf16)` name avx512_bf16, `linear_reason` passes fp32 only; without
     AVX-512 the build names what is missing."""
     monkeypatch.setattr(cpu, "cpu_flags", lambda: set(cpu.BUILD_FLAGS))
+    monkeypatch.setattr(cpu, "_bf16", cpu._bf16)                 # restored after the test, as the three below
     monkeypatch.setattr(cpu, "_tried", False)
     monkeypatch.setattr(cpu, "_lib", None)
     monkeypatch.setattr(cpu, "_why_not", None)

@@ -246,8 +246,12 @@ class NativeModel:
         self.kernel_on = bool(on and self.head_kernel is not None)
         return self.kernel_on
 
+    def _bf16_kernels(self) -> bool:
+        # the attention kernel and the fused layer: bf16 only (fp32 runs the packed linears alone)
+        return self.kernel_on and self.dtype == torch.bfloat16
+
     def _attention_kernel(self, hd: int) -> bool:
-        return self.kernel_on and self.dtype == torch.bfloat16 and cpu.takes_head_dim(hd)
+        return self._bf16_kernels() and cpu.takes_head_dim(hd)
 
     def _kernel(self, rows: int, exact: bool) -> bool:
         # exact mode: always (a decode's forwards must share one implementation whatever their rows); else up to
@@ -439,7 +443,7 @@ class NativeModel:
             k_pos = b0 * BLOCK + torch.arange(2 * BLOCK, device=dev)
             allowed = allowed & (positions[:, None] - k_pos[None, :] < window)
         kernel_args = ((positions.contiguous(), allowed.to(torch.uint8).contiguous(), window or 0)
-                       if self.kernel_on and self.dtype == torch.bfloat16 else None)
+                       if self._bf16_kernels() else None)
         return committed, ~allowed[None, :, None, :], kernel_args
 
     def _attention_exact(self, q, kc, vc, P, idx, masked) -> torch.Tensor:

@@ -213,10 +213,11 @@ def reason(device: torch.device, dtype: torch.dtype) -> str | None:
 def linear_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     """None when the packed linear (`pack`) can run a model's weights on `device` in `dtype` - bf16 (`reason`)
     or fp32 (`available_fp32`) - else why not (one line)."""
-    if torch.device(device).type == "cpu" and dtype == torch.float32:
+    if torch.device(device).type != "cpu" or dtype == torch.bfloat16:
+        return reason(device, dtype)
+    if dtype == torch.float32:
         return available_fp32()
-    why = reason(device, dtype)
-    return why.replace("multiply bf16", "multiply bf16 or fp32") if why else None
+    return f"the model is in {str(dtype).removeprefix('torch.')}, the packed linear multiplies bf16 or fp32"
 
 
 def block_outputs() -> int:
@@ -317,17 +318,25 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = 
 TOPK_MAX = 64      # k up to which `topk` scans in C (an insertion sort per improvement); above: torch.topk
 
 
+def _c_rows(z: torch.Tensor, k: int) -> torch.Tensor | None:
+    """z [.., V] as contiguous [rows, V] where the C top-k passes take it (fp32 CPU rows, 0 < k <= TOPK_MAX,
+    the kernels built), else None."""
+    V = z.shape[-1]
+    if (z.dtype != torch.float32 or z.device.type != "cpu" or not 0 < k <= min(V, TOPK_MAX)
+            or available_fp32() is not None or z.numel() == 0):
+        return None
+    return z.reshape(-1, V).contiguous()
+
+
 def topk(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) of the k largest of each row of z [.., V], descending, as `torch.topk(z, k)`: in C for
     fp32 CPU rows where the kernels run (one pass at memory speed: Gemma's 262k logits ~0.1 ms a row against
     torch's ~0.5), ties broken by the lower index (torch.argmax's first maximum; torch.topk leaves tie order
     unspecified). A row holding NaN, or fewer than k values above -inf, is answered by torch."""
-    V = z.shape[-1]
-    if (z.dtype != torch.float32 or z.device.type != "cpu" or not 0 < k <= min(V, TOPK_MAX)
-            or available_fp32() is not None or z.numel() == 0):
-        return torch.topk(z, min(k, V), dim=-1)
-    lead = z.shape[:-1]
-    z2 = z.reshape(-1, V).contiguous()
+    z2 = _c_rows(z, k)
+    if z2 is None:
+        return torch.topk(z, min(k, z.shape[-1]), dim=-1)
+    V, lead = z.shape[-1], z.shape[:-1]
     vals = torch.empty(z2.shape[0], k, dtype=torch.float32)
     idx = torch.empty(z2.shape[0], k, dtype=torch.int64)
     nan = _lib.sv_topk_f32(z2.data_ptr(), z2.shape[0], V, k, vals.data_ptr(), idx.data_ptr(), torch.get_num_threads())
@@ -344,12 +353,10 @@ def topk_lse(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch
     logit on one thread, ~10x this). The log-sum-exp agrees with torch's to float rounding (a few ulp), not
     bitwise. Elsewhere, and for rows C declines (NaN, +inf, fewer than k values above -inf):
     `topk_lse_reference`."""
-    V = z.shape[-1]
-    if (z.dtype != torch.float32 or z.device.type != "cpu" or not 0 < k <= min(V, TOPK_MAX)
-            or available_fp32() is not None or z.numel() == 0):
+    z2 = _c_rows(z, k)
+    if z2 is None:
         return topk_lse_reference(z, k)
-    lead = z.shape[:-1]
-    z2 = z.reshape(-1, V).contiguous()
+    V, lead = z.shape[-1], z.shape[:-1]
     vals = torch.empty(z2.shape[0], k, dtype=torch.float32)
     idx = torch.empty(z2.shape[0], k, dtype=torch.int64)
     lse = torch.empty(z2.shape[0], dtype=torch.float32)

@@ -4,8 +4,11 @@ Words as in the glossary (`locality.__doc__`). Per prompt:
 
     prefill   the target runs the whole prompt once; the last row gives the first token - step 0, so
               autoregressive decoding has tau = 1.00. The KV cache holds the prompt. Drafters get the
-              logits at all L positions in `begin`, unless they set `uses_prefill_logits = False` (then
-              only the last row [1, V]: ar and pld, whose timings should not pay for a [L, V] LM head).
+              logits at the prompt positions they name in `begin` (`Drafter.prefill_rows`: all L by
+              default; UniSpec and Token Recycling the last occurrence of each token, which is what their
+              store keeps), or the last row [1, V] alone where they set `uses_prefill_logits = False` (ar,
+              pld, and the LM-head drafters except under MicroSpec: their timings should not pay for a
+              [L, V] LM head they do not read).
     step      the drafter proposes a draft tree rooted at the last committed token (the root, not yet in
               the cache); the target forwards root + draft nodes in one pass with a tree attention mask
               and positions P + depth (`forward_tree`); `engine.verify` picks the accepted path and the
@@ -299,8 +302,11 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
     target = make_target(model, cfg.backend, fixed_shape=cfg.fixed_shape, rows=cfg.verify_rows,
                          compile=cfg.compile, cuda_graphs=cfg.cuda_graphs, cpu_kernels=cfg.cpu_kernels)
     target.begin(L + T + 1)
-    # the drafter sees logits at every prompt position unless it says it does not use them
-    hidden, logits = target.prefill(prompt, all_logits=getattr(drafter, "uses_prefill_logits", True))
+    # the drafter sees logits at the prompt positions it names (`Drafter.prefill_rows`; every one by default),
+    # or the last row alone where it says it does not use them
+    wants = getattr(drafter, "uses_prefill_logits", True)
+    rows = drafter.prefill_rows(prompt) if wants and hasattr(drafter, "prefill_rows") else None
+    hidden, logits = target.prefill(prompt, all_logits=wants, rows=rows)
     committed = L
     if cfg.greedy:
         first = logits[-1].argmax()

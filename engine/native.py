@@ -392,9 +392,9 @@ class NativeModel:
             vc.index_copy_(1, slots, v.transpose(0, 1))
         if exact:
             a = self._attention_exact(q, kc, vc, P, tail_idx, mask)
-        else:
+        else:                               # mask None: a causal run over an empty cache (`_sdpa_mask`)
             a = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None, :, :P + n], vc[None, :, :P + n],
-                                               attn_mask=mask, scale=self.scale,
+                                               attn_mask=mask, is_causal=mask is None, scale=self.scale,
                                                enable_gqa=kvh != H)[0].transpose(0, 1).reshape(n, H * hd)
         a = kern["o"](a) if kern else F.linear(a, L.o_w)
         if L.post_attn_norm is not None:
@@ -408,10 +408,17 @@ class NativeModel:
             h = self._rmsnorm(h, L.post_mlp_norm)
         return x + h
 
-    def _sdpa_mask(self, positions, cache, visible, kind, key_positions=None) -> torch.Tensor:
-        """[1, 1, n, P + n] bool: committed slots (within the window on sliding layers) + `visible`."""
+    def _sdpa_mask(self, positions, cache, visible, kind, key_positions=None) -> torch.Tensor | None:
+        """[1, 1, n, P + n] bool: committed slots (within the window on sliding layers) + `visible`; None for a
+        causal run over an empty cache that no window cuts (a prefill): SDPA's `is_causal`, whose kernel skips
+        the masked half instead of computing it (SmolLM2, a 1400-token prefill: its attention 2.3 -> 1.2 s)."""
         P, n = cache.committed, positions.numel()
         dev = positions.device
+        if (P == 0 and visible.shape == (n, n) and key_positions is None
+                and (kind != "sliding_attention" or self.window is None or n <= self.window)
+                and torch.equal(positions, torch.arange(n, device=dev))
+                and torch.equal(visible, torch.ones(n, n, dtype=torch.bool, device=dev).tril_())):
+            return None
         if visible.shape == (n, P + n):
             mask = visible.clone()
         elif visible.shape == (n, n):
@@ -511,7 +518,7 @@ class NativeModel:
         else:
             out = dense_head(hidden, self.head_w, self.head_b).float()
         if self.softcap is not None:
-            out = torch.tanh(out / self.softcap) * self.softcap
+            out = out.div_(self.softcap).tanh_().mul_(self.softcap)      # tanh(z / cap) * cap, in place
         return out
 
 

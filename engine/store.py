@@ -93,6 +93,22 @@ def last_occurrence(tokens: torch.Tensor) -> torch.Tensor:
     return last[inv] == pos
 
 
+def prompt_rows(prompt_ids: torch.Tensor) -> torch.Tensor:
+    """[r] int64 ascending: the positions of the prompt whose logits a store built from the prompt reads - the
+    last occurrence of each distinct token (`last_occurrence`), so the last position among them."""
+    return last_occurrence(prompt_ids.reshape(-1)).nonzero().reshape(-1)
+
+
+def rows_tokens(prompt_ids: torch.Tensor, rows: int) -> torch.Tensor:
+    """The prompt tokens of `rows` prefill logit rows given to a store-building drafter: every position (rows =
+    L), the positions `prompt_rows` names (rows = their count), or else the last `rows` positions."""
+    prompt_ids = prompt_ids.reshape(-1)
+    if rows == prompt_ids.numel():
+        return prompt_ids
+    pos = prompt_rows(prompt_ids)
+    return prompt_ids[pos] if rows == pos.numel() else prompt_ids[-rows:]
+
+
 class SuccessorStore:
     """`tok [V, k]` / `con [V, k]`; zeros = empty. See the module docstring for the update rule."""
 

@@ -3,7 +3,7 @@
 The harness runs the target only through a `Target`:
 
     begin(capacity)                      a fresh KV cache for one prompt (capacity: slots it will need)
-    prefill(prompt, all_logits)          -> hidden [L, d], logits [L, V] (or the last row) fp32
+    prefill(prompt, all_logits, rows)    -> hidden [L, d], logits [L, V] (the last row; the rows asked for) fp32
     forward_tree(tokens, parents, depths, anc)
                                          -> hidden [n, d], logits [n, V] fp32 of a draft tree over the cache
     compact(num_new, keep)               keep the accepted path; returns the committed length
@@ -59,8 +59,42 @@ def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
         logits = head(hidden).float()
     cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
     if cap is not None:
-        logits = torch.tanh(logits / cap) * cap
+        logits = logits.div_(cap).tanh_().mul_(cap)            # tanh(z / cap) * cap, in place
     return logits
+
+
+PREFILL_HEAD_ROWS = 256     # the prefill's LM head runs in chunks of this many rows (`prefill_logits`)
+
+
+def prefill_logits(head, hidden: torch.Tensor, all_logits: bool = True,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The prefill's fp32 logits from hidden [L, d] through head(h [r, d]) -> [r, V]: the last row [1, V]
+    (not `all_logits`), every row [L, V], or the rows at positions `rows` ([r] int64, ascending, the last
+    position last). The last row - the first token of every method - is always computed alone (a head over
+    many rows may take another path: kernels.cpu up to KERNEL_MAX_ROWS rows, oneDNN above; `ar` asks for one
+    row). The others run PREFILL_HEAD_ROWS at a time into one buffer: Gemma-3's [1400, 262k] fp32 logits are
+    1.5 GB, which one call held twice (and the soft-cap's temporaries more); in chunks its head over a
+    1400-token prompt took 3.7 s instead of 6.4."""
+    L = hidden.shape[0]
+    last = head(hidden[-1:])
+    if rows is not None:
+        rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+        if rows.numel() == 0 or int(rows[-1]) != L - 1 or (rows.numel() > 1 and bool((rows.diff() <= 0).any())) \
+                or int(rows[0]) < 0:
+            raise BackendError(f"prefill rows must be ascending prompt positions in [0, {L}) ending at the last one "
+                               f"({L - 1}); got {rows.tolist()[:8]}{' ...' if rows.numel() > 8 else ''}")
+        others = rows[:-1].to(hidden.device)
+    elif not all_logits or L == 1:
+        return last
+    else:
+        others = None
+    r = L - 1 if others is None else others.numel()
+    out = last.new_empty(r + 1, last.shape[-1])
+    for a in range(0, r, PREFILL_HEAD_ROWS):
+        b = min(r, a + PREFILL_HEAD_ROWS)
+        out[a:b] = head(hidden[a:b] if others is None else hidden[others[a:b]])
+    out[r:] = last
+    return out
 
 
 def decoder(model):
@@ -79,13 +113,15 @@ def _cache_kw(model) -> str:
     return cache_kwarg(decoder(model))
 
 
-def prefill(model, prompt: torch.Tensor, cache, all_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run prompt [L] into an empty cache; returns hidden [L, d] and logits fp32: [L, V], or only the last
-    row [1, V] when not `all_logits` (the LM head over a long prompt is costly: Gemma's 262k rows)."""
+def prefill(model, prompt: torch.Tensor, cache, all_logits: bool = True,
+            rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run prompt [L] into an empty cache; returns hidden [L, d] and logits fp32: [L, V], only the last row
+    [1, V] when not `all_logits`, or the rows at positions `rows` (`prefill_logits`: the LM head over a long
+    prompt is costly, Gemma's 262k rows)."""
     out = decoder(model)(input_ids=prompt[None], use_cache=True, **{_cache_kw(model): cache})
     hidden = out.last_hidden_state[0]                            # [L, d]
     kv.compact(cache, 0, prompt.numel(), None)                   # trims sliding-window layers to W-1
-    return hidden, lm_logits(model, hidden if all_logits else hidden[-1:])
+    return hidden, prefill_logits(lambda h: lm_logits(model, h), hidden, all_logits, rows)
 
 
 def forward_tree(model, cache, committed: int, tokens: torch.Tensor, parents: torch.Tensor,
@@ -121,8 +157,10 @@ class Target(ABC):
         """A fresh cache for one prompt: prompt + new tokens + one tree fit in `capacity` slots."""
 
     @abstractmethod
-    def prefill(self, prompt: torch.Tensor, all_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run prompt [L] into the cache: (hidden [L, d], fp32 logits [L, V] or the last row [1, V])."""
+    def prefill(self, prompt: torch.Tensor, all_logits: bool = True,
+                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run prompt [L] into the cache: (hidden [L, d], fp32 logits [L, V], the last row [1, V] when not
+        all_logits, or the rows at positions `rows`: `prefill_logits`)."""
 
     @abstractmethod
     def forward_tree(self, tokens, parents, depths, anc) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,8 +179,8 @@ class HFTarget(Target):
         self.cache = kv.new_cache(self.model)
         self.committed = 0
 
-    def prefill(self, prompt, all_logits=True):
-        out = prefill(self.model, prompt, self.cache, all_logits)
+    def prefill(self, prompt, all_logits=True, rows=None):
+        out = prefill(self.model, prompt, self.cache, all_logits, rows)
         self.committed = prompt.numel()
         return out
 
@@ -181,18 +219,13 @@ class NativeTarget(Target):
         if slots > self.cache.capacity:              # a graphed decode sees the new tensors and recaptures
             self.cache.grow(max(slots, self.cache.capacity + self.cache.capacity // 2))
 
-    def prefill(self, prompt, all_logits=True):
+    def prefill(self, prompt, all_logits=True, rows=None):
         L = prompt.numel()
         self._ensure(L)
         vis = torch.ones(L, L, dtype=torch.bool, device=prompt.device).tril_()
         hidden = self.net.forward(prompt, torch.arange(L, device=prompt.device), self.cache, vis)
         self.committed = self.cache.committed = L
-        # the last row - the first token of every method - always alone: a head run over all L rows may take
-        # another path (kernels.cpu up to KERNEL_MAX_ROWS rows, oneDNN above), and `ar` asks for one row only
-        last = self.net.logits(hidden[-1:])
-        if not all_logits or L == 1:
-            return hidden, last
-        return hidden, torch.cat([self.net.logits(hidden[:-1]), last])
+        return hidden, prefill_logits(self.net.logits, hidden, all_logits, rows)
 
     def forward_tree(self, tokens, parents, depths, anc):
         n, P = tokens.numel(), self.committed

@@ -105,9 +105,20 @@ class Drafter:
     begin(prompt_ids, prefill_logits, prefill_hidden): once per prompt, after the target's prefill.
     propose(ids): ids = every committed token so far (prompt + generated, last = root) -> DraftTree.
     observe(step): after verification; update stores, windows, caches.
+
+    What `begin` gets as prefill_logits [r, V] (the LM head over a long prompt is the prefill's costliest
+    part on a large vocabulary: Gemma-3's 262k rows):
+      uses_prefill_logits   False: the last row alone (r = 1); True (default): the rows `prefill_rows` names
+      prefill_rows(prompt)  the prompt positions wanted, ascending, the last position last; None: all L
     """
 
     name = "base"
+    uses_prefill_logits = True
+
+    def prefill_rows(self, prompt_ids: torch.Tensor) -> torch.Tensor | None:
+        """[r] int64 prompt positions whose logits `begin` needs (ascending, ending at L - 1), or None for
+        every position. Read only when `uses_prefill_logits`."""
+        return None
 
     def __init__(self, target, cfg):
         self.target = target

@@ -186,6 +186,12 @@ class LMHeadDrafter(Drafter, ABC):
         """What a DynaSpec router fitted on this drafter's states is keyed by (`engine.vocab.dynaspec.drafter_key`)."""
         return dynaspec_drafter_key(self.cfg)
 
+    @property
+    def uses_prefill_logits(self) -> bool:
+        """Only MicroSpec's window reads the prompt's logits (Eq. 2); the other policies and the backbone need
+        the last row alone (the backbone reads the target's hidden states)."""
+        return self.policy is None or self.policy.uses_prefill_logits
+
     # Drafter hooks ------------------------------------------------------------------------------------
     def begin(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:
         self.timer.reset()

@@ -30,7 +30,7 @@ import time
 import torch
 
 from engine.drafters.unispec import accepted_last_order
-from engine.store import SuccessorStore, check_token_ids, drafter_store, topk_probs
+from engine.store import SuccessorStore, check_token_ids, drafter_store, prompt_rows, rows_tokens, topk_probs
 from engine.drafters import register_drafter
 from engine.tree import Drafter, DraftTree, StepResult
 
@@ -166,6 +166,12 @@ class RecyclingDrafter(Drafter):
             raise RecyclingError("the store is made in begin() from the prefill logits' width; call begin first")
         return self._store
 
+    def prefill_rows(self, prompt_ids):
+        """The last position of each distinct prompt token (the last prompt position among them): the store
+        keeps one row per token and a later occurrence overwrites an earlier one, so the other rows' logits
+        would be computed and thrown away."""
+        return prompt_rows(prompt_ids)
+
     def begin(self, prompt_ids, prefill_logits, prefill_hidden):
         t0 = time.perf_counter()
         self._t = {"tree": 0.0, "store_update": 0.0}
@@ -180,10 +186,9 @@ class RecyclingDrafter(Drafter):
         prompt_ids = prompt_ids.reshape(-1)
         # once per prompt (a host sync): every later root and store row descends from these ids
         check_token_ids(prompt_ids, vocab, "the prompt", fix="encode it with the target's tokenizer")
-        rows = prefill_logits.shape[0]
         # sampling: the top-k of the distribution the verifier samples from (temperature, top-p)
         ids, probs = topk_probs(prefill_logits, self.store.k, self.cfg.temperature, self.cfg.top_p)
-        self.store.update_topk(prompt_ids[-rows:], ids, probs, check_ids=False)
+        self.store.update_topk(rows_tokens(prompt_ids, prefill_logits.shape[0]), ids, probs, check_ids=False)
         self._t["store_update"] += time.perf_counter() - t0
 
     def propose(self, ids):

@@ -44,6 +44,7 @@ class VocabPolicy:
     """Base: the full head. Subclasses restrict it. See the module docstring for the protocol."""
 
     name = "full"
+    uses_prefill_logits = False          # begin() reads the target's logits at every prompt position (MicroSpec)
 
     def __init__(self, weight: torch.Tensor, cfg, *, softcap: float | None = None, timer=None):
         if weight.dim() != 2:

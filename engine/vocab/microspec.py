@@ -74,6 +74,7 @@ class MicroSpecVocab(VocabPolicy):
     """MicroSpec's in-context vocabulary (module docstring), on `kernels.streams.PackedLMHead`."""
 
     name = "microspec"
+    uses_prefill_logits = True           # Eq. 2: the target's top-K_pre at every prompt position
 
     def __init__(self, weight, cfg, *, softcap=None, timer=None):
         super().__init__(weight, cfg, softcap=softcap, timer=timer)

@@ -42,9 +42,9 @@ from engine.drafters.recycling import TEMPLATES, template_size
 from engine.models import eos_token_ids
 from engine.shipped import default_eagle3_head, default_eagle_head
 from engine.native import BLOCK, bucket_rows
-from engine.target import (forward_tree, lm_logits, make_target, max_tree_nodes, pads_rows,  # noqa: F401
-                           prefill, resolve_backend)
-from engine.tree import DraftTree, Drafter, StepResult
+from engine.target import (forward_tree, head_topk, lm_logits, make_target, max_tree_nodes,  # noqa: F401
+                           pads_rows, prefill, resolve_backend)
+from engine.tree import DraftTree, Drafter, PrefillTopK, StepResult
 from engine.verify import sample_token, tree_layout, verify_greedy, verify_sampling, warp_probs
 from locality.trace import Trace
 
@@ -305,8 +305,9 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
     # the drafter sees logits at the prompt positions it names (`Drafter.prefill_rows`; every one by default),
     # or the last row alone where it says it does not use them
     wants = getattr(drafter, "uses_prefill_logits", True)
-    rows = drafter.prefill_rows(prompt) if wants and hasattr(drafter, "prefill_rows") else None
-    hidden, logits = target.prefill(prompt, all_logits=wants, rows=rows)
+    topk = getattr(drafter, "prefill_topk", None) if wants else None      # only each row's top-K ids (MicroSpec)
+    rows = drafter.prefill_rows(prompt) if wants and not topk and hasattr(drafter, "prefill_rows") else None
+    hidden, logits = target.prefill(prompt, all_logits=wants and not topk, rows=rows)
     committed = L
     if cfg.greedy:
         first = logits[-1].argmax()
@@ -315,10 +316,11 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
     ids[L] = first
     out = [int(first)]                                           # host sync: the first token (stop test)
     top_rows = prefill_topk(model, hidden, K) if cfg.record else None      # [L, K]
+    prefill_ids = head_topk(target.head, hidden, topk) if topk else None    # [L, topk]
     t_prefill = _clock(device)
     prefill_s = t_prefill - t_start
 
-    drafter.begin(prompt, logits, hidden)
+    drafter.begin(prompt, PrefillTopK(prefill_ids) if topk else logits, hidden)
     del hidden, logits
     draft_s = begin_s = _clock(device) - t_prefill
     verify_s, steps, num_draft = 0.0, 1, 0

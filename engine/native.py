@@ -508,7 +508,7 @@ class NativeModel:
 
     # -- LM head -------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, exact: bool = False, softcap: bool = True) -> torch.Tensor:
         """fp32 logits [.., V]: the LM head (F.linear in exact mode: row-invariant; the CPU kernel where it is on),
         then soft-capping."""
         if self._kernel(hidden[..., 0].numel(), exact):
@@ -517,7 +517,7 @@ class NativeModel:
             out = F.linear(hidden, self.head_w, self.head_b).float()
         else:
             out = dense_head(hidden, self.head_w, self.head_b).float()
-        if self.softcap is not None:
+        if self.softcap is not None and softcap:
             out = out.div_(self.softcap).tanh_().mul_(self.softcap)      # tanh(z / cap) * cap, in place
         return out
 

@@ -50,15 +50,16 @@ class BackendError(ValueError):
 
 # --- hf: transformers' forward --------------------------------------------------------------------------
 
-def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """The target's logits [.., V] fp32 from final hidden states (LM head + Gemma's soft-capping)."""
+def lm_logits(model, hidden: torch.Tensor, softcap: bool = True) -> torch.Tensor:
+    """The target's logits [.., V] fp32 from final hidden states (LM head + Gemma's soft-capping, unless not
+    `softcap`: tanh is monotonic, so a top-k needs no cap)."""
     head = model.get_output_embeddings()
     if type(head) is torch.nn.Linear:        # a plain head: the small-row CPU path of `kernels.head.dense_head`
         logits = dense_head(hidden, head.weight, head.bias).float()
     else:
         logits = head(hidden).float()
     cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
-    if cap is not None:
+    if cap is not None and softcap:
         logits = logits.div_(cap).tanh_().mul_(cap)            # tanh(z / cap) * cap, in place
     return logits
 
@@ -94,6 +95,17 @@ def prefill_logits(head, hidden: torch.Tensor, all_logits: bool = True,
         b = min(r, a + PREFILL_HEAD_ROWS)
         out[a:b] = head(hidden[a:b] if others is None else hidden[others[a:b]])
     out[r:] = last
+    return out
+
+
+def head_topk(head, hidden: torch.Tensor, k: int) -> torch.Tensor:
+    """[L, k] int64: the top-k token ids of every row's logits, best first, through head(h, softcap=False)
+    PREFILL_HEAD_ROWS rows at a time, each chunk's logits dropped after its top-k: no [L, V] is ever held. The
+    soft-cap is skipped (tanh is monotonic: the same order, up to ties its rounding could make)."""
+    out = torch.empty(hidden.shape[0], k, dtype=torch.long, device=hidden.device)
+    for a in range(0, hidden.shape[0], PREFILL_HEAD_ROWS):
+        b = min(hidden.shape[0], a + PREFILL_HEAD_ROWS)
+        out[a:b] = cpu.topk(head(hidden[a:b], softcap=False), k)[1]
     return out
 
 
@@ -163,6 +175,10 @@ class Target(ABC):
         all_logits, or the rows at positions `rows`: `prefill_logits`)."""
 
     @abstractmethod
+    def head(self, hidden: torch.Tensor, softcap: bool = True) -> torch.Tensor:
+        """The LM head: fp32 logits [r, V] of final hidden states [r, d] (soft-capped unless not `softcap`)."""
+
+    @abstractmethod
     def forward_tree(self, tokens, parents, depths, anc) -> tuple[torch.Tensor, torch.Tensor]:
         """A draft tree (root first) over the cache: (hidden [n, d], fp32 logits [n, V])."""
 
@@ -178,6 +194,9 @@ class HFTarget(Target):
     def begin(self, capacity: int) -> None:
         self.cache = kv.new_cache(self.model)
         self.committed = 0
+
+    def head(self, hidden, softcap=True):
+        return lm_logits(self.model, hidden, softcap)
 
     def prefill(self, prompt, all_logits=True, rows=None):
         out = prefill(self.model, prompt, self.cache, all_logits, rows)
@@ -218,6 +237,9 @@ class NativeTarget(Target):
     def _ensure(self, slots: int) -> None:
         if slots > self.cache.capacity:              # a graphed decode sees the new tensors and recaptures
             self.cache.grow(max(slots, self.cache.capacity + self.cache.capacity // 2))
+
+    def head(self, hidden, softcap=True):
+        return self.net.logits(hidden, softcap=softcap)
 
     def prefill(self, prompt, all_logits=True, rows=None):
         L = prompt.numel()

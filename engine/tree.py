@@ -99,6 +99,14 @@ class StepResult:
     new_tokens: torch.Tensor        # [a] tokens committed this step: accepted draft tokens + the bonus token
 
 
+@dataclass(frozen=True)
+class PrefillTopK:
+    """What `Drafter.begin` gets as prefill_logits when the drafter sets `prefill_topk = K`: the top-K token
+    ids [r, K] int64 of each prompt row's logits (best first), computed chunk by chunk so no [L, V] logits are
+    ever held (Gemma-3: 1.5 GB fp32 for a 1400-token prompt)."""
+    ids: torch.Tensor
+
+
 class Drafter:
     """A method = a drafter plugged into `engine.harness`. Subclasses override the three hooks.
 
@@ -110,10 +118,12 @@ class Drafter:
     part on a large vocabulary: Gemma-3's 262k rows):
       uses_prefill_logits   False: the last row alone (r = 1); True (default): the rows `prefill_rows` names
       prefill_rows(prompt)  the prompt positions wanted, ascending, the last position last; None: all L
+      prefill_topk          K: only each row's top-K ids are read, passed as a `PrefillTopK` (MicroSpec Eq. 2)
     """
 
     name = "base"
     uses_prefill_logits = True
+    prefill_topk: int | None = None
 
     def prefill_rows(self, prompt_ids: torch.Tensor) -> torch.Tensor | None:
         """[r] int64 prompt positions whose logits `begin` needs (ascending, ending at L - 1), or None for

@@ -12,7 +12,8 @@ from engine.drafters import make_drafter
 from engine.harness import generate
 from engine.models import load_model
 from engine.store import prompt_rows, rows_tokens
-from engine.target import BackendError, make_target, prefill_logits
+from engine.target import BackendError, head_topk, make_target, prefill_logits
+from engine.tree import PrefillTopK
 from tests.engine_testing import untie_head
 
 VOCAB = 96
@@ -90,14 +91,15 @@ class _Spy:
         inner = drafter.begin
 
         def begin(prompt_ids, prefill_logits, prefill_hidden):
-            self.shape = tuple(prefill_logits.shape)
+            self.shape = (tuple(prefill_logits.ids.shape) if isinstance(prefill_logits, PrefillTopK)
+                          else tuple(prefill_logits.shape))
             return inner(prompt_ids, prefill_logits, prefill_hidden)
         drafter.begin = begin
 
 
 @pytest.mark.parametrize("method, vocab, rows", [
     ("unispec", None, "prompt_rows"), ("recycling", None, "prompt_rows"),
-    ("eagle", "full", 1), ("eagle", "oracle", 1), ("eagle", "microspec", "all"), ("pld", None, 1)])
+    ("eagle", "full", 1), ("eagle", "oracle", 1), ("eagle", "microspec", "topk"), ("pld", None, 1)])
 def test_the_harness_computes_the_rows_each_drafter_reads_and_stays_lossless(model, method, vocab, rows):
     m, info = model
     extra = {} if vocab is None else dict(vocab=vocab, eagle_head="random", w_max=32, k_pre=3)
@@ -105,7 +107,25 @@ def test_the_harness_computes_the_rows_each_drafter_reads_and_stays_lossless(mod
     drafter = make_drafter(m, cfg)
     spy = _Spy(drafter)
     out = generate(m, PROMPT, cfg, info=info, drafter=drafter, eos_ids=[])
-    want = {1: 1, "all": PROMPT.numel(), "prompt_rows": prompt_rows(PROMPT).numel()}[rows]
-    assert spy.shape == (want, VOCAB)
+    want = {1: (1, VOCAB), "topk": (PROMPT.numel(), 3), "prompt_rows": (prompt_rows(PROMPT).numel(), VOCAB)}[rows]
+    assert spy.shape == want
     ar = generate(m, PROMPT, SpecConfig.preset("ar", max_new_tokens=12), info=info, eos_ids=[])
     assert out.output_ids.tolist() == ar.output_ids.tolist()
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_head_topk_is_the_top_k_of_every_rows_logits_in_chunks(backend, monkeypatch):
+    """MicroSpec's prefill top-K_pre without [L, V] logits: the same ids as the top-k of the full logits, on
+    Gemma-2-style soft-capped logits (the cap is skipped: tanh keeps the order)."""
+    m, _, _ = load_model("random-gemma3", vocab_size=VOCAB, num_layers=2, seed=5)
+    m.config.get_text_config(decoder=True).final_logit_softcapping = 2.0      # Gemma-3 itself has none
+    monkeypatch.setattr("engine.target.PREFILL_HEAD_ROWS", 4)
+    t = make_target(m, backend)
+    with torch.inference_mode():
+        t.begin(32)
+        hidden, full = t.prefill(PROMPT)
+        ids = head_topk(t.head, hidden, 3)
+        capped = t.head(hidden[:2])
+        raw = t.head(hidden[:2], softcap=False)
+    assert ids.shape == (PROMPT.numel(), 3) and torch.equal(ids, full.topk(3).indices)
+    assert not torch.allclose(capped, raw)                              # the model does soft-cap

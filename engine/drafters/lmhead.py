@@ -192,6 +192,11 @@ class LMHeadDrafter(Drafter, ABC):
         the last row alone (the backbone reads the target's hidden states)."""
         return self.policy is None or self.policy.uses_prefill_logits
 
+    @property
+    def prefill_topk(self) -> int | None:
+        """MicroSpec reads only each prompt row's top-K_pre ids (`engine.tree.PrefillTopK`)."""
+        return None if self.policy is None else self.policy.prefill_topk
+
     # Drafter hooks ------------------------------------------------------------------------------------
     def begin(self, prompt_ids, prefill_logits, prefill_hidden=None) -> None:
         self.timer.reset()

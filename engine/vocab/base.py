@@ -45,6 +45,7 @@ class VocabPolicy:
 
     name = "full"
     uses_prefill_logits = False          # begin() reads the target's logits at every prompt position (MicroSpec)
+    prefill_topk: int | None = None      # ... only their top-K ids (`engine.tree.PrefillTopK`)
 
     def __init__(self, weight: torch.Tensor, cfg, *, softcap: float | None = None, timer=None):
         if weight.dim() != 2:

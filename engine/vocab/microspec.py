@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.tree import PrefillTopK
 from engine.vocab.base import VocabError, VocabPolicy, check_w_max, softcap
 from kernels import cpu as cpu_kernels
 from kernels.streams import PackedLMHead
@@ -76,6 +77,10 @@ class MicroSpecVocab(VocabPolicy):
     name = "microspec"
     uses_prefill_logits = True           # Eq. 2: the target's top-K_pre at every prompt position
 
+    @property
+    def prefill_topk(self) -> int:
+        return self.cfg.k_pre
+
     def __init__(self, weight, cfg, *, softcap=None, timer=None):
         super().__init__(weight, cfg, softcap=softcap, timer=timer)
         check_w_max(cfg.w_max, self.vocab_size)
@@ -118,6 +123,12 @@ class MicroSpecVocab(VocabPolicy):
 
     # live protocol ----------------------------------------------------------------------------------
     def begin(self, prompt_ids, prefill_logits):
+        if isinstance(prefill_logits, PrefillTopK):             # the harness's top-K_pre ids (`prefill_topk`)
+            if prefill_logits.ids.shape[0] != prompt_ids.numel():
+                raise VocabError(f"microspec needs the target's top-{self.cfg.k_pre} at all {prompt_ids.numel()} "
+                                 f"prompt positions (Eq. 2), got {prefill_logits.ids.shape[0]} rows")
+            self.begin_ids(prompt_ids, prefill_logits.ids)
+            return
         if prefill_logits is None or prefill_logits.dim() != 2 or prefill_logits.shape[0] != prompt_ids.numel():
             got = None if prefill_logits is None else tuple(prefill_logits.shape)
             raise VocabError(f"microspec needs the target's logits at all {prompt_ids.numel()} prompt positions "

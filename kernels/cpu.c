@@ -370,10 +370,11 @@ void sv_linear_rows_bf16(const uint16_t* x, const uint16_t* w, void* out, int ou
  * slot of each of their positions for this row, engine.native.tail_index) where ok[r] says the position is in
  * the row's context. A key is also hidden when window > 0 and pos[r] - key position >= window. Three passes
  * over the row's visible blocks: the scores s (and their max m, lane-wise), the weights e = exp(s - m) and their
- * sum l (lane-wise in block order, then one fixed reduction), then sum of e v, one fmadd chain per output dim
- * over the keys in logical order; out = that sum * (1 / l), all in fp32. (A running max folded block by block,
- * the flash-attention form, spent two scalar expf and a serial chain per head and block: the passes take a
- * SmolLM2-shaped layer at 8 rows and a 1500-token cache from 0.49 to 0.38 ms.) Everything here is a function
+ * sum l, both of the weights rounded to bf16 (lane-wise in block order, then one fixed reduction), then sum of
+ * e v by VDPBF16PS over key pairs, one chain per output dim over the pairs in logical order; out = that sum *
+ * (1 / l) in fp32. (A running max folded block by block, the flash-attention form, spent two scalar expf and a
+ * serial chain per head and block, and fp32 FMAs did one key per instruction: the passes take a SmolLM2-shaped
+ * layer at 8 rows and a 1500-token cache from 0.51 to 0.31 ms.) Everything here is a function
  * of the row's logical context alone (not of n, of the other rows, or of where an ancestor sits in the cache),
  * so an `ar` step and any tree give the row the same bits. q fp32 [n, H, hd] holding bf16 values (scores by VDPBF16PS: exact products, fp32
  * sums; each key's 16 lanes reduced by `hsum16`'s fixed tree); kc, vc bf16 [kvh, cap, hd]; out fp32 [n, H, hd]

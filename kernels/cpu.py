@@ -56,10 +56,12 @@ them to bf16), so the two agree to rounding, not bitwise; a decode uses one of t
 A KV head's query heads share each value row's load and widening (up to four at a time, each dim still one
 fmadd per key in key order: the same bits), which took a SmolLM2-shaped layer at 16 rows and a 400-token cache
 from 0.48 to 0.29 ms and a Gemma-shaped one at 8 rows from 0.30 to 0.18 ms. Three passes instead of a running
-max folded per block (which spent two scalar expf and a serial chain per head and block), head sizes 64, 128
-and 256 unrolled, and the KV head as the outer loop (its cache stays in L2 across the rows) took the
-SmolLM2-shaped layer at 8 rows and a 1500-token cache from 0.49 to 0.38 ms
-(the attention alone, one thread, this repository's 2-core EPYC).
+max folded per block (which spent two scalar expf and a serial chain per head and block), the values by
+VDPBF16PS over key pairs with the weights rounded to bf16 (as transformers' eager bf16 attention rounds them;
+fp32 FMAs did one key per instruction at the FMA's peak), head sizes 64, 128 and 256 unrolled, and the KV head
+as the outer loop (its cache stays in L2 across the rows) took a SmolLM2-shaped layer at 8 rows over 400 / 1500
+keys from 133 to 83 / 512 to 313 us and a Gemma-shaped one from 187 to 95 / 597 to 364 us (the attention alone,
+one thread, a 2-core EPYC with AVX512-BF16).
 
 fp32. A model kept in fp32 (the default on a CPU without bf16 dot products) runs its linears on `sv_linear_f32`:
 the bf16 kernel's tiles, reduction tree and prefetch schedule, with one FMA chain per output over 16-wide fp32

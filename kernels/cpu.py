@@ -94,6 +94,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -603,6 +604,25 @@ def pack_layer(qkv_w: torch.Tensor, qkv_b: torch.Tensor | None, o_w: torch.Tenso
                        gemma_norm=gemma_norm, act=act, spec=spec)
 
 
+_local = threading.local()          # per thread: the fused layer's scratch, reused by every call
+
+
+def _scratch(nbytes: int) -> torch.Tensor:
+    """A uint8 buffer of at least nbytes for `sv_layer`'s intermediates, one per thread and kept (a forward
+    calls the layer 30 times with the same sizes; the C side only writes it before reading it)."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _local.scratch = torch.empty(nbytes, dtype=torch.uint8)
+    return buf
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as contiguous `dtype`, without a copy where it already is (a bool mask is viewed as uint8)."""
+    if t.dtype == torch.bool and dtype == torch.uint8 and t.is_contiguous():
+        return t.view(torch.uint8)
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
 def layer(x: torch.Tensor, spec: LayerKernel, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,
           vc: torch.Tensor, slots: torch.Tensor, committed_blocks: int, positions: torch.Tensor, idx: torch.Tensor,
           ok: torch.Tensor, window: int | None, scale: float, attn_in: torch.Tensor | None = None,
@@ -619,15 +639,15 @@ def layer(x: torch.Tensor, spec: LayerKernel, cos: torch.Tensor, sin: torch.Tens
         raise CpuKernelError("the fused layer writes the cache in place: give contiguous bf16 [kvh, capacity, hd]")
     if attn_in is not None and attn_in.shape != (n, spec.qkv.in_features):
         raise CpuKernelError(f"attn_in must be [n, {spec.qkv.in_features}]; got {tuple(attn_in.shape)}")
-    out = x.contiguous().clone()
+    out = x.clone(memory_format=torch.contiguous_format)
     if n == 0:
         return out
     lib = _load()
-    scratch = torch.empty(lib.sv_layer_scratch(ctypes.byref(spec.spec), n), dtype=torch.uint8)
-    keep = [t.contiguous() for t in (cos.to(torch.bfloat16), sin.to(torch.bfloat16))]
-    keep += [slots.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous(),
-             idx.to(torch.int64).contiguous(), ok.to(torch.uint8).contiguous()]
-    a_in = None if attn_in is None else attn_in.to(torch.bfloat16).contiguous()
+    scratch = _scratch(lib.sv_layer_scratch(ctypes.byref(spec.spec), n))
+    # the same inputs come to every layer of a forward: each conversion is a no-op unless needed
+    keep = [_as(cos, torch.bfloat16), _as(sin, torch.bfloat16), _as(slots, torch.int64),
+            _as(positions, torch.int64), _as(idx, torch.int64), _as(ok, torch.uint8)]
+    a_in = None if attn_in is None else _as(attn_in, torch.bfloat16)
     lib.sv_layer(ctypes.byref(spec.spec), out.data_ptr(), None if a_in is None else a_in.data_ptr(),
                  keep[0].data_ptr(), keep[1].data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.shape[1],
                  keep[2].data_ptr(), committed_blocks, keep[3].data_ptr(), keep[4].data_ptr(), keep[5].data_ptr(),

@@ -16,6 +16,8 @@ Mutants these tests were checked against (each fails at least one test here):
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import polars as pl
 import pytest
@@ -474,6 +476,24 @@ def test_the_forward_benchmark_prints_what_it_compared_and_the_targets(tmp_path,
     frame = pl.read_parquet(out)
     assert frame.height == 2 * 2 * 3                            # dtypes x backends x sizes
     assert set(frame["backend"]) == {"hf", "native"} and (frame["ms"] > 0).all() and (frame["bare_ms"] > 0).all()
+
+
+def test_the_forward_benchmark_times_the_sizes_round_robin(monkeypatch):
+    """Each n's warm-up first, then every repeat runs every size once, in order: a slow spell of a shared
+    machine falls on all sizes alike (a per-size loop put one spell on one n and moved verify(n) / verify(1)).
+    The medians are of each size's own calls."""
+    from engine.jobs import forward
+    calls, cost = [], {1: 0.001, 8: 0.003}
+
+    def fake_step(model, backend, n, context):
+        def step():
+            calls.append(n)
+            time.sleep(cost[n])
+        return step
+    monkeypatch.setattr(forward, "forward_step", fake_step)
+    timed = forward.forward_ms(load_model("random-llama")[0], "native", [1, 8], 40, 3)
+    assert calls == [1, 8] + [1, 8] * 3
+    assert 1.0 <= timed[1][0] < timed[8][0] and timed[8][0] >= 3.0       # each size its own calls
 
 
 # --- the accelerator's pieces, checked on a CPU: the grouped fold and the graphed decode's buffers ------------

@@ -4,7 +4,8 @@
     python -m engine.jobs.forward --device cuda --dtype bf16 --random-weights --model DIR_WITH_CONFIG_JSON
 
 Per model, dtype, threads and backend it prints, in one run on one machine:
-- ms per forward of n = 1, 2, 4, 8, 16, 32 new tokens over a `--context`-token KV cache (median of --repeats);
+- ms per forward of n = 1, 2, 4, 8, 16, 32 new tokens over a `--context`-token KV cache (median of --repeats,
+  taken round-robin over the sizes, so a shared machine's slow spells fall on every n alike);
 - achieved GB/s (weight bytes / time) and its share of the copy-bandwidth bound measured in the same run
   (a `--copy-mb` tensor copy at the same thread count: weights must at least be read once per forward);
 - the bare-matmul time of the same weight matrices (`F.linear` over every layer's packed matrices and the
@@ -91,9 +92,9 @@ def _median(fn, repeats: int, device: torch.device = torch.device("cpu")) -> tup
     return ts[len(ts) // 2], first
 
 
-def forward_ms(model, backend: str, n: int, context: int, repeats: int) -> tuple[float, float]:
-    """(median ms of one forward of an n-node chain over a `context`-token cache (the cache is not advanced),
-    seconds of the first forward: the compile for `native-compiled`, the capture for `native-graph`)."""
+def forward_step(model, backend: str, n: int, context: int):
+    """A function running one forward of an n-node chain over a `context`-token cache on `backend` (the cache
+    is not advanced), its target prefilled."""
     t = make_target(model, **target_options(backend))
     device = next(model.parameters()).device
     t.begin(context + 64)
@@ -107,12 +108,36 @@ def forward_ms(model, backend: str, n: int, context: int, repeats: int) -> tuple
     with torch.inference_mode():
         t.prefill(prompt, all_logits=False)
 
-        def step():
-            t.forward_tree(tokens, parents, depths, anc)
-            if backend == "hf":                                  # the HF cache grows: drop the n entries again
-                t.compact(n, [])
-        med, first = _median(step, repeats, device)
-        return med * 1e3, first
+    @torch.inference_mode()
+    def step():
+        t.forward_tree(tokens, parents, depths, anc)
+        if backend == "hf":                                      # the HF cache grows: drop the n entries again
+            t.compact(n, [])
+    return step
+
+
+def forward_ms(model, backend: str, sizes, context: int, repeats: int) -> dict[int, tuple[float, float]]:
+    """{n: (median ms of one forward of an n-node chain over a `context`-token cache, seconds of the first
+    forward: the compile for `native-compiled`, the capture for `native-graph`)} for each n of `sizes`. After
+    each n's first forward, the repeats run round-robin over the sizes (n = 1, 2, .., then again), so a slow
+    spell of a shared machine falls on every n alike and verify(n) / verify(1) compares like with like."""
+    device = next(model.parameters()).device
+    steps = {n: forward_step(model, backend, n, context) for n in sizes}
+    first, times = {}, {n: [] for n in sizes}
+    for n, step in steps.items():
+        _sync(device)
+        t0 = time.perf_counter()
+        step()                                                   # warm-up (and compile / capture)
+        _sync(device)
+        first[n] = time.perf_counter() - t0
+    for _ in range(repeats):
+        for n, step in steps.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            step()
+            _sync(device)
+            times[n].append(time.perf_counter() - t0)
+    return {n: (sorted(v)[len(v) // 2] * 1e3, first[n]) for n, v in times.items()}
 
 
 def bare_matmul_ms(model, n: int, repeats: int, kernel: bool = False) -> float:
@@ -272,7 +297,7 @@ def main(argv=None) -> None:
                 if backend == "native-blas" and not bare_k:
                     continue                                     # the same as `native` where the kernel is off
                 path_bare = bare_k if (bare_k and backend == "native") else bare
-                timed = {n: forward_ms(model, backend, n, a.context, a.repeats) for n in sizes}
+                timed = forward_ms(model, backend, sizes, a.context, a.repeats)
                 ms = {n: v[0] for n, v in timed.items()}
                 first = sum(v[1] for v in timed.values())
                 gbs = wbytes / (ms[sizes[0]] / 1e3) / 1e9

@@ -49,9 +49,9 @@ The attention. After the linears, the rest of a decode forward was mostly the fi
 torch ops (per layer a dozen GEMMs of 16 x 64 x 32, softmax pieces, casts, the fold: ~0.5 ms a layer at 4
 rows on SmolLM2). `attention` does the same work per (row, head) in one call: the row's keys in logical order,
 in blocks of 32 aligned to logical positions, one softmax over them in fp32 (the scores and their max, then
-the weights and their sum, then the weighted values, each pass over the blocks in order). It reads the same inputs as engine.native's torch path (the committed block count, the tail's slots
-and mask) and, like it, depends only on the row's logical context: an `ar` step and a tree give a row the
-same bits. It sums in another order than the torch path (and keeps scores in fp32 where that path rounds
+the weights and their sum, then the weighted values, each pass over the blocks in order). It reads the same
+inputs as engine.native's torch path (the committed block count, the tail's slots and mask) and, like it,
+depends only on the row's logical context: an `ar` step and a tree give a row the same bits. It sums in another order than the torch path (and keeps scores in fp32 where that path rounds
 them to bf16), so the two agree to rounding, not bitwise; a decode uses one of them for all its forwards.
 A KV head's query heads share each value row's load and widening (up to four at a time, each dim still one
 fmadd per key in key order: the same bits), which took a SmolLM2-shaped layer at 16 rows and a 400-token cache

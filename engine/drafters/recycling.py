@@ -166,11 +166,9 @@ class RecyclingDrafter(Drafter):
             raise RecyclingError("the store is made in begin() from the prefill logits' width; call begin first")
         return self._store
 
-    def prefill_rows(self, prompt_ids):
-        """The last position of each distinct prompt token (the last prompt position among them): the store
-        keeps one row per token and a later occurrence overwrites an earlier one, so the other rows' logits
-        would be computed and thrown away."""
-        return prompt_rows(prompt_ids)
+    # the prefill's logits at the last occurrence of each prompt token only: the store keeps one row per token,
+    # a later occurrence overwriting an earlier one (the other rows would be computed and thrown away)
+    prefill_rows = staticmethod(prompt_rows)
 
     def begin(self, prompt_ids, prefill_logits, prefill_hidden):
         t0 = time.perf_counter()

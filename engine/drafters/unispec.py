@@ -219,11 +219,9 @@ class UniSpecDrafter(Drafter):
                                     self.cfg.store_k, device)
 
     # -- Drafter hooks ---------------------------------------------------------------------------------
-    def prefill_rows(self, prompt_ids):
-        """The last position of each distinct prompt token (the last prompt position among them): the store
-        keeps one row per token and a later occurrence overwrites an earlier one, so the other rows' logits
-        would be computed and thrown away."""
-        return prompt_rows(prompt_ids)
+    # the prefill's logits at the last occurrence of each prompt token only: the store keeps one row per token,
+    # a later occurrence overwriting an earlier one (the other rows would be computed and thrown away)
+    prefill_rows = staticmethod(prompt_rows)
 
     def begin(self, prompt_ids, prefill_logits, prefill_hidden):
         t0 = time.perf_counter()

@@ -412,6 +412,59 @@ def test_the_prefills_last_logits_do_not_depend_on_how_many_rows_the_head_ran(cp
     assert torch.equal(rows[True][-1], rows[False][0])
 
 
+@pytest.mark.skipif(cpu.available() is not None, reason=f"needs the bf16 CPU kernels: {cpu.available()}")
+@pytest.mark.parametrize("name,length", [("random-llama", 70), ("random-gemma3", 14)])
+def test_a_causal_prefill_runs_the_attention_kernel_block_by_block_and_equals_sdpa(name, length, monkeypatch):
+    """A prefill over an empty cache takes the decode's attention kernel one block of rows at a time
+    (`NativeModel._causal_attention`); every row's hidden state equals SDPA's causal attention to bf16 rounding.
+    70 rows: a partial third block whose rows see two committed blocks; random-gemma3's 14 rows sit inside its
+    16-token window (a longer prompt gives its sliding layers a mask, and SDPA)."""
+    model = load_model(name, dtype="bf16")[0]
+    prompt = torch.as_tensor(np.random.default_rng(3).integers(0, 512, length))
+    calls = []
+    real = cpu.attention
+    monkeypatch.setattr(cpu, "attention", lambda q, *a, **k: calls.append(q.shape[0]) or real(q, *a, **k))
+
+    def hidden():
+        t = NativeTarget(model, cpu_kernels=True)
+        t.begin(length + 8)
+        with torch.inference_mode():
+            return t.prefill(prompt, all_logits=False)[0]
+
+    got = hidden()
+    layers = model.config.num_hidden_layers
+    assert calls == [min(BLOCK, length - a) for a in range(0, length, BLOCK)] * layers
+    monkeypatch.setattr(NativeModel, "_attention_kernel", lambda self, hd: False)
+    ref = hidden()
+    assert len(calls) == layers * -(-length // BLOCK)                   # SDPA this time
+    for r in range(length):                                              # each row: a causal bug shows in early rows
+        assert _rel(got[r].float(), ref[r].float()) <= 3e-2, r
+
+
+@pytest.mark.skipif(cpu.available() is not None, reason=f"needs the bf16 CPU kernels: {cpu.available()}")
+def test_the_causal_attention_by_blocks_is_each_rows_softmax_over_itself_and_what_precedes_it():
+    """`_causal_attention` on its own, with peaked scores (a random model's attention is nearly uniform, so a
+    prefill's hidden states barely show which keys a row saw): row r attends to keys 0..r exactly - not its
+    block's later rows, not another block's slots - in fp32 with the weights rounded to bf16 (as the kernel)."""
+    net = native_model(load_model("random-llama", dtype="bf16")[0])
+    n, H, kvh, hd = 75, net.heads, net.kv_heads, net.head_dim
+    g = torch.Generator().manual_seed(0)
+    q = (4 * torch.randn(n, H, hd, generator=g)).bfloat16()
+    kc = torch.randn(kvh, n + 16, hd, generator=g).bfloat16()          # 16 slots past the rows: never read
+    vc = torch.randn(kvh, n + 16, hd, generator=g).bfloat16()
+    kc[:, n:] = vc[:, n:] = float("nan")
+    got = net._causal_attention(q, kc, vc, n, "full_attention").view(n, H, hd).float()
+    ref = torch.empty(n, H, hd)
+    for r in range(n):
+        for h in range(H):
+            k, v = kc[h // (H // kvh), : r + 1].float(), vc[h // (H // kvh), : r + 1].float()
+            e = torch.softmax(k @ q[r, h].float() * net.scale, 0)
+            e = (e / e.max()).bfloat16().float()                         # exp(s - max) in bf16
+            ref[r, h] = e @ v / e.sum()
+    assert torch.isfinite(got).all()
+    assert float((got - ref).abs().max()) <= 2e-2 * float(ref.abs().max())
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_with_the_cpu_kernels_a_step_runs_its_tree_unpadded_and_g_stays(dtype):
     """bf16 or fp32 on a CPU where kernels.cpu runs: no row buckets (engine.target.pads_rows), so a tree of g + 1

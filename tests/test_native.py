@@ -531,6 +531,16 @@ def test_the_forward_benchmark_prints_what_it_compared_and_the_targets(tmp_path,
     assert set(frame["backend"]) == {"hf", "native"} and (frame["ms"] > 0).all() and (frame["bare_ms"] > 0).all()
 
 
+def test_the_forward_benchmark_refuses_a_backend_it_does_not_know(capsys):
+    """A name outside BACKENDS (here a dtype glued to a backend) is an error naming the choices, before any model
+    loads; it once timed `native` under the unknown name."""
+    from engine.jobs import forward
+    with pytest.raises(SystemExit):
+        forward.main(["--model", "random-llama", "--backends", "hf-fp32,native", "--sizes", "1"])
+    err = capsys.readouterr().err
+    assert "unknown backend(s) 'hf-fp32'" in err and "native-blas" in err and "--dtype" in err
+
+
 def test_the_forward_benchmark_times_the_sizes_round_robin(monkeypatch):
     """Each n's warm-up first, then every repeat runs every size once, in order: a slow spell of a shared
     machine falls on all sizes alike (a per-size loop put one spell on one n and moved verify(n) / verify(1)).

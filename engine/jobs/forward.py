@@ -263,6 +263,10 @@ def main(argv=None) -> None:
     rows, decodes = [], []
     device = parse_device(a.device)
     on_device = device.type != "cpu"
+    unknown = [b for b in a.backends.split(",") if b not in BACKENDS]
+    if unknown:                                              # a typo would otherwise time `native` under its name
+        ap.error(f"unknown backend(s) {', '.join(map(repr, unknown))}: --backends takes {', '.join(BACKENDS)} "
+                 f"(the dtype is --dtype, e.g. --backends hf,native --dtype fp32,bf16)")
     backends = [b for b in a.backends.split(",") if on_device or b not in GRAPHED]   # graphs: CUDA only
     for dtype in a.dtype.split(","):
         loader = load_architecture if a.random_weights else load_model

@@ -58,6 +58,20 @@ static inline __m128 hsum4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
     return _mm512_castps512_ps128(d);
 }
 
+/* hsum16's tree for eight registers: lane j < 8 of the result = the sum of v[j]'s lanes, in hsum16's order (its
+ * first two steps on v[0..7], its third on the pair, its fourth on the result and itself) */
+static inline __m256 hsum8(const __m512* v) {
+    __m512 a[4], b[2];
+    for (int k = 0; k < 4; k++)
+        a[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 2; k++) {
+        const __m512d x = _mm512_castps_pd(a[2 * k]), y = _mm512_castps_pd(a[2 * k + 1]);
+        b[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const __m512 c = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+    return _mm512_castps512_ps256(_mm512_add_ps(_mm512_shuffle_f32x4(c, c, 0x88), _mm512_shuffle_f32x4(c, c, 0xDD)));
+}
+
 #define DP(a, x, w) a = _mm512_dpbf16_ps(a, x, w)
 #define LOADW(j) ((__m512bh)_mm512_loadu_si512((const void*)(wc + (j) * 32)))
 /* the 4 x 4 tile's sixteen products for one K chunk (v0..v3: the rows' chunks; LOAD(j): output j's), and its
@@ -465,6 +479,34 @@ static inline __attribute__((always_inline)) __m512 scores16(const int CH, const
     return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), vis16, _mm512_mul_ps(hsum16(acc), scale));
 }
 
+/* scores16 for NT query heads of one KV head at once (NT x CH small enough for the accumulators to stay in
+ * registers: head size 64, up to 3 heads): each key chunk is loaded once for the NT heads, 8 keys at a time,
+ * reduced by hsum8 (hsum16's tree), so every score has scores16's bits. s[t]: head t's 16 scores. */
+static inline __attribute__((always_inline)) void scores16_heads(const int NT, const int CH, const int HALF,
+        const __m512bh (*qb)[8], const uint16_t* const* kp, __mmask16 vis16, __m512 scale, __m512* s) {
+    __m256 half[4][2];
+    for (int e = 0; e < 2; e++) {
+        __m512 acc[4][8];
+        for (int t = 0; t < NT; t++)
+            for (int i = 0; i < 8; i++) acc[t][i] = _mm512_setzero_ps();
+        for (int i = 0; i < 8; i++) {
+            const uint16_t* k = kp[8 * e + i];
+            for (int c = 0; c < CH; c++) {
+                const __m512bh kv = (__m512bh)((HALF && c == CH - 1)
+                    ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)(k + 32 * c)))
+                    : _mm512_loadu_si512((const void*)(k + 32 * c)));
+                for (int t = 0; t < NT; t++) acc[t][i] = _mm512_dpbf16_ps(acc[t][i], qb[t][c], kv);
+            }
+        }
+        for (int t = 0; t < NT; t++) half[t][e] = hsum8(acc[t]);
+    }
+    for (int t = 0; t < NT; t++) {
+        const __m512 v = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(half[t][0])),
+                                                             _mm256_castps_pd(half[t][1]), 1));
+        s[t] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), vis16, _mm512_mul_ps(v, scale));
+    }
+}
+
 /* block b's keys and values for row r (kp, vp [ABLOCK]) and which are visible (bit i: key i) */
 static const uint16_t sv_zero_row[256];                      /* a hidden key's value row (weight 0) */
 
@@ -551,7 +593,24 @@ static inline __attribute__((always_inline)) void attend(const int CH, const int
     for (int b = 0; b < nb; b++) {                           /* 1: scores */
         const uint32_t vis = visb[b] = block_keys(b, b0, K, V, hd, p, window, ri, ro, kp, vp);
         if (!vis) continue;                                  /* a block the row cannot see */
-        for (int t = 0; t < gh; t++) {
+        if (CH <= 2) {                                       /* small heads: up to 3 heads share each key load */
+            for (int t0 = 0; t0 < gh; t0 += 3) {
+                const int nt = gh - t0 < 3 ? gh - t0 : 3;
+                __m512 s0[3], s1[3];
+                if (nt == 3) { scores16_heads(3, CH, HALF, qb + t0, kp, (__mmask16)vis, sc, s0);
+                               scores16_heads(3, CH, HALF, qb + t0, kp + 16, (__mmask16)(vis >> 16), sc, s1); }
+                else if (nt == 2) { scores16_heads(2, CH, HALF, qb + t0, kp, (__mmask16)vis, sc, s0);
+                                    scores16_heads(2, CH, HALF, qb + t0, kp + 16, (__mmask16)(vis >> 16), sc, s1); }
+                else { scores16_heads(1, CH, HALF, qb + t0, kp, (__mmask16)vis, sc, s0);
+                       scores16_heads(1, CH, HALF, qb + t0, kp + 16, (__mmask16)(vis >> 16), sc, s1); }
+                for (int u = 0; u < nt; u++) {
+                    const int t = t0 + u;
+                    _mm512_storeu_ps(S + t * es + (size_t)b * ABLOCK, s0[u]);
+                    _mm512_storeu_ps(S + t * es + (size_t)b * ABLOCK + 16, s1[u]);
+                    mx[t] = _mm512_max_ps(mx[t], _mm512_max_ps(s0[u], s1[u]));
+                }
+            }
+        } else for (int t = 0; t < gh; t++) {
             const __m512 s0 = scores16(CH, HALF, qb[t], kp, (__mmask16)vis, sc);
             const __m512 s1 = scores16(CH, HALF, qb[t], kp + 16, (__mmask16)(vis >> 16), sc);
             _mm512_storeu_ps(S + t * es + (size_t)b * ABLOCK, s0);

@@ -272,7 +272,8 @@ def _attn_case(n=5, H=9, kvh=3, hd=64, cap=300, P=70, seed=0):
 
 
 @pytest.mark.parametrize("window", [None, 40])
-@pytest.mark.parametrize("shape", [dict(H=9, kvh=3, hd=64), dict(H=4, kvh=1, hd=256), dict(H=4, kvh=4, hd=16)])
+@pytest.mark.parametrize("shape", [dict(H=9, kvh=3, hd=64), dict(H=4, kvh=1, hd=256), dict(H=4, kvh=4, hd=16),
+                                   dict(H=10, kvh=2, hd=48)])   # 5 heads a KV head: groups of 3 and 2, a half chunk
 def test_the_attention_equals_its_reference(window, shape):
     q, kc, vc, b0, pos, idx, ok = _attn_case(**shape)
     got = cpu.attention(q, kc, vc, b0, pos, idx, ok, window, 0.125)

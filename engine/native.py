@@ -77,6 +77,17 @@ FUSED_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tan
 KERNEL_MAX_ROWS = cpu.SMALL_ROWS   # outside exact mode (a prefill, native-sdpa) the CPU kernel takes forwards
                                    # up to this many rows; above, oneDNN's blocked GEMM is as fast
 
+CAUSAL_KERNEL = "causal-kernel"   # a forward's mask for a prompt over an empty cache that the CPU attention takes
+
+
+def _causal_run(P: int, positions: torch.Tensor, visible: torch.Tensor, key_positions) -> bool:
+    """Whether a forward is a plain causal run over an empty cache (a prompt): row i at position i sees rows
+    0..i and nothing else."""
+    n = positions.numel()
+    return (P == 0 and visible.shape == (n, n) and key_positions is None
+            and torch.equal(positions, torch.arange(n, device=positions.device))
+            and torch.equal(visible, torch.ones(n, n, dtype=torch.bool, device=positions.device).tril_()))
+
 
 class NativeError(ValueError):
     """The native forward cannot run this model or input; the message names the supported families / fix."""
@@ -353,6 +364,9 @@ class NativeModel:
             cos, sin = rope_rows[L.kind]                                # [n, hd]
             if L.kind not in masks:                                     # once per forward and layer type
                 masks[L.kind] = (self._exact_masks(P, positions, tail, L.kind) if exact else
+                                 CAUSAL_KERNEL if (self._attention_kernel(self.head_dim)
+                                                   and not torch.compiler.is_compiling()
+                                                   and _causal_run(P, positions, visible, key_positions)) else
                                  self._sdpa_mask(positions, cache, visible, L.kind, key_positions))
             m = masks.get(L.kind)
             if exact and L.fused is not None and m[2] is not None and self._kernel(n, exact):
@@ -392,7 +406,7 @@ class NativeModel:
             vc.index_copy_(1, slots, v.transpose(0, 1))
         if exact:
             a = self._attention_exact(q, kc, vc, P, tail_idx, mask)
-        elif mask is None and self._attention_kernel(hd) and not torch.compiler.is_compiling():
+        elif mask is CAUSAL_KERNEL:         # a prompt over an empty cache, where the CPU kernel runs
             a = self._causal_attention(q, kc, vc, n, L.kind)
         else:                               # mask None: a causal run over an empty cache (`_sdpa_mask`)
             a = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None, :, :P + n], vc[None, :, :P + n],
@@ -411,12 +425,13 @@ class NativeModel:
         return x + h
 
     def _causal_attention(self, q, kc, vc, n, kind) -> torch.Tensor:
-        """A causal run over an empty cache (a prefill: `_sdpa_mask` gave None) by the decode's attention kernel,
-        a block of BLOCK rows per call (rows in block a see blocks [0, a) where they lie and their own block up
-        to themselves). q [n, H, hd], the n rows' keys and values already in kc / vc -> [n, H hd]. The weights
-        are rounded to bf16 before the values, as in the decode. SDPA's causal kernel ran at ~15 GMAC/s in bf16 on
-        one core (SmolLM2, a 298-token prompt: 3.5 ms a layer, 106 of the prefill's ~530 ms); by blocks the
-        prefill's attention took 55-66 ms (session 18's note)."""
+        """A causal run over an empty cache (a prompt, `_causal_run`) by the decode's attention kernel, a block
+        of BLOCK rows per call (rows in block a see blocks [0, a) where they lie and their own block up to
+        themselves; a sliding layer's window cuts inside the kernel). q [n, H, hd], the n rows' keys and values
+        already in kc / vc -> [n, H hd]. The weights are rounded to bf16 before the values, as in the decode.
+        SDPA's causal kernel ran at ~15 GMAC/s in bf16 on one core (SmolLM2, a 298-token prompt: 3.5 ms a layer,
+        106 of the prefill's ~530 ms); by blocks the prefill's attention took 55-66 ms. A sliding layer past its
+        window gave SDPA a mask, and SDPA then computes every masked score (session 18's note has both)."""
         H, hd = q.shape[1], q.shape[2]
         window = self.window if kind == "sliding_attention" else None
         out = torch.empty(n, H, hd, dtype=torch.float32)
@@ -435,10 +450,8 @@ class NativeModel:
         of which the masked attention had been 2.3 s)."""
         P, n = cache.committed, positions.numel()
         dev = positions.device
-        if (P == 0 and visible.shape == (n, n) and key_positions is None
-                and (kind != "sliding_attention" or self.window is None or n <= self.window)
-                and torch.equal(positions, torch.arange(n, device=dev))
-                and torch.equal(visible, torch.ones(n, n, dtype=torch.bool, device=dev).tril_())):
+        if ((kind != "sliding_attention" or self.window is None or n <= self.window)
+                and _causal_run(P, positions, visible, key_positions)):
             return None
         if visible.shape == (n, P + n):
             mask = visible.clone()

@@ -351,6 +351,8 @@ class NativeModel:
         ids_run = range(len(self.layers)) if layer_ids is None else layer_ids
         feats = []
         masks = {}
+        prompt_kernel = (not exact and self._attention_kernel(self.head_dim) and not torch.compiler.is_compiling()
+                         and _causal_run(P, positions, visible, key_positions))   # every layer: `_causal_attention`
         layer = self.compiled_layer() if compiled and exact else self._layer
         tap = self.feature_tap
         fused_slots = None
@@ -364,9 +366,7 @@ class NativeModel:
             cos, sin = rope_rows[L.kind]                                # [n, hd]
             if L.kind not in masks:                                     # once per forward and layer type
                 masks[L.kind] = (self._exact_masks(P, positions, tail, L.kind) if exact else
-                                 CAUSAL_KERNEL if (self._attention_kernel(self.head_dim)
-                                                   and not torch.compiler.is_compiling()
-                                                   and _causal_run(P, positions, visible, key_positions)) else
+                                 CAUSAL_KERNEL if prompt_kernel else
                                  self._sdpa_mask(positions, cache, visible, L.kind, key_positions))
             m = masks.get(L.kind)
             if exact and L.fused is not None and m[2] is not None and self._kernel(n, exact):
@@ -431,7 +431,7 @@ class NativeModel:
         already in kc / vc -> [n, H hd]. The weights are rounded to bf16 before the values, as in the decode.
         SDPA's causal kernel ran at ~15 GMAC/s in bf16 on one core (SmolLM2, a 298-token prompt: 3.5 ms a layer,
         106 of the prefill's ~530 ms); by blocks the prefill's attention took 55-66 ms. A sliding layer past its
-        window gave SDPA a mask, and SDPA then computes every masked score (session 18's note has both)."""
+        window gave SDPA a mask, and SDPA then computes every masked score (README, "The prefill")."""
         H, hd = q.shape[1], q.shape[2]
         window = self.window if kind == "sliding_attention" else None
         out = torch.empty(n, H, hd, dtype=torch.float32)

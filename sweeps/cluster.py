@@ -152,3 +152,10 @@ def resources() -> tuple[int, int]:
     """(CPUs, GPUs) of the cluster."""
     res = ray.cluster_resources()
     return int(res.get("CPU", 0)), int(res.get("GPU", 0))
+
+
+def cpu_nodes() -> dict[str, float]:
+    """{node id: CPUs} of the cluster's live nodes that have CPUs: the machines `[sweep] timing = "exclusive"`
+    gives one timed actor each."""
+    return {n["NodeID"]: float(n.get("Resources", {}).get("CPU", 0)) for n in ray.nodes()
+            if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0}

@@ -20,6 +20,10 @@ the one check that needs tokenizers (below), which `sweeps.run` makes before any
                                          # Ray, false under --address (a cluster's workers are not your machine)
     max_crashes = 3                      # actor deaths per model (after Ray's own restarts) before the sweep
                                          # stops that model: its remaining cells fail, naming the count
+    timing = "exclusive"                 # on CPUs, the timed cells (calibrate, bench) run one at a time per
+                                         # machine, with nothing else of the sweep beside them; "shared": as
+                                         # many at once as it has slots - faster, but cells beside each other
+                                         # share its memory bandwidth, which slows `ar` most (sweeps/README.md)
 
     [[models]]
     name = "smollm2-135m-instruct"       # an offline name, random-*, a local folder or a hub id (owner/name)
@@ -84,7 +88,7 @@ calibrated method that no calibrate cell matches is a config error naming the se
 cells of methods the sweep does not calibrate take the engine's default (`engine.harness.resolve_config`:
 a calibration cached on the machine, else the method's uncalibrated default with a warning).
 
-Run-time settings - `[timeouts]`, `[sweep] max_crashes`, a model's `memory` and `num_cpus` - change how cells
+Run-time settings - `[timeouts]`, `[sweep] max_crashes` and `timing`, a model's `memory` and `num_cpus` - change how cells
 are run, not what they compute: they are left out of the config hash (`sweep.json`), so an output folder
 resumes under new values of them.
 
@@ -108,7 +112,7 @@ from engine.prompts import PromptError, load_prompts
 from sweeps.cell import KINDS, SweepError, digest
 from sweeps.plan import expand_cells, plan  # noqa: F401 (plan: re-exported, the dry-run table)
 from sweeps.schema import (DTYPES, MAX_CRASHES, MEMORY_UNITS, RANDOM_OPTIONS, RUNTIME_KEYS, SECTION_KEYS, SPLITS,
-                           TIMEOUT_DEFAULTS, as_list, check_int, check_keys, check_params, suggest)
+                           TIMEOUT_DEFAULTS, TIMINGS, as_list, check_int, check_keys, check_params, suggest)
 # the parsed objects and the words of the schema, re-exported: code and notebooks import them from here
 from sweeps.schema import ANALYSES, BY, COVERAGE_DEFAULTS, MODEL_KINDS, SOURCES, ModelSpec, PromptEntry, Sweep  # noqa: F401
 
@@ -264,6 +268,10 @@ def parse_sweep(config: dict, default_name: str = "sweep") -> Sweep:
         raise SweepError(f"[sweep].dtype: {dtype!r} is not one of {list(DTYPES)} (leave it out for the device's "
                          f"default)")
     max_crashes = check_int(top.get("max_crashes", MAX_CRASHES), "[sweep].max_crashes")
+    timing = top.get("timing", TIMINGS[0])
+    if timing not in TIMINGS:
+        raise SweepError(f"[sweep].timing: {timing!r} is not one of {list(TIMINGS)} (\"exclusive\": timed cells one "
+                         f"at a time per machine; \"shared\": as many at once as it has slots)")
     timeouts = dict(TIMEOUT_DEFAULTS)
     tables = config.get("timeouts", {})
     check_keys(tables, SECTION_KEYS["timeouts"], "[timeouts]")
@@ -309,5 +317,6 @@ def parse_sweep(config: dict, default_name: str = "sweep") -> Sweep:
     return Sweep(name=name, config=config, config_hash=digest(config_identity(config)), kinds=tuple(kinds),
                  models=tuple(models), cells=tuple(cells), dtype=dtype, calibration_cache=cal_cache,
                  crash_once=crash_once, delay_s=float(delay_s), timeouts=timeouts, max_crashes=max_crashes,
+                 timing=timing,
                  calibration_cache_set="calibration_cache" in top, crash=bool(crash), hang=hang,
                  prompt_entries=tuple(entries))

@@ -270,6 +270,7 @@ class ModelWorker:
         os._exit(1)                    # a hard death, as a segfault or the OOM killer would cause
 
     def run(self, kind: str, method: str, params: dict) -> tuple[pl.DataFrame, dict]:
+        began = time.time()
         self._maybe_crash()
         time.sleep(self.delay_s)
         while kind in self.hang or method in self.hang:
@@ -287,7 +288,8 @@ class ModelWorker:
             frame = calibrate_cell(params, self.loaded, method, self.calibration_cache)
         else:
             raise ValueError(f"ModelWorker runs record, bench and calibrate cells, not {kind!r}")
-        stats = {**self.stats(), "seconds": time.perf_counter() - t0}
+        # began / ended: wall-clock seconds, so the driver can tell which cells ran at the same time
+        stats = {**self.stats(), "seconds": time.perf_counter() - t0, "began": began, "ended": time.time()}
         if kind == "calibrate" and frame["calibration_cache"][0] is not None:
             stats["calibration_cache"] = frame["calibration_cache"][0]
         return frame, stats

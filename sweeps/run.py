@@ -8,7 +8,9 @@
 Order: per model, one pool of actors (`ModelWorker`: the model loaded once per actor) runs that model's
 record and calibrate cells, then its bench cells - a bench cell of a calibrated method without a draft size
 of its own runs at the g* just measured (`draft_size_from` names the calibrate cell); the actors are then
-released and the next model's pool starts. Last, the coverage cells run as plain Ray tasks (no model) on
+released and the next model's pool starts. The timed cells (calibrate, bench) of a CPU sweep run one at a
+time on each machine, after its record cells (`[sweep] timing = "exclusive"`, the default; "shared" runs
+them as wide as the record cells): their rows say so (`timed_alone`), and so does the summary. Last, the coverage cells run as plain Ray tasks (no model) on
 the record cells' traces, several cells to a task (they take milliseconds each). On a cluster with GPUs
 each actor takes one GPU; on CPUs each actor takes one core (or the model's `num_cpus`) and runs torch on
 that many threads, so timed cells never share a core. The driver loads each record / bench cell's prompts
@@ -66,11 +68,12 @@ from typing import Sequence
 import polars as pl
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm.auto import tqdm
 
 from engine.config import SpecConfig, calibration_fields
 from locality.trace import read_traces
-from sweeps.cluster import connect, is_local, physical_cores, resources
+from sweeps.cluster import connect, cpu_nodes, is_local, physical_cores, resources
 from sweeps.cell import Cell, SweepError, canonical_json
 from sweeps.checks import check_contexts
 from sweeps.config import load_sweep
@@ -80,7 +83,7 @@ from sweeps.plan import plan
 from sweeps.results import (DIAGNOSIS_KEY, cell_path, check_output_folder, diagnosis_path, finished, is_finished,
                             load, lock_output, prepare_output, ranking_path, undiagnosed, write_cell, write_error,
                             write_frame)
-from sweeps.schema import MODEL_KINDS, Sweep
+from sweeps.schema import MODEL_KINDS, TIMED_KINDS, Sweep
 
 WAIT_S = 1.0                      # how often the driver wakes to refresh the progress bar
 BATCHES_PER_SLOT = 4              # coverage: tasks per worker slot and group of cells sharing traces
@@ -92,7 +95,8 @@ class _RayModelWorker(ModelWorker):
     """ModelWorker as a Ray actor: its stats also say whether Ray restarted this actor's process."""
 
     def stats(self) -> dict:
-        return {**super().stats(), "restarted": ray.get_runtime_context().was_current_actor_reconstructed}
+        ctx = ray.get_runtime_context()
+        return {**super().stats(), "restarted": ctx.was_current_actor_reconstructed, "node": ctx.get_node_id()}
 
 
 @dataclass
@@ -122,6 +126,8 @@ class Summary:
     actor_cores: dict = field(default_factory=dict)                     # actor process id -> CPUs pinned to
     diagnosed: int = 0                                                  # bench rows diagnosed against ar's
     driver_cpu_s: float = 0.0                                           # this process's CPU time (user + sys)
+    timing: str = ""                                                    # how timed cells shared machines
+    spans: list = field(default_factory=list)                           # (kind, node, began, ended) of model cells
     wall_s: float = 0.0
 
     @property
@@ -151,6 +157,8 @@ class Summary:
             out.append(f"  actors: {self.actors} started, {self.restarts} restarted; models loaded per actor "
                        f"process: {per} ({sum(self.loads.values())} loads in the {len(self.loads)} processes that "
                        f"finished cells)")
+        if self.timing:
+            out.append(f"  timed cells (calibrate, bench): {self.timing}")
         if self.diagnosed:
             out.append(f"  {self.diagnosed} bench rows that differ from ar's diagnosed (exact / near-tie / mismatch: "
                        f"DIR/_diagnoses, joined by sweeps.load)")
@@ -238,6 +246,7 @@ class _Actor:
     ready_ref: object
     ready_at: float | None = None
     cores: tuple[int, ...] = ()       # the physical cores it is pinned to (a local Ray on CPUs), else ()
+    node: str | None = None           # the node it is placed on (`[sweep] timing = "exclusive"` on several)
 
 
 @dataclass
@@ -246,6 +255,7 @@ class _Job:
     cell: Cell
     source: str | None
     sent: float
+    alone: bool | None = None         # a timed cell: whether nothing else of the sweep ran on its machine
 
 
 class _Driver:
@@ -265,6 +275,9 @@ class _Driver:
         self.data_ref = None                           # the training corpus for the actors (`_worker_data`)
         # a local Ray on CPUs: timed actors pinned to distinct physical cores (`_take_cores`), else None
         self.free_cores: list[int] | None = physical_cores() if not gpus and is_local() else None
+        # [sweep] timing = "exclusive" on CPUs: a model's timed cells run on one actor per machine (`timed_slots`)
+        self.exclusive = sweep.timing == "exclusive" and not gpus
+        self.nodes = cpu_nodes()
 
     def _with_prompts(self, cell: Cell, params: dict) -> dict:
         """A record / bench cell's run-time params with the driver's prompts (`sweeps.model_cells.SHIPPED`):
@@ -286,6 +299,52 @@ class _Driver:
         per = spec.num_cpus or 1.0
         slots = self.gpus if self.gpus else max(int(self.cpus // per), 1)
         return max(1, min(slots, self.max_workers or slots))
+
+    def timed_slots(self, spec) -> int:
+        """Actors running `spec`'s timed cells (calibrate, bench) at a time. Under `[sweep] timing =
+        "exclusive"` on CPUs, one per machine that has the actor's CPUs, and nothing else of the sweep beside
+        it: cells side by side share a machine's memory bandwidth, and a one-row decode step (`ar`'s) is bound
+        by it while a speculative step of 5-8 rows is much less, so speedups measured beside a neighbour read
+        high (sweeps/README.md). Else `slots`: one per GPU, or per `num_cpus` CPUs."""
+        if not self.exclusive:
+            return self.slots(spec)
+        machines = sum(cpus >= (spec.num_cpus or 1.0) for cpus in self.nodes.values()) or 1
+        return max(1, min(machines, self.max_workers or machines))
+
+    def _timing(self, spec, size: int, timed: int) -> str:
+        """How this model's timed cells shared their machines, for the summary."""
+        if self.exclusive:
+            machines = f"each of {timed} machines" if timed > 1 else "its machine"
+            return (f'one at a time on {machines}, nothing else of the sweep beside them ([sweep] timing = '
+                    f'"exclusive"); record cells {size} at a time')
+        if self.gpus:
+            return f"one per GPU, up to {timed} at once"
+        if timed <= 1:
+            return "one at a time (one slot)"
+        return (f'up to {timed} at once ([sweep] timing = "shared"): cells side by side share a machine\'s memory '
+                f'bandwidth, which slows ar most; for speedups, set "exclusive"')
+
+    def _free_node(self, pool: list, spec) -> str | None:
+        """A live machine with the actor's CPUs that no actor of `pool` is placed on (the node list is read
+        again when none is free: a machine may have joined or died)."""
+        need = spec.num_cpus or 1.0
+        for attempt in range(2):
+            taken = {a.node for a in pool}
+            free = [n for n, cpus in sorted(self.nodes.items()) if cpus >= need and n not in taken]
+            if free:
+                return free[0]
+            if attempt == 0:
+                self.nodes = cpu_nodes()
+        return None
+
+    def _narrow(self, pool: list, idle: list, size: int, pinned: bool) -> None:
+        """Before a timed phase (every actor idle): at most `size` actors stay, and when they must each hold a
+        machine of their own (`pinned`), only actors placed that way; the others are killed."""
+        keep = [a for a in pool if a.node is not None or not pinned][:size]
+        for a in [a for a in pool if a not in keep]:
+            self._drop(a, pool, kill=True)
+            if a in idle:
+                idle.remove(a)
 
     # --- bookkeeping ----------------------------------------------------------------------------------
     def _done(self, cell: Cell, frame: pl.DataFrame, stats: dict) -> None:
@@ -311,12 +370,15 @@ class _Driver:
         self.bar.update(1)
 
     # --- model cells on actors ------------------------------------------------------------------------
-    def _actor(self, spec) -> _Actor:
-        """A new actor holding `spec`'s model, with the model's Ray resources (`memory`, `num_cpus`)."""
+    def _actor(self, spec, node: str | None = None) -> _Actor:
+        """A new actor holding `spec`'s model, with the model's Ray resources (`memory`, `num_cpus`); on the
+        machine `node` when given (Ray's node affinity, not soft: it runs there or not at all)."""
         per = spec.num_cpus or 1.0
         opts = dict(num_cpus=per, max_restarts=2, max_task_retries=2)
         if spec.memory:
             opts["memory"] = spec.memory
+        if node is not None:
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
         if self.gpus:
             opts["num_gpus"] = 1          # only when the cluster has GPUs: an actor asking for one waits forever
         threads = None if self.gpus else max(1, int(per))
@@ -327,7 +389,7 @@ class _Driver:
             calibration_cache=self.calibration_cache, crash=s.crash, hang=s.hang, data=self._worker_data(),
             cores=cores or None)
         self.summary.actors += 1
-        return _Actor(self.summary.actors, handle, time.monotonic(), handle.stats.remote(), cores=cores)
+        return _Actor(self.summary.actors, handle, time.monotonic(), handle.stats.remote(), cores=cores, node=node)
 
     def _take_cores(self, n: int) -> tuple[int, ...]:
         """`n` physical cores no live actor holds (a local Ray on CPUs), for a new actor to pin its threads
@@ -369,17 +431,33 @@ class _Driver:
         """One pool of actors for `spec`'s model: record and calibrate cells first, then bench cells (so that
         a bench cell of a calibrated method can be given the g* measured here, `_with_calibrated_size`). The
         pool keeps `slots(spec)` actors while cells wait, replacing those that died or were killed, until the
-        model is stopped (`_stop`: it could not load, or its actors died `max_crashes` times)."""
+        model is stopped (`_stop`: it could not load, or its actors died `max_crashes` times). Under `[sweep]
+        timing = "exclusive"` on CPUs the record cells run first at that width, then the calibrate and the
+        bench cells on `timed_slots(spec)` actors: one per machine, each placed on its own when there are
+        several (`_free_node`)."""
         pool: list[_Actor] = []           # every live actor of this model: idle or running a cell
         idle: list[_Actor] = []
         inflight: dict = {}
         size = max(1, min(self.slots(spec), len(cells) or 1))
+        timed = max(1, min(self.timed_slots(spec), len(cells) or 1))
+        self.summary.timing = self._timing(spec, size, timed)
+        pinned = self.exclusive and timed > 1
+        bench = [c for c in cells if c.kind == "bench"]
+        if self.exclusive:
+            phases = [([c for c in cells if c.kind not in TIMED_KINDS], size, None),
+                      ([c for c in cells if c.kind == "calibrate"], timed, True), (bench, timed, True)]
+        else:
+            phases = [([c for c in cells if c.kind != "bench"], size, size <= 1), (bench, size, size <= 1)]
         ranking_ref = None
         try:
-            first = [c for c in cells if c.kind != "bench"]
-            for phase in (first, [c for c in cells if c.kind == "bench"]):
-                calibrated = self._calibrated(spec) if phase is not first else {}
-                self._run_phase(spec, deque(phase), pool, idle, inflight, calibrated, size)
+            for phase, width, alone in phases:
+                if not phase:
+                    continue
+                if alone and self.exclusive:
+                    self._narrow(pool, idle, width, pinned)
+                calibrated = self._calibrated(spec) if phase is bench else {}
+                self._run_phase(spec, deque(phase), pool, idle, inflight, calibrated, width,
+                                pinned=pinned and alone is True, alone=alone)
             if spec.label not in self.summary.stopped:
                 self._diagnose(spec, pool, idle)
             if need_ranking and spec.label not in self.summary.stopped:
@@ -434,7 +512,9 @@ class _Driver:
             self.summary.diagnosed += sum(f.height for f in found)
 
     def _run_phase(self, spec, queue: deque, pool: list, idle: list, inflight: dict, calibrated: dict,
-                   size: int) -> None:
+                   size: int, pinned: bool = False, alone: bool | None = None) -> None:
+        """`queue`'s cells on at most `size` actors. pinned: each new actor on a machine of its own. alone:
+        whether each timed cell ran with nothing else of the sweep on its machine (its rows' `timed_alone`)."""
         while queue or inflight:
             why = self.summary.stopped.get(spec.label)
             if why is not None:
@@ -442,14 +522,21 @@ class _Driver:
                     self._fail(queue.popleft(), why)
             else:
                 while queue and len(pool) < size:            # refill: the first actors, or replacements
-                    actor = self._actor(spec)
+                    node = self._free_node(pool, spec) if pinned else None
+                    if pinned and node is None:
+                        if not pool:
+                            self._stop(spec, f"no live machine has the {spec.num_cpus or 1:g} CPUs of a timed "
+                                             f"actor ([sweep] timing = \"exclusive\" places one on each)")
+                        break
+                    actor = self._actor(spec, node)
                     pool.append(actor)
                     idle.append(actor)
             while idle and queue:
                 actor, cell = idle.pop(), queue.popleft()
                 params, source = _with_calibrated_size(cell, calibrated)
                 ref = actor.handle.run.remote(cell.kind, cell.method, self._with_prompts(cell, params))
-                inflight[ref] = _Job(actor, cell, source, time.monotonic())
+                inflight[ref] = _Job(actor, cell, source, time.monotonic(),
+                                     alone if cell.kind in TIMED_KINDS else None)
             if not inflight:
                 continue
             ready, _ = ray.wait(list(inflight), num_returns=1, timeout=WAIT_S)
@@ -492,8 +579,11 @@ class _Driver:
             self._crashed(spec, cell, e)
             return
         self._note(actor, stats)
+        self.summary.spans.append((cell.kind, stats.get("node"), stats.get("began"), stats.get("ended")))
         if job.source is not None:
             frame = frame.with_columns(pl.lit(job.source).alias("draft_size_from"))
+        if job.alone is not None:
+            frame = frame.with_columns(pl.lit(job.alone).alias("timed_alone"))
         self._done(cell, frame, stats)
         idle.append(actor)
 

@@ -28,7 +28,7 @@ RESERVED_FIELDS = {"method": "methods", "vocab": "policies", "max_new_tokens": "
 
 SECTION_KEYS = {
     "sweep": {"name", "kinds", "max_new_tokens", "repeats", "seeds", "warmup", "dtype", "calibration_cache",
-              "max_crashes"},
+              "max_crashes", "timing"},
     "models": {"name", "label", "options", "params", "memory", "num_cpus"},
     "prompts": {"set", "per_category", "categories", "languages", "split"},
     "record": {"topk", "max_new_tokens"},
@@ -40,8 +40,12 @@ SECTION_KEYS = {
 }
 TIMEOUT_DEFAULTS = {"load": 3600.0, "record": 3600.0, "calibrate": 7200.0, "bench": 3600.0, "coverage": 600.0}
 MAX_CRASHES = 3
+# [sweep] timing: "exclusive" - the timed cells (calibrate, bench) of a CPU sweep run one at a time per machine;
+# "shared" - as many at once as the machine has slots (`sweeps.run`)
+TIMINGS = ("exclusive", "shared")
+TIMED_KINDS = ("calibrate", "bench")
 # run-time settings, left out of the config hash (a folder resumes under new values): section -> keys, "*" all
-RUNTIME_KEYS = {"timeouts": "*", "sweep": {"max_crashes"}, "models": {"memory", "num_cpus"}}
+RUNTIME_KEYS = {"timeouts": "*", "sweep": {"max_crashes", "timing"}, "models": {"memory", "num_cpus"}}
 MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
                 "gib": 2**30, "tib": 2**40}
 COVERAGE_DEFAULTS = {
@@ -102,6 +106,7 @@ class Sweep:
     delay_s: float = 0.0
     timeouts: dict = dataclasses.field(default_factory=lambda: dict(TIMEOUT_DEFAULTS))   # kind -> s (0: none)
     max_crashes: int = MAX_CRASHES      # actor deaths per model before its remaining cells fail
+    timing: str = "exclusive"           # [sweep] timing (TIMINGS)
     calibration_cache_set: bool = True  # [sweep] calibration_cache given (else its default depends on --address)
     crash: bool = False
     hang: tuple[str, ...] = ()

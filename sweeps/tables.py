@@ -149,6 +149,10 @@ def describe(frame: pl.DataFrame, record: pl.DataFrame | None = None) -> list[st
         vals = _values(frame, col)
         if vals:
             where.append(fmt.format("/".join(str(v) for v in vals)))
+    alone = _values(frame, "timed_alone")
+    if alone:
+        where.append("each cell timed alone on its machine" if alone == [True] else
+                     "cells timed beside other cells ([sweep] timing = \"shared\")")
     if where:
         lines[0] += " on " + ", ".join(where)
     return lines

@@ -10,7 +10,9 @@ record and calibrate cells, then its bench cells - a bench cell of a calibrated 
 of its own runs at the g* just measured (`draft_size_from` names the calibrate cell); the actors are then
 released and the next model's pool starts. The timed cells (calibrate, bench) of a CPU sweep run one at a
 time on each machine, after its record cells (`[sweep] timing = "exclusive"`, the default; "shared" runs
-them as wide as the record cells): their rows say so (`timed_alone`), and so does the summary. Last, the coverage cells run as plain Ray tasks (no model) on
+them as wide as the record cells): their rows say so (`timed_alone`), and so does the summary. Bench cells
+run grouped by their prompts (`by_prompts`: every method on one task back to back), so that each speedup
+over `ar` divides timings taken close together. Last, the coverage cells run as plain Ray tasks (no model) on
 the record cells' traces, several cells to a task (they take milliseconds each). On a cluster with GPUs
 each actor takes one GPU; on CPUs each actor takes one core (or the model's `num_cpus`) and runs torch on
 that many threads, so timed cells never share a core. The driver loads each record / bench cell's prompts
@@ -127,7 +129,7 @@ class Summary:
     diagnosed: int = 0                                                  # bench rows diagnosed against ar's
     driver_cpu_s: float = 0.0                                           # this process's CPU time (user + sys)
     timing: str = ""                                                    # how timed cells shared machines
-    spans: list = field(default_factory=list)                           # (kind, node, began, ended) of model cells
+    spans: list = field(default_factory=list)                           # (kind, node, began, ended, cell id)
     wall_s: float = 0.0
 
     @property
@@ -184,6 +186,17 @@ class Summary:
             out.append(f"  {self.missing} cells have no result file (interrupted?): run the same command again")
         out.append(f"results: {self.out}  (read them with sweeps.load({str(self.out)!r}, kind))")
         return out
+
+
+def by_prompts(cells: list[Cell]) -> list[Cell]:
+    """Bench cells grouped by the prompts they run (model, prompt set, split value), in the order the groups
+    first appear, the config's order within each: every method on one task's prompts runs back to back, so
+    a speedup over `ar` (engine.metrics, per task) divides timings minutes closer together than in the
+    config's method-major order - a shared VM's speed drifts by 10-40% over a run."""
+    groups: dict[tuple, list[Cell]] = {}
+    for c in cells:
+        groups.setdefault((c.model, c.params.get("prompt_set"), c.params.get("split_value")), []).append(c)
+    return [c for group in groups.values() for c in group]
 
 
 def _with_calibrated_size(cell: Cell, calibrated: dict) -> tuple[dict, str | None]:
@@ -442,7 +455,7 @@ class _Driver:
         timed = max(1, min(self.timed_slots(spec), len(cells) or 1))
         self.summary.timing = self._timing(spec, size, timed)
         pinned = self.exclusive and timed > 1
-        bench = [c for c in cells if c.kind == "bench"]
+        bench = by_prompts([c for c in cells if c.kind == "bench"])
         if self.exclusive:
             phases = [([c for c in cells if c.kind not in TIMED_KINDS], size, None),
                       ([c for c in cells if c.kind == "calibrate"], timed, True), (bench, timed, True)]
@@ -579,7 +592,7 @@ class _Driver:
             self._crashed(spec, cell, e)
             return
         self._note(actor, stats)
-        self.summary.spans.append((cell.kind, stats.get("node"), stats.get("began"), stats.get("ended")))
+        self.summary.spans.append((cell.kind, stats.get("node"), stats.get("began"), stats.get("ended"), cell.id))
         if job.source is not None:
             frame = frame.with_columns(pl.lit(job.source).alias("draft_size_from"))
         if job.alone is not None:

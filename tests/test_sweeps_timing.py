@@ -40,7 +40,7 @@ def _sweep(timing: str | None):
 
 def _overlapping(spans: list, kinds: tuple[str, ...], same_node: bool = False) -> int:
     """Pairs of the cells of `kinds` whose [began, ended] intervals overlap (on one node, with `same_node`)."""
-    mine = sorted((b, e, node) for kind, node, b, e in spans if kind in kinds)
+    mine = sorted((b, e, node) for kind, node, b, e, _ in spans if kind in kinds)
     return sum(1 for i, (b1, e1, n1) in enumerate(mine) for b2, e2, n2 in mine[i + 1:]
                if b2 < e1 and (n1 == n2 or not same_node))
 
@@ -77,6 +77,11 @@ def test_exclusive_runs_timed_cells_one_at_a_time_and_record_cells_side_by_side(
     assert 'one at a time on its machine, nothing else of the sweep beside them ([sweep] timing = "exclusive")' \
         in "\n".join(s.lines())
     assert "each cell timed alone on its machine" in describe(bench)[0]
+    # every method on one task's prompts back to back (`by_prompts`), not the config's method-major order
+    split = {c: v for c, v in bench.select("cell_id", "split_value").unique().iter_rows()}
+    order = [split[cell_id] for kind, _, began, _, cell_id in sorted(s.spans, key=lambda x: x[2]) if kind == "bench"]
+    runs = [v for i, v in enumerate(order) if i == 0 or v != order[i - 1]]
+    assert len(order) == 8 and len(runs) == 4 == len(set(runs)), order
 
 
 @pytest.mark.timeout(600)
@@ -118,7 +123,7 @@ def test_exclusive_on_two_machines_places_one_timed_actor_on_each(tmp_path):
         s = run_sweep(_sweep(None), tmp_path / "out", progress=False, show=False, max_workers=2)
         assert s.ok, s.lines()
         timed = [span for span in s.spans if span[0] in ("calibrate", "bench")]
-        assert len({node for _, node, _, _ in timed}) == 2                      # both machines ran timed cells
+        assert len({node for _, node, _, _, _ in timed}) == 2                      # both machines ran timed cells
         assert _overlapping(s.spans, ("calibrate", "bench"), same_node=True) == 0
         assert _overlapping(s.spans, ("calibrate", "bench")) >= 1                # ... side by side
         assert "one at a time on each of 2 machines" in "\n".join(s.lines())

@@ -149,10 +149,14 @@ def describe(frame: pl.DataFrame, record: pl.DataFrame | None = None) -> list[st
         vals = _values(frame, col)
         if vals:
             where.append(fmt.format("/".join(str(v) for v in vals)))
-    alone = _values(frame, "timed_alone")
-    if alone:
-        where.append("each cell timed alone on its machine" if alone == [True] else
-                     "cells timed beside other cells ([sweep] timing = \"shared\")")
+    if "timed_alone" in frame.columns:            # sweeps.run: how each timed cell shared its machine
+        alone = set(frame["timed_alone"].unique().to_list())
+        if False in alone:
+            where.append("cells timed beside other cells ([sweep] timing = \"shared\")")
+        elif alone == {True}:
+            where.append("each cell timed alone on its machine")
+        elif True in alone:
+            where.append("cells timed alone, but older rows do not say how")
     if where:
         lines[0] += " on " + ", ".join(where)
     return lines

@@ -130,3 +130,15 @@ def test_exclusive_on_two_machines_places_one_timed_actor_on_each(tmp_path):
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_the_subtitle_says_how_cells_were_timed_and_never_claims_more_than_the_rows():
+    """`describe` reads `timed_alone`: all True -> alone; any False -> beside; True beside rows that do not say
+    (a folder resumed from a run before the column) -> not "each cell"; no column -> nothing said."""
+    base = {"model": ["m"] * 3, "device": ["cpu"] * 3}
+    said = {name: describe(pl.DataFrame({**base, "timed_alone": col}))[0] for name, col in
+            {"alone": [True, True, True], "beside": [True, False, None], "older": [True, None, True]}.items()}
+    assert "each cell timed alone on its machine" in said["alone"]
+    assert 'cells timed beside other cells ([sweep] timing = "shared")' in said["beside"]
+    assert "each cell" not in said["older"] and "older rows do not say how" in said["older"]
+    assert "timed" not in describe(pl.DataFrame(base))[0]

@@ -152,7 +152,7 @@ def describe(frame: pl.DataFrame, record: pl.DataFrame | None = None) -> list[st
     if "timed_alone" in frame.columns:            # sweeps.run: how each timed cell shared its machine
         alone = set(frame["timed_alone"].unique().to_list())
         if False in alone:
-            where.append("cells timed beside other cells ([sweep] timing = \"shared\")")
+            where.append("cells timed beside other cells on their machine")
         elif alone == {True}:
             where.append("each cell timed alone on its machine")
         elif True in alone:

@@ -93,7 +93,7 @@ def test_shared_runs_timed_cells_side_by_side_and_the_rows_say_so(local_ray, tmp
     bench = sweeps.load(out, "bench").collect()
     assert bench["timed_alone"].to_list() == [False] * bench.height
     assert 'up to 2 at once ([sweep] timing = "shared")' in "\n".join(s.lines())
-    assert 'cells timed beside other cells ([sweep] timing = "shared")' in describe(bench)[0]
+    assert 'cells timed beside other cells on their machine' in describe(bench)[0]
     # one slot: alone whatever the key says
     s1 = run_sweep(_sweep("shared"), tmp_path / "one", progress=False, show=False, max_workers=1)
     assert s1.ok and _overlapping(s1.spans, ("record", "calibrate", "bench")) == 0
@@ -139,6 +139,6 @@ def test_the_subtitle_says_how_cells_were_timed_and_never_claims_more_than_the_r
     said = {name: describe(pl.DataFrame({**base, "timed_alone": col}))[0] for name, col in
             {"alone": [True, True, True], "beside": [True, False, None], "older": [True, None, True]}.items()}
     assert "each cell timed alone on its machine" in said["alone"]
-    assert 'cells timed beside other cells ([sweep] timing = "shared")' in said["beside"]
+    assert 'cells timed beside other cells on their machine' in said["beside"]
     assert "each cell" not in said["older"] and "older rows do not say how" in said["older"]
     assert "timed" not in describe(pl.DataFrame(base))[0]

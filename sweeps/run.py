@@ -324,7 +324,7 @@ class _Driver:
         machines = sum(cpus >= (spec.num_cpus or 1.0) for cpus in self.nodes.values()) or 1
         return max(1, min(machines, self.max_workers or machines))
 
-    def _timing(self, spec, size: int, timed: int) -> str:
+    def _timing(self, size: int, timed: int) -> str:
         """How this model's timed cells shared their machines, for the summary."""
         if self.exclusive:
             machines = f"each of {timed} machines" if timed > 1 else "its machine"
@@ -453,24 +453,25 @@ class _Driver:
         inflight: dict = {}
         size = max(1, min(self.slots(spec), len(cells) or 1))
         timed = max(1, min(self.timed_slots(spec), len(cells) or 1))
-        self.summary.timing = self._timing(spec, size, timed)
+        self.summary.timing = self._timing(size, timed)
         pinned = self.exclusive and timed > 1
+        alone = self.exclusive or size <= 1            # whether each timed cell has its machine to itself
         bench = by_prompts([c for c in cells if c.kind == "bench"])
-        if self.exclusive:
-            phases = [([c for c in cells if c.kind not in TIMED_KINDS], size, None),
+        if self.exclusive:                             # (cells, actors at a time, narrow the pool first)
+            phases = [([c for c in cells if c.kind not in TIMED_KINDS], size, False),
                       ([c for c in cells if c.kind == "calibrate"], timed, True), (bench, timed, True)]
         else:
-            phases = [([c for c in cells if c.kind != "bench"], size, size <= 1), (bench, size, size <= 1)]
+            phases = [([c for c in cells if c.kind != "bench"], size, False), (bench, size, False)]
         ranking_ref = None
         try:
-            for phase, width, alone in phases:
+            for phase, width, narrow in phases:
                 if not phase:
                     continue
-                if alone and self.exclusive:
+                if narrow:
                     self._narrow(pool, idle, width, pinned)
                 calibrated = self._calibrated(spec) if phase is bench else {}
                 self._run_phase(spec, deque(phase), pool, idle, inflight, calibrated, width,
-                                pinned=pinned and alone is True, alone=alone)
+                                pinned=pinned and narrow, alone=alone)
             if spec.label not in self.summary.stopped:
                 self._diagnose(spec, pool, idle)
             if need_ranking and spec.label not in self.summary.stopped:
@@ -525,7 +526,7 @@ class _Driver:
             self.summary.diagnosed += sum(f.height for f in found)
 
     def _run_phase(self, spec, queue: deque, pool: list, idle: list, inflight: dict, calibrated: dict,
-                   size: int, pinned: bool = False, alone: bool | None = None) -> None:
+                   size: int, pinned: bool = False, alone: bool = False) -> None:
         """`queue`'s cells on at most `size` actors. pinned: each new actor on a machine of its own. alone:
         whether each timed cell ran with nothing else of the sweep on its machine (its rows' `timed_alone`)."""
         while queue or inflight:

@@ -26,6 +26,9 @@ availability and every wrapper of it, each beside its reference, in one place.)
     available()                         None when the bf16 kernels run here, else why not (one line)
     available_fp32()                    None when the fp32 ones run (linear, top-k, window step: AVX-512F is
                                         enough; a CPU without AVX512-BF16 keeps its models in fp32)
+    isa()                               which build runs the fp32 linear: "avx512" (this library), "avx2"
+                                        (kernels/cpu_avx2.c: x86 with AVX2 + FMA, no AVX-512), or None;
+                                        `$SPECVOCAB_CPU_ISA` = auto | avx512 | avx2 picks one
 
 Why it exists. A decode forward multiplies 1-16 rows by every weight of the model: the work is reading the
 weights, so its limit is memory bandwidth. oneDNN's bf16 GEMM (what `F.linear` calls on a CPU) reached about
@@ -73,6 +76,19 @@ at n = 1 / 8 took 47.7 / 70.6 ms (native-blas 108.4 / 134.5, hf 68.6 / 111.3; th
 25.6 ms copy bound) and `ar` decoded 21.2 tokens/s against 9.0 (native-blas) and 15.3 (hf). The attention and
 the layer's small ops stay torch's in fp32: the 16 ms between the bare kernel and the forward.
 
+AVX2. Most laptops and desktops have no AVX-512 (Intel's client cores since Alder Lake, AMD before Zen 4, and
+so many of the machines researchers explore on): there the library above cannot build, the default dtype is
+fp32, and the native decode ran oneDNN padded to 4 rows - slower than transformers' own forward. The fp32 linear
+has a second build for them, kernels/cpu_avx2.c (`sv2_linear_f32`): the same design at 8 lanes (packed
+[N/4][K/8][4][8], tiles of 3, 2 and 1 rows for AVX2's 16 registers, one FMA chain per output and one fixed
+reduction tree, so rows are invariant by construction), chosen by `isa()` where the AVX-512 library cannot run.
+`SPECVOCAB_CPU_ISA=avx2` selects it on an AVX-512 machine and turns every AVX-512 kernel off, so a run there is
+what an AVX2 CPU runs (tests/test_cpu_avx2.py, tests/test_native.py's `avx2` cases). Measured so on the 2-core
+EPYC, fp32, 1 thread, 400-token cache, `ar` over 48 tokens, one run per model
+(`SPECVOCAB_CPU_ISA=avx2 python -m engine.jobs.forward --dtype fp32 --backends hf,native,native-blas --decode 48`):
+SmolLM2 23.7 tokens/s against 11.2 (native-blas, the previous default there) and 15.8 (hf); Gemma-3-270M 14.5
+against 5.2 and 9.9. The attention and the layer's small ops stay torch's here too.
+
 The fused layer. With the linears and the attention in C, what remained of a decode forward was ~25 small torch
 ops per layer (norms, RoPE, casts, the cache write, residual adds, the gated activation): ~8 ms of SmolLM2's
 27 ms forward, ~18 ms of Gemma's 58. `layer` runs a whole decoder layer in one call, rounding to bf16 wherever
@@ -111,6 +127,11 @@ BUILD_FLAGS = ("avx512f", "avx512bw", "avx512vl")                    # /proc/cpu
 REQUIRED_FLAGS = (*BUILD_FLAGS, "avx512_bf16")                          # ... and the bf16 ones
 CHUNK = 32                                                            # K elements per VDPBF16PS
 CHUNK_F32 = 16                                                        # K elements per fp32 FMA
+SOURCE_AVX2 = Path(__file__).with_name("cpu_avx2.c")                 # the fp32 linear for x86 without AVX-512
+FLAGS_AVX2 = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+AVX2_FLAGS = ("avx2", "fma")                                          # /proc/cpuinfo names: cpu_avx2.c
+ISA_ENV = "SPECVOCAB_CPU_ISA"                                         # auto | avx512 | avx2 (`isa`)
+ISAS = ("auto", "avx512", "avx2")
 
 
 class CpuKernelError(RuntimeError):
@@ -121,6 +142,33 @@ _lib: ctypes.CDLL | None = None
 _why_not: str | None = None
 _tried = False
 _bf16 = False            # the CPU has AVX512-BF16 (read with the build, once)
+_lib2: ctypes.CDLL | None = None         # kernels/cpu_avx2.c (`_load_avx2`)
+_why_not2: str | None = None
+_tried2 = False
+
+
+def _compile(source: Path, flags: tuple[str, ...]) -> Path:
+    """`source` built with `flags` into the cache (a file named by the hash of the source and flags, so an edit
+    rebuilds; built once, atomically)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise CpuKernelError(f"no C compiler (cc / gcc / $CC) to build kernels/{source.name}")
+    src = source.read_bytes()
+    tag = hashlib.sha256(src + " ".join((cc,) + flags).encode()).hexdigest()[:16]
+    out = cache_root() / "kernels" / f"{source.stem}-{tag}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            so = Path(tmp) / out.name
+            try:
+                run = subprocess.run([cc, *flags, str(source), "-o", str(so), *LIBS], capture_output=True,
+                                     text=True, check=False)
+            except OSError as e:
+                raise CpuKernelError(f"the C compiler {cc} did not run ({e}); install gcc or set $CC") from None
+            if run.returncode != 0:
+                raise CpuKernelError(f"building {source.name} with {cc} failed: {run.stderr.strip()[-400:]}")
+            os.replace(so, out)                                           # atomic: a concurrent build is harmless
+    return out
 
 
 def _build() -> ctypes.CDLL:
@@ -128,24 +176,7 @@ def _build() -> ctypes.CDLL:
     if missing:
         raise CpuKernelError(f"this CPU lacks {', '.join(missing)} (the kernels need AVX-512; the bf16 ones "
                              f"AVX512-BF16 too)")
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise CpuKernelError("no C compiler (cc / gcc / $CC) to build kernels/cpu.c")
-    src = SOURCE.read_bytes()
-    tag = hashlib.sha256(src + " ".join((cc,) + FLAGS).encode()).hexdigest()[:16]
-    out = cache_root() / "kernels" / f"cpu-{tag}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            so = Path(tmp) / out.name
-            try:
-                run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(so), *LIBS], capture_output=True,
-                                     text=True, check=False)
-            except OSError as e:
-                raise CpuKernelError(f"the C compiler {cc} did not run ({e}); install gcc or set $CC") from None
-            if run.returncode != 0:
-                raise CpuKernelError(f"building {SOURCE.name} with {cc} failed: {run.stderr.strip()[-400:]}")
-            os.replace(so, out)                                           # atomic: a concurrent build is harmless
+    out = _compile(SOURCE, FLAGS)
     lib = ctypes.CDLL(str(out))
     lib.sv_linear_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
     lib.sv_linear_bf16.restype = None
@@ -191,9 +222,57 @@ def _load() -> ctypes.CDLL | None:
     return _lib
 
 
+def _build_avx2() -> ctypes.CDLL:
+    missing = [f for f in AVX2_FLAGS if f not in cpu_flags()]
+    if missing:
+        raise CpuKernelError(f"this CPU lacks {', '.join(missing)} (the fp32 linear needs AVX-512F or AVX2 + FMA)")
+    lib = ctypes.CDLL(str(_compile(SOURCE_AVX2, FLAGS_AVX2)))
+    lib.sv2_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    lib.sv2_linear_f32.restype = None
+    lib.sv2_block_outputs.restype = ctypes.c_int
+    lib.sv2_chunk.restype = ctypes.c_int
+    return lib
+
+
+def _load_avx2() -> ctypes.CDLL | None:
+    global _lib2, _why_not2, _tried2
+    if not _tried2:
+        _tried2 = True
+        try:
+            _lib2 = _build_avx2()
+        except (CpuKernelError, OSError) as e:
+            _why_not2 = str(e)
+    return _lib2
+
+
+def _isa_asked() -> str:
+    asked = (os.environ.get(ISA_ENV) or "auto").strip().lower()
+    if asked not in ISAS:
+        raise CpuKernelError(f"{ISA_ENV}={asked!r} is not one of {list(ISAS)}; unset it (auto: AVX-512 where the "
+                             f"CPU has it, else AVX2) or choose one")
+    return asked
+
+
+def isa() -> str | None:
+    """Which build of the packed fp32 linear runs here: "avx512" (kernels/cpu.c, with every other kernel of this
+    module), "avx2" (kernels/cpu_avx2.c: the fp32 linear alone, for x86 CPUs with AVX2 + FMA but no AVX-512 -
+    most laptops and desktops), or None (neither: `linear_reason` says why). `$SPECVOCAB_CPU_ISA` (auto |
+    avx512 | avx2) picks one; avx2 on an AVX-512 machine also turns the AVX-512 kernels off, so a run there is
+    what an AVX2 machine runs (tests and `python -m engine.jobs.forward` use it)."""
+    asked = _isa_asked()
+    if asked != "avx2" and _load() is not None:
+        return "avx512"
+    if asked != "avx512" and _load_avx2() is not None:
+        return "avx2"
+    return None
+
+
 def available_fp32() -> str | None:
-    """None when the fp32 kernels (the fp32 linear, `topk`, `topk_lse`, `window_step`) run on this machine, else
-    why not (one line): the library built, on a CPU with AVX-512F/BW/VL."""
+    """None when the AVX-512 fp32 kernels (the fp32 linear, `topk`, `topk_lse`, `window_step`, `unispec_tree`) run
+    on this machine, else why not (one line): the library built, on a CPU with AVX-512F/BW/VL, and
+    `$SPECVOCAB_CPU_ISA` is not avx2. (`linear_reason` also counts the AVX2 build of the fp32 linear.)"""
+    if _isa_asked() == "avx2":
+        return f"{ISA_ENV}=avx2 turns the AVX-512 kernels off"
     return None if _load() is not None else _why_not
 
 
@@ -219,11 +298,14 @@ def reason(device: torch.device, dtype: torch.dtype) -> str | None:
 
 def linear_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     """None when the packed linear (`pack`) can run a model's weights on `device` in `dtype` - bf16 (`reason`)
-    or fp32 (`available_fp32`) - else why not (one line)."""
+    or fp32 (`isa`: AVX-512 or AVX2) - else why not (one line)."""
     if torch.device(device).type != "cpu" or dtype == torch.bfloat16:
         return reason(device, dtype)
     if dtype == torch.float32:
-        return available_fp32()
+        if isa() is not None:
+            return None
+        why = available_fp32()
+        return why if _isa_asked() == "avx512" else f"{why}; and the AVX2 build: {_why_not2}"
     return f"the model is in {str(dtype).removeprefix('torch.')}, the packed linear multiplies bf16 or fp32"
 
 
@@ -239,11 +321,13 @@ def block_outputs() -> int:
 class PackedLinear:
     """One weight [N, K] (and bias [N]) laid out for the kernel: packed [ceil(N/NB), ceil(K/32), NB, 32] bf16,
     zero-padded; bias in fp32. Calling it runs the kernel on x [M, K] bf16. An fp32 weight is packed
-    [ceil(N/NB), ceil(K/16), NB, 16] fp32 and takes fp32 rows, out in fp32 (`sv_linear_f32`)."""
+    [ceil(N/NB), ceil(K/16), NB, 16] fp32 and takes fp32 rows, out in fp32 (`sv_linear_f32`); with `isa` "avx2",
+    [ceil(N/NB), ceil(K/8), NB, 8] for kernels/cpu_avx2.c's `sv2_linear_f32`."""
     packed: torch.Tensor
     bias: torch.Tensor | None
     out_features: int
     in_features: int
+    isa: str = "avx512"
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
                  threads: int | None = None) -> torch.Tensor:
@@ -260,7 +344,11 @@ class PackedLinear:
             raise CpuKernelError(f"x has {x.shape[-1]} features; this weight takes {self.in_features}")
         x2 = x.reshape(-1, self.in_features).contiguous()
         out = torch.empty(x2.shape[0], self.out_features, dtype=out_dtype)
-        if x2.shape[0] and fp32:
+        if x2.shape[0] and fp32 and self.isa == "avx2":
+            _lib2.sv2_linear_f32(x2.data_ptr(), self.packed.data_ptr(),
+                                 None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), x2.shape[0],
+                                 self.out_features, self.in_features, threads or torch.get_num_threads())
+        elif x2.shape[0] and fp32:
             _lib.sv_linear_f32(x2.data_ptr(), self.packed.data_ptr(),
                                None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), x2.shape[0],
                                self.out_features, self.in_features, threads or torch.get_num_threads())
@@ -274,19 +362,29 @@ class PackedLinear:
 
 @torch.no_grad()
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
-    """The kernel's layout of `weight` [N, K] (bf16 or fp32, CPU): a new tensor, the original is untouched."""
+    """The kernel's layout of `weight` [N, K] (bf16 or fp32, CPU): a new tensor, the original is untouched. An
+    fp32 weight is packed for the build `isa()` picks here (AVX-512, else AVX2)."""
     if weight.dtype not in (torch.bfloat16, torch.float32) or weight.device.type != "cpu" or weight.dim() != 2:
         raise CpuKernelError(f"pack takes a 2-D bf16 or fp32 CPU weight; got {tuple(weight.shape)} {weight.dtype} "
                              f"on {weight.device}")
-    nb = block_outputs()
     N, K = weight.shape
-    chunk = CHUNK if weight.dtype == torch.bfloat16 else CHUNK_F32
+    kind = "avx512"
+    if weight.dtype == torch.float32:
+        kind = isa()
+        if kind is None:
+            raise CpuKernelError(f"no fp32 linear kernel here: {linear_reason(weight.device, weight.dtype)}")
+    elif available() is not None:
+        raise CpuKernelError(f"kernels.cpu is not available here: {available()}")
+    if kind == "avx2":
+        nb, chunk = _lib2.sv2_block_outputs(), _lib2.sv2_chunk()
+    else:
+        nb, chunk = block_outputs(), (CHUNK if weight.dtype == torch.bfloat16 else CHUNK_F32)
     Np, Kp = -(-N // nb) * nb, -(-K // chunk) * chunk
     w = torch.zeros(Np, Kp, dtype=weight.dtype)
     w[:N, :K] = weight
     packed = w.view(Np // nb, nb, Kp // chunk, chunk).transpose(1, 2).contiguous()
     b = None if bias is None else bias.detach().float().contiguous()
-    return PackedLinear(packed=packed, bias=b, out_features=N, in_features=K)
+    return PackedLinear(packed=packed, bias=b, out_features=N, in_features=K, isa=kind)
 
 
 SMALL_ROWS = 32   # rows up to which the kernels' small-row products beat oneDNN's blocked GEMM here (the

@@ -195,10 +195,21 @@ def test_a_row_is_bitwise_the_same_alone_and_inside_trees_in_bf16(request, which
                 assert torch.equal(r, ref)
 
 
+def _isa(monkeypatch, isa: str) -> None:
+    """Run the fp32 linears on one build of kernels.cpu: "auto" (AVX-512 here), or "avx2" - what a CPU without
+    AVX-512 runs (kernels/cpu_avx2.c) - skipped where that build cannot run."""
+    monkeypatch.setenv(cpu.ISA_ENV, isa)
+    if isa == "avx2" and cpu.isa() != "avx2":
+        pytest.skip(f"the AVX2 build of the fp32 linear does not run here: {cpu._why_not2}")
+
+
+@pytest.mark.parametrize("isa", ["auto", "avx2"])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_a_row_is_bitwise_the_same_alone_and_inside_trees_in_fp32(name):
+def test_a_row_is_bitwise_the_same_alone_and_inside_trees_in_fp32(name, isa, monkeypatch):
     """fp32 on the random models of each family, with the fp32 kernels (the linears; each step runs exactly its
-    tree: 1 row for `ar`) and without (oneDNN, every step padded to >= 4 rows)."""
+    tree: 1 row for `ar`) - the AVX-512 build and the AVX2 one - and without (oneDNN, every step padded to >= 4
+    rows)."""
+    _isa(monkeypatch, isa)
     model = untie_head(load_model(name, dtype="fp32")[0])
     rng = np.random.default_rng(4)
     for L in (BLOCK - 2, 3 * BLOCK + 1):
@@ -206,7 +217,10 @@ def test_a_row_is_bitwise_the_same_alone_and_inside_trees_in_fp32(name):
         path = rng.integers(0, 512, 4).tolist()
         for cpu_kernels in (True, False):
             ref, rows = _row_logits_in_trees(model, prompt, path, fixed_shape=True, cpu_kernels=cpu_kernels)
-            assert native_model(model).kernel_on == (cpu_kernels and cpu.available_fp32() is None)
+            net = native_model(model)
+            assert net.kernel_on == (cpu_kernels and cpu.linear_reason(net.device, net.dtype) is None)
+            if net.kernel_on:
+                assert net.head_kernel.isa == cpu.isa()
             for r in rows:
                 assert torch.equal(r, ref)
 
@@ -233,9 +247,13 @@ LOSSLESS = [("pld", {}), ("recycling", {}), ("unispec", {"draft_size": 12}),
             ("eagle", {"eagle_head": "random", "draft_size": 6, "eagle_depth": 3, "vocab": "oracle"})]
 
 
-@pytest.mark.parametrize("dtype,cpu_kernels", [("fp32", True), ("fp32", False), ("bf16", True), ("bf16", False)])
+@pytest.mark.parametrize("dtype,cpu_kernels", [("fp32", True), ("fp32", False), ("bf16", True), ("bf16", False),
+                                               ("fp32-avx2", True)])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_every_method_equals_ar_on_the_native_path(name, dtype, cpu_kernels):
+def test_every_method_equals_ar_on_the_native_path(name, dtype, cpu_kernels, monkeypatch):
+    if dtype == "fp32-avx2":                                     # the fp32 linears of a CPU without AVX-512
+        _isa(monkeypatch, "avx2")
+        dtype = "fp32"
     model = untie_head(load_model(name, dtype=dtype)[0]).to(dtype=torch.bfloat16 if dtype == "bf16" else
                                                             torch.float32)
     rng = np.random.default_rng(5)
@@ -245,6 +263,9 @@ def test_every_method_equals_ar_on_the_native_path(name, dtype, cpu_kernels):
                       cpu_kernels=cpu_kernels)
         assert native_model(model).kernel_on == (cpu_kernels and cpu.linear_reason(torch.device("cpu"), next(
             model.parameters()).dtype) is None)                  # bf16: every kernel; fp32: the linears
+        net = native_model(model)
+        if net.kernel_on and net.dtype == torch.float32:         # on the build asked for (AVX-512 or AVX2)
+            assert net.head_kernel.isa == cpu.isa()
         hf = generate(model, ids, method="ar", max_new_tokens=40, eos_ids=[], backend="hf")
         if dtype == "fp32":                                      # the reference agrees in fp32
             assert ar.output_ids.tolist() == hf.output_ids.tolist()
@@ -321,6 +342,24 @@ def test_every_method_equals_ar_on_real_models_in_bf16(request, which):
                        ("eagle", {"draft_size": 7, "eagle_depth": 3, "vocab": "microspec",
               "w_max": 128})]:
         res = generate(model, ids, method=method, tokenizer=tok, info=info, max_new_tokens=24, **kw)
+        assert res.output_ids.tolist() == ar.output_ids.tolist(), method
+
+
+@pytest.mark.slow
+def test_every_method_equals_ar_on_smollm2_in_fp32_on_the_avx2_build(smollm2_fp32, monkeypatch):
+    """What a CPU without AVX-512 runs by default (fp32, kernels/cpu_avx2.c's linears, each step unpadded): the
+    real model, every method token-equal to `ar`."""
+    from engine.prompts import encode_prompt, load_prompts
+    _isa(monkeypatch, "avx2")
+    model, tok, info = smollm2_fp32
+    monkeypatch.setattr(model, "_specvocab_native", None, raising=False)  # packed afresh for this build, then restored
+    p = load_prompts("spec_bench", per_category=1)[1]
+    ids = encode_prompt(tok, info, p.turns[:1], [], system_prompt=p.system_prompt)
+    ar = generate(model, ids, method="ar", tokenizer=tok, info=info, max_new_tokens=16)
+    assert native_model(model).head_kernel.isa == "avx2" and backend_label(model) == "native"
+    for method, kw in [("pld", {}), ("unispec", {"draft_size": 15}),
+                       ("eagle", {"draft_size": 7, "eagle_depth": 3, "vocab": "microspec", "w_max": 128})]:
+        res = generate(model, ids, method=method, tokenizer=tok, info=info, max_new_tokens=16, **kw)
         assert res.output_ids.tolist() == ar.output_ids.tolist(), method
 
 
@@ -432,7 +471,7 @@ def test_backend_labels_name_the_cpu_path():
     assert backend_label(model, cpu_kernels=False) == "native-blas"
     assert backend_label(model, compile=True) == "native-compiled"        # compiled: F.linear inside the graph
     fp32 = load_model("random-llama", dtype="fp32")[0]                  # the fp32 linears: AVX-512F is enough
-    assert backend_label(fp32) == ("native" if cpu.available_fp32() is None else "native-blas")
+    assert backend_label(fp32) == ("native" if cpu.isa() is not None else "native-blas")
     assert backend_label(fp32, cpu_kernels=False) == "native-blas"
     assert backend_label(model, "hf") == "hf" and backend_label(model, fixed_shape=False) == "native-sdpa"
 

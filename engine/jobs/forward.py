@@ -13,8 +13,9 @@ Per model, dtype, threads and backend it prints, in one run on one machine:
   weights), and forward / bare matmul of the path the backend ran;
 - verify(n) / verify(1).
 Backends: `hf` (transformers, the reference), `native` (engine.native, fixed-shape verification: rows padded
-to the bucket, so n = 1 runs at 4 rows - except in bf16 on a CPU with AVX512-BF16, where the CPU kernels run
-and a forward takes exactly its n rows), `native-blas` (the same with oneDNN's `F.linear` and the torch
+to the bucket, so n = 1 runs at 4 rows - except on a CPU where the kernels of kernels.cpu run, and a forward takes
+exactly its n rows: bf16 with AVX512-BF16, fp32 with AVX-512F or AVX2 + FMA; `kernel_isa` in the table says which
+build, and `SPECVOCAB_CPU_ISA=avx2` times what a CPU without AVX-512 runs), `native-blas` (the same with oneDNN's `F.linear` and the torch
 attention, `SpecConfig.cpu_kernels=False`), `native-compiled` (the same under torch.compile, `SpecConfig.compile`;
 its first forward per bucket, the compile, is printed apart as `compile s`), `native-graph` (the fixed-shape
 forward replayed as a CUDA graph: the default on CUDA; its captures are in `compile s` too) and `native-sdpa`
@@ -279,6 +280,7 @@ def main(argv=None) -> None:
             bare = {n: bare_matmul_ms(model, n, a.repeats) for n in sizes}
             why_not = cpu.linear_reason(device, native_model(model).dtype)
             bare_k = {n: bare_matmul_ms(model, n, a.repeats, kernel=True) for n in sizes} if why_not is None else {}
+            build = (("avx512" if dtype in ("bf16", "bfloat16") else cpu.isa()) if bare_k else None)
             where = (torch.cuda.get_device_name(device) if device.type == "cuda" else f"{threads} thread(s)")
             print(f"\n{info.name} {dtype}, {where}, {a.context}-token cache: weights {wbytes / 1e6:.0f} MB, "
                   f"copy bandwidth {bw:.1f} GB/s -> bound {bound_ms:.3f} ms per forward"
@@ -294,7 +296,7 @@ def main(argv=None) -> None:
             print(f"{'bare matmul':15s} " + " ".join(f"{bare[n]:{fmt}}" for n in sizes) + "   (F.linear)")
             if bare_k:
                 print(f"{'bare kernel':15s} " + " ".join(f"{bare_k[n]:{fmt}}" for n in sizes)
-                      + "   (kernels.cpu: what `native` runs; `native-blas` runs F.linear)")
+                      + f"   (kernels.cpu, its {build} build: what `native` runs; `native-blas` runs F.linear)")
             elif dtype in ("bf16", "bfloat16") and not on_device:
                 print(f"(no CPU small-row kernel here: {why_not}; `native` runs F.linear)")
             for backend in backends:
@@ -314,10 +316,11 @@ def main(argv=None) -> None:
                     tps = decode_tok_s(model, backend, a.context, a.decode)
                     print(f"{'':15s} ar decode of {a.decode} tokens after {a.context}: {tps:.1f} tokens/s")
                     decodes.append(dict(model=info.name, device=str(device), dtype=dtype, threads=threads,
-                                        backend=backend, context=a.context, new_tokens=a.decode, tok_s=tps))
+                                        backend=backend, kernel_isa=build if backend == "native" else None,
+                                        context=a.context, new_tokens=a.decode, tok_s=tps))
                 for n in sizes:
                     rows.append(dict(model=info.name, device=str(device), dtype=dtype, threads=threads,
-                                     backend=backend, n=n,
+                                     backend=backend, kernel_isa=build if backend == "native" else None, n=n,
                                      context=a.context, ms=ms[n], bare_ms=path_bare[n], weight_bytes=wbytes,
                                      copy_gbs=bw, gbs=wbytes / (ms[n] / 1e3) / 1e9, first_s=timed[n][1]))
         del model

@@ -78,6 +78,7 @@ import hashlib
 import json
 import math
 import platform
+import os
 import shlex
 import warnings
 from dataclasses import dataclass
@@ -91,6 +92,7 @@ from scipy.interpolate import BSpline
 from scipy.optimize import differential_evolution
 
 from engine.atomic import atomic_write
+from kernels.cpu import ISA_ENV
 # The calibration key and the drafting methods are defined in engine.config (no torch); re-exported here, where
 # users and tests have always read them (engine.calibration.calibration_fields, ...).
 from engine.config import (ADDED_AT_DEFAULT, CALIBRATION_FIELDS, DRAFTING_METHODS, NOT_CALIBRATION_FIELDS,  # noqa: F401
@@ -323,7 +325,8 @@ def eagle_total_token(forward_s: Mapping[int, float], candidates: Sequence[int] 
 
 
 def device_name(device: torch.device | str) -> str:
-    """A stable name of the hardware a timing belongs to (CPU model + threads, or the GPU's name)."""
+    """A stable name of the hardware a timing belongs to (CPU model + threads, or the GPU's name). A CPU run as
+    an AVX2 one (`SPECVOCAB_CPU_ISA=avx2`, kernels.cpu.isa) is another device: its timings are kept apart."""
     device = torch.device(device)
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
@@ -335,7 +338,8 @@ def device_name(device: torch.device | str) -> str:
                 break
     except OSError:
         pass
-    return f"cpu:{model}:{torch.get_num_threads()}threads"
+    forced = (os.environ.get(ISA_ENV) or "").strip().lower() == "avx2"
+    return f"cpu:{model}:{torch.get_num_threads()}threads" + (":avx2" if forced else "")
 
 
 def model_id(model) -> str:

@@ -11,6 +11,7 @@ Mutants these tests were checked against (each fails at least one test here):
 - an fp32 weight packed at the AVX-512 build's 16-wide chunks for this build            -> the product
 - `pack` ignoring $SPECVOCAB_CPU_ISA (always the AVX-512 build where it runs)           -> the choice
 - `linear_reason` counting only the AVX-512 build (fp32 without AVX-512 -> native-blas) -> a CPU with AVX2 only
+- engine.calibration.device_name the same with and without SPECVOCAB_CPU_ISA=avx2     -> the choice
 """
 
 from __future__ import annotations
@@ -60,10 +61,13 @@ def test_the_build_is_chosen_by_the_cpu_and_by_the_environment(monkeypatch):
     """auto: AVX-512 where it runs; avx2 turns every AVX-512 kernel off (a run here is then what an AVX2 CPU
     runs: bf16 kernels, top-k, window step in torch) while the fp32 linear still runs; a bad value names the
     choices."""
+    from engine.calibration import device_name
     monkeypatch.delenv(cpu.ISA_ENV, raising=False)
     expected = "avx512" if cpu.available_fp32() is None else ("avx2" if cpu._load_avx2() is not None else None)
     assert cpu.isa() == expected
+    here = device_name("cpu")
     monkeypatch.setenv(cpu.ISA_ENV, "avx2")
+    assert device_name("cpu") == here + ":avx2"          # calibrated g* and timings kept apart from AVX-512's
     if cpu._load_avx2() is None:
         pytest.skip(f"the AVX2 build does not run here: {cpu._why_not2}")
     assert cpu.isa() == "avx2"

@@ -264,6 +264,11 @@ class NativeModel:
     def _attention_kernel(self, hd: int) -> bool:
         return self._bf16_kernels() and cpu.takes_head_dim(hd)
 
+    def _attention_kernel_f32(self, hd: int) -> bool:
+        # the exact decode's attention of an fp32 model in C (kernels.cpu.attention_f32: AVX2 + FMA, AVX-512 CPUs
+        # too), where its packed linears run
+        return self.kernel_on and self.dtype == torch.float32 and cpu.attention_f32_reason(hd) is None
+
     def _kernel(self, rows: int, exact: bool) -> bool:
         # exact mode: always (a decode's forwards must share one implementation whatever their rows); else up to
         # KERNEL_MAX_ROWS; never inside torch.compile (a foreign call would break its graph)
@@ -484,7 +489,7 @@ class NativeModel:
             k_pos = b0 * BLOCK + torch.arange(2 * BLOCK, device=dev)
             allowed = allowed & (positions[:, None] - k_pos[None, :] < window)
         kernel_args = ((positions.contiguous(), allowed.to(torch.uint8).contiguous(), window or 0)
-                       if self._bf16_kernels() else None)
+                       if self._bf16_kernels() or self._attention_kernel_f32(self.head_dim) else None)
         return committed, ~allowed[None, :, None, :], kernel_args
 
     def _attention_exact(self, q, kc, vc, P, idx, masked) -> torch.Tensor:
@@ -496,6 +501,9 @@ class NativeModel:
             pos, ok, window = masked[2]                                # kernels.cpu: the same rules, per row
             return cpu.attention(q, kc, vc, P // BLOCK, pos, idx, ok, window, self.scale).view(
                 n, H * hd).to(q.dtype)
+        if masked[2] is not None and self._attention_kernel_f32(hd) and not torch.compiler.is_compiling():
+            pos, ok, window = masked[2]                                # the same rules in fp32, per row
+            return cpu.attention_f32(q, kc, vc, P // BLOCK, pos, idx, ok, window, self.scale).view(n, H * hd)
         g = H // kvh
         gp = max(g, MIN_ROWS)                                          # query rows per KV group per token
         qg = q.view(n, kvh, g, hd).transpose(0, 1)                     # [kvh, n, g, hd]

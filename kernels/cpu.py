@@ -231,6 +231,9 @@ def _build_avx2() -> ctypes.CDLL:
     lib.sv2_linear_f32.restype = None
     lib.sv2_block_outputs.restype = ctypes.c_int
     lib.sv2_chunk.restype = ctypes.c_int
+    lib.sv2_attention_f32.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int] * 4
+                                      + [ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int])
+    lib.sv2_attention_f32.restype = ctypes.c_int
     return lib
 
 
@@ -568,11 +571,49 @@ def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, committed_blo
     return out
 
 
+def attention_f32_reason(head_dim: int) -> str | None:
+    """None when `attention_f32` runs here for this head size (kernels/cpu_avx2.c built: a CPU with AVX2 + FMA,
+    AVX-512 ones included), else why not (one line)."""
+    if head_dim % 8:
+        return f"the fp32 attention kernel takes head sizes that are multiples of 8, not {head_dim}"
+    return None if _load_avx2() is not None else _why_not2
+
+
+def attention_f32(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, committed_blocks: int,
+                  positions: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor, window: int | None, scale: float,
+                  threads: int | None = None) -> torch.Tensor:
+    """`attention` over an fp32 cache (kernels/cpu_avx2.c, `sv2_attention_f32`: the same rules, keys and order;
+    the weights stay fp32, as the torch path's do in fp32): the exact decode's attention of an fp32 model.
+    q [n, H, hd] fp32, kc / vc [kvh, capacity, hd] fp32, the rest as `attention`. Returns fp32 [n, H, hd];
+    reference `attention_reference`."""
+    n, H, hd = q.shape
+    kvh, cap = kc.shape[0], kc.shape[1]
+    if kc.dtype != torch.float32 or vc.dtype != torch.float32 or hd % 8 or H % kvh:
+        raise CpuKernelError(f"attention_f32 takes an fp32 cache with head_dim a multiple of 8; got {kc.dtype}, "
+                             f"head_dim {hd}, {H} heads over {kvh} KV heads")
+    if not (kc.is_contiguous() and vc.is_contiguous()):
+        raise CpuKernelError("attention_f32 reads each layer's cache in place: give contiguous [kvh, capacity, hd]")
+    lib = _load_avx2()
+    if lib is None:
+        raise CpuKernelError(f"the fp32 attention kernel is not available here: {_why_not2}")
+    qf = q.float().contiguous()
+    pos = positions.to(torch.int64).contiguous()
+    slots = idx.to(torch.int64).contiguous()
+    okb = ok.to(torch.uint8).contiguous()
+    out = torch.empty(n, H, hd, dtype=torch.float32)
+    if lib.sv2_attention_f32(qf.data_ptr(), kc.data_ptr(), vc.data_ptr(), pos.data_ptr(), slots.data_ptr(),
+                             okb.data_ptr(), out.data_ptr(), n, H, kvh, hd, cap, committed_blocks,
+                             int(window or 0), float(scale), threads or torch.get_num_threads()):
+        raise CpuKernelError("attention_f32 could not allocate its scratch (out of memory)")
+    return out
+
+
 def attention_reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, committed_blocks: int,
                         positions: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor, window: int | None,
                         scale: float) -> torch.Tensor:
-    """`attention` in plain torch, row by row: the same keys in logical order, one softmax over them (fp32; the
-    weights rounded to bf16 before they multiply the values, as transformers' eager bf16 attention does)."""
+    """`attention` (and `attention_f32`) in plain torch, row by row: the same keys in logical order, one softmax
+    over them (fp32; the weights rounded to the cache's dtype before they multiply the values - bf16 as
+    transformers' eager bf16 attention does, unrounded for an fp32 cache)."""
     n, H, hd = q.shape
     kvh = kc.shape[0]
     out = torch.empty(n, H, hd, dtype=torch.float32)
@@ -588,7 +629,7 @@ def attention_reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, com
             k = kc[h // (H // kvh)].float()[safe]                          # [keys, hd] in logical order
             v = vc[h // (H // kvh)].float()[safe]
             s = torch.where(vis, (k @ q[r, h].float()) * scale, float("-inf"))
-            e = torch.exp(s - s.max()).bfloat16().float()                   # the weights the values get
+            e = torch.exp(s - s.max()).to(vc.dtype).float()                 # the weights the values get
             out[r, h] = (e @ v) / e.sum()
     return out
 

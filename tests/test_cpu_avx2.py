@@ -1,6 +1,6 @@
-"""The AVX2 build of the fp32 small-row linear (kernels/cpu_avx2.c): what a CPU without AVX-512 - most laptops
-and desktops - runs for the native fp32 decode. Against the float64 product, the row invariance the exact
-decode needs, and the choice of build (`kernels.cpu.isa`, `$SPECVOCAB_CPU_ISA`). The decode on it, end to end,
+"""The AVX2 build of the fp32 small-row linear and the fp32 decode attention (kernels/cpu_avx2.c): what a CPU
+without AVX-512 - most laptops and desktops - runs for the native fp32 decode (the attention on AVX-512 CPUs
+too). Against the float64 product, the row invariance the exact decode needs, and the choice of build (`kernels.cpu.isa`, `$SPECVOCAB_CPU_ISA`). The decode on it, end to end,
 is in tests/test_native.py (`isa="avx2"`, `fp32-avx2`).
 
 Mutants these tests were checked against (each fails at least one test here):
@@ -12,6 +12,10 @@ Mutants these tests were checked against (each fails at least one test here):
 - `pack` ignoring $SPECVOCAB_CPU_ISA (always the AVX-512 build where it runs)           -> the choice
 - `linear_reason` counting only the AVX-512 build (fp32 without AVX-512 -> native-blas) -> a CPU with AVX2 only
 - engine.calibration.device_name the same with and without SPECVOCAB_CPU_ISA=avx2     -> the choice
+- the fp32 attention: the window ignored on committed keys; `ok` ignored; the tail read in slot order (idx
+  ignored); the weights' sum missing its last key; a 5-chunk head's values pass run at 4 chunks; scale
+  dropped                                                                               -> its reference
+- engine.native never calling it (the torch exact path in fp32)                         -> tests/test_native.py
 """
 
 from __future__ import annotations
@@ -106,3 +110,79 @@ def test_a_cpu_with_avx2_but_not_avx512_runs_the_avx2_linear(monkeypatch):
     assert cpu.isa() is None
     why = cpu.linear_reason(CPU, torch.float32)
     assert "avx512f" in why and "fma" in why
+
+
+# --- the fp32 attention (kernels/cpu_avx2.c `sv2_attention_f32`) ------------------------------------------------
+
+needs_attention = pytest.mark.skipif(cpu.attention_f32_reason(64) is not None,
+                                     reason=f"the fp32 attention kernel does not run here: {cpu.attention_f32_reason(64)}")
+
+
+def _attn_case(n=5, H=9, kvh=3, hd=64, cap=300, P=70, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, H, hd, generator=g)
+    kc = torch.randn(kvh, cap, hd, generator=g)
+    vc = torch.randn(kvh, cap, hd, generator=g)
+    pos = P + torch.randint(0, 8, (n,), generator=g)
+    idx = torch.randint(0, cap, (n, 2 * cpu.BLOCK), generator=g)
+    ok = torch.rand(n, 2 * cpu.BLOCK, generator=g) > 0.3
+    return q, kc, vc, P // cpu.BLOCK, pos, idx, ok
+
+
+@needs_attention
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("shape", [dict(H=9, kvh=3, hd=64), dict(H=4, kvh=1, hd=256), dict(H=4, kvh=4, hd=16),
+                                   dict(H=10, kvh=2, hd=40), dict(H=2, kvh=2, hd=8, P=0)])
+def test_the_fp32_attention_equals_its_reference(window, shape):
+    """The float softmax over the row's keys in logical order (committed blocks, then the tail through idx where
+    ok), the window applied; head sizes of 1 to 32 chunks (a 5-chunk one: the values' registers in one partial
+    pass), no committed block at all."""
+    q, kc, vc, b0, pos, idx, ok = _attn_case(**shape)
+    got = cpu.attention_f32(q, kc, vc, b0, pos, idx, ok, window, 0.125)
+    ref = cpu.attention_reference(q, kc, vc, b0, pos, idx, ok, window, 0.125)
+    assert got.dtype == torch.float32 and float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+    if window and b0:                             # the window matters in this case (the test's power)
+        no_window = cpu.attention_reference(q, kc, vc, b0, pos, idx, ok, None, 0.125)
+        assert float((no_window - ref).abs().max()) > 1e-3
+    flipped = ok.clone()
+    flipped[:, 3] = ~flipped[:, 3]
+    assert float((cpu.attention_f32(q, kc, vc, b0, pos, idx, flipped, window, 0.125) - got).abs().max()) > 1e-4
+
+
+@needs_attention
+def test_the_fp32_attention_gives_a_row_the_same_bits_alone_among_others_on_any_thread_count_and_slot():
+    """Row invariance (an `ar` step and a tree): a row alone or among others, 1 or 2 threads; and the same
+    logical context read with a block committed or gathered from other slots through the tail gives the same
+    bits."""
+    q, kc, vc, b0, pos, idx, ok = _attn_case(n=7)
+    full = cpu.attention_f32(q, kc, vc, b0, pos, idx, ok, 40, 0.125, threads=1)
+    for r in range(7):
+        alone = cpu.attention_f32(q[r:r + 1], kc, vc, b0, pos[r:r + 1], idx[r:r + 1], ok[r:r + 1], 40, 0.125)
+        assert torch.equal(alone[0], full[r])
+    assert torch.equal(cpu.attention_f32(q, kc, vc, b0, pos, idx, ok, 40, 0.125, threads=2), full)
+    B, cap = cpu.BLOCK, 400
+    g = torch.Generator().manual_seed(3)
+    q, kc, vc = (torch.randn(s, generator=g) for s in ((1, 9, 64), (3, cap, 64), (3, cap, 64)))
+    pos = torch.tensor([3 * B + 5])
+    a = cpu.attention_f32(q, kc, vc, 3, pos, torch.arange(3 * B, 5 * B)[None],
+                          (torch.arange(3 * B, 5 * B) <= pos)[None], None, 0.125)
+    kc2, vc2 = kc.clone(), vc.clone()                 # block 2 moved to slots 300.., block 3's 6 keys to 340..
+    kc2[:, 300:300 + B], vc2[:, 300:300 + B] = kc[:, 2 * B:3 * B], vc[:, 2 * B:3 * B]
+    kc2[:, 340:346], vc2[:, 340:346] = kc[:, 3 * B:3 * B + 6], vc[:, 3 * B:3 * B + 6]
+    kc2[:, 2 * B:3 * B + 6], vc2[:, 2 * B:3 * B + 6] = 0, 0
+    idx_b = torch.cat([torch.arange(300, 300 + B), torch.arange(340, 340 + B)])[None]
+    ok_b = torch.cat([torch.ones(B, dtype=torch.bool), torch.arange(B) < 6])[None]
+    assert torch.equal(cpu.attention_f32(q, kc2, vc2, 2, pos, idx_b, ok_b, None, 0.125), a)
+
+
+@needs_attention
+def test_the_fp32_attention_refuses_what_it_cannot_read():
+    q, kc, vc, b0, pos, idx, ok = _attn_case()
+    with pytest.raises(cpu.CpuKernelError, match="fp32 cache"):
+        cpu.attention_f32(q, kc.bfloat16(), vc.bfloat16(), b0, pos, idx, ok, None, 0.125)
+    with pytest.raises(cpu.CpuKernelError, match="multiple of 8"):
+        cpu.attention_f32(q[..., :12], kc[..., :12].contiguous(), vc[..., :12].contiguous(), b0, pos, idx, ok,
+                          None, 0.125)
+    with pytest.raises(cpu.CpuKernelError, match="contiguous"):
+        cpu.attention_f32(q, kc.transpose(1, 2).contiguous().transpose(1, 2), vc, b0, pos, idx, ok, None, 0.125)
+    assert "multiples of 8" in cpu.attention_f32_reason(12)

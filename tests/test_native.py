@@ -212,15 +212,21 @@ def test_a_row_is_bitwise_the_same_alone_and_inside_trees_in_fp32(name, isa, mon
     _isa(monkeypatch, isa)
     model = untie_head(load_model(name, dtype="fp32")[0])
     rng = np.random.default_rng(4)
+    calls = []
+    real = cpu.attention_f32
+    monkeypatch.setattr(cpu, "attention_f32", lambda *a, **k: calls.append(1) or real(*a, **k))
     for L in (BLOCK - 2, 3 * BLOCK + 1):
         prompt = torch.as_tensor(rng.integers(0, 512, L))
         path = rng.integers(0, 512, 4).tolist()
         for cpu_kernels in (True, False):
+            calls.clear()
             ref, rows = _row_logits_in_trees(model, prompt, path, fixed_shape=True, cpu_kernels=cpu_kernels)
             net = native_model(model)
             assert net.kernel_on == (cpu_kernels and cpu.linear_reason(net.device, net.dtype) is None)
             if net.kernel_on:
                 assert net.head_kernel.isa == cpu.isa()
+            # the attention in C (kernels/cpu_avx2.c) where the linears are, torch's exact path elsewhere
+            assert bool(calls) == (net.kernel_on and cpu.attention_f32_reason(net.head_dim) is None)
             for r in rows:
                 assert torch.equal(r, ref)
 

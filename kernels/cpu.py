@@ -12,6 +12,7 @@ availability and every wrapper of it, each beside its reference, in one place.)
                                         after each target forward: 1.1 -> 0.2-0.45 ms at 3072 x 576)
     attention(q, kc, vc, ...)           the exact decode's attention, one row at a time (engine.native rules 2-3)
     attention_reference(...)            the same in plain torch
+    attention_f32(q, kc, vc, ...)       the same over an fp32 cache (kernels/cpu_avx2.c: AVX2 + FMA)
     pack_layer(...)                     -> LayerKernel: a decoder layer's weights for the fused layer call
     layer(x, spec, ...)                 one decoder layer over n rows in one call (norms, RoPE, cache write,
                                         attention, residuals, gated MLP: kernels/cpu.c `sv_layer`)
@@ -73,8 +74,11 @@ the library builds without AVX512-BF16, whose functions are then never called). 
 1-3 of a product other bits than inside a larger one, so the exact decode without the kernel pads every step to
 4 rows and an `ar` step streams the weights for 4. SmolLM2 fp32, 1 thread, 400-token cache, one run: a forward
 at n = 1 / 8 took 47.7 / 70.6 ms (native-blas 108.4 / 134.5, hf 68.6 / 111.3; the bare kernel 31.9 / 40.0 at a
-25.6 ms copy bound) and `ar` decoded 21.2 tokens/s against 9.0 (native-blas) and 15.3 (hf). The attention and
-the layer's small ops stay torch's in fp32: the 16 ms between the bare kernel and the forward.
+25.6 ms copy bound) and `ar` decoded 21.2 tokens/s against 9.0 (native-blas) and 15.3 (hf). The layer's small
+ops stay torch's in fp32; the attention, which took 12 of the 16 ms between the bare kernel and the forward at
+one row and 41 of a 110 ms forward at eight (the torch exact path's small GEMMs padded to 4 query rows and its
+softmax pieces), runs in C since (`attention_f32`, below): the same forward then took 33.6 / 47.8 ms, and `ar`
+25.0 tokens/s against hf's 16.0 in that run.
 
 AVX2. Most laptops and desktops have no AVX-512 (Intel's client cores since Alder Lake, AMD before Zen 4, and
 so many of the machines researchers explore on): there the library above cannot build, the default dtype is
@@ -85,9 +89,18 @@ reduction tree, so rows are invariant by construction), chosen by `isa()` where 
 `SPECVOCAB_CPU_ISA=avx2` selects it on an AVX-512 machine and turns every AVX-512 kernel off, so a run there is
 what an AVX2 CPU runs (tests/test_cpu_avx2.py, tests/test_native.py's `avx2` cases). Measured so on the 2-core
 EPYC, fp32, 1 thread, 400-token cache, `ar` over 48 tokens, one run per model
-(`SPECVOCAB_CPU_ISA=avx2 python -m engine.jobs.forward --dtype fp32 --backends hf,native,native-blas --decode 48`):
-SmolLM2 23.7 tokens/s against 11.2 (native-blas, the previous default there) and 15.8 (hf); Gemma-3-270M 14.5
-against 5.2 and 9.9. The attention and the layer's small ops stay torch's here too.
+(`SPECVOCAB_CPU_ISA=avx2 python -m engine.jobs.forward --dtype fp32 --backends hf,native,native-blas --decode 48`),
+with the torch attention: SmolLM2 23.7 tokens/s against 11.2 (native-blas, the previous default there) and 15.8
+(hf); Gemma-3-270M 14.5 against 5.2 and 9.9.
+
+The fp32 attention (`attention_f32`, kernels/cpu_avx2.c `sv2_attention_f32`). The exact decode's attention of an
+fp32 model, built with the AVX2 file and so run on AVX-512 CPUs as well: the bf16 kernel's contract (a row's keys
+in logical order - committed blocks where they lie, the tail through the row's slots - one softmax over them)
+with fp32 keys and values: scores by one FMA chain per key and a fixed reduction tree, a vector exp, the values by
+one FMA chain per dim over the keys in order, so a row's bits depend on its logical context alone. A SmolLM2 layer
+at a 400-token cache: 39 us at one row, 209 at eight (the torch path's ~390 and ~1360). With it, same runs as
+above: SmolLM2 forward n = 1 / 8 35.5 / 55.6 ms (was 42.8 / 68.2), `ar` 27.5 tokens/s (hf 15.4, native-blas 9.7);
+Gemma-3-270M 63.8 / 96.1 ms (was 71.7 / 130.1), `ar` 14.9 (hf 9.8, native-blas 5.4).
 
 The fused layer. With the linears and the attention in C, what remained of a decode forward was ~25 small torch
 ops per layer (norms, RoPE, casts, the cache write, residual adds, the gated activation): ~8 ms of SmolLM2's

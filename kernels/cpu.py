@@ -77,8 +77,8 @@ at n = 1 / 8 took 47.7 / 70.6 ms (native-blas 108.4 / 134.5, hf 68.6 / 111.3; th
 25.6 ms copy bound) and `ar` decoded 21.2 tokens/s against 9.0 (native-blas) and 15.3 (hf). The layer's small
 ops stay torch's in fp32; the attention, which took 12 of the 16 ms between the bare kernel and the forward at
 one row and 41 of a 110 ms forward at eight (the torch exact path's small GEMMs padded to 4 query rows and its
-softmax pieces), runs in C since (`attention_f32`, below): the same forward then took 33.6 / 47.8 ms, and `ar`
-25.0 tokens/s against hf's 16.0 in that run.
+softmax pieces), runs in C since (`attention_f32`, below): the same forward then took 32.3 / 45.4 ms, and `ar`
+28.8 tokens/s against hf's 15.8, in one later run.
 
 AVX2. Most laptops and desktops have no AVX-512 (Intel's client cores since Alder Lake, AMD before Zen 4, and
 so many of the machines researchers explore on): there the library above cannot build, the default dtype is

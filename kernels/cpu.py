@@ -27,6 +27,8 @@ availability and every wrapper of it, each beside its reference, in one place.)
     available()                         None when the bf16 kernels run here, else why not (one line)
     available_fp32()                    None when the fp32 ones run (linear, top-k, window step: AVX-512F is
                                         enough; a CPU without AVX512-BF16 keeps its models in fp32)
+    available_portable()                None when `unispec_tree` and `window_step` run (kernels/cpu_portable.c, no
+                                        vector code, #included by both builds: any x86 CPU with AVX2 + FMA)
     isa()                               which build runs the fp32 linear: "avx512" (this library), "avx2"
                                         (kernels/cpu_avx2.c: x86 with AVX2 + FMA, no AVX-512), or None;
                                         `$SPECVOCAB_CPU_ISA` = auto | avx512 | avx2 picks one
@@ -141,7 +143,8 @@ REQUIRED_FLAGS = (*BUILD_FLAGS, "avx512_bf16")                          # ... an
 CHUNK = 32                                                            # K elements per VDPBF16PS
 CHUNK_F32 = 16                                                        # K elements per fp32 FMA
 SOURCE_AVX2 = Path(__file__).with_name("cpu_avx2.c")                 # the fp32 linear for x86 without AVX-512
-FLAGS_AVX2 = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+PORTABLE = Path(__file__).with_name("cpu_portable.c")                # no vector code: #included by both
+FLAGS_AVX2 = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 AVX2_FLAGS = ("avx2", "fma")                                          # /proc/cpuinfo names: cpu_avx2.c
 ISA_ENV = "SPECVOCAB_CPU_ISA"                                         # auto | avx512 | avx2 (`isa`)
 ISAS = ("auto", "avx512", "avx2")
@@ -166,7 +169,7 @@ def _compile(source: Path, flags: tuple[str, ...]) -> Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise CpuKernelError(f"no C compiler (cc / gcc / $CC) to build kernels/{source.name}")
-    src = source.read_bytes()
+    src = source.read_bytes() + PORTABLE.read_bytes()                # both builds #include it
     tag = hashlib.sha256(src + " ".join((cc,) + flags).encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / f"{source.stem}-{tag}.so"
     if not out.exists():
@@ -182,6 +185,17 @@ def _compile(source: Path, flags: tuple[str, ...]) -> Path:
                 raise CpuKernelError(f"building {source.name} with {cc} failed: {run.stderr.strip()[-400:]}")
             os.replace(so, out)                                           # atomic: a concurrent build is harmless
     return out
+
+
+def _bind_portable(lib: ctypes.CDLL) -> None:
+    """The signatures of kernels/cpu_portable.c's functions, in either build."""
+    lib.sv_unispec_tree.argtypes = ([ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+                                    + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_int]
+                                    + [ctypes.c_int, ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 3)
+    lib.sv_unispec_tree.restype = ctypes.c_long
+    lib.sv_window_step.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+                                   + [ctypes.c_void_p] * 14)
+    lib.sv_window_step.restype = ctypes.c_long
 
 
 def _build() -> ctypes.CDLL:
@@ -207,19 +221,13 @@ def _build() -> ctypes.CDLL:
     lib.sv_topk_lse_f32.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_int] + [ctypes.c_void_p] * 3 + [
         ctypes.c_int]
     lib.sv_topk_lse_f32.restype = ctypes.c_int
-    lib.sv_unispec_tree.argtypes = ([ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
-                                    + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_int]
-                                    + [ctypes.c_int, ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 3)
-    lib.sv_unispec_tree.restype = ctypes.c_long
     lib.sv_layer_scratch.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.sv_layer_scratch.restype = ctypes.c_size_t
     lib.sv_layer.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
                              + [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
                              + [ctypes.c_int] * 2)
     lib.sv_layer.restype = None
-    lib.sv_window_step.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-                                   + [ctypes.c_void_p] * 14)
-    lib.sv_window_step.restype = ctypes.c_long
+    _bind_portable(lib)
     return lib
 
 
@@ -247,6 +255,7 @@ def _build_avx2() -> ctypes.CDLL:
     lib.sv2_attention_f32.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int] * 4
                                       + [ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int])
     lib.sv2_attention_f32.restype = ctypes.c_int
+    _bind_portable(lib)
     return lib
 
 
@@ -290,6 +299,19 @@ def available_fp32() -> str | None:
     if _isa_asked() == "avx2":
         return f"{ISA_ENV}=avx2 turns the AVX-512 kernels off"
     return None if _load() is not None else _why_not
+
+
+def _portable() -> ctypes.CDLL | None:
+    # whichever build is loaded (AVX-512 where `available_fp32` allows it, else AVX2): both hold cpu_portable.c
+    return _lib if available_fp32() is None else _load_avx2()
+
+
+def available_portable() -> str | None:
+    """None when the kernels without vector code (`unispec_tree`, `window_step`: kernels/cpu_portable.c) run
+    here - in either build, so on any x86 CPU with AVX2 + FMA - else why not (one line)."""
+    if _portable() is not None:
+        return None
+    return f"{available_fp32()}; and the AVX2 build: {_why_not2}"
 
 
 def available() -> str | None:
@@ -497,10 +519,10 @@ def topk_lse_reference(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
 def unispec_tree(root: int, store_tok: torch.Tensor, store_con: torch.Tensor, cache_tok: torch.Tensor | None,
                  cache_con: torch.Tensor | None, *, k: int, depth: int, r: float, g: int, path: bool,
                  min_score: float, exclude_root: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """UniSpec's draft tree in one C call (kernels/cpu.c `sv_unispec_tree`): (tokens [n], parents [n] int64,
+    """UniSpec's draft tree in one C call (kernels/cpu_portable.c `sv_unispec_tree`): (tokens [n], parents [n] int64,
     scores [n] fp32), root first, n <= 1 + g; the same tree, node for node and bit for bit, as the reference
     `engine.drafters.unispec.build_unispec_tree` (that module calls this where it runs: CPU stores,
-    `available_fp32()` None). store_tok [V, ks] int64 / store_con [V, ks] fp32, contiguous; cache [kc] or None.
+    `available_portable()` None). store_tok [V, ks] int64 / store_con [V, ks] fp32, contiguous; cache [kc] or None.
     Returns None where the root or a cache token is outside [0, V): the reference then names the problem."""
     V, ks = store_tok.shape
     ct = cache_tok.to(torch.int64).contiguous() if cache_tok is not None else None
@@ -508,7 +530,7 @@ def unispec_tree(root: int, store_tok: torch.Tensor, store_con: torch.Tensor, ca
     tok = torch.empty(1 + g, dtype=torch.int64)
     par = torch.empty(1 + g, dtype=torch.int64)
     score = torch.empty(1 + g, dtype=torch.float32)
-    n = _load().sv_unispec_tree(int(root), store_tok.data_ptr(), store_con.data_ptr(), V, ks,
+    n = _portable().sv_unispec_tree(int(root), store_tok.data_ptr(), store_con.data_ptr(), V, ks,
                                 None if ct is None else ct.data_ptr(), None if cc is None else cc.data_ptr(),
                                 0 if ct is None else ct.numel(), k, depth, r, g, int(path), min_score,
                                 int(exclude_root), tok.data_ptr(), par.data_ptr(), score.data_ptr())
@@ -521,16 +543,16 @@ def window_step(entries: torch.Tensor, fifo_unique: bool, ring: torch.Tensor, ri
                 stream_len: torch.Tensor, cnt: torch.Tensor, active: torch.Tensor, slot_of: torch.Tensor,
                 tok_of_slot: torch.Tensor, free_slots: torch.Tensor, free_top: torch.Tensor,
                 mark: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """MicroSpec's window step on CPU tensors in place (kernels/cpu.c `sv_window_step`; the reference, bit for
+    """MicroSpec's window step on CPU tensors in place (kernels/cpu_portable.c `sv_window_step`; the reference, bit for
     bit, is kernels.window's `_window_step_torch`, whose state fields these are): entries [m] int64 with
     m <= ring.numel(). Returns the gather list (slots [m], tokens [m], -1 past the count; count 0-d int64).
-    The caller (`kernels.window.window_step`) checks ids and shapes; `available_fp32()` must be None."""
+    The caller (`kernels.window.window_step`) checks ids and shapes; `available_portable()` must be None."""
     m = entries.numel()
     e = entries.to(torch.int64).contiguous()
     scratch = torch.empty(2, m, dtype=torch.int64)
     flag = torch.empty(m, dtype=torch.uint8)
     slots, tokens = torch.empty(m, dtype=torch.int64), torch.empty(m, dtype=torch.int64)
-    count = _lib.sv_window_step(e.data_ptr(), m, int(fifo_unique), ring.data_ptr(), ring.numel(),
+    count = _portable().sv_window_step(e.data_ptr(), m, int(fifo_unique), ring.data_ptr(), ring.numel(),
                                 ring_head.data_ptr(), stream_len.data_ptr(), cnt.data_ptr(), active.data_ptr(),
                                 slot_of.data_ptr(), tok_of_slot.data_ptr(), free_slots.data_ptr(), free_top.data_ptr(),
                                 mark.data_ptr(), scratch[0].data_ptr(), scratch[1].data_ptr(), flag.data_ptr(),

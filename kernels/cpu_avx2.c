@@ -261,3 +261,5 @@ int sv2_attention_f32(const float* q, const float* kc, const float* vc, const in
     }
     return failed ? -1 : 0;
 }
+
+#include "cpu_portable.c"          /* UniSpec's draft tree, MicroSpec's window step: no vector code */

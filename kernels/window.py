@@ -382,7 +382,7 @@ def using_c_step(flag: bool) -> Iterator[None]:
 
 
 def _window_step_c(st: WindowState, entries: torch.Tensor) -> GatherList:
-    """The same step as `_window_step_torch`, in C (kernels/cpu.c `sv_window_step`)."""
+    """The same step as `_window_step_torch`, in C (kernels/cpu_portable.c `sv_window_step`)."""
     slots, tokens, count = cpu_kernels.window_step(
         entries, st.mode == "fifo_unique", st.ring, st.ring_head, st.stream_len, st.cnt, st.active, st.slot_of,
         st.tok_of_slot, st.free_slots, st.free_top, st.first_pos)
@@ -406,7 +406,7 @@ def window_step(state: WindowState, entries: torch.Tensor) -> GatherList:
         state.stream_len += dropped
     if triton_enabled():
         return _window_step_triton(state, entries)
-    if _C_STEP and state.device.type == "cpu" and cpu_kernels.available_fp32() is None:
+    if _C_STEP and state.device.type == "cpu" and cpu_kernels.available_portable() is None:
         return _window_step_c(state, entries)
     return _window_step_torch(state, entries)
 

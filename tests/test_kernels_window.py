@@ -14,16 +14,23 @@ from kernels import cpu as cpu_kernels
 from kernels import window as wn
 from kernels.hardware import DEVICE, using_triton
 
-_NO_C = (cpu_kernels.available() or "") if DEVICE.type == "cpu" else "the window state is on CUDA"
+_NO_C = (cpu_kernels.available_portable() or "") if DEVICE.type == "cpu" else "the window state is on CUDA"
+_NO_AVX2 = ("the window state is on CUDA" if DEVICE.type != "cpu" else
+            "" if cpu_kernels._load_avx2() is not None else f"no AVX2 build here: {cpu_kernels._why_not2}")
 BACKENDS = pytest.mark.parametrize("backend", [
     "triton", "torch",
-    pytest.param("c", marks=pytest.mark.skipif(bool(_NO_C), reason=f"the C window step does not run: {_NO_C}"))])
+    pytest.param("c", marks=pytest.mark.skipif(bool(_NO_C), reason=f"the C window step does not run: {_NO_C}")),
+    pytest.param("c-avx2", marks=pytest.mark.skipif(bool(_NO_AVX2), reason=_NO_AVX2))])
 
 
 @contextlib.contextmanager
 def on(backend: str):
-    """Run window steps on one backend: the Triton kernel, the torch reference, or the C step (CPU)."""
-    with using_triton(backend == "triton"), wn.using_c_step(backend == "c"):
+    """Run window steps on one backend: the Triton kernel, the torch reference, or the C step (CPU) - from the
+    library the CPU picks, or (c-avx2) from the AVX2 build, as a CPU without AVX-512 runs it."""
+    with using_triton(backend == "triton"), wn.using_c_step(backend.startswith("c")), pytest.MonkeyPatch.context() as mp:
+        if backend == "c-avx2":
+            mp.setenv(cpu_kernels.ISA_ENV, "avx2")
+            assert cpu_kernels._portable() is cpu_kernels._lib2
         yield
 MODES = pytest.mark.parametrize("mode", wn.MODES)
 
@@ -144,7 +151,7 @@ def test_random_streams_match_host_reference(V, W, mode, backend):
 def test_triton_kernel_torch_path_and_c_step_are_bit_identical(mode):
     rng = random.Random(5)
     V, W = 120, 31
-    backends = ["triton", "torch"] + ([] if _NO_C else ["c"])
+    backends = ["triton", "torch"] + ([] if _NO_C else ["c"]) + ([] if _NO_AVX2 else ["c-avx2"])
     states = {b: wn.new_window_state(V, W, DEVICE, mode) for b in backends}
     for step in range(40):
         entries = torch.tensor(random_entries(rng, V, rng.randrange(0, W + 1), hot=30), dtype=torch.long,

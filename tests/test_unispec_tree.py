@@ -305,13 +305,19 @@ def test_tree_matches_reference_on_random_stores(confidence, scope):
         assert tree.num_draft <= g
 
 
-@pytest.mark.skipif(cpu_kernels.available_fp32() is not None,
-                    reason=f"the CPU kernels do not run here: {cpu_kernels.available_fp32()}")
-def test_the_c_tree_is_the_torch_tree_node_for_node():
+@pytest.mark.skipif(cpu_kernels.available_portable() is not None,
+                    reason=f"the CPU kernels do not run here: {cpu_kernels.available_portable()}")
+@pytest.mark.parametrize("isa", ["auto", "avx2"])
+def test_the_c_tree_is_the_torch_tree_node_for_node(isa, monkeypatch):
     """`kernels.cpu.unispec_tree` (what the drafter runs on a CPU) against `build_unispec_tree`: the same tokens,
     parents and fp32 scores, bitwise, on random stores with many tied confidences (rounded to 1/64, or to a few
     levels) and empty slots, over both confidence modes, both threshold scopes, with and without the first-level
-    cache and its root exclusion; an id outside the vocabulary is left to the reference (None)."""
+    cache and its root exclusion; an id outside the vocabulary is left to the reference (None). In the library the
+    CPU picks, and in the AVX2 build (a CPU without AVX-512: the same C compiled for it)."""
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, isa)
+    if isa == "avx2" and cpu_kernels._load_avx2() is None:
+        pytest.skip(f"no AVX2 build here: {cpu_kernels._why_not2}")
+    assert isa == "auto" or cpu_kernels._portable() is cpu_kernels._lib2
     rng = random.Random(3)
     for trial in range(600):
         vocab, k = rng.choice([(12, 3), (40, 5), (64, 10)])
@@ -337,8 +343,8 @@ def test_the_c_tree_is_the_torch_tree_node_for_node():
                                     r=0.0, g=4, path=True, min_score=0.0, exclude_root=True) is None
 
 
-@pytest.mark.skipif(cpu_kernels.available_fp32() is not None,
-                    reason=f"the CPU kernels do not run here: {cpu_kernels.available_fp32()}")
+@pytest.mark.skipif(cpu_kernels.available_portable() is not None,
+                    reason=f"the CPU kernels do not run here: {cpu_kernels.available_portable()}")
 def test_the_drafter_drafts_the_same_trees_with_and_without_the_c_tree(monkeypatch):
     """A whole decode: UniSpecDrafter's trees with the C tree (`cpu_kernels=True`) equal the torch ones."""
     from engine import generate

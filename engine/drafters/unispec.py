@@ -245,7 +245,7 @@ class UniSpecDrafter(Drafter):
         cfg = self.cfg
         cache = (self.cache_tok, self.cache_con) if cfg.broaden_first_level else (None, None)
         tree = None
-        if cfg.cpu_kernels and self.store.device.type == "cpu" and cpu_kernels.available_fp32() is None:
+        if cfg.cpu_kernels and self.store.device.type == "cpu" and cpu_kernels.available_portable() is None:
             out = cpu_kernels.unispec_tree(         # the same tree in one C call (tests/test_unispec_tree.py)
                 int(ids[-1]), self.store.tok, self.store.con, *cache, k=cfg.store_k, depth=cfg.tree_depth,
                 r=cfg.threshold_r, g=self.draft_size, path=cfg.confidence == "path",

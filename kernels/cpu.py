@@ -19,7 +19,7 @@ availability and every wrapper of it, each beside its reference, in one place.)
     layer_reference(x, spec, ...)       the same in plain torch
     route_linears(module)               a module's own bf16 nn.Linear layers on the kernel (drafters' heads)
     topk(z, k)                          torch.topk(z, k) of fp32 CPU rows in one pass at memory speed (ties: the
-                                        lower index, as torch.argmax), torch itself elsewhere
+                                        lower index, as torch.argmax; AVX-512 or AVX2), torch itself elsewhere
     topk_lse(z, k)                      topk and each row's log-sum-exp (the successor store's confidences)
     unispec_tree(root, store, ...)      UniSpec's draft tree in one call (reference: engine.drafters.unispec)
     window_step(entries, ...)           MicroSpec's window step in place (kernels.window: `_window_step_torch`
@@ -255,6 +255,12 @@ def _build_avx2() -> ctypes.CDLL:
     lib.sv2_attention_f32.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int] * 4
                                       + [ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int])
     lib.sv2_attention_f32.restype = ctypes.c_int
+    lib.sv2_topk_f32.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_int]
+    lib.sv2_topk_f32.restype = ctypes.c_int
+    lib.sv2_topk_lse_f32.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_int]
+                                     + [ctypes.c_void_p] * 3 + [ctypes.c_int])
+    lib.sv2_topk_lse_f32.restype = ctypes.c_int
     _bind_portable(lib)
     return lib
 
@@ -461,14 +467,24 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = 
 TOPK_MAX = 64      # k up to which `topk` scans in C (an insertion sort per improvement); above: torch.topk
 
 
-def _c_rows(z: torch.Tensor, k: int) -> torch.Tensor | None:
-    """z [.., V] as contiguous [rows, V] where the C top-k passes take it (fp32 CPU rows, 0 < k <= TOPK_MAX,
-    the kernels built), else None."""
+def _topk_c() -> tuple | None:
+    """(top-k, top-k + log-sum-exp) C functions of the build that runs here: AVX-512 where `available_fp32`
+    allows it, else AVX2 (kernels/cpu_avx2.c: the same top-k, the log-sum-exp summed in another order); None
+    where neither runs."""
+    if available_fp32() is None:
+        return _lib.sv_topk_f32, _lib.sv_topk_lse_f32
+    lib = _load_avx2()
+    return None if lib is None else (lib.sv2_topk_f32, lib.sv2_topk_lse_f32)
+
+
+def _c_rows(z: torch.Tensor, k: int) -> tuple[torch.Tensor, tuple] | None:
+    """(z [.., V] as contiguous [rows, V], the C functions) where the C top-k passes take it (fp32 CPU rows,
+    0 < k <= TOPK_MAX, a build here), else None."""
     V = z.shape[-1]
-    if (z.dtype != torch.float32 or z.device.type != "cpu" or not 0 < k <= min(V, TOPK_MAX)
-            or available_fp32() is not None or z.numel() == 0):
+    if z.dtype != torch.float32 or z.device.type != "cpu" or not 0 < k <= min(V, TOPK_MAX) or z.numel() == 0:
         return None
-    return z.reshape(-1, V).contiguous()
+    fns = _topk_c()
+    return None if fns is None else (z.reshape(-1, V).contiguous(), fns)
 
 
 def topk(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -476,13 +492,14 @@ def topk(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     fp32 CPU rows where the kernels run (one pass at memory speed: Gemma's 262k logits ~0.1 ms a row against
     torch's ~0.5), ties broken by the lower index (torch.argmax's first maximum; torch.topk leaves tie order
     unspecified). A row holding NaN, or fewer than k values above -inf, is answered by torch."""
-    z2 = _c_rows(z, k)
-    if z2 is None:
+    c = _c_rows(z, k)
+    if c is None:
         return torch.topk(z, min(k, z.shape[-1]), dim=-1)
+    z2, (topk_c, _) = c
     V, lead = z.shape[-1], z.shape[:-1]
     vals = torch.empty(z2.shape[0], k, dtype=torch.float32)
     idx = torch.empty(z2.shape[0], k, dtype=torch.int64)
-    nan = _lib.sv_topk_f32(z2.data_ptr(), z2.shape[0], V, k, vals.data_ptr(), idx.data_ptr(), torch.get_num_threads())
+    nan = topk_c(z2.data_ptr(), z2.shape[0], V, k, vals.data_ptr(), idx.data_ptr(), torch.get_num_threads())
     if nan or bool((idx[:, -1] < 0).any()):
         return torch.topk(z, k, dim=-1)
     return vals.view(*lead, k), idx.view(*lead, k)
@@ -496,15 +513,16 @@ def topk_lse(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch
     logit on one thread, ~10x this). The log-sum-exp agrees with torch's to float rounding (a few ulp), not
     bitwise. Elsewhere, and for rows C declines (NaN, +inf, fewer than k values above -inf):
     `topk_lse_reference`."""
-    z2 = _c_rows(z, k)
-    if z2 is None:
+    c = _c_rows(z, k)
+    if c is None:
         return topk_lse_reference(z, k)
+    z2, (_, topk_lse_c) = c
     V, lead = z.shape[-1], z.shape[:-1]
     vals = torch.empty(z2.shape[0], k, dtype=torch.float32)
     idx = torch.empty(z2.shape[0], k, dtype=torch.int64)
     lse = torch.empty(z2.shape[0], dtype=torch.float32)
-    bad = _lib.sv_topk_lse_f32(z2.data_ptr(), z2.shape[0], V, k, vals.data_ptr(), idx.data_ptr(), lse.data_ptr(),
-                               torch.get_num_threads())
+    bad = topk_lse_c(z2.data_ptr(), z2.shape[0], V, k, vals.data_ptr(), idx.data_ptr(), lse.data_ptr(),
+                     torch.get_num_threads())
     if bad:
         return topk_lse_reference(z, k)
     return vals.view(*lead, k), idx.view(*lead, k), lse.view(lead)

@@ -262,4 +262,71 @@ int sv2_attention_f32(const float* q, const float* kc, const float* vc, const in
     return failed ? -1 : 0;
 }
 
+/* ---- top-k of fp32 rows (k small), and their log-sum-exp: kernels/cpu.c's `sv_topk_f32` / `sv_topk_lse_f32` at
+ * 8 lanes (the verify's argmax and MicroSpec's verify top-k; the successor store's confidences). One pass per row:
+ * 8 values at a time compared with the current k-th best, only a lane above it going to the sorted insertion;
+ * ties keep the lower index (torch.argmax's first maximum), so the top-k are the AVX-512 build's exactly. The
+ * log-sum-exp: one pass of exp(z - max) (`exp8`) summed in fp64, lane by lane, then the lanes in order: the
+ * same sum in another order than the AVX-512 build's, so equal to rounding, not bitwise. */
+static inline __m256i live8(long left) {
+    const int n = left >= 8 ? 8 : (int)left;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static int topk_row8(const float* z, long V, int k, float* vals, int64_t* idx) {
+    for (int j = 0; j < k; j++) { vals[j] = -INFINITY; idx[j] = -1; }
+    __m256 th = _mm256_set1_ps(-INFINITY);
+    int nan = 0;
+    for (long i = 0; i < V; i += 8) {
+        const __m256i live = live8(V - i);
+        const __m256 v = _mm256_maskload_ps(z + i, live);
+        const int lm = _mm256_movemask_ps(_mm256_castsi256_ps(live));
+        nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) & lm;
+        int up = _mm256_movemask_ps(_mm256_cmp_ps(v, th, _CMP_GT_OQ)) & lm;
+        while (up) {
+            const int lane = __builtin_ctz(up);
+            up &= up - 1;
+            const float x = z[i + lane];
+            if (!(x > vals[k - 1])) continue;                /* the threshold rose within this vector */
+            int j = k - 1;
+            while (j > 0 && x > vals[j - 1]) { vals[j] = vals[j - 1]; idx[j] = idx[j - 1]; j--; }
+            vals[j] = x;
+            idx[j] = i + lane;
+            th = _mm256_set1_ps(vals[k - 1]);
+        }
+    }
+    return nan != 0;
+}
+
+int sv2_topk_f32(const float* z, int n, long V, int k, float* vals, int64_t* idx, int threads) {
+    int nan = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(|:nan) if (threads > 1 && n > 1)
+    for (int r = 0; r < n; r++) nan |= topk_row8(z + (size_t)r * V, V, k, vals + (size_t)r * k, idx + (size_t)r * k);
+    return nan;
+}
+
+int sv2_topk_lse_f32(const float* z, int n, long V, int k, float* vals, int64_t* idx, float* lse, int threads) {
+    int bad = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(|:bad) if (threads > 1 && n > 1)
+    for (int r = 0; r < n; r++) {
+        const float* zr = z + (size_t)r * V;
+        float* vr = vals + (size_t)r * k;
+        int64_t* ir = idx + (size_t)r * k;
+        if (topk_row8(zr, V, k, vr, ir) || ir[k - 1] < 0 || isinf(vr[0])) { lse[r] = NAN; bad = 1; continue; }
+        const __m256 mv = _mm256_set1_ps(vr[0]);
+        __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+        for (long i = 0; i < V; i += 8) {
+            const __m256i live = live8(V - i);
+            const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(zr + i, live), mv)),
+                                           _mm256_castsi256_ps(live));
+            s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+            s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+        }
+        double lanes[4];
+        _mm256_storeu_pd(lanes, _mm256_add_pd(s0, s1));
+        lse[r] = (float)((double)vr[0] + log(((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))));
+    }
+    return bad;
+}
+
 #include "cpu_portable.c"          /* UniSpec's draft tree, MicroSpec's window step: no vector code */

@@ -16,6 +16,10 @@ Mutants these tests were checked against (each fails at least one test here):
   ignored); the weights' sum missing its last key; a 5-chunk head's values pass run at 4 chunks; scale
   dropped                                                                               -> its reference
 - engine.native never calling it (the torch exact path in fp32)                         -> tests/test_native.py
+- top-k: the masked last vector of 8 skipped; ties inserted ahead of the incumbent (>=); the log-sum-exp's high
+  half dropped; the AVX2 build's passes never called (torch instead)                    -> the top-k test
+- kernels.cpu._portable ignoring SPECVOCAB_CPU_ISA (the AVX-512 copy of the tree / window step)
+                                                        -> tests/test_unispec_tree.py, tests/test_kernels_window.py
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ def test_the_build_is_chosen_by_the_cpu_and_by_the_environment(monkeypatch):
     with pytest.raises(cpu.CpuKernelError, match="not available here"):
         cpu.pack(torch.randn(8, 20).bfloat16())
     z = torch.randn(2, 100)
-    assert torch.equal(cpu.topk(z, 3)[1], torch.topk(z, 3).indices)  # torch's, not the AVX-512 pass
+    assert torch.equal(cpu.topk(z, 3)[1], torch.topk(z, 3).indices)  # the AVX2 pass, not the AVX-512 one
     monkeypatch.setenv(cpu.ISA_ENV, "sse4")
     with pytest.raises(cpu.CpuKernelError, match=r"SPECVOCAB_CPU_ISA='sse4' is not one of \['auto', 'avx512', "
                                                  r"'avx2'\]"):
@@ -110,6 +114,24 @@ def test_a_cpu_with_avx2_but_not_avx512_runs_the_avx2_linear(monkeypatch):
     assert cpu.isa() is None
     why = cpu.linear_reason(CPU, torch.float32)
     assert "avx512f" in why and "fma" in why
+
+
+def test_topk_and_topk_lse_on_the_avx2_build(avx2, monkeypatch):
+    """tests/test_cpu_kernels.py's two top-k tests, run on kernels/cpu_avx2.c's passes (a masked last vector of
+    8, ties, NaN, -inf, +inf rows, 1 and 2 threads), which must be the ones called."""
+    from tests.test_cpu_kernels import test_topk_is_torchs_topk_and_argmax_keeps_the_first_maximum as topk_case
+    from tests.test_cpu_kernels import test_topk_lse_gives_topk_and_each_rows_logsumexp as topk_lse_case
+    calls = []
+    for name in ("sv2_topk_f32", "sv2_topk_lse_f32"):
+        real = getattr(cpu._lib2, name)
+        monkeypatch.setattr(cpu._lib2, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    threads = torch.get_num_threads()
+    try:
+        topk_case()
+        topk_lse_case()
+    finally:
+        torch.set_num_threads(threads)
+    assert {"sv2_topk_f32", "sv2_topk_lse_f32"} <= set(calls)
 
 
 # --- the fp32 attention (kernels/cpu_avx2.c `sv2_attention_f32`) ------------------------------------------------

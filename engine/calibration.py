@@ -92,7 +92,7 @@ from scipy.interpolate import BSpline
 from scipy.optimize import differential_evolution
 
 from engine.atomic import atomic_write
-from kernels.cpu import ISA_ENV
+from kernels.hardware import ISA_ENV
 # The calibration key and the drafting methods are defined in engine.config (no torch); re-exported here, where
 # users and tests have always read them (engine.calibration.calibration_fields, ...).
 from engine.config import (ADDED_AT_DEFAULT, CALIBRATION_FIELDS, DRAFTING_METHODS, NOT_CALIBRATION_FIELDS,  # noqa: F401

@@ -132,7 +132,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.hardware import cache_root, cpu_flags
+from kernels.hardware import ISA_ENV, cache_root, cpu_flags
 
 SOURCE = Path(__file__).with_name("cpu.c")
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
@@ -146,7 +146,6 @@ SOURCE_AVX2 = Path(__file__).with_name("cpu_avx2.c")                 # the fp32 
 PORTABLE = Path(__file__).with_name("cpu_portable.c")                # no vector code: #included by both
 FLAGS_AVX2 = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 AVX2_FLAGS = ("avx2", "fma")                                          # /proc/cpuinfo names: cpu_avx2.c
-ISA_ENV = "SPECVOCAB_CPU_ISA"                                         # auto | avx512 | avx2 (`isa`)
 ISAS = ("auto", "avx512", "avx2")
 
 
@@ -288,8 +287,8 @@ def isa() -> str | None:
     """Which build of the packed fp32 linear runs here: "avx512" (kernels/cpu.c, with every other kernel of this
     module), "avx2" (kernels/cpu_avx2.c: the fp32 linear alone, for x86 CPUs with AVX2 + FMA but no AVX-512 -
     most laptops and desktops), or None (neither: `linear_reason` says why). `$SPECVOCAB_CPU_ISA` (auto |
-    avx512 | avx2) picks one; avx2 on an AVX-512 machine also turns the AVX-512 kernels off, so a run there is
-    what an AVX2 machine runs (tests and `python -m engine.jobs.forward` use it)."""
+    avx512 | avx2) picks one; avx2 on an AVX-512 machine also turns the AVX-512 kernels off and the default dtype
+    to fp32 (`kernels.hardware.cpu_has_native_bf16`), so a run there is what an AVX2 machine runs (tests and `python -m engine.jobs.forward` use it)."""
     asked = _isa_asked()
     if asked != "avx2" and _load() is not None:
         return "avx512"

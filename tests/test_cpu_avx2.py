@@ -11,7 +11,8 @@ Mutants these tests were checked against (each fails at least one test here):
 - an fp32 weight packed at the AVX-512 build's 16-wide chunks for this build            -> the product
 - `pack` ignoring $SPECVOCAB_CPU_ISA (always the AVX-512 build where it runs)           -> the choice
 - `linear_reason` counting only the AVX-512 build (fp32 without AVX-512 -> native-blas) -> a CPU with AVX2 only
-- engine.calibration.device_name the same with and without SPECVOCAB_CPU_ISA=avx2     -> the choice
+- engine.calibration.device_name the same with and without SPECVOCAB_CPU_ISA=avx2; the
+  default dtype left at bf16 there                                                      -> the choice
 - the fp32 attention: the window ignored on committed keys; `ok` ignored; the tail read in slot order (idx
   ignored); the weights' sum missing its last key; a 5-chunk head's values pass run at 4 chunks; scale
   dropped                                                                               -> its reference
@@ -73,9 +74,13 @@ def test_the_build_is_chosen_by_the_cpu_and_by_the_environment(monkeypatch):
     monkeypatch.delenv(cpu.ISA_ENV, raising=False)
     expected = "avx512" if cpu.available_fp32() is None else ("avx2" if cpu._load_avx2() is not None else None)
     assert cpu.isa() == expected
+    from kernels.hardware import BF16_CPU_FLAGS, cpu_flags, cpu_has_native_bf16, default_dtype
     here = device_name("cpu")
+    assert cpu_has_native_bf16() == any(f in cpu_flags() for f in BF16_CPU_FLAGS)
     monkeypatch.setenv(cpu.ISA_ENV, "avx2")
     assert device_name("cpu") == here + ":avx2"          # calibrated g* and timings kept apart from AVX-512's
+    assert not cpu_has_native_bf16()                     # an AVX2 CPU has no bf16 dot products: fp32 by default
+    assert default_dtype(env="", cuda=False, cpu_bf16=cpu_has_native_bf16()) == torch.float32
     if cpu._load_avx2() is None:
         pytest.skip(f"the AVX2 build does not run here: {cpu._why_not2}")
     assert cpu.isa() == "avx2"

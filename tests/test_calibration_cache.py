@@ -65,7 +65,9 @@ def test_the_code_stamp_follows_the_decoders_sources_not_its_jobs(tmp_path, monk
     assert stamp_of_copy("c", "kernels/cpu.c") != calib.code_stamp()
     assert stamp_of_copy("drafter", "engine/drafters/unispec.py") != calib.code_stamp()
     assert stamp_of_copy("job", "engine/jobs/bench.py") == calib.code_stamp()
-    assert [f.name for f in calib.code_files(root) if f.suffix == ".c"] == ["cpu.c"]
+    assert stamp_of_copy("c2", "kernels/cpu_portable.c") != calib.code_stamp()       # #included by both builds
+    assert sorted(f.name for f in calib.code_files(root) if f.suffix == ".c") == ["cpu.c", "cpu_avx2.c",
+                                                                                   "cpu_portable.c"]
     monkeypatch.setattr(torch, "__version__", "0.0.0-other")
     assert stamp_of_copy("torch") != calib.code_stamp()
 

@@ -142,7 +142,7 @@ BUILD_FLAGS = ("avx512f", "avx512bw", "avx512vl")                    # /proc/cpu
 REQUIRED_FLAGS = (*BUILD_FLAGS, "avx512_bf16")                          # ... and the bf16 ones
 CHUNK = 32                                                            # K elements per VDPBF16PS
 CHUNK_F32 = 16                                                        # K elements per fp32 FMA
-SOURCE_AVX2 = Path(__file__).with_name("cpu_avx2.c")                 # the fp32 linear for x86 without AVX-512
+SOURCE_AVX2 = Path(__file__).with_name("cpu_avx2.c")                 # the fp32 kernels for x86 without AVX-512
 PORTABLE = Path(__file__).with_name("cpu_portable.c")                # no vector code: #included by both
 FLAGS_AVX2 = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 AVX2_FLAGS = ("avx2", "fma")                                          # /proc/cpuinfo names: cpu_avx2.c
@@ -285,10 +285,11 @@ def _isa_asked() -> str:
 
 def isa() -> str | None:
     """Which build of the packed fp32 linear runs here: "avx512" (kernels/cpu.c, with every other kernel of this
-    module), "avx2" (kernels/cpu_avx2.c: the fp32 linear alone, for x86 CPUs with AVX2 + FMA but no AVX-512 -
-    most laptops and desktops), or None (neither: `linear_reason` says why). `$SPECVOCAB_CPU_ISA` (auto |
-    avx512 | avx2) picks one; avx2 on an AVX-512 machine also turns the AVX-512 kernels off and the default dtype
-    to fp32 (`kernels.hardware.cpu_has_native_bf16`), so a run there is what an AVX2 machine runs (tests and `python -m engine.jobs.forward` use it)."""
+    module), "avx2" (kernels/cpu_avx2.c: the fp32 kernels - linear, attention, top-k - for x86 CPUs with AVX2 +
+    FMA but no AVX-512, most laptops and desktops), or None (neither: `linear_reason` says why).
+    `$SPECVOCAB_CPU_ISA` (auto | avx512 | avx2) picks one; avx2 on an AVX-512 machine also turns the AVX-512
+    kernels off and the default dtype to fp32 (`kernels.hardware.cpu_has_native_bf16`), so a run there is what an
+    AVX2 machine runs (the tests, and `python -m engine.jobs.forward` for its timings)."""
     asked = _isa_asked()
     if asked != "avx2" and _load() is not None:
         return "avx512"
@@ -560,8 +561,8 @@ def window_step(entries: torch.Tensor, fifo_unique: bool, ring: torch.Tensor, ri
                 stream_len: torch.Tensor, cnt: torch.Tensor, active: torch.Tensor, slot_of: torch.Tensor,
                 tok_of_slot: torch.Tensor, free_slots: torch.Tensor, free_top: torch.Tensor,
                 mark: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """MicroSpec's window step on CPU tensors in place (kernels/cpu_portable.c `sv_window_step`; the reference, bit for
-    bit, is kernels.window's `_window_step_torch`, whose state fields these are): entries [m] int64 with
+    """MicroSpec's window step on CPU tensors in place (kernels/cpu_portable.c `sv_window_step`; the reference,
+    bit for bit, is kernels.window's `_window_step_torch`, whose state fields these are): entries [m] int64 with
     m <= ring.numel(). Returns the gather list (slots [m], tokens [m], -1 past the count; count 0-d int64).
     The caller (`kernels.window.window_step`) checks ids and shapes; `available_portable()` must be None."""
     m = entries.numel()

@@ -1,7 +1,7 @@
-"""The AVX2 build of the fp32 small-row linear and the fp32 decode attention (kernels/cpu_avx2.c): what a CPU
-without AVX-512 - most laptops and desktops - runs for the native fp32 decode (the attention on AVX-512 CPUs
-too). Against the float64 product, the row invariance the exact decode needs, and the choice of build (`kernels.cpu.isa`, `$SPECVOCAB_CPU_ISA`). The decode on it, end to end,
-is in tests/test_native.py (`isa="avx2"`, `fp32-avx2`).
+"""The AVX2 build of the fp32 small-row linear and the fp32 decode attention (kernels/cpu_avx2.c): what a CPU without
+AVX-512 - most laptops and desktops - runs for the native fp32 decode (the attention on AVX-512 CPUs too). Against
+the float64 product, the row invariance the exact decode needs, and the choice of build (`kernels.cpu.isa`,
+`$SPECVOCAB_CPU_ISA`). The decode on it, end to end, is in tests/test_native.py (`isa="avx2"`, `fp32-avx2`).
 
 Mutants these tests were checked against (each fails at least one test here):
 - the partial last K chunk of x loaded whole (the next row's values leak in)          -> the product
@@ -141,8 +141,9 @@ def test_topk_and_topk_lse_on_the_avx2_build(avx2, monkeypatch):
 
 # --- the fp32 attention (kernels/cpu_avx2.c `sv2_attention_f32`) ------------------------------------------------
 
-needs_attention = pytest.mark.skipif(cpu.attention_f32_reason(64) is not None,
-                                     reason=f"the fp32 attention kernel does not run here: {cpu.attention_f32_reason(64)}")
+needs_attention = pytest.mark.skipif(
+    cpu.attention_f32_reason(64) is not None,
+    reason=f"the fp32 attention kernel does not run here: {cpu.attention_f32_reason(64)}")
 
 
 def _attn_case(n=5, H=9, kvh=3, hd=64, cap=300, P=70, seed=0):

@@ -27,7 +27,8 @@ BACKENDS = pytest.mark.parametrize("backend", [
 def on(backend: str):
     """Run window steps on one backend: the Triton kernel, the torch reference, or the C step (CPU) - from the
     library the CPU picks, or (c-avx2) from the AVX2 build, as a CPU without AVX-512 runs it."""
-    with using_triton(backend == "triton"), wn.using_c_step(backend.startswith("c")), pytest.MonkeyPatch.context() as mp:
+    with (using_triton(backend == "triton"), wn.using_c_step(backend.startswith("c")),
+          pytest.MonkeyPatch.context() as mp):
         if backend == "c-avx2":
             mp.setenv(cpu_kernels.ISA_ENV, "avx2")
             assert cpu_kernels._portable() is cpu_kernels._lib2

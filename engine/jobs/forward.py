@@ -9,20 +9,21 @@ Per model, dtype, threads and backend it prints, in one run on one machine:
 - achieved GB/s (weight bytes / time) and its share of the copy-bandwidth bound measured in the same run
   (a `--copy-mb` tensor copy at the same thread count: weights must at least be read once per forward);
 - the bare-matmul time of the same weight matrices (`F.linear` over every layer's packed matrices and the
-  LM head, nothing else; on a CPU in bf16 also the small-row kernel's, kernels.cpu, over the same
-  weights), and forward / bare matmul of the path the backend ran;
+  LM head, nothing else; on a CPU also the small-row kernel's, kernels.cpu, over the same weights, in bf16
+  or fp32), and forward / bare matmul of the path the backend ran;
 - verify(n) / verify(1).
-Backends: `hf` (transformers, the reference), `native` (engine.native, fixed-shape verification: rows padded
-to the bucket, so n = 1 runs at 4 rows - except on a CPU where the kernels of kernels.cpu run, and a forward takes
+Backends: `hf` (transformers, the reference), `native` (engine.native, fixed-shape verification: rows padded to
+the bucket, so n = 1 runs at 4 rows - except on a CPU where the kernels of kernels.cpu run, and a forward takes
 exactly its n rows: bf16 with AVX512-BF16, fp32 with AVX-512F or AVX2 + FMA; `kernel_isa` in the table says which
-build, and `SPECVOCAB_CPU_ISA=avx2` times what a CPU without AVX-512 runs), `native-blas` (the same with oneDNN's `F.linear` and the torch
-attention, `SpecConfig.cpu_kernels=False`), `native-compiled` (the same under torch.compile, `SpecConfig.compile`;
-its first forward per bucket, the compile, is printed apart as `compile s`), `native-graph` (the fixed-shape
-forward replayed as a CUDA graph: the default on CUDA; its captures are in `compile s` too) and `native-sdpa`
-(engine.native without the fixed shape). On an accelerator the fixed-shape backends run every n at the one
-row count a decode there uses (`engine.target.DEVICE_ROWS`), as a decode would; the bound is a device-memory
-copy, and every time is taken after a device synchronize. `--random-weights` times a model of the named
-architecture with random weights (`engine.models.load_architecture`): same cost, no weights needed.
+build, and `SPECVOCAB_CPU_ISA=avx2` times what a CPU without AVX-512 runs), `native-blas` (the same with oneDNN's
+`F.linear` and the torch attention, `SpecConfig.cpu_kernels=False`), `native-compiled` (the same under
+torch.compile, `SpecConfig.compile`; its first forward per bucket, the compile, is printed apart as `compile s`),
+`native-graph` (the fixed-shape forward replayed as a CUDA graph: the default on CUDA; its captures are in
+`compile s` too) and `native-sdpa` (engine.native without the fixed shape). On an accelerator the fixed-shape
+backends run every n at the one row count a decode there uses (`engine.target.DEVICE_ROWS`), as a decode would;
+the bound is a device-memory copy, and every time is taken after a device synchronize. `--random-weights` times a
+model of the named architecture with random weights (`engine.models.load_architecture`): same cost, no weights
+needed.
 Results go to `--out` as Parquet when given. Timings, not asserts: the machine is shared and noisy.
 """
 

@@ -23,6 +23,7 @@
 #include <math.h>
 #include <string.h>
 #include <stdlib.h>
+#include "cpu_portable.c"   /* no vector code: UniSpec's tree, the window step, the top-k insertion */
 
 #define NB 4      /* outputs per block (weight rows streamed together) */
 #define MB 4      /* rows per register block: NB x MB = 16 accumulators */
@@ -702,10 +703,7 @@ static int topk_row(const float* z, long V, int k, float* vals, int64_t* idx) {
             up &= up - 1;
             const float x = z[i + lane];
             if (!(x > vals[k - 1])) continue;                /* the threshold rose within this vector */
-            int j = k - 1;
-            while (j > 0 && x > vals[j - 1]) { vals[j] = vals[j - 1]; idx[j] = idx[j - 1]; j--; }
-            vals[j] = x;
-            idx[j] = i + lane;
+            topk_insert(x, i + lane, k, vals, idx);
             th = _mm512_set1_ps(vals[k - 1]);
         }
     }
@@ -713,10 +711,7 @@ static int topk_row(const float* z, long V, int k, float* vals, int64_t* idx) {
 }
 
 int sv_topk_f32(const float* z, int n, long V, int k, float* vals, int64_t* idx, int threads) {
-    int nan = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(|:nan) if (threads > 1 && n > 1)
-    for (int r = 0; r < n; r++) nan |= topk_row(z + (size_t)r * V, V, k, vals + (size_t)r * k, idx + (size_t)r * k);
-    return nan;
+    return topk_rows(topk_row, z, n, V, k, vals, idx, threads);
 }
 
 /* ---- top-k and log-sum-exp of fp32 rows: the successor store's confidences (engine.store.topk_probs) ----------
@@ -726,28 +721,23 @@ int sv_topk_f32(const float* z, int n, long V, int k, float* vals, int64_t* idx,
  * 16 lanes accumulated in fp64. torch.logsumexp on one thread spends ~3 ns a logit in its exp (38 ms for a
  * 200-token prompt over a 49k vocabulary); this pass takes a tenth of that. lse[r] is NaN where the caller must
  * ask torch instead: a row holding NaN, +inf, or fewer than k values above -inf. */
-int sv_topk_lse_f32(const float* z, int n, long V, int k, float* vals, int64_t* idx, float* lse, int threads) {
-    int bad = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(|:bad) if (threads > 1 && n > 1)
-    for (int r = 0; r < n; r++) {
-        const float* zr = z + (size_t)r * V;
-        float* vr = vals + (size_t)r * k;
-        int64_t* ir = idx + (size_t)r * k;
-        if (topk_row(zr, V, k, vr, ir) || ir[k - 1] < 0 || isinf(vr[0])) { lse[r] = NAN; bad = 1; continue; }
-        const __m512 mv = _mm512_set1_ps(vr[0]);
-        __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
-        for (long i = 0; i < V; i += 16) {
-            const __mmask16 live = V - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (V - i)) - 1);
-            const __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, zr + i), mv)));
-            s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
-            s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
-        }
-        lse[r] = (float)((double)vr[0] + log(_mm512_reduce_add_pd(_mm512_add_pd(s0, s1))));
+/* sum of exp(z - mx) over a row, each of the 16 lanes accumulated in fp64 (two fp64 halves), then reduced */
+static double expsum16(const float* zr, long V, float mx) {
+    const __m512 mv = _mm512_set1_ps(mx);
+    __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
+    for (long i = 0; i < V; i += 16) {
+        const __mmask16 live = V - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (V - i)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, zr + i), mv)));
+        s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+        s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
     }
-    return bad;
+    return _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
 }
 
-#include "cpu_portable.c"          /* UniSpec's draft tree, MicroSpec's window step: no vector code */
+int sv_topk_lse_f32(const float* z, int n, long V, int k, float* vals, int64_t* idx, float* lse, int threads) {
+    return topk_lse_rows(topk_row, expsum16, z, n, V, k, vals, idx, lse, threads);
+}
+
 
 /* ---- one decoder layer, fused (the native decode's `_layer` in exact mode, one call per layer) -------------
  *

@@ -19,6 +19,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stddef.h>
+#include <math.h>
+#include <stdlib.h>
+#include "cpu_portable.c"   /* no vector code: UniSpec's tree, the window step, the top-k insertion */
 
 #define NB 4           /* outputs per block (weight rows streamed together) */
 #define CH 8           /* K elements per chunk (one 256-bit register of fp32) */
@@ -135,9 +138,6 @@ void sv2_linear_f32(const float* x, const float* wp, const float* bias, float* o
  * [kvh, cap, hd]; out fp32 [n, H, hd]; hd % 8 == 0. The torch path it replaces (`_attention_exact`: a dozen
  * small GEMMs and softmax pieces a layer, padded to 4 query rows) took 12 ms of a 49 ms SmolLM2 forward at one
  * row and 41 of 110 at eight. */
-#include <math.h>
-#include <stdlib.h>
-
 #define ABLOCK 32
 
 /* exp(x) for x <= 0 (the attention calls it with s - max): 2^n p(f), n = round(x log2 e), f = x - n ln 2 (two-part
@@ -288,10 +288,7 @@ static int topk_row8(const float* z, long V, int k, float* vals, int64_t* idx) {
             up &= up - 1;
             const float x = z[i + lane];
             if (!(x > vals[k - 1])) continue;                /* the threshold rose within this vector */
-            int j = k - 1;
-            while (j > 0 && x > vals[j - 1]) { vals[j] = vals[j - 1]; idx[j] = idx[j - 1]; j--; }
-            vals[j] = x;
-            idx[j] = i + lane;
+            topk_insert(x, i + lane, k, vals, idx);
             th = _mm256_set1_ps(vals[k - 1]);
         }
     }
@@ -299,34 +296,26 @@ static int topk_row8(const float* z, long V, int k, float* vals, int64_t* idx) {
 }
 
 int sv2_topk_f32(const float* z, int n, long V, int k, float* vals, int64_t* idx, int threads) {
-    int nan = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(|:nan) if (threads > 1 && n > 1)
-    for (int r = 0; r < n; r++) nan |= topk_row8(z + (size_t)r * V, V, k, vals + (size_t)r * k, idx + (size_t)r * k);
-    return nan;
+    return topk_rows(topk_row8, z, n, V, k, vals, idx, threads);
+}
+
+/* sum of exp(z - mx) over a row: each of the 8 lanes accumulated in fp64 (two fp64 halves), then the lanes */
+static double expsum8(const float* zr, long V, float mx) {
+    const __m256 mv = _mm256_set1_ps(mx);
+    __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+    for (long i = 0; i < V; i += 8) {
+        const __m256i live = live8(V - i);
+        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(zr + i, live), mv)),
+                                       _mm256_castsi256_ps(live));
+        s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+        s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    }
+    double lanes[4];
+    _mm256_storeu_pd(lanes, _mm256_add_pd(s0, s1));
+    return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 }
 
 int sv2_topk_lse_f32(const float* z, int n, long V, int k, float* vals, int64_t* idx, float* lse, int threads) {
-    int bad = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(|:bad) if (threads > 1 && n > 1)
-    for (int r = 0; r < n; r++) {
-        const float* zr = z + (size_t)r * V;
-        float* vr = vals + (size_t)r * k;
-        int64_t* ir = idx + (size_t)r * k;
-        if (topk_row8(zr, V, k, vr, ir) || ir[k - 1] < 0 || isinf(vr[0])) { lse[r] = NAN; bad = 1; continue; }
-        const __m256 mv = _mm256_set1_ps(vr[0]);
-        __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
-        for (long i = 0; i < V; i += 8) {
-            const __m256i live = live8(V - i);
-            const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(zr + i, live), mv)),
-                                           _mm256_castsi256_ps(live));
-            s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-            s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
-        }
-        double lanes[4];
-        _mm256_storeu_pd(lanes, _mm256_add_pd(s0, s1));
-        lse[r] = (float)((double)vr[0] + log(((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))));
-    }
-    return bad;
+    return topk_lse_rows(topk_row8, expsum8, z, n, V, k, vals, idx, lse, threads);
 }
 
-#include "cpu_portable.c"          /* UniSpec's draft tree, MicroSpec's window step: no vector code */

@@ -2,9 +2,48 @@
  * O(tree) and O(entries) per step). Not a library of its own: kernels/cpu.c (AVX-512) and kernels/cpu_avx2.c
  * (AVX2) each #include it, so every x86 CPU either build runs on has them; kernels.cpu's `_portable` finds the
  * one loaded, and its build hash covers this file. */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* The row loops of the top-k passes of both builds (kernels/cpu.c, kernels/cpu_avx2.c), around their vector row
+ * functions: `row` the top-k of one row (returns whether it held NaN), `expsum` the sum of exp(z - mx) over one
+ * row in fp64. lse[r] = max + log(expsum), or NaN where the caller must ask torch: a row holding NaN, +inf, or
+ * fewer than k values above -inf. */
+typedef int (*sv_topk_row_fn)(const float* z, long V, int k, float* vals, int64_t* idx);
+typedef double (*sv_expsum_fn)(const float* z, long V, float mx);
+
+static int topk_rows(sv_topk_row_fn row, const float* z, int n, long V, int k, float* vals, int64_t* idx,
+                     int threads) {
+    int nan = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(|:nan) if (threads > 1 && n > 1)
+    for (int r = 0; r < n; r++) nan |= row(z + (size_t)r * V, V, k, vals + (size_t)r * k, idx + (size_t)r * k);
+    return nan;
+}
+
+static int topk_lse_rows(sv_topk_row_fn row, sv_expsum_fn expsum, const float* z, int n, long V, int k, float* vals,
+                         int64_t* idx, float* lse, int threads) {
+    int bad = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(|:bad) if (threads > 1 && n > 1)
+    for (int r = 0; r < n; r++) {
+        const float* zr = z + (size_t)r * V;
+        float* vr = vals + (size_t)r * k;
+        int64_t* ir = idx + (size_t)r * k;
+        if (row(zr, V, k, vr, ir) || ir[k - 1] < 0 || isinf(vr[0])) { lse[r] = NAN; bad = 1; continue; }
+        lse[r] = (float)((double)vr[0] + log(expsum(zr, V, vr[0])));
+    }
+    return bad;
+}
+
+/* x (at index i), which beats the k-th best, into the sorted top-k (vals descending, idx): the top-k passes of
+ * both builds (kernels/cpu.c `topk_row`, kernels/cpu_avx2.c `topk_row8`); equal values keep the lower index */
+static inline void topk_insert(float x, long i, int k, float* vals, int64_t* idx) {
+    int j = k - 1;
+    while (j > 0 && x > vals[j - 1]) { vals[j] = vals[j - 1]; idx[j] = idx[j - 1]; j--; }
+    vals[j] = x;
+    idx[j] = i;
+}
 
 /* ---- UniSpec's draft tree (UniSpec Alg. 1 l.16-30, App. A) ---------------------------------------------------
  *

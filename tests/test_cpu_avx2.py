@@ -42,28 +42,19 @@ def avx2(monkeypatch):
 
 @pytest.mark.parametrize("N,K", [(64, 64), (1001, 577), (13, 40), (960, 576), (7, 9), (5, 3)])
 def test_the_avx2_linear_equals_the_product_and_gives_a_row_the_same_bits_for_every_row_count(avx2, N, K):
-    """The float64 product to fp32 rounding, bias included; a row's bits the same at every M (every place in the
-    3-row, 2-row and 1-row tiles), on any thread count, in any row order; the partial last K chunk masked."""
+    """tests/test_cpu_kernels.py's fp32 linear test on this build (the float64 product to fp32 rounding, bias
+    included; a row's bits the same at every M - every place in the 3-, 2- and 1-row tiles - on any thread count,
+    in any row order; the partial last K chunk masked), packed at 8-float chunks, and a row first in its tile."""
+    from tests.test_cpu_kernels import (
+        test_the_fp32_linear_equals_the_product_and_gives_a_row_the_same_bits_for_every_row_count as fp32_case)
+    fp32_case(N, K)
     g = torch.Generator().manual_seed(N + K)
-    w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
-    p = cpu.pack(w, b)
+    p = cpu.pack(torch.randn(N, K, generator=g))
     assert p.isa == "avx2" and p.packed.shape[-1] == 8                # [N/4][K/8][4][8]
     x = torch.randn(11, K, generator=g)
     full = p(x, threads=1)
-    assert full.dtype == torch.float32 and full.shape == (11, N)
-    ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
-    assert float((full.double() - ref).abs().max() / ref.abs().max()) < 1e-6
     for M in range(1, 12):
-        assert torch.equal(p(x[:M], threads=1), full[:M]), M
-        assert torch.equal(p(x[M - 1:M])[0], full[M - 1])
         assert torch.equal(p(x[11 - M:])[0], full[11 - M])              # row 11 - M first in its tile
-    for threads in (2, 3):
-        assert torch.equal(p(x, threads=threads), full)
-    perm = torch.randperm(11, generator=g)
-    assert torch.equal(p(x[perm]), full[perm])
-    leak = x.clone()
-    leak[4, :] = float("inf")                             # row 3's partial chunk must not read row 4
-    assert torch.equal(p(leak)[3], full[3])
 
 
 def test_the_build_is_chosen_by_the_cpu_and_by_the_environment(monkeypatch):
@@ -146,15 +137,11 @@ needs_attention = pytest.mark.skipif(
     reason=f"the fp32 attention kernel does not run here: {cpu.attention_f32_reason(64)}")
 
 
-def _attn_case(n=5, H=9, kvh=3, hd=64, cap=300, P=70, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(n, H, hd, generator=g)
-    kc = torch.randn(kvh, cap, hd, generator=g)
-    vc = torch.randn(kvh, cap, hd, generator=g)
-    pos = P + torch.randint(0, 8, (n,), generator=g)
-    idx = torch.randint(0, cap, (n, 2 * cpu.BLOCK), generator=g)
-    ok = torch.rand(n, 2 * cpu.BLOCK, generator=g) > 0.3
-    return q, kc, vc, P // cpu.BLOCK, pos, idx, ok
+def _attn_case(**shape):
+    """tests/test_cpu_kernels.py's attention case (bf16 values) with an fp32 query and cache."""
+    from tests.test_cpu_kernels import _attn_case as bf16_case
+    q, kc, vc, b0, pos, idx, ok = bf16_case(**shape)
+    return q.float(), kc.float(), vc.float(), b0, pos, idx, ok
 
 
 @needs_attention

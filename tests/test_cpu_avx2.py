@@ -19,6 +19,7 @@ Mutants these tests were checked against (each fails at least one test here):
 - engine.native never calling it (the torch exact path in fp32)                         -> tests/test_native.py
 - top-k: the masked last vector of 8 skipped; ties inserted ahead of the incumbent (>=); the log-sum-exp's high
   half dropped; the AVX2 build's passes never called (torch instead)                    -> the top-k test
+- route_linears skipping fp32 linears (bf16 only, as before)                           -> route_linears
 - kernels.cpu._portable ignoring SPECVOCAB_CPU_ISA (the AVX-512 copy of the tree / window step)
                                                         -> tests/test_unispec_tree.py, tests/test_kernels_window.py
 """
@@ -128,6 +129,22 @@ def test_topk_and_topk_lse_on_the_avx2_build(avx2, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert {"sv2_topk_f32", "sv2_topk_lse_f32"} <= set(calls)
+
+
+def test_route_linears_runs_a_drafters_fp32_linears_on_the_avx2_kernel(avx2):
+    """A drafter kept in fp32 (an EAGLE head on a CPU without bf16 dot products): its small-row linears go
+    through this build's kernel, large inputs through F.linear, a bf16 module is left alone here."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 40, bias=False))
+    assert cpu.route_linears(net, max_rows=8) == 2
+    lin = net[0]
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        assert torch.equal(lin(x), cpu.pack(lin.weight, lin.bias)(x))                  # the kernel's bits
+        assert torch.allclose(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        big = torch.randn(20, 64)
+        assert torch.equal(lin(big), torch.nn.functional.linear(big, lin.weight, lin.bias))
+    assert cpu.route_linears(torch.nn.Linear(64, 8).to(torch.bfloat16)) == 0     # no bf16 kernel under avx2
 
 
 # --- the fp32 attention (kernels/cpu_avx2.c `sv2_attention_f32`) ------------------------------------------------

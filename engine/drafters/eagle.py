@@ -494,7 +494,7 @@ class EagleDrafter(EagleTreeDrafter):
                                f"({out_emb.shape[0]}); use the EAGLE checkpoint trained for this target")
         self.head_sha = head_digest(head)                              # before the cast: the file's weights
         self.eagle = head.to(device=self.device, dtype=out_emb.dtype).eval()
-        if cfg.cpu_kernels:                                            # bf16 on a CPU: kernels.cpu's linear
+        if cfg.cpu_kernels:                                            # bf16 / fp32 on a CPU: kernels.cpu's linear
             cpu_kernels.route_linears(self.eagle)
         self._fuse(self.eagle.layers[0])                               # ... and the layer as one call
         self.cache_kw = cache_kwarg(self.eagle.layers[0])              # `cache` from transformers 5.24 on

@@ -496,7 +496,7 @@ class Eagle3Drafter(EagleTreeDrafter):
         dtype = target.get_output_embeddings().weight.dtype
         self.head_sha = head_digest(head)                              # before the cast: the file's weights
         self.eagle = head.to(device=self.device, dtype=dtype).eval()     # d2t / t2d stay int64 / bool
-        if cfg.cpu_kernels:                                            # bf16 on a CPU: kernels.cpu's linear
+        if cfg.cpu_kernels:                                            # bf16 / fp32 on a CPU: kernels.cpu's linear
             cpu_kernels.route_linears(self.eagle)
         self._fuse(self.eagle.midlayer)                                # ... and the midlayer as one call
         self.embed = embed

@@ -237,13 +237,14 @@ class NativeModel:
         (`on`, where `cpu_kernels_reason()` is None) or `F.linear` (oneDNN). Returns whether the kernel runs.
         The first switch on packs the weights for it: a copy, so the model then holds its weight bytes twice.
         bf16: the fused layer and the attention kernel too; rule 1 holds either way (both give a row the same
-        bits for every M, the kernel by construction). fp32: the linears only (the attention stays torch's, its
-        GEMMs at >= 4 rows); with them a row's bits no longer need M >= 4, so a step runs unpadded."""
+        bits for every M, the kernel by construction). fp32: the linears and the attention (kernels/cpu_avx2.c),
+        and on the AVX2 build the whole layer in one call; with them a row's bits no longer need M >= 4, so a
+        step runs unpadded."""
         if on and self.cpu_kernels_reason() is None and self.head_kernel is None:
             act = FUSED_ACTIVATIONS.get(getattr(self.config, "hidden_activation", None)
                                         or getattr(self.config, "hidden_act", None))
             for L in self.layers:
-                if act is not None and cpu.takes_head_dim(self.head_dim) and self.dtype == torch.bfloat16:
+                if act is not None and self._fusable():
                     L.fused = cpu.pack_layer(L.qkv_w, L.qkv_b, L.o_w, L.gate_up_w, L.down_w, heads=self.heads,
                                              kv_heads=self.kv_heads, head_dim=self.head_dim, eps=self.eps,
                                              in_norm=L.in_norm, pre_mlp_norm=L.pre_mlp_norm,
@@ -256,6 +257,14 @@ class NativeModel:
             self.head_kernel = cpu.pack(self.head_w, self.head_b)
         self.kernel_on = bool(on and self.head_kernel is not None)
         return self.kernel_on
+
+    def _fusable(self) -> bool:
+        # the whole layer in one C call: bf16 (kernels/cpu.c), or fp32 where the AVX2 build runs the linears
+        # (kernels/cpu_avx2.c; its layer calls that build's linear, so the weights must be packed for it)
+        if self.dtype == torch.bfloat16:
+            return cpu.takes_head_dim(self.head_dim)
+        return (self.dtype == torch.float32 and cpu.isa() == "avx2"
+                and cpu.attention_f32_reason(self.head_dim) is None)
 
     def _bf16_kernels(self) -> bool:
         # the attention kernel and the fused layer: bf16 only (fp32 runs the packed linears alone)

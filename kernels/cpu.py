@@ -260,6 +260,12 @@ def _build_avx2() -> ctypes.CDLL:
     lib.sv2_topk_lse_f32.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_int]
                                      + [ctypes.c_void_p] * 3 + [ctypes.c_int])
     lib.sv2_topk_lse_f32.restype = ctypes.c_int
+    lib.sv2_layer_scratch.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.sv2_layer_scratch.restype = ctypes.c_size_t
+    lib.sv2_layer_f32.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
+                                  + [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
+                                  + [ctypes.c_int] * 2)
+    lib.sv2_layer_f32.restype = None
     _bind_portable(lib)
     return lib
 
@@ -773,7 +779,12 @@ def pack_layer(qkv_w: torch.Tensor, qkv_b: torch.Tensor | None, o_w: torch.Tenso
     is x itself (EAGLE-1's layer) or given to `layer` (EAGLE-3's midlayer). act: "silu" or "gelu_tanh"."""
     if act not in ACTIVATIONS:
         raise CpuKernelError(f"act={act!r}: the fused layer computes {sorted(ACTIVATIONS)}")
-    if not takes_head_dim(head_dim) or heads % kv_heads:
+    if qkv_w.dtype == torch.float32:                  # kernels/cpu_avx2.c `sv2_layer_f32`
+        if isa() != "avx2" or attention_f32_reason(head_dim) is not None or heads % kv_heads:
+            raise CpuKernelError(f"the fp32 fused layer runs on the AVX2 build (kernels.cpu.isa() {isa()!r}), with "
+                                 f"head_dim a multiple of 8 and whole KV groups; got head_dim {head_dim}, {heads} "
+                                 f"heads over {kv_heads}")
+    elif not takes_head_dim(head_dim) or heads % kv_heads:
         raise CpuKernelError(f"the fused layer takes head_dim a multiple of 16 up to 256 and whole KV groups; got "
                              f"head_dim {head_dim}, {heads} heads over {kv_heads}")
     if (q_norm is None) != (k_norm is None):
@@ -819,28 +830,33 @@ def layer(x: torch.Tensor, spec: LayerKernel, cos: torch.Tensor, sin: torch.Tens
           vc: torch.Tensor, slots: torch.Tensor, committed_blocks: int, positions: torch.Tensor, idx: torch.Tensor,
           ok: torch.Tensor, window: int | None, scale: float, attn_in: torch.Tensor | None = None,
           threads: int | None = None) -> torch.Tensor:
-    """One decoder layer over x [n, d] bf16 in one call (kernels/cpu.c `sv_layer`); returns the new residual
+    """One decoder layer over x [n, d] bf16 in one call (kernels/cpu.c `sv_layer`; an fp32 layer packed on the AVX2
+    build: kernels/cpu_avx2.c `sv2_layer_f32`, all in fp32, caches fp32 too); returns the new residual
     stream [n, d] (a new tensor). cos, sin [n, hd]: the rows' RoPE; kc, vc [kvh, capacity, hd]: the layer's
     cache, row r's key and value written to slot slots[r]; committed_blocks, positions, idx, ok, window,
     scale: the attention's inputs, as `attention` takes them; attn_in [n, din]: the attention's input where the
     layer has no input norm of its own (EAGLE-3's midlayer), else None."""
     n, d = x.shape
-    if x.dtype != torch.bfloat16 or d != spec.hidden:
-        raise CpuKernelError(f"the fused layer takes x [n, {spec.hidden}] bf16; got {tuple(x.shape)} {x.dtype}")
-    if not (kc.is_contiguous() and vc.is_contiguous() and kc.dtype == torch.bfloat16):
-        raise CpuKernelError("the fused layer writes the cache in place: give contiguous bf16 [kvh, capacity, hd]")
+    dt = spec.qkv.packed.dtype                        # bf16 (kernels/cpu.c), or fp32 (kernels/cpu_avx2.c)
+    name = "bf16" if dt == torch.bfloat16 else "fp32"
+    if x.dtype != dt or d != spec.hidden:
+        raise CpuKernelError(f"this fused layer takes x [n, {spec.hidden}] {name}; got {tuple(x.shape)} {x.dtype}")
+    if not (kc.is_contiguous() and vc.is_contiguous() and kc.dtype == dt == vc.dtype):
+        raise CpuKernelError(f"the fused layer writes the cache in place: give contiguous {name} [kvh, capacity, hd]")
     if attn_in is not None and attn_in.shape != (n, spec.qkv.in_features):
         raise CpuKernelError(f"attn_in must be [n, {spec.qkv.in_features}]; got {tuple(attn_in.shape)}")
     out = x.clone(memory_format=torch.contiguous_format)
     if n == 0:
         return out
-    lib = _load()
-    scratch = _scratch(lib.sv_layer_scratch(ctypes.byref(spec.spec), n))
+    lib = _load() if dt == torch.bfloat16 else _load_avx2()
+    scratch_of, run = ((lib.sv_layer_scratch, lib.sv_layer) if dt == torch.bfloat16 else
+                       (lib.sv2_layer_scratch, lib.sv2_layer_f32))
+    scratch = _scratch(scratch_of(ctypes.byref(spec.spec), n))
     # the same inputs come to every layer of a forward: each conversion is a no-op unless needed
-    keep = [_as(cos, torch.bfloat16), _as(sin, torch.bfloat16), _as(slots, torch.int64),
+    keep = [_as(cos, dt), _as(sin, dt), _as(slots, torch.int64),
             _as(positions, torch.int64), _as(idx, torch.int64), _as(ok, torch.uint8)]
-    a_in = None if attn_in is None else _as(attn_in, torch.bfloat16)
-    lib.sv_layer(ctypes.byref(spec.spec), out.data_ptr(), None if a_in is None else a_in.data_ptr(),
+    a_in = None if attn_in is None else _as(attn_in, dt)
+    run(ctypes.byref(spec.spec), out.data_ptr(), None if a_in is None else a_in.data_ptr(),
                  keep[0].data_ptr(), keep[1].data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.shape[1],
                  keep[2].data_ptr(), committed_blocks, keep[3].data_ptr(), keep[4].data_ptr(), keep[5].data_ptr(),
                  int(window or 0), float(scale), scratch.data_ptr(), n, threads or torch.get_num_threads())
@@ -871,8 +887,9 @@ def layer_reference(x: torch.Tensor, spec: LayerKernel, cos: torch.Tensor, sin: 
 
     def linear(name, h):
         p = lin[name]
-        w = p.packed.transpose(1, 2).reshape(-1, p.packed.shape[1] * CHUNK)[:p.out_features, :p.in_features]
-        return linear_reference(h, w, p.bias)
+        chunk = p.packed.shape[-1]                    # 32 (bf16), 16 or 8 (fp32 on AVX-512 / AVX2)
+        w = p.packed.transpose(1, 2).reshape(-1, p.packed.shape[1] * chunk)[:p.out_features, :p.in_features]
+        return linear_reference(h, w, p.bias, out_dtype=x.dtype)
 
     h = attn_in if attn_in is not None else (_rmsnorm_ref(x, nm["in_norm"], eps, g) if nm["in_norm"] is not None
                                              else x)

@@ -21,6 +21,7 @@
 #include <stddef.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 #include "cpu_portable.c"   /* no vector code: UniSpec's tree, the window step, the top-k insertion */
 
 #define NB 4           /* outputs per block (weight rows streamed together) */
@@ -319,3 +320,138 @@ int sv2_topk_lse_f32(const float* z, int n, long V, int k, float* vals, int64_t*
     return topk_lse_rows(topk_row8, expsum8, z, n, V, k, vals, idx, lse, threads);
 }
 
+
+/* ---- one decoder layer in fp32, fused (kernels/cpu.c's `sv_layer` for an fp32 model; its docstring) --------------
+ *
+ * The same steps in one call - the input norm, the qkv linear, q/k norms, RoPE, the cache write, the attention
+ * (`sv2_attention_f32`), the o linear, the post-attention norm and residual, the MLP's norm, gate/up linear,
+ * activation and down linear, the post-MLP norm and residual - in fp32 throughout, as the torch layer computes
+ * an fp32 model (engine.native `_layer`; reference kernels.cpu.layer_reference). The norms' sums of squares and
+ * the activations' exp run in another fixed order than torch's, so the two agree to rounding, not bitwise;
+ * every step is per row, so a row's bits depend on that row alone. The weights are packed for `sv2_linear_f32`. */
+typedef struct {                       /* kernels/cpu.c `sv_layer_t`, field for field (kernels.cpu._LayerSpec) */
+    int d, H, kvh, hd, I, din, gemma_norm, act;
+    float eps;
+    const float *in_norm, *q_norm, *k_norm, *post_attn_norm, *pre_mlp_norm, *post_mlp_norm;
+    const float *qkv, *o, *gate_up, *down;
+    const float *qkv_bias;
+} sv2_layer_t;
+
+static inline float hsum8(__m256 v) {                 /* ((e0 + e4) + (e2 + e6)) + ((e1 + e5) + (e3 + e7)) */
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_shuffle_ps(a, a, 1)));
+}
+
+/* x [n, width] (row stride xs) -> out (row stride os, may be x): h = x / sqrt(mean(x^2) + eps), then h w */
+static void rmsnorm8(const float* x, const float* w, float* out, int n, int width, float eps, size_t xs, size_t os) {
+    for (int r = 0; r < n; r++) {
+        const float* xr = x + r * xs;
+        float* orow = out + r * os;
+        __m256 acc = _mm256_setzero_ps();
+        for (int i = 0; i < width; i += 8) {
+            const __m256 v = _mm256_maskload_ps(xr + i, live8(width - i));
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum8(acc) / (float)width + eps));
+        for (int i = 0; i < width; i += 8) {
+            const __m256i m = live8(width - i);
+            const __m256 h = _mm256_mul_ps(_mm256_maskload_ps(xr + i, m), inv);
+            _mm256_maskstore_ps(orow + i, m, _mm256_mul_ps(h, _mm256_maskload_ps(w + i, m)));
+        }
+    }
+}
+
+/* SiLU g / (1 + exp(-g)), or GELU's tanh form 0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3),
+ * tanh(y) = 1 - 2 / (exp(2 y) + 1); exp's argument capped at 88 (exp8 has no upper clamp of its own) */
+static inline __m256 act8(__m256 g, int act) {
+    const __m256 one = _mm256_set1_ps(1.0f), cap = _mm256_set1_ps(88.0f);
+    if (act == 0)
+        return _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), cap))));
+    const __m256 y = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                   _mm256_add_ps(g, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g),
+                                                                  _mm256_mul_ps(g, g))));
+    const __m256 th = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f),
+                                                      _mm256_add_ps(exp8(_mm256_min_ps(_mm256_add_ps(y, y), cap)), one)));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(one, th));
+}
+
+static void add_rows8(float* x, const float* t, size_t n) {          /* x += t */
+    for (size_t i = 0; i < n; i += 8) {
+        const __m256i m = live8((long)(n - i));
+        _mm256_maskstore_ps(x + i, m, _mm256_add_ps(_mm256_maskload_ps(x + i, m), _mm256_maskload_ps(t + i, m)));
+    }
+}
+
+size_t sv2_layer_scratch(const sv2_layer_t* L, int n) {   /* bytes of scratch `sv2_layer_f32` needs for n rows */
+    const size_t qkv = (size_t)(L->H + 2 * L->kvh) * L->hd, hq = (size_t)L->H * L->hd;
+    return (size_t)n * 4 * ((size_t)L->din + qkv + hq + L->d + 2 * (size_t)L->I + L->d) + 64;
+}
+
+/* x [n, d] fp32, updated in place to the layer's output; attn_in [n, din] or NULL (then the attention input is
+ * in_norm(x), or x where in_norm is NULL); cos, sin [n, hd]; kc, vc [kvh, cap, hd] fp32, row r's k and v written
+ * at slot slots[r]; b0, pos, idx, ok, window, scale: as `sv2_attention_f32` */
+void sv2_layer_f32(const sv2_layer_t* L, float* x, const float* attn_in, const float* cos, const float* sin,
+                   float* kc, float* vc, long cap, const int64_t* slots, int b0, const int64_t* pos,
+                   const int64_t* idx, const uint8_t* ok, int window, float scale, void* scratch, int n, int threads) {
+    const int d = L->d, H = L->H, kvh = L->kvh, hd = L->hd, I = L->I, din = L->din;
+    const int nqkv = (H + 2 * kvh) * hd, hq = H * hd, half = hd / 2;
+    float* h = (float*)scratch;                          /* [n, din] attention input */
+    float* qkv = h + (size_t)n * din;                    /* [n, nqkv] */
+    float* a = qkv + (size_t)n * nqkv;                   /* [n, hq] q, then the attention output over it */
+    float* t = a + (size_t)n * hq;                       /* [n, d] o-proj / down-proj output */
+    float* gu = t + (size_t)n * d;                       /* [n, 2 I] gate | up, then the activation in gate */
+    float* hn = gu + (size_t)n * 2 * I;                  /* [n, d] the MLP's input */
+
+    const float* hin = attn_in;
+    if (!hin) {
+        if (L->in_norm) { rmsnorm8(x, L->in_norm, h, n, d, L->eps, d, d); hin = h; }
+        else hin = x;
+    }
+    sv2_linear_f32(hin, L->qkv, L->qkv_bias, qkv, n, nqkv, din, threads);
+    for (int r = 0; r < n; r++) {
+        float* row = qkv + (size_t)r * nqkv;
+        if (L->q_norm) {                                  /* q/k RMSNorm over the head dim (qwen3, gemma3) */
+            rmsnorm8(row, L->q_norm, row, H, hd, L->eps, hd, hd);
+            rmsnorm8(row + hq, L->k_norm, row + hq, kvh, hd, L->eps, hd, hd);
+        }
+        const float* c = cos + (size_t)r * hd;
+        const float* s = sin + (size_t)r * hd;
+        for (int j = 0; j < H + kvh; j++) {               /* RoPE on q and k: x c + rotate_half(x) s */
+            float* v = row + (size_t)j * hd;
+            for (int i = 0; i < half; i += 8) {
+                const __m256i m = live8(half - i);
+                const __m256 lo = _mm256_maskload_ps(v + i, m), hi = _mm256_maskload_ps(v + half + i, m);
+                const __m256 c0 = _mm256_maskload_ps(c + i, m), c1 = _mm256_maskload_ps(c + half + i, m);
+                const __m256 s0 = _mm256_maskload_ps(s + i, m), s1 = _mm256_maskload_ps(s + half + i, m);
+                const __m256 nhi = _mm256_sub_ps(_mm256_setzero_ps(), hi);
+                _mm256_maskstore_ps(v + i, m, _mm256_add_ps(_mm256_mul_ps(lo, c0), _mm256_mul_ps(nhi, s0)));
+                _mm256_maskstore_ps(v + half + i, m, _mm256_add_ps(_mm256_mul_ps(hi, c1), _mm256_mul_ps(lo, s1)));
+            }
+        }
+        for (int j = 0; j < kvh; j++) {                   /* the cache write */
+            memcpy(kc + ((size_t)j * cap + slots[r]) * hd, row + hq + (size_t)j * hd, 4 * (size_t)hd);
+            memcpy(vc + ((size_t)j * cap + slots[r]) * hd, row + hq + (size_t)(kvh + j) * hd, 4 * (size_t)hd);
+        }
+        memcpy(a + (size_t)r * hq, row, 4 * (size_t)hq);  /* q, contiguous for the attention */
+    }
+    /* each (row, KV head) reads its queries before writing its outputs over them */
+    if (sv2_attention_f32(a, kc, vc, pos, idx, ok, a, n, H, kvh, hd, cap, b0, window, scale, threads)) return;
+    sv2_linear_f32(a, L->o, NULL, t, n, d, hq, threads);
+    if (L->post_attn_norm) rmsnorm8(t, L->post_attn_norm, t, n, d, L->eps, d, d);
+    add_rows8(x, t, (size_t)n * d);
+    rmsnorm8(x, L->pre_mlp_norm, hn, n, d, L->eps, d, d);
+    sv2_linear_f32(hn, L->gate_up, NULL, gu, n, 2 * I, d, threads);
+    for (int r = 0; r < n; r++) {
+        const float* g = gu + (size_t)r * 2 * I;
+        float* o = gu + (size_t)r * I;                    /* compacted to [n, I] for the down-proj (o <= g) */
+        for (int i = 0; i < I; i += 8) {
+            const __m256i m = live8(I - i);
+            _mm256_maskstore_ps(o + i, m, _mm256_mul_ps(act8(_mm256_maskload_ps(g + i, m), L->act),
+                                                        _mm256_maskload_ps(g + I + i, m)));
+        }
+    }
+    sv2_linear_f32(gu, L->down, NULL, t, n, d, I, threads);
+    if (L->post_mlp_norm) rmsnorm8(t, L->post_mlp_norm, t, n, d, L->eps, d, d);
+    add_rows8(x, t, (size_t)n * d);
+}

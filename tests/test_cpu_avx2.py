@@ -1,7 +1,8 @@
-"""The AVX2 build of the fp32 small-row linear and the fp32 decode attention (kernels/cpu_avx2.c): what a CPU without
-AVX-512 - most laptops and desktops - runs for the native fp32 decode (the attention on AVX-512 CPUs too). Against
-the float64 product, the row invariance the exact decode needs, and the choice of build (`kernels.cpu.isa`,
-`$SPECVOCAB_CPU_ISA`). The decode on it, end to end, is in tests/test_native.py (`isa="avx2"`, `fp32-avx2`).
+"""The AVX2 build of the fp32 kernels - linear, decode attention, top-k, layer - (kernels/cpu_avx2.c): what a CPU
+without AVX-512 - most laptops and desktops - runs for the native fp32 decode (the attention on AVX-512 CPUs too).
+Against the float64 product, the row invariance the exact decode needs, and the choice of build
+(`kernels.cpu.isa`, `$SPECVOCAB_CPU_ISA`). The decode on it, end to end, is in tests/test_native.py (`isa="avx2"`,
+`fp32-avx2`).
 
 Mutants these tests were checked against (each fails at least one test here):
 - the partial last K chunk of x loaded whole (the next row's values leak in)          -> the product
@@ -20,6 +21,9 @@ Mutants these tests were checked against (each fails at least one test here):
 - top-k: the masked last vector of 8 skipped; ties inserted ahead of the incumbent (>=); the log-sum-exp's high
   half dropped; the AVX2 build's passes never called (torch instead)                    -> the top-k test
 - route_linears skipping fp32 linears (bf16 only, as before)                           -> route_linears
+- the fp32 layer: RoPE's rotate-half sign; the post-MLP norm skipped; GELU taken as SiLU; k and v swapped in
+  the cache write; the activation rows not compacted; the q norm skipping the first head -> the layer test
+- engine.native never fusing an fp32 layer                                              -> tests/test_native.py
 - kernels.cpu._portable ignoring SPECVOCAB_CPU_ISA (the AVX-512 copy of the tree / window step)
                                                         -> tests/test_unispec_tree.py, tests/test_kernels_window.py
 """
@@ -218,3 +222,51 @@ def test_the_fp32_attention_refuses_what_it_cannot_read():
     with pytest.raises(cpu.CpuKernelError, match="contiguous"):
         cpu.attention_f32(q, kc.transpose(1, 2).contiguous().transpose(1, 2), vc, b0, pos, idx, ok, None, 0.125)
     assert "multiples of 8" in cpu.attention_f32_reason(12)
+
+
+# --- the fp32 layer (kernels/cpu_avx2.c `sv2_layer_f32`) ------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["llama", "qwen", "gemma", "eagle1", "eagle3", "odd"])
+def test_the_fp32_layer_equals_its_reference_and_gives_a_row_the_same_bits(avx2, name):
+    """tests/test_cpu_kernels.py's layer cases in fp32 (Llama, qwen's bias and q/k norms, Gemma's norms and GELU,
+    EAGLE-1's layer without an input norm, EAGLE-3's 2 d input, widths off the vector size): the layer and the
+    cache it writes equal `layer_reference` to fp32 rounding; the layer's update is far larger than that bound;
+    row r run alone is row r of the 6-row run, bitwise, and 1 or 2 threads give the same bits."""
+    from tests.test_cpu_kernels import LAYERS, _layer_case, _run_layer
+    spec, x, args, attn_in = _layer_case(**LAYERS[name], dtype=torch.float32)
+    assert spec.qkv.isa == "avx2"
+    got, kc, vc = _run_layer(cpu.layer, spec, x, args, attn_in)
+    ref, kr, vr = _run_layer(cpu.layer_reference, spec, x, args, attn_in)
+    assert got.dtype == kc.dtype == torch.float32
+    for a, b in ((got, ref), (kc, kr), (vc, vr)):
+        assert float((a - b).abs().max() / b.abs().max()) < 1e-5
+    assert float((x - ref).abs().max() / ref.abs().max()) > 1e-2
+    cos, sin, _, _, slots, b0, pos, idx, ok, window, scale = args
+    for r in range(x.shape[0]):
+        alone = cpu.layer(x[r:r + 1], spec, cos[r:r + 1], sin[r:r + 1], kc.clone(), vc.clone(), slots[r:r + 1], b0,
+                          pos[r:r + 1], idx[r:r + 1], ok[r:r + 1], window, scale,
+                          attn_in=None if attn_in is None else attn_in[r:r + 1])
+        assert torch.equal(alone[0], got[r]), (name, r)
+    kc1, vc1 = args[2].clone(), args[3].clone()
+    one = cpu.layer(x, spec, cos, sin, kc1, vc1, slots, b0, pos, idx, ok, window, scale, attn_in=attn_in, threads=1)
+    assert torch.equal(one, got) and torch.equal(kc1, kc)
+
+
+def test_the_fp32_layer_is_refused_off_the_avx2_build(monkeypatch):
+    """Its linears are the AVX2 build's: packing an fp32 layer needs that build; a bf16 x or cache on an fp32
+    layer is an error naming the dtype."""
+    from tests.test_cpu_kernels import _layer_case
+    monkeypatch.setenv(cpu.ISA_ENV, "avx512")
+    if cpu.isa() == "avx512":
+        with pytest.raises(cpu.CpuKernelError, match="fp32 fused layer runs on the AVX2 build"):
+            _layer_case(dtype=torch.float32)
+    monkeypatch.setenv(cpu.ISA_ENV, "avx2")
+    if cpu.isa() != "avx2":
+        pytest.skip(f"the AVX2 build does not run here: {cpu._why_not2}")
+    spec, x, args, _ = _layer_case(dtype=torch.float32)
+    cos, sin, kc, vc, slots, b0, pos, idx, ok, window, scale = args
+    with pytest.raises(cpu.CpuKernelError, match="fp32"):
+        cpu.layer(x.bfloat16(), spec, cos, sin, kc, vc, slots, b0, pos, idx, ok, window, scale)
+    with pytest.raises(cpu.CpuKernelError, match="contiguous fp32"):
+        cpu.layer(x, spec, cos, sin, kc.bfloat16(), vc.bfloat16(), slots, b0, pos, idx, ok, window, scale)
+

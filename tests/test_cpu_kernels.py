@@ -343,13 +343,13 @@ LAYERS = {   # (family-like options) -> what they exercise
 
 
 def _layer_case(d=96, H=6, kvh=2, hd=32, I=160, gemma=False, act="silu", qk_norm=False, in_norm=True, bias=False,
-                din=None, n=6, P=45, seed=0):
+                din=None, n=6, P=45, seed=0, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
-    r = lambda *s: (0.3 * torch.randn(*s, generator=g)).bfloat16()
+    r = lambda *s: (0.3 * torch.randn(*s, generator=g)).to(dtype)
     if gemma:                                      # norm weights as the norm multiplies them (pack_layer)
         nw = lambda k: 0.2 * torch.randn(k, generator=g)                                      # noqa: E731
     else:
-        nw = lambda k: (1 + 0.2 * torch.randn(k, generator=g)).bfloat16()                    # noqa: E731
+        nw = lambda k: (1 + 0.2 * torch.randn(k, generator=g)).to(dtype)                     # noqa: E731
     spec = cpu.pack_layer(r((H + 2 * kvh) * hd, din or d), r((H + 2 * kvh) * hd) if bias else None, r(d, H * hd),
                           r(2 * I, d), r(d, I), heads=H, kv_heads=kvh, head_dim=hd, eps=1e-6,
                           in_norm=nw(d) + gemma if in_norm else None, pre_mlp_norm=nw(d) + gemma,
@@ -358,15 +358,15 @@ def _layer_case(d=96, H=6, kvh=2, hd=32, I=160, gemma=False, act="silu", qk_norm
                           gemma_norm=gemma, act=act)
     cap, B = 128, cpu.BLOCK
     kc, vc = r(kvh, cap, hd) / 0.3, r(kvh, cap, hd) / 0.3
-    x = torch.randn(n, d, generator=g).bfloat16()
+    x = torch.randn(n, d, generator=g).to(dtype)
     pos = torch.arange(P, P + n)
     angle = pos[:, None].float() * (1e-2 ** (torch.arange(hd // 2) / (hd // 2)))[None]
-    cos, sin = torch.cat([angle.cos()] * 2, -1).bfloat16(), torch.cat([angle.sin()] * 2, -1).bfloat16()
+    cos, sin = torch.cat([angle.cos()] * 2, -1).to(dtype), torch.cat([angle.sin()] * 2, -1).to(dtype)
     base = (P // B) * B                           # a causal run of n rows after P committed ones
     logical = base + torch.arange(2 * B)
     ok = logical[None, :] <= pos[:, None]
     idx = torch.where(ok, logical[None, :], 0)
-    attn_in = torch.randn(n, din, generator=g).bfloat16() if din else None
+    attn_in = torch.randn(n, din, generator=g).to(dtype) if din else None
     args = (cos, sin, kc, vc, pos.clone(), P // B, pos, idx, ok, None, hd ** -0.5)
     return spec, x, args, attn_in
 

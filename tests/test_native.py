@@ -220,13 +220,17 @@ def test_a_row_is_bitwise_the_same_alone_and_inside_trees_in_fp32(name, isa, mon
         path = rng.integers(0, 512, 4).tolist()
         for cpu_kernels in (True, False):
             calls.clear()
+            native_model(model).fused_calls = 0
             ref, rows = _row_logits_in_trees(model, prompt, path, fixed_shape=True, cpu_kernels=cpu_kernels)
             net = native_model(model)
             assert net.kernel_on == (cpu_kernels and cpu.linear_reason(net.device, net.dtype) is None)
             if net.kernel_on:
                 assert net.head_kernel.isa == cpu.isa()
-            # the attention in C (kernels/cpu_avx2.c) where the linears are, torch's exact path elsewhere
-            assert bool(calls) == (net.kernel_on and cpu.attention_f32_reason(net.head_dim) is None)
+            # on the AVX2 build the whole layer in one call (kernels/cpu_avx2.c `sv2_layer_f32`, its attention
+            # inside); on AVX-512 the packed linears with the C attention between them; torch's exact path elsewhere
+            fused = net.kernel_on and cpu.isa() == "avx2"
+            assert (net.fused_calls > 0) == fused
+            assert bool(calls) == (net.kernel_on and not fused and cpu.attention_f32_reason(net.head_dim) is None)
             for r in rows:
                 assert torch.equal(r, ref)
 

@@ -15,7 +15,8 @@ availability and every wrapper of it, each beside its reference, in one place.)
     attention_f32(q, kc, vc, ...)       the same over an fp32 cache (kernels/cpu_avx2.c: AVX2 + FMA)
     pack_layer(...)                     -> LayerKernel: a decoder layer's weights for the fused layer call
     layer(x, spec, ...)                 one decoder layer over n rows in one call (norms, RoPE, cache write,
-                                        attention, residuals, gated MLP: kernels/cpu.c `sv_layer`)
+                                        attention, residuals, gated MLP: kernels/cpu.c `sv_layer`; in fp32 on
+                                        the AVX2 build kernels/cpu_avx2.c `sv2_layer_f32`)
     layer_reference(x, spec, ...)       the same in plain torch
     route_linears(module)               a module's own bf16 nn.Linear layers on the kernel (drafters' heads)
     topk(z, k)                          torch.topk(z, k) of fp32 CPU rows in one pass at memory speed (ties: the
@@ -103,6 +104,12 @@ one FMA chain per dim over the keys in order, so a row's bits depend on its logi
 at a 400-token cache: 39 us at one row, 209 at eight (the torch path's ~390 and ~1360). With it, same runs as
 above: SmolLM2 forward n = 1 / 8 35.5 / 55.6 ms (was 42.8 / 68.2), `ar` 27.5 tokens/s (hf 15.4, native-blas 9.7);
 Gemma-3-270M 63.8 / 96.1 ms (was 71.7 / 130.1), `ar` 14.9 (hf 9.8, native-blas 5.4).
+
+The fp32 layer (`layer` over an fp32 `pack_layer`, kernels/cpu_avx2.c `sv2_layer_f32`): the fused layer of the
+bf16 path, in fp32 around the AVX2 linears and attention (so it runs where `isa()` is "avx2"; an fp32 model on
+an AVX-512 CPU keeps the packed linears and the C attention with torch's small ops between them). Same command,
+one later run: SmolLM2 32.1 / 52.3 ms at n = 1 / 8, 1.13x its bare linears, `ar` 33.7 tokens/s (hf 17.0,
+native-blas 11.0); Gemma-3-270M 56.9 / 86.6 ms, 1.09x, `ar` 16.2 (hf 10.1, native-blas 5.4).
 
 The fused layer. With the linears and the attention in C, what remained of a decode forward was ~25 small torch
 ops per layer (norms, RoPE, casts, the cache write, residual adds, the gated activation): ~8 ms of SmolLM2's

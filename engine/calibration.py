@@ -78,7 +78,6 @@ import hashlib
 import json
 import math
 import platform
-import os
 import shlex
 import warnings
 from dataclasses import dataclass
@@ -92,7 +91,7 @@ from scipy.interpolate import BSpline
 from scipy.optimize import differential_evolution
 
 from engine.atomic import atomic_write
-from kernels.hardware import ISA_ENV
+from kernels.hardware import isa_env
 # The calibration key and the drafting methods are defined in engine.config (no torch); re-exported here, where
 # users and tests have always read them (engine.calibration.calibration_fields, ...).
 from engine.config import (ADDED_AT_DEFAULT, CALIBRATION_FIELDS, DRAFTING_METHODS, NOT_CALIBRATION_FIELDS,  # noqa: F401
@@ -338,8 +337,7 @@ def device_name(device: torch.device | str) -> str:
                 break
     except OSError:
         pass
-    forced = (os.environ.get(ISA_ENV) or "").strip().lower() == "avx2"
-    return f"cpu:{model}:{torch.get_num_threads()}threads" + (":avx2" if forced else "")
+    return f"cpu:{model}:{torch.get_num_threads()}threads" + (":avx2" if isa_env() == "avx2" else "")
 
 
 def model_id(model) -> str:

@@ -139,7 +139,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.hardware import ISA_ENV, cache_root, cpu_flags
+from kernels.hardware import ISA_ENV, cache_root, cpu_flags, isa_env
 
 SOURCE = Path(__file__).with_name("cpu.c")
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
@@ -289,7 +289,7 @@ def _load_avx2() -> ctypes.CDLL | None:
 
 
 def _isa_asked() -> str:
-    asked = (os.environ.get(ISA_ENV) or "auto").strip().lower()
+    asked = isa_env()
     if asked not in ISAS:
         raise CpuKernelError(f"{ISA_ENV}={asked!r} is not one of {list(ISAS)}; unset it (auto: AVX-512 where the "
                              f"CPU has it, else AVX2) or choose one")

@@ -70,12 +70,17 @@ def cpu_flags(cpuinfo: str | None = None) -> set[str]:
 ISA_ENV = "SPECVOCAB_CPU_ISA"     # auto | avx512 | avx2: which build of kernels.cpu runs (`kernels.cpu.isa`)
 
 
+def isa_env() -> str:
+    """`$SPECVOCAB_CPU_ISA` as asked, lower-cased ("auto" when unset); kernels.cpu checks it is one of its choices."""
+    return (os.environ.get(ISA_ENV) or "auto").strip().lower()
+
+
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU has bf16 dot products in hardware (then a bf16 GEMM reads half the bytes of an fp32
     one, at up to twice the rate). cpuinfo: the text of /proc/cpuinfo (False where there is none, so the
     default stays fp32 there). This machine run as an AVX2 one (`$SPECVOCAB_CPU_ISA=avx2`) has none, as an AVX2
     CPU has none: its default dtype is then fp32, as there."""
-    if cpuinfo is None and (os.environ.get(ISA_ENV) or "").strip().lower() == "avx2":
+    if cpuinfo is None and isa_env() == "avx2":
         return False
     flags = cpu_flags(cpuinfo)
     return any(flag in flags for flag in BF16_CPU_FLAGS)

@@ -50,7 +50,7 @@ In exact mode each layer is then one call, `kernels.cpu.layer` (norms, RoPE, the
 residuals and the gated MLP around the four linears, rounded to bf16 where `_layer` rounds): the ~25 torch ops
 per layer cost ~8 ms of SmolLM2's 27 ms forward; fused, the forward takes ~1.1x its bare linears.
 
-On an accelerator (tests/test_gpu.py, run on an H100): rule 1 becomes one row count for every decode
+On an accelerator (tests/test_gpu.py, run on an H100 and an H200): rule 1 becomes one row count for every decode
 (`engine.target.DEVICE_ROWS`: cuBLAS picks its kernel, and so a row's fp32 rounding, by the number of rows);
 rule 3's fold is `_group_fold` (CUDA's cumsum is a parallel scan); and the forward is replayed as CUDA graphs
 (`GraphedDecode`: a decode forward there is hundreds of kernels whose launches cost more than their work).

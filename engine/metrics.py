@@ -19,6 +19,13 @@ keep their columns; a results folder written before still loads. The summaries n
                         run in the prefill, which pulls `speedup` toward 1. Null for rows without begin_s
                         (written before it) or with one new token.
     decode_speedup      decode_tokens_per_s / ar's, as speedup
+    speedup_lo, _hi     the central 95% (CI_LEVEL) of `speedup` over CI_DRAWS bootstrap draws that resample the
+                        units the total's mean is taken over, each drawn unit keeping its ar pair (the run's and
+                        ar's tokens/s of the same prompt turn, repeats averaged): a task's or ALL's rows ->
+                        their prompt turns; AVG -> its tasks (the mean over tasks, so over the task set, not
+                        within tasks: Spec-Bench's tasks hold 1-2 turns per prompt). Null for fewer than 2
+                        units. It is the spread over prompts (or tasks) of one run's timings, not the drift of
+                        the machine between runs, which it cannot see. decode_speedup_lo, _hi likewise.
     tau                 sum new_tokens / sum steps: tokens committed per step, the target's bonus token
                         included (the prefill is step 0 and commits one token: ar = 1.00) - the acceptance
                         length of vLLM's spec-decode metrics; `engine.harness.GenerateResult.tau` per row
@@ -55,6 +62,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import polars as pl
 
 from engine.config import POLICIES
@@ -87,6 +95,8 @@ VERDICTS = ("exact", "near-tie", "mismatch")    # a row's verdict against ar's o
 ALL = "all"                                     # the task of the rows-pooled total (`summarize`)
 AVG = "avg"                                     # the task of the mean over tasks (`table2_summary`)
 PHASE_MS = [f"{p}_ms" for p in PHASES]
+UNIT = ["prompt_id", "turn"]                    # a prompt turn: what the bootstrap draws (its repeats averaged)
+CI_LEVEL, CI_DRAWS, CI_SEED = 0.95, 2000, 0     # speedup_lo / speedup_hi (module docstring); the seed: same table
 # MicroSpec's claims against full of the same drafter, as targets: draft time per step cut several-fold
 # (MicroSpec §4.4, Fig. 4), tau kept (§4.3), faster end to end (§4.2)
 TARGET_DRAFT_RATIO, TARGET_TAU_RATIO, TARGET_SPEED_RATIO = 3.0, 0.95, 1.0
@@ -117,12 +127,17 @@ def tokens_per_s() -> pl.Expr:
     return pl.col("tokens_per_s").mean()
 
 
-def decode_tokens_per_s() -> pl.Expr:
-    """Aggregation: the mean of the rows' decode-phase tokens/s, (new_tokens - 1) / (wall_s - prefill_s - begin_s
-    - uncharged_s); a row without begin_s or with one new token counts as null (module docstring)."""
+def decode_rate() -> pl.Expr:
+    """Per row: the decode phase's tokens/s, (new_tokens - 1) / (wall_s - prefill_s - begin_s - uncharged_s);
+    null for a row without begin_s or with one new token (module docstring)."""
     rate = ((pl.col("new_tokens") - 1)
             / (pl.col("wall_s") - pl.col("prefill_s") - pl.col("begin_s") - pl.col("uncharged_s").fill_null(0.0)))
-    return pl.when(pl.col("new_tokens") > 1).then(rate).mean()
+    return pl.when(pl.col("new_tokens") > 1).then(rate)
+
+
+def decode_tokens_per_s() -> pl.Expr:
+    """Aggregation: the mean of the rows' decode-phase tokens/s (`decode_rate`)."""
+    return decode_rate().mean()
 
 
 def per_drafted_step_ms(seconds: pl.Expr) -> pl.Expr:
@@ -309,8 +324,68 @@ def with_speedup(table: pl.DataFrame, keys: Sequence[str]) -> pl.DataFrame:
             .drop("_ar_tokens_per_s", "_ar_decode"))
 
 
+def ratio_interval(run: Sequence[np.ndarray], ar: Sequence[np.ndarray], level: float = CI_LEVEL,
+                   draws: int = CI_DRAWS, seed: int = CI_SEED) -> tuple[float, float] | None:
+    """The percentile bootstrap interval of sum_s mean(run[s]) / sum_s mean(ar[s]) (s over strata; each stratum
+    holds paired unit values, run[s][i] and ar[s][i] measured on the same unit): every draw resamples each
+    stratum's units with replacement, the same indices for both sides (the pairing), and the interval is the
+    central `level` of the draws' ratios. None for fewer than 2 units in all. One stratum: a ratio of means
+    over units; units as strata of one unit each would give a zero-width interval, so a total over tasks
+    passes the tasks' means as the units of one stratum (`with_intervals`)."""
+    if sum(len(r) for r in run) < 2:
+        return None
+    rng = np.random.default_rng(seed)
+    num, den = np.zeros(draws), np.zeros(draws)
+    for r, a in zip(run, ar):
+        pick = rng.integers(0, len(r), size=(draws, len(r)))
+        num += np.asarray(r, dtype=float)[pick].mean(axis=1)
+        den += np.asarray(a, dtype=float)[pick].mean(axis=1)
+    lo, hi = np.quantile(num / den, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
+INTERVALS = {"speedup": "tokens_per_s", "decode_speedup": "_decode_rate"}   # measure: the rows' rate it divides
+
+
+def with_intervals(table: pl.DataFrame, frame: pl.DataFrame, keys: Sequence[str],
+                   over_tasks: bool = False) -> pl.DataFrame:
+    """`table` (one row per (*keys, method, run), from `with_speedup`) with speedup_lo / speedup_hi and
+    decode_speedup_lo / decode_speedup_hi (module docstring), from `frame`, the rows it summarises. The units:
+    prompt turns (UNIT, repeats averaged; ar's runs averaged too, as `with_speedup` averages them), paired by
+    (*keys, UNIT); over_tasks: the rows' tasks instead (each task's mean over its turns), paired by (*keys,
+    task) - the unit of the mean over tasks (AVG): then `keys` leave the task out and `table` holds the AVG
+    rows."""
+    frame = frame.with_columns(_decode_rate=decode_rate())
+    unit = ["task"] if over_tasks else UNIT
+    inner = [*UNIT] if over_tasks else []
+    rates = list(INTERVALS.values())
+    per = (frame.group_by(*keys, *RUN, *unit, *inner).agg(pl.col(rates).mean())
+           .group_by(*keys, *RUN, *unit).agg(pl.col(rates).mean()))
+    ar = (per.filter(pl.col("method") == "ar").group_by(*keys, *unit)
+          .agg(**{f"_ar{c}": pl.col(c).mean() for c in rates}))
+    # in unit order, so the seeded draws pick the same units on every call (group_by's order is not fixed)
+    pairs = per.join(ar, on=[*keys, *unit], how="inner", nulls_equal=True).sort(*unit, nulls_last=True)
+    out: dict[str, list] = {c: [] for c in [*keys, *RUN]}
+    for name in INTERVALS:
+        out[f"{name}_lo"], out[f"{name}_hi"] = [], []
+    for group_key, part in pairs.group_by(*keys, *RUN, maintain_order=True):
+        for c, v in zip([*keys, *RUN], group_key):
+            out[c].append(v)
+        for name, rate in INTERVALS.items():
+            ok = part.filter(pl.col(rate).is_not_null() & pl.col(f"_ar{rate}").is_not_null()
+                             & (pl.col(f"_ar{rate}") > 0))
+            got = ratio_interval([ok[rate].to_numpy()], [ok[f"_ar{rate}"].to_numpy()])
+            out[f"{name}_lo"].append(None if got is None else got[0])
+            out[f"{name}_hi"].append(None if got is None else got[1])
+    schema = {c: table.schema[c] for c in [*keys, *RUN]}
+    schema.update({f"{n}_{e}": pl.Float64 for n in INTERVALS for e in ("lo", "hi")})
+    intervals = pl.DataFrame(out, schema=schema)
+    return table.join(intervals, on=[*keys, *RUN], how="left", nulls_equal=True)
+
+
 SUMMARY_COLUMNS = ("task", *RUN, "policy", "vocab_size", "dynaspec_k_max", "draft_head", "rows", "tokens_per_s",
-                   "speedup", "decode_tokens_per_s", "decode_speedup", "tau", "g", "mean_active_vocab",
+                   "speedup", "speedup_lo", "speedup_hi", "decode_tokens_per_s", "decode_speedup",
+                   "decode_speedup_lo", "decode_speedup_hi", "tau", "g", "mean_active_vocab",
                    "mean_union_vocab", "draft_ms", *PHASE_MS,
                    "draft_coverage", "lossless")
 
@@ -325,7 +400,7 @@ def summarize(frame: pl.DataFrame) -> pl.DataFrame:
     are not comparable (no ar rows, or sampling). Tasks in sorted order, ALL last; runs in the rows' order."""
     frame = with_task(with_schema(frame)).drop("panel")
     both = pl.concat([frame, frame.with_columns(task=pl.lit(ALL))], how="vertical_relaxed")
-    agg = with_speedup(run_measures(both, ["task"]), ["task"])
+    agg = with_intervals(with_speedup(run_measures(both, ["task"]), ["task"]), both, ["task"])
     verdicts = row_verdicts(frame)
     if verdicts is not None:
         verdicts = pl.concat([verdicts, verdicts.with_columns(task=pl.lit(ALL))])
@@ -357,7 +432,9 @@ def table2_summary(frame: pl.DataFrame) -> pl.DataFrame:
                 **{c: pl.col(c).mean() for c in means})
            .with_columns(task=pl.lit(AVG), panel=pl.lit(AVG)))
     both = with_speedup(pl.concat([agg, avg], how="diagonal_relaxed"), [*keys, "task"])
-    both = both.with_columns(_finite("draft_coverage"))
+    tasks = with_intervals(both.filter(pl.col("task") != AVG), frame, [*keys, "task", "panel"])
+    avgs = with_intervals(both.filter(pl.col("task") == AVG), frame, keys, over_tasks=True)
+    both = pl.concat([tasks, avgs], how="diagonal_relaxed").with_columns(_finite("draft_coverage"))
     order = {m: i for i, m in enumerate(METHOD_ORDER)}
     policies = {p: i for i, p in enumerate(POLICIES)}
     both = both.with_columns(_m=pl.col("method").replace_strict(order, default=len(order), return_dtype=pl.Int64),

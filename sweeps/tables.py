@@ -396,8 +396,9 @@ def task_order(summary: pl.DataFrame) -> list[str]:
 
 def methods_wide(summary: pl.DataFrame) -> pl.DataFrame:
     """MicroSpec Table 2's layout: one row per (model, prompt set, run), tokens/s per task, then the average
-    tokens/s, its speedup over ar, the decode phase's speedup (`engine.metrics`: the prefill and the drafter's
-    pass over the prompt left out) and the average tau."""
+    tokens/s, its speedup over ar with its 95% bootstrap interval over the tasks (lo, hi), the decode phase's
+    speedup (`engine.metrics`: the prefill and the drafter's pass over the prompt left out) with its interval,
+    and the average tau."""
     tasks = [t for t in task_order(summary) if t != AVG]
     keys = ["model", "prompt_set", "run"]
     wide = (summary.filter(pl.col("task") != AVG).pivot("task", index=keys, values="tokens_per_s",
@@ -405,15 +406,19 @@ def methods_wide(summary: pl.DataFrame) -> pl.DataFrame:
             .select(*keys, *[pl.col(t).round(1) for t in tasks if t in summary["task"].to_list()]))
     avg = summary.filter(pl.col("task") == AVG).select(
         *keys, pl.col("tokens_per_s").round(1).alias("avg tokens/s"), pl.col("speedup").round(2),
-        pl.col("decode_speedup").round(2).alias("decode speedup"), pl.col("tau").round(2).alias("avg tau"))
+        pl.col("speedup_lo").round(2).alias("speedup lo"), pl.col("speedup_hi").round(2).alias("speedup hi"),
+        pl.col("decode_speedup").round(2).alias("decode speedup"),
+        pl.col("decode_speedup_lo").round(2).alias("decode lo"), pl.col("decode_speedup_hi").round(2).alias("decode hi"),
+        pl.col("tau").round(2).alias("avg tau"))
     order = pl.DataFrame({"run": run_order(summary)}).with_row_index("_r")
     return wide.join(avg, on=keys, how="left").join(order, on="run").sort("model", "prompt_set", "_r").drop("_r")
 
 
 def table_cells(summary: pl.DataFrame) -> pl.DataFrame:
     """`methods_wide` as long cells for a drawn table: column ("<task>" tokens/s, "avg tokens/s (× ar)",
-    "decode × ar", "avg tau"), text and the speedup that colours the cell (the decode phase's for its column,
-    null for tau)."""
+    "95% CI (× ar)", "decode × ar", "decode 95% CI", "avg tau"), text and the speedup that colours the cell (the
+    decode phase's for its columns, null for tau). The intervals are `engine.metrics`' speedup_lo / _hi:
+    bootstrap over the tasks."""
     cells = summary.select(
         "model", "prompt_set", "run", "task", "speedup",
         column=pl.when(pl.col("task") == AVG).then(pl.lit("avg tokens/s (× ar)")).otherwise(pl.col("task")),
@@ -428,7 +433,14 @@ def table_cells(summary: pl.DataFrame) -> pl.DataFrame:
     tau = avg.select(
         "model", "prompt_set", "run", task=pl.lit("avg tau"), speedup=pl.lit(None, pl.Float64),
         column=pl.lit("avg tau"), text=pl.col("tau").round(2).cast(pl.String))
-    return pl.concat([cells, decode, tau], how="vertical_relaxed")
+
+    def interval(name: str, column: str, measure: str) -> pl.DataFrame:
+        lo, hi = (pl.col(f"{measure}_{e}").map_elements(lambda v: f"{v:.2f}", return_dtype=pl.String)
+                  .fill_null("-") for e in ("lo", "hi"))
+        return avg.select("model", "prompt_set", "run", task=pl.lit(name), speedup=pl.col(measure),
+                          column=pl.lit(column), text=pl.format("{}-{}", lo, hi))
+    return pl.concat([cells, interval("ci", "95% CI (× ar)", "speedup"), decode,
+                      interval("decode ci", "decode 95% CI", "decode_speedup"), tau], how="vertical_relaxed")
 
 
 def phase_times(summary: pl.DataFrame | None) -> pl.DataFrame | None:

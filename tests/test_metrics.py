@@ -231,3 +231,96 @@ def test_the_decode_phase_leaves_out_the_prefill_and_the_drafters_pass_over_the_
     math_pld = (8 - 1) / (8 / 160 - 0.03)
     assert avg_ar == pytest.approx((sum(ar_w) / 2 + math_ar) / 2)
     assert avg_pld["decode_speedup"] == pytest.approx((sum(pld_w) / 2 + math_pld) / 2 / avg_ar)
+
+
+# --- the speedup's interval (speedup_lo / speedup_hi) ------------------------------------------------------------
+
+def _paired_rows(ratios, ar_rates, tasks=None, new=32) -> pl.DataFrame:
+    """ar and pld rows of one prompt turn each: ar at ar_rates[i] tokens/s, pld at ratios[i] times that, with a
+    prefill of a quarter of each row's time (so the decode phase has its own rates)."""
+    rows = []
+    for i, (r, a) in enumerate(zip(ratios, ar_rates)):
+        task = tasks[i] if tasks else "writing"
+        for method, rate, steps in (("ar", a, new), ("pld", a * r, new // 2)):
+            wall = new / rate
+            rows.append({"model": "m", "prompt_set": "spec_bench", "method": method, "run": "full", "policy": "full",
+                         "category": task, "prompt_id": f"p{i}", "turn": 1, "repeat": 0, "new_tokens": new,
+                         "steps": steps, "wall_s": wall, "tokens_per_s": rate, "prefill_s": wall / 4,
+                         "begin_s": 0.0, "draft_s": 0.0, "uncharged_s": 0.0, "temperature": 0.0,
+                         "output_ids": [1, 2, 3]})
+    return pl.DataFrame(rows, schema_overrides={"turn": pl.Int32, "repeat": pl.Int32})
+
+
+def test_the_speedup_interval_pairs_each_turn_with_ars():
+    """The bootstrap draws prompt turns with their ar pair. A run exactly 1.5x ar on every turn, over turns whose
+    speeds differ 10-fold, has the zero-width interval [1.5, 1.5]; drawing the run's and ar's turns apart (an
+    unpaired bootstrap) would spread it over the turns' spread. ar's own interval is [1, 1]; the decode phase
+    gets its own."""
+    ar_rates = [20.0 * (1 + i) for i in range(10)]
+    table = metrics.summarize(_paired_rows([1.5] * 10, ar_rates))
+    pld = one(table, task=ALL, method="pld")
+    assert pld["speedup"] == pytest.approx(1.5)
+    assert pld["speedup_lo"] == pytest.approx(1.5) and pld["speedup_hi"] == pytest.approx(1.5)
+    assert pld["decode_speedup_lo"] == pytest.approx(1.5) and pld["decode_speedup_hi"] == pytest.approx(1.5)
+    ar = one(table, task=ALL, method="ar")
+    assert (ar["speedup_lo"], ar["speedup_hi"]) == (pytest.approx(1.0), pytest.approx(1.0))
+    # two ar runs (2/3 and 4/3 of the first's speed): their mean is what the run is against, as for speedup
+    rows = _paired_rows([1.5] * 10, ar_rates)
+    ars = rows.filter(pl.col("method") == "ar")
+    two = pl.concat([rows.filter(pl.col("method") != "ar"),
+                     ars.with_columns(run=pl.lit("slow"), tokens_per_s=pl.col("tokens_per_s") * 2 / 3),
+                     ars.with_columns(run=pl.lit("fast"), tokens_per_s=pl.col("tokens_per_s") * 4 / 3)])
+    pld2 = one(metrics.summarize(two), task=ALL, method="pld")
+    assert pld2["speedup"] == pytest.approx(1.5)
+    assert (pld2["speedup_lo"], pld2["speedup_hi"]) == (pytest.approx(1.5), pytest.approx(1.5))
+    # a run whose ratio varies by turn: the interval holds the speedup, is not degenerate, and is the same on
+    # every call (a seeded bootstrap: the same table twice)
+    ratios = [1.1, 1.9, 1.3, 1.6, 1.2, 1.8, 1.4, 1.5, 1.0, 2.0]
+    again = [metrics.summarize(_paired_rows(ratios, ar_rates)) for _ in range(2)]
+    varied = one(again[0], task=ALL, method="pld")
+    assert varied["speedup_lo"] < varied["speedup"] < varied["speedup_hi"]
+    assert varied["speedup_hi"] - varied["speedup_lo"] > 0.1
+    assert again[0].equals(again[1])
+    # the interval is of the ratio of the means, not of the mean of the turns' ratios: fast turns (ar 200/s)
+    # at 2x and slow ones (20/s) at 1x give a speedup of 4200 / 2200 = 1.91, inside [1.8, 1.97]; the turns'
+    # ratios average 1.5, and their interval would hold 1.5 and not 1.91
+    skewed = one(metrics.summarize(_paired_rows([2.0, 1.0] * 10, [200.0, 20.0] * 10)), task=ALL, method="pld")
+    assert skewed["speedup"] == pytest.approx(4200 / 2200)
+    assert 1.75 < skewed["speedup_lo"] < skewed["speedup"] < skewed["speedup_hi"] < 1.98
+    # rows without the decode timings (begin_s null, written before it): no decode interval, as no decode_speedup
+    old = metrics.summarize(_paired_rows(ratios, ar_rates).with_columns(begin_s=pl.lit(None, pl.Float64)))
+    assert one(old, task=ALL, method="pld")["decode_speedup_lo"] is None
+
+
+def test_the_interval_covers_the_true_speedup_at_its_level():
+    """The power check of the interval itself: 300 sets of 40 turns drawn from a known population (ar speeds
+    spread 3-fold, the run's ratio log-normal around 1.3); the true speedup E[m] / E[a] = E[r] sits inside the
+    95% interval in 90-98.5% of the sets (binomial sd at 0.95: 1.3%). A 50% interval (the quartiles, 50%
+    coverage), an unpaired bootstrap (ar and the run drawn apart: nearly always covers), or the interval of
+    one draw's ratio per set all fall outside."""
+    import numpy as np
+    rng = np.random.default_rng(7)
+    sigma, centre = 0.2, 1.3
+    truth = centre * np.exp(sigma ** 2 / 2)
+    covered = 0
+    for s in range(300):
+        a = rng.uniform(50, 150, 40)
+        m = a * centre * np.exp(rng.normal(0, sigma, 40))
+        lo, hi = metrics.ratio_interval([m], [a], seed=s)
+        covered += lo <= truth <= hi
+    assert 0.90 <= covered / 300 <= 0.985, covered
+
+
+def test_the_mean_over_tasks_draws_tasks():
+    """AVG (the mean over tasks) resamples its tasks, each keeping its ar pair; a task of one turn has no
+    interval of its own (fewer than 2 units). Two tasks of one turn each, pld 2x ar on one and 1x on the
+    other: the interval spans the draws (A, A) -> 2 and (B, B) -> 1. Drawing turns within each task instead
+    (strata) would give the zero-width interval at the point value."""
+    frame = _paired_rows([2.0, 1.0], [100.0, 50.0], tasks=["writing", "math"])
+    t2 = metrics.table2_summary(frame)
+    avg = one(t2, task=AVG, method="pld")
+    assert avg["speedup"] == pytest.approx((200 + 50) / (100 + 50))
+    assert avg["speedup_lo"] == pytest.approx(1.0) and avg["speedup_hi"] == pytest.approx(2.0)
+    assert one(t2, task="writing", method="pld")["speedup_lo"] is None
+    # summarize's ALL pools the turns (the same two units here, so the same span)
+    assert one(metrics.summarize(frame), task=ALL, method="pld")["speedup_hi"] == pytest.approx(2.0)

@@ -64,7 +64,8 @@ decode-phase measures (`decode_tokens_per_s`, `decode_speedup` in `engine.metric
 Then prints (`print_summary`) what was compared (model, device, dtype, threads, prompts, tokens, each
 drafter's head and runs), MicroSpec Table 2's layout (a row per run: tokens/s per task - the category, or the
 language of a set split by language - then over all rows tokens/s with its speedup over ar, tau and lossless),
-a compact table per task and the overall block, per run: tokens/s, speedup over ar, tau (bonus token included;
+a compact table per task and the overall block, per run: tokens/s, speedup over ar (overall with its 95%
+bootstrap interval over the prompt turns, speedup_lo / _hi, and the decode phase's), tau (bonus token included;
 ar = 1.00), mean_active_vocab, the draft time per drafted step in ms and its split by phase, draft_coverage and
 `lossless` (greedy only): "exact" if every output of the run equals `ar`'s, else "mismatch" if any row is a
 mismatch, else "near-tie". Each measure is defined once, in `engine.metrics` (its docstring: the formulas,
@@ -485,14 +486,15 @@ def print_summary(frame: pl.DataFrame) -> pl.DataFrame:
     (`compare_vocabs`). Phase columns no run spent time in, and columns no run has, are left out. Returns
     `engine.metrics.summarize`'s table."""
     full = summarize(frame)
-    num = ["tokens_per_s", "speedup", "decode_speedup", "tau", "g", "draft_ms", *[f"{p}_ms" for p in PHASES]]
+    num = ["tokens_per_s", "speedup", "speedup_lo", "speedup_hi", "decode_speedup", "decode_speedup_lo",
+           "decode_speedup_hi", "tau", "g", "draft_ms", *[f"{p}_ms" for p in PHASES]]
     table = full.with_columns(pl.col(num).round(2), pl.col("mean_active_vocab", "mean_union_vocab").round(0),
                               pl.col("draft_coverage").round(3))
     phases = [f"{p}_ms" for p in PHASES if (full[f"{p}_ms"].fill_null(0.0) > 0).any()]
     shown = (lambda cols: [c for c in cols if full[c].null_count() < full.height])
     per_task = shown(["tokens_per_s", "speedup", "tau", "mean_active_vocab", "draft_ms", *phases, "lossless"])
-    overall = shown(["policy", "vocab_size", "dynaspec_k_max", "rows", "tokens_per_s", "speedup", "decode_speedup",
-                     "tau", "g",
+    overall = shown(["policy", "vocab_size", "dynaspec_k_max", "rows", "tokens_per_s", "speedup", "speedup_lo",
+                     "speedup_hi", "decode_speedup", "decode_speedup_lo", "decode_speedup_hi", "tau", "g",
                      "mean_active_vocab", "mean_union_vocab", "draft_ms", *phases, "draft_coverage", "lossless"])
     for line in describe_bench(frame):
         print(line)

@@ -249,7 +249,7 @@ def methods_table(summary: pl.DataFrame, bench: pl.DataFrame):
 
 def methods_speed(summary: pl.DataFrame, bench: pl.DataFrame):
     """Table 2 as bars: tokens/s, speedup over ar and tau per task and run, a column of three panels per
-    model and prompt set."""
+    model and prompt set; the average's speedup bars carry their 95% interval."""
     long = summary.unpivot(index=["model", "prompt_set", "task", "run"], on=list(MEASURES),
                            variable_name="measure").with_columns(pl.col("measure").replace_strict(MEASURES))
     runs = tables.run_order(summary)
@@ -260,17 +260,27 @@ def methods_speed(summary: pl.DataFrame, bench: pl.DataFrame):
         tooltip=["model", "prompt_set", "task", "run", "measure", alt.Tooltip("value:Q", format=".2f")])
     one = alt.Chart(pl.DataFrame({"measure": [MEASURES["speedup"], MEASURES["tau"]], "y": [1.0, 1.0]})
                     ).mark_rule(strokeDash=[4, 3], color="#333").encode(y="y:Q")
+    # the average's 95% interval (engine.metrics speedup_lo / _hi: bootstrap over the tasks) on its speedup bar
+    avg = summary.filter((pl.col("task") == AVG) & pl.col("speedup_lo").is_not_null()).select(
+        "model", "prompt_set", "task", "run", "speedup_lo", "speedup_hi", measure=pl.lit(MEASURES["speedup"]))
+    whiskers = alt.Chart(avg).mark_rule(color="#111", strokeWidth=1.5).encode(
+        x=alt.X("task:N", sort=tables.task_order(summary)), xOffset=alt.XOffset("run:N", sort=runs),
+        y="speedup_lo:Q", y2="speedup_hi:Q",
+        tooltip=["run", alt.Tooltip("speedup_lo:Q", format=".2f"), alt.Tooltip("speedup_hi:Q", format=".2f")])
     columns = []
     for m, s in keys(summary, "model", "prompt_set"):
         columns.append(alt.vconcat(*[
             alt.layer(bars.encode(y=alt.Y("value:Q", title=label))
                       .transform_filter(_where(model=m, prompt_set=s, measure=label)),
-                      one.transform_filter(alt.datum.measure == label))
+                      one.transform_filter(alt.datum.measure == label),
+                      *([whiskers.transform_filter(_where(model=m, prompt_set=s))]
+                        if label == MEASURES["speedup"] and avg.height else []))
             .properties(width=alt.Step(7), height=150, title=f"{m} · {s}: {label}")
             for label in MEASURES.values()]))
     return alt.hconcat(*columns).properties(title=title(
         "Method comparison per task: tokens/s, speedup over ar, tau", bench,
-        notes=["dashed: 1.0 (ar's speed; one token per step); avg: the mean over tasks"]))
+        notes=["dashed: 1.0 (ar's speed; one token per step); avg: the mean over tasks, its speedup with the "
+               "95% interval (bootstrap over the tasks)"]))
 
 
 def draft_time_by_phase(phases: pl.DataFrame, bench: pl.DataFrame):

@@ -213,6 +213,40 @@ def _splits_by_model(spec, models) -> bool:
     return "model" in fields or all(any("datum.model" in f and f"'{m}'" in f for f in filters) for m in models)
 
 
+def test_the_average_speedup_carries_its_interval_into_the_table_and_the_bars(results):
+    """engine.metrics' speedup_lo / _hi of each AVG row reach the methods table (csv columns, a "95% CI" cell
+    with the same numbers) and the methods_speed bars (a rule from lo to hi), as the tests of engine.metrics
+    define them; the interval holds the speedup (two tasks per prompt set here)."""
+    bench = tables.read(results, "bench")
+    summary = tables.method_summary(bench)
+    avg = summary.filter((pl.col("task") == tables.AVG) & (pl.col("method") != "ar"))
+    assert avg.height > 0 and avg["speedup_lo"].null_count() == 0 and avg["decode_speedup_lo"].null_count() == 0
+    assert ((avg["speedup_lo"] <= avg["speedup"]) & (avg["speedup"] <= avg["speedup_hi"])).all()
+    wide = tables.methods_wide(summary)
+    cells = tables.table_cells(summary)
+    for row in avg.iter_rows(named=True):
+        where = (pl.col("model") == row["model"]) & (pl.col("prompt_set") == row["prompt_set"]) & (
+            pl.col("run") == row["run"])
+        (w,) = wide.filter(where).iter_rows(named=True)
+        assert (w["speedup lo"], w["speedup hi"]) == (round(row["speedup_lo"], 2), round(row["speedup_hi"], 2))
+        (text,) = cells.filter(where & (pl.col("column") == "95% CI (× ar)"))["text"].to_list()
+        assert text == f"{row['speedup_lo']:.2f}-{row['speedup_hi']:.2f}"
+    rules = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            enc = node.get("encoding", {})
+            if enc.get("y2", {}).get("field") == "speedup_hi" and enc.get("y", {}).get("field") == "speedup_lo":
+                rules.append(node)
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+    walk(charts.methods_speed(summary, bench).to_dict())
+    assert rules, "no interval drawn on the average's speedup bars"
+
+
 def test_every_bench_and_coverage_chart_tells_the_models_apart(results):
     """Issue #18: with two models in the sweep, each chart that drew bench or coverage results without `model`
     has a panel or a facet per model (the charts of 01 facet on `panel`, which names the model)."""

@@ -43,7 +43,7 @@ from engine.models import eos_token_ids
 from engine.shipped import default_eagle3_head, default_eagle_head
 from engine.native import BLOCK, bucket_rows
 from engine.target import (forward_tree, head_topk, lm_logits, make_target, max_tree_nodes,  # noqa: F401
-                           pads_rows, prefill, resolve_backend)
+                           native_model, pads_rows, prefill, resolve_backend)
 from engine.tree import DraftTree, Drafter, PrefillTopK, StepResult
 from engine.verify import sample_token, tree_layout, verify_greedy, verify_sampling, warp_probs
 from locality.trace import Trace
@@ -220,7 +220,7 @@ def bucket_edge(cfg: SpecConfig, model, g: int) -> int:
     if (cfg.method not in DRAFTING_METHODS or cfg.method in HF_METHODS
             or not pads_rows(model, cfg.backend, cfg.fixed_shape, cfg.verify_rows, cfg.cpu_kernels)):
         return g
-    edge = bucket_rows(g + 1) - 1
+    edge = bucket_rows(g + 1, native_model(model).row_floor()) - 1
     cap = max_draft_size(cfg, model)
     return max(g, edge if cap is None else min(edge, cap))
 

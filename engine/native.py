@@ -21,9 +21,14 @@ layers). Sliding-window layers keep every slot too (the window is a mask): compa
 Fixed-shape verification (`exact=True`). A token's logits must not depend on how the step that computed
 them was shaped, or greedy speculative output drifts from `ar` on near-ties (bf16 in particular). Three
 rules make a row's result a function of its own logical context only:
-1. Rows: every decode forward runs at a bucket of `bucket_rows(n)` >= MIN_ROWS rows (padding rows are
-   harmless: they see only themselves). Measured on this CPU (tests/test_native.py checks it): bf16 GEMMs
-   give a row the same bits for every M; fp32 GEMMs do for M >= 4 (M = 1, 2 take a GEMV path). The LM head
+1. Rows: every decode forward runs at a bucket of `bucket_rows(n, floor)` >= MIN_ROWS rows (padding rows
+   are harmless: they see only themselves). On the AMD EPYC CI runs on, bf16 GEMMs give a row the same bits
+   for every M and fp32 GEMMs do for M >= 4 (M = 1, 2 take a GEMV path); on an Intel Xeon (AMX) the fp32 GEMM
+   (MKL) changed a row's bits at larger M too (session 21: this file's fp32 row test failed there with the
+   kernels off). So the floor is measured, not assumed: `row_floor`, once per process for the model's
+   shapes, dtype and threads, the smallest bucket from which F.linear gives every row the bits it has at
+   ROW_PROBE rows. (The exact attention's GEMMs below have K = head_dim or BLOCK, one K block each; they
+   are not probed.) The LM head
    is `F.linear` in this mode (`weight @ h.T`, the fast small-row order of `kernels.head.dense_head`, changes
    its bits between 8 and 16 rows in fp32).
 2. Keys in logical order. Attention is computed over blocks of BLOCK logical positions (position = index in
@@ -70,7 +75,7 @@ from kernels.head import dense_head
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text")
 GRAPH_CACHE_SLOTS = 4096  # the graphed decode's static cache (`GraphedDecode.static_cache`; grown when short)
-MIN_ROWS = 4          # smallest GEMM M that is row-invariant in fp32 on the CPUs measured (module docstring)
+MIN_ROWS = 4          # the least bucket floor: fp32 GEMMs take a GEMV path at M = 1, 2 (rule 1; `row_floor`)
 BLOCK = 32            # logical positions per attention block (rule 2); a tree must be shallower than this
 FUSED_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
                       # config activation -> what kernels.cpu.layer computes (others: the per-op path)
@@ -112,9 +117,45 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def bucket_rows(n: int) -> int:
-    """Rows a forward of n tree nodes runs at: the next power of two, at least MIN_ROWS."""
-    return max(MIN_ROWS, 1 << max(0, n - 1).bit_length())
+def bucket_rows(n: int, floor: int = MIN_ROWS) -> int:
+    """Rows a forward of n tree nodes runs at: the next power of two, at least MIN_ROWS and `floor` (the
+    model's `NativeModel.row_floor` on this machine)."""
+    return max(MIN_ROWS, floor, 1 << max(0, n - 1).bit_length())
+
+
+ROW_PROBE = 128       # the largest bucket `row_invariance` checks (a CPU tree of more rows is not probed)
+_ROW_FLOORS: dict[tuple, int] = {}
+
+
+def row_invariance(mats: dict[str, torch.Tensor], counts=(1, 2, 4, 8, 16, 32, 64, ROW_PROBE)) -> dict[str, list]:
+    """For each weight (name -> [N, K]): the row counts M at which `F.linear(x[:M], W)` does not give rows
+    0..M-1 the bits they have at the largest M (x fixed, random). Empty lists: a row's GEMM bits do not depend
+    on the rows beside it (then per-step row buckets are safe, rule 1)."""
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    with torch.inference_mode():
+        for name, w in mats.items():
+            x = torch.randn(max(counts), w.shape[1], generator=g).to(dtype=w.dtype, device=w.device)
+            ref = F.linear(x, w)
+            out[name] = [m for m in counts if not torch.equal(F.linear(x[:m], w), ref[:m])]
+    return out
+
+
+def row_floor(mats: dict[str, torch.Tensor]) -> int:
+    """Rule 1's floor for these weights here: the smallest power of two m >= MIN_ROWS such that every bucket
+    from m to ROW_PROBE gives each row the bits it has at ROW_PROBE rows (`row_invariance`); ROW_PROBE where
+    none smaller does. Measured once per process for the weights' shapes and dtype, the device, the thread
+    count and the F.linear in use."""
+    w0 = next(iter(mats.values()))
+    key = (F.linear, tuple(sorted((tuple(w.shape)) for w in mats.values())), w0.dtype, str(w0.device),
+           torch.get_num_threads())
+    if key not in _ROW_FLOORS:
+        bad = [m for ms in row_invariance(mats).values() for m in ms]
+        floor = MIN_ROWS
+        while floor < ROW_PROBE and any(m >= floor for m in bad):
+            floor *= 2
+        _ROW_FLOORS[key] = floor
+    return _ROW_FLOORS[key]
 
 
 @dataclass
@@ -230,6 +271,16 @@ class NativeModel:
         """None when the CPU kernels (kernels.cpu) can run this model's linears (bf16, or fp32 on AVX-512F), else
         why not."""
         return cpu.linear_reason(self.device, self.dtype)
+
+    def linear_weights(self) -> dict[str, torch.Tensor]:
+        """One weight of each distinct shape a decode forward multiplies by ("NxK"), the LM head included."""
+        mats = {f"{m.shape[0]}x{m.shape[1]}": m for L in self.layers for m in (L.qkv_w, L.o_w, L.gate_up_w, L.down_w)}
+        mats[f"{self.head_w.shape[0]}x{self.head_w.shape[1]}"] = self.head_w
+        return mats
+
+    def row_floor(self) -> int:
+        """Rule 1's bucket floor for this model on this machine (`row_floor`: measured once per process)."""
+        return row_floor(self.linear_weights())
 
     @torch.no_grad()
     def use_cpu_kernels(self, on: bool = True) -> bool:

@@ -257,7 +257,8 @@ class NativeTarget(Target):
             return hidden, self.net.logits(hidden)
         # a CPU's per-step bucket pads the tree (rule 1), unless the CPU kernels run: then every op is per row
         # by construction and the step runs exactly its tree (`pads_rows`)
-        rows = self.rows if self.rows is not None else (n if self.net.kernel_on else bucket_rows(n))
+        rows = (self.rows if self.rows is not None
+                else n if self.net.kernel_on else bucket_rows(n, self.net.row_floor()))
         if n > rows:
             raise BackendError(f"a draft tree of {n} nodes does not fit the fixed verify_rows={rows}; raise "
                                f"verify_rows or leave it None (the next bucket per step)")

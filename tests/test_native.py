@@ -12,6 +12,10 @@ Mutants these tests were checked against (each fails at least one test here):
 - the non-exact (SDPA over slots) path used for verification                       -> bitwise test shows it
   differs on the real models in bf16 (`test_sdpa_path_is_not_row_invariant_in_bf16`: the test's power)
 - compact keeping `keep` relative to slot 0 instead of the committed prefix        -> lossless tests
+- the bucket floor assumed (MIN_ROWS) instead of measured (`row_floor`), in the step or in `bucket_edge`;
+  the probe comparing row 0 only, or keyed without the F.linear in use             -> the row-floor test
+
+Over 600 lines on purpose: parity, row invariance and losslessness share the tree helpers above their tests.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from engine import generate
 from engine.config import SpecConfig
 from engine.models import load_model
 from engine.drafters.layerskip import LayerSkipDrafter
-from engine.native import BLOCK, MIN_ROWS, NativeError, NativeModel, bucket_rows, tail_index
+from engine.native import (BLOCK, MIN_ROWS, ROW_PROBE, NativeError, NativeModel, bucket_rows, row_invariance,
+                           tail_index)
 from engine.target import (BackendError, HFTarget, NativeTarget, backend_label, make_target, native_model,
                            resolve_backend)
 from kernels import cpu
@@ -233,6 +238,41 @@ def test_a_row_is_bitwise_the_same_alone_and_inside_trees_in_fp32(name, isa, mon
             assert bool(calls) == (net.kernel_on and not fused and cpu.attention_f32_reason(net.head_dim) is None)
             for r in rows:
                 assert torch.equal(r, ref)
+
+
+def test_the_row_floor_is_measured_so_a_gemm_that_changes_bits_with_m_stays_exact(monkeypatch):
+    """Rule 1's floor is measured on the machine (`NativeModel.row_floor`), not assumed: on an Intel Xeon
+    (AMX) the fp32 GEMM changed a row's bits at M >= 4, and the fp32 row test above failed there with the
+    kernels off (session 21). Stand-in for such a GEMM: an F.linear that computes fewer than 16 rows in
+    fp64 and rounds (other bits than the fp32 GEMM's). The floor measured is then 16, and a row is bitwise
+    the same alone and inside trees; with the floor assumed before (MIN_ROWS) an `ar` step (4 rows) and a
+    tree (16) round differently - the test's power."""
+    real = torch.nn.functional.linear
+
+    def linear(x, w, b=None):
+        if x.dim() == 2 and x.shape[0] < 16 and x.dtype == torch.float32:
+            y = (x.double() @ w.double().T).float()
+            return y if b is None else y + b
+        return real(x, w, b)
+
+    model = untie_head(load_model("random-llama", dtype="fp32")[0])
+    net = native_model(model)
+    floor = net.row_floor()                                      # this machine's own GEMM
+    assert floor in [2 ** i for i in range(2, 8)] and floor <= ROW_PROBE
+    assert all(m < floor for ms in row_invariance(net.linear_weights()).values() for m in ms)
+    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+    assert net.row_floor() == 16 and bucket_rows(3, 16) == 16 and bucket_rows(17, 16) == 32
+    # the draft size runs at its bucket's edge (engine.harness.bucket_edge), the bucket this floor gives
+    from engine.harness import bucket_edge
+    assert bucket_edge(SpecConfig.preset("pld", cpu_kernels=False), model, 2) == 15
+    rng = np.random.default_rng(5)
+    prompt = torch.as_tensor(rng.integers(0, 512, BLOCK + 5))
+    path = rng.integers(0, 512, 4).tolist()
+    ref, rows = _row_logits_in_trees(model, prompt, path, fixed_shape=True, cpu_kernels=False)
+    assert all(torch.equal(r, ref) for r in rows)
+    monkeypatch.setattr(NativeModel, "row_floor", lambda self: MIN_ROWS)
+    ref, rows = _row_logits_in_trees(model, prompt, path, fixed_shape=True, cpu_kernels=False)
+    assert not all(torch.equal(r, ref) for r in rows)
 
 
 @pytest.mark.slow

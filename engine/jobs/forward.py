@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from engine.harness import generate
 from engine.models import load_architecture, load_model
-from engine.native import weight_bytes
+from engine.native import row_invariance as native_row_invariance, weight_bytes
 from engine.target import DEVICE_ROWS, make_target, native_model
 from kernels import cpu
 from kernels.hardware import parse_device
@@ -179,22 +179,11 @@ def decode_tok_s(model, backend: str, context: int, new_tokens: int) -> float:
     return res.output_ids.numel() / (res.wall_s - res.prefill_s)
 
 
-def row_invariance(model, counts=(1, 2, 4, 8, 16, 32, 64, 128)) -> dict[str, list[int]]:
-    """For each distinct weight shape a forward reads (and the LM head): the row counts M at which row 0 of
-    `F.linear(x[:M], W)` is not bitwise row 0 at the largest M. Empty lists mean a row's GEMM bits do not
-    depend on the rows beside it (then per-step row buckets are safe); where they do, the fixed-shape path
-    must run every forward at one row count (`engine.target.DEVICE_ROWS` on an accelerator)."""
-    net = native_model(model)
-    mats = {tuple(m.shape): m for L in net.layers for m in (L.qkv_w, L.o_w, L.gate_up_w, L.down_w)}
-    mats[tuple(net.head_w.shape)] = net.head_w
-    g = torch.Generator().manual_seed(0)
-    out = {}
-    with torch.inference_mode():
-        for shape, w in mats.items():
-            x = torch.randn(max(counts), shape[1], generator=g).to(dtype=w.dtype, device=w.device)
-            ref = F.linear(x, w)[0]
-            out[f"{shape[0]}x{shape[1]}"] = [m for m in counts if not torch.equal(F.linear(x[:m], w)[0], ref)]
-    return out
+def row_invariance(model) -> dict[str, list[int]]:
+    """For each distinct weight shape a forward reads (and the LM head): the row counts M at which
+    `F.linear(x[:M], W)` does not give a row the bits it has at the largest M (`engine.native.row_invariance`,
+    whose floor the CPU's fixed-shape decode uses without the kernels, `engine.native.row_floor`)."""
+    return native_row_invariance(native_model(model).linear_weights())
 
 
 def print_targets(rows: list[dict]) -> None:
@@ -291,7 +280,7 @@ def main(argv=None) -> None:
                   + "   GB/s(n=1)  %bound  fwd/bare(n=1)  v8/v1  v16/v1")
             fmt = "8.3f" if on_device else "8.1f"
             inv = row_invariance(model)
-            print("row bits of F.linear vs M (row 0 at M rows against M = 128): " + "; ".join(
+            print("row bits of F.linear vs M (rows at M rows against M = 128): " + "; ".join(
                 f"{k}: {'same for every M' if not v else 'differs at M = ' + ','.join(map(str, v))}"
                 for k, v in inv.items()))
             print(f"{'bare matmul':15s} " + " ".join(f"{bare[n]:{fmt}}" for n in sizes) + "   (F.linear)")

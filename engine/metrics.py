@@ -4,7 +4,8 @@ Polars only (no torch, no transformers): the bench job (`engine.jobs.bench`), wh
 and the sweeps' tables (`sweeps.tables`), which read a results folder to draw the figures, both summarise
 through here, so a number in a printed table and the same number in a figure come from one expression. As
 vLLM's `v1/spec_decode/metrics.py` defines acceptance length in one place, this module is the one place that
-says what tau, speedup, draft time and coverage are (issue #17).
+says what tau, speedup, draft time and coverage are (issue #17). (Over 600 lines on purpose: that one place
+holds every measure, its interval and the comparisons built on them.)
 
 The results rows (`ROW_SCHEMA`, one per (method, run, prompt, turn, repeat), written by `engine.jobs.bench`)
 keep their columns; a results folder written before still loads. The summaries name each measure once:
@@ -466,17 +467,35 @@ COMPARISON_SCHEMA = {"method": pl.String, "run": pl.String, "base": pl.String, "
                      "base_policy": pl.String,
                      **{c: pl.Float64 for c in ("draft_ms", "base_draft_ms", "draft_ratio", "tau", "base_tau",
                                                 "tau_ratio", "tokens_per_s", "base_tokens_per_s", "speed_ratio",
+                                                "speed_ratio_lo", "speed_ratio_hi",
                                                 "speedup", "mean_active_vocab", "base_mean_active_vocab")}}
 
 
-def compare_vocabs(summary: pl.DataFrame) -> pl.DataFrame:
+def unit_rates(frame: pl.DataFrame, method: str, run: str) -> pl.DataFrame:
+    """One run's tokens/s per prompt turn (UNIT), its repeats averaged: what the bootstrap intervals draw."""
+    return (frame.filter((pl.col("method") == method) & (pl.col("run") == run))
+            .group_by(*UNIT).agg(pl.col("tokens_per_s").mean()))
+
+
+def pair_interval(frame: pl.DataFrame, method: str, run: str, base: str) -> tuple[float, float] | None:
+    """The 95% paired bootstrap interval (`ratio_interval`) of run's tokens/s over base's, both runs of
+    `method`, over the prompt turns both ran (in unit order: the seeded draws are the same on every call)."""
+    both = (unit_rates(frame, method, run).join(unit_rates(frame, method, base), on=UNIT, suffix="_base")
+            .drop_nulls().sort(*UNIT))
+    return ratio_interval([both["tokens_per_s"].to_numpy()], [both["tokens_per_s_base"].to_numpy()])
+
+
+def compare_vocabs(summary: pl.DataFrame, frame: pl.DataFrame | None = None) -> pl.DataFrame:
     """From `summarize`'s ALL rows: per drafter, each non-full run against every `full` run of the same
     drafter, then every microspec run against every frspec and dynaspec run, and every dynaspec run against
     every frspec run (e.g. frspec and frspec:1024, to compare tau at an equal or smaller mean vocabulary).
     Policies come from the `policy` column (else the run label). Ratios: draft_ratio = base draft_ms /
     draft_ms (how many times less draft time per step), tau_ratio = tau / base tau, speed_ratio =
-    tokens_per_s / base tokens_per_s; `speedup` is the run's own over ar."""
+    tokens_per_s / base tokens_per_s; `speedup` is the run's own over ar. With `frame`, the rows `summary`
+    summarises: speed_ratio_lo / _hi, the ratio's 95% interval over the prompt turns both runs ran, each turn
+    paired with itself (`pair_interval`); null without."""
     allrows = summary.filter(pl.col("task") == ALL)
+    frame = None if frame is None else with_schema(frame)
     out = []
     for method in allrows["method"].unique(maintain_order=True).to_list():
         mine = {r["run"]: r for r in allrows.filter(pl.col("method") == method).iter_rows(named=True)}
@@ -486,12 +505,14 @@ def compare_vocabs(summary: pl.DataFrame) -> pl.DataFrame:
         for v, base in pairs:
             a, b = mine[v], mine[base]
             ratio = (lambda x, y: x / y if x is not None and y else None)
+            ci = None if frame is None else pair_interval(frame, method, v, base)
             out.append({"method": method, "run": v, "base": base, "policy": _policy_of(a),
                         "base_policy": _policy_of(b), "draft_ms": a["draft_ms"],
                         "base_draft_ms": b["draft_ms"], "draft_ratio": ratio(b["draft_ms"], a["draft_ms"]),
                         "tau": a["tau"], "base_tau": b["tau"], "tau_ratio": ratio(a["tau"], b["tau"]),
                         "tokens_per_s": a["tokens_per_s"], "base_tokens_per_s": b["tokens_per_s"],
-                        "speed_ratio": ratio(a["tokens_per_s"], b["tokens_per_s"]), "speedup": a.get("speedup"),
+                        "speed_ratio": ratio(a["tokens_per_s"], b["tokens_per_s"]),
+                        "speed_ratio_lo": ci and ci[0], "speed_ratio_hi": ci and ci[1], "speedup": a.get("speedup"),
                         "mean_active_vocab": a["mean_active_vocab"], "base_mean_active_vocab": b["mean_active_vocab"]})
     return pl.DataFrame(out, schema=COMPARISON_SCHEMA)
 
@@ -511,7 +532,9 @@ def comparison_lines(cmp: pl.DataFrame) -> list[str]:
         line = (f"{who} vs {r['base']}: draft {_fmt(r['draft_ms'])} vs "
                 f"{_fmt(r['base_draft_ms'])} ms/step = {_fmt(r['draft_ratio'])}x less; tau {_fmt(r['tau'])} vs "
                 f"{_fmt(r['base_tau'])} = {_fmt(r['tau_ratio'], '.3f')}x; tokens/s {_fmt(r['tokens_per_s'])} vs "
-                f"{_fmt(r['base_tokens_per_s'])} = {_fmt(r['speed_ratio'], '.3f')}x; mean active vocab "
+                f"{_fmt(r['base_tokens_per_s'])} = {_fmt(r['speed_ratio'], '.3f')}x"
+                + (f" (95% {_fmt(r['speed_ratio_lo'])}-{_fmt(r['speed_ratio_hi'])})"
+                   if r.get("speed_ratio_lo") is not None else "") + "; mean active vocab "
                 f"{_fmt(r['mean_active_vocab'], '.0f')} vs {_fmt(r['base_mean_active_vocab'], '.0f')}")
         pol = r.get("policy") or policy(r["run"])
         base = r.get("base_policy") or policy(r["base"])

@@ -377,7 +377,7 @@ def one_head_tables(bench: pl.DataFrame | None) -> list[tuple[str, pl.DataFrame,
             shown = table.select(pl.lit(model).alias("model"), pl.lit(prompt_set).alias("prompt_set"), "run",
                                  "policy", "vocab_size", "rows", "tokens_per_s", "speedup", "tau",
                                  "mean_active_vocab", "draft_ms", *phases, "lossless")
-            out.append((f"{model} · {prompt_set} · {method}", shown, comparison_lines(compare_vocabs(table))))
+            out.append((f"{model} · {prompt_set} · {method}", shown, comparison_lines(compare_vocabs(table, rows))))
     if not out:
         print("skipped Table 2 on one head: no drafter was benched with two or more vocabulary policies")
     return out

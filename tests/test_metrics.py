@@ -324,3 +324,31 @@ def test_the_mean_over_tasks_draws_tasks():
     assert one(t2, task="writing", method="pld")["speedup_lo"] is None
     # summarize's ALL pools the turns (the same two units here, so the same span)
     assert one(metrics.summarize(frame), task=ALL, method="pld")["speedup_hi"] == pytest.approx(2.0)
+
+
+def test_a_policy_comparison_carries_the_paired_interval_of_its_speed_ratio():
+    """compare_vocabs with the rows: speed_ratio_lo / _hi over the turns both runs ran, each paired with itself.
+    layerskip microspec at exactly 2x full's tokens/s on every turn (turns 10x apart in speed): [2, 2] - a
+    bootstrap that drew the two runs' turns apart would spread over the turns' spread; without the rows no
+    interval, as before; the printed line shows it."""
+    rows = []
+    for i in range(10):
+        for run, rate in (("full", 20.0 * (1 + i)), ("microspec", 40.0 * (1 + i))):
+            rows.append({"model": "m", "prompt_set": "spec_bench", "method": "layerskip", "run": run, "policy": run,
+                         "category": "writing", "prompt_id": f"p{i}", "turn": 1, "repeat": 0, "new_tokens": 32,
+                         "steps": 16, "wall_s": 32 / rate, "tokens_per_s": rate, "draft_s": 0.01,
+                         "temperature": 0.0, "output_ids": [1, 2]})
+    frame = pl.DataFrame(rows, schema_overrides={"turn": pl.Int32, "repeat": pl.Int32})
+    summary = metrics.summarize(frame)
+    (cmp,) = metrics.compare_vocabs(summary, frame).iter_rows(named=True)
+    assert cmp["speed_ratio"] == pytest.approx(2.0)
+    assert (cmp["speed_ratio_lo"], cmp["speed_ratio_hi"]) == (pytest.approx(2.0), pytest.approx(2.0))
+    (line,) = metrics.comparison_lines(metrics.compare_vocabs(summary, frame))
+    assert "= 2.000x (95% 2.00-2.00)" in line
+    (bare,) = metrics.compare_vocabs(summary).iter_rows(named=True)
+    assert bare["speed_ratio_lo"] is None and "95%" not in metrics.comparison_lines(metrics.compare_vocabs(summary))[0]
+    # a turn only one run ran is left out of the pairs (not paired with another turn)
+    extra = frame.filter(pl.col("run") == "full").head(1).with_columns(prompt_id=pl.lit("lonely"),
+                                                                         tokens_per_s=pl.lit(1.0))
+    (cmp2,) = metrics.compare_vocabs(summary, pl.concat([frame, extra])).iter_rows(named=True)
+    assert (cmp2["speed_ratio_lo"], cmp2["speed_ratio_hi"]) == (pytest.approx(2.0), pytest.approx(2.0))

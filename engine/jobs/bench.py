@@ -509,7 +509,7 @@ def print_summary(frame: pl.DataFrame) -> pl.DataFrame:
             print(table.filter(pl.col("task") == task).select(*RUN, *per_task))
         print("overall:")
         print(table.filter(pl.col("task") == ALL).select(*RUN, *overall))
-    for line in comparison_lines(compare_vocabs(full)):
+    for line in comparison_lines(compare_vocabs(full, frame)):
         print(line)
     differ = divergence_lines(frame)
     if differ:

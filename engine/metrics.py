@@ -325,23 +325,17 @@ def with_speedup(table: pl.DataFrame, keys: Sequence[str]) -> pl.DataFrame:
             .drop("_ar_tokens_per_s", "_ar_decode"))
 
 
-def ratio_interval(run: Sequence[np.ndarray], ar: Sequence[np.ndarray], level: float = CI_LEVEL,
-                   draws: int = CI_DRAWS, seed: int = CI_SEED) -> tuple[float, float] | None:
-    """The percentile bootstrap interval of sum_s mean(run[s]) / sum_s mean(ar[s]) (s over strata; each stratum
-    holds paired unit values, run[s][i] and ar[s][i] measured on the same unit): every draw resamples each
-    stratum's units with replacement, the same indices for both sides (the pairing), and the interval is the
-    central `level` of the draws' ratios. None for fewer than 2 units in all. One stratum: a ratio of means
-    over units; units as strata of one unit each would give a zero-width interval, so a total over tasks
-    passes the tasks' means as the units of one stratum (`with_intervals`)."""
-    if sum(len(r) for r in run) < 2:
+def ratio_interval(run: np.ndarray, ar: np.ndarray, level: float = CI_LEVEL, draws: int = CI_DRAWS,
+                   seed: int = CI_SEED) -> tuple[float, float] | None:
+    """The percentile bootstrap interval of mean(run) / mean(ar) over paired units (run[i] and ar[i] measured
+    on the same unit): every draw resamples the units with replacement, the same indices for both sides (the
+    pairing), and the interval is the central `level` of the draws' ratios. None for fewer than 2 units. A
+    total over tasks passes the tasks' means as its units (`with_intervals`)."""
+    run, ar = np.asarray(run, dtype=float), np.asarray(ar, dtype=float)
+    if len(run) < 2:
         return None
-    rng = np.random.default_rng(seed)
-    num, den = np.zeros(draws), np.zeros(draws)
-    for r, a in zip(run, ar):
-        pick = rng.integers(0, len(r), size=(draws, len(r)))
-        num += np.asarray(r, dtype=float)[pick].mean(axis=1)
-        den += np.asarray(a, dtype=float)[pick].mean(axis=1)
-    lo, hi = np.quantile(num / den, [(1 - level) / 2, (1 + level) / 2])
+    pick = np.random.default_rng(seed).integers(0, len(run), size=(draws, len(run)))
+    lo, hi = np.quantile(run[pick].mean(axis=1) / ar[pick].mean(axis=1), [(1 - level) / 2, (1 + level) / 2])
     return float(lo), float(hi)
 
 
@@ -358,10 +352,10 @@ def with_intervals(table: pl.DataFrame, frame: pl.DataFrame, keys: Sequence[str]
     rows."""
     frame = frame.with_columns(_decode_rate=decode_rate())
     unit = ["task"] if over_tasks else UNIT
-    inner = [*UNIT] if over_tasks else []
     rates = list(INTERVALS.values())
-    per = (frame.group_by(*keys, *RUN, *unit, *inner).agg(pl.col(rates).mean())
-           .group_by(*keys, *RUN, *unit).agg(pl.col(rates).mean()))
+    per = frame.group_by(*keys, *RUN, *UNIT, *(["task"] if over_tasks else [])).agg(pl.col(rates).mean())
+    if over_tasks:                                             # then each task's mean over its turns
+        per = per.group_by(*keys, *RUN, "task").agg(pl.col(rates).mean())
     ar = (per.filter(pl.col("method") == "ar").group_by(*keys, *unit)
           .agg(**{f"_ar{c}": pl.col(c).mean() for c in rates}))
     # in unit order, so the seeded draws pick the same units on every call (group_by's order is not fixed)
@@ -375,7 +369,7 @@ def with_intervals(table: pl.DataFrame, frame: pl.DataFrame, keys: Sequence[str]
         for name, rate in INTERVALS.items():
             ok = part.filter(pl.col(rate).is_not_null() & pl.col(f"_ar{rate}").is_not_null()
                              & (pl.col(f"_ar{rate}") > 0))
-            got = ratio_interval([ok[rate].to_numpy()], [ok[f"_ar{rate}"].to_numpy()])
+            got = ratio_interval(ok[rate].to_numpy(), ok[f"_ar{rate}"].to_numpy())
             out[f"{name}_lo"].append(None if got is None else got[0])
             out[f"{name}_hi"].append(None if got is None else got[1])
     schema = {c: table.schema[c] for c in [*keys, *RUN]}
@@ -482,7 +476,7 @@ def pair_interval(frame: pl.DataFrame, method: str, run: str, base: str) -> tupl
     `method`, over the prompt turns both ran (in unit order: the seeded draws are the same on every call)."""
     both = (unit_rates(frame, method, run).join(unit_rates(frame, method, base), on=UNIT, suffix="_base")
             .drop_nulls().sort(*UNIT))
-    return ratio_interval([both["tokens_per_s"].to_numpy()], [both["tokens_per_s_base"].to_numpy()])
+    return ratio_interval(both["tokens_per_s"].to_numpy(), both["tokens_per_s_base"].to_numpy())
 
 
 def compare_vocabs(summary: pl.DataFrame, frame: pl.DataFrame | None = None) -> pl.DataFrame:

@@ -193,6 +193,25 @@ def _compile(source: Path, flags: tuple[str, ...]) -> Path:
     return out
 
 
+def _bind_shared(lib: ctypes.CDLL, topk: str, topk_lse: str, scratch: str, layer: str) -> None:
+    """The signatures both builds give their own names: the top-k passes and the fused layer with its
+    scratch size (kernels/cpu.c `sv_*`, kernels/cpu_avx2.c `sv2_*`)."""
+    f = getattr(lib, topk)
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                  ctypes.c_int]
+    f.restype = ctypes.c_int
+    f = getattr(lib, topk_lse)
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+    f.restype = ctypes.c_int
+    f = getattr(lib, scratch)
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    f.restype = ctypes.c_size_t
+    f = getattr(lib, layer)
+    f.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3
+                  + [ctypes.c_int, ctypes.c_float, ctypes.c_void_p] + [ctypes.c_int] * 2)
+    f.restype = None
+
+
 def _bind_portable(lib: ctypes.CDLL) -> None:
     """The signatures of kernels/cpu_portable.c's functions, in either build."""
     lib.sv_unispec_tree.argtypes = ([ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
@@ -221,18 +240,7 @@ def _build() -> ctypes.CDLL:
     lib.sv_attention.restype = None
     lib.sv_linear_rows_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
     lib.sv_linear_rows_bf16.restype = None
-    lib.sv_topk_f32.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_void_p,
-                                ctypes.c_void_p, ctypes.c_int]
-    lib.sv_topk_f32.restype = ctypes.c_int
-    lib.sv_topk_lse_f32.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_int] + [ctypes.c_void_p] * 3 + [
-        ctypes.c_int]
-    lib.sv_topk_lse_f32.restype = ctypes.c_int
-    lib.sv_layer_scratch.argtypes = [ctypes.c_void_p, ctypes.c_int]
-    lib.sv_layer_scratch.restype = ctypes.c_size_t
-    lib.sv_layer.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
-                             + [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
-                             + [ctypes.c_int] * 2)
-    lib.sv_layer.restype = None
+    _bind_shared(lib, "sv_topk_f32", "sv_topk_lse_f32", "sv_layer_scratch", "sv_layer")
     _bind_portable(lib)
     return lib
 
@@ -261,18 +269,7 @@ def _build_avx2() -> ctypes.CDLL:
     lib.sv2_attention_f32.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int] * 4
                                       + [ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int])
     lib.sv2_attention_f32.restype = ctypes.c_int
-    lib.sv2_topk_f32.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_void_p,
-                                 ctypes.c_void_p, ctypes.c_int]
-    lib.sv2_topk_f32.restype = ctypes.c_int
-    lib.sv2_topk_lse_f32.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_int]
-                                     + [ctypes.c_void_p] * 3 + [ctypes.c_int])
-    lib.sv2_topk_lse_f32.restype = ctypes.c_int
-    lib.sv2_layer_scratch.argtypes = [ctypes.c_void_p, ctypes.c_int]
-    lib.sv2_layer_scratch.restype = ctypes.c_size_t
-    lib.sv2_layer_f32.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
-                                  + [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
-                                  + [ctypes.c_int] * 2)
-    lib.sv2_layer_f32.restype = None
+    _bind_shared(lib, "sv2_topk_f32", "sv2_topk_lse_f32", "sv2_layer_scratch", "sv2_layer_f32")
     _bind_portable(lib)
     return lib
 

@@ -306,7 +306,7 @@ def test_the_interval_covers_the_true_speedup_at_its_level():
     for s in range(300):
         a = rng.uniform(50, 150, 40)
         m = a * centre * np.exp(rng.normal(0, sigma, 40))
-        lo, hi = metrics.ratio_interval([m], [a], seed=s)
+        lo, hi = metrics.ratio_interval(m, a, seed=s)
         covered += lo <= truth <= hi
     assert 0.90 <= covered / 300 <= 0.985, covered
 

@@ -1,14 +1,14 @@
 """Decoders, harness, models and prompts. `generate(model, prompt_ids, method=...)` is the entry point:
 one lossless draft-verify loop for every method (see `engine.harness`).
 
-The names below are imported on first use, so `python -m engine.<module>` runs that module once (an eager
+The names below are imported on first use, so `python -m specvocab.engine.<module>` runs that module once (an eager
 import of the harness here would load `engine.vocab` and the others before runpy executes them)."""
 
 import importlib
 
-_EXPORTS = {"METHODS": "engine.config", "SpecConfig": "engine.config", "ContextError": "engine.harness",
-            "GenerateResult": "engine.harness", "HarnessError": "engine.harness", "forward_tree": "engine.harness",
-            "generate": "engine.harness"}
+_EXPORTS = {"METHODS": "specvocab.engine.config", "SpecConfig": "specvocab.engine.config", "ContextError": "specvocab.engine.harness",
+            "GenerateResult": "specvocab.engine.harness", "HarnessError": "specvocab.engine.harness", "forward_tree": "specvocab.engine.harness",
+            "generate": "specvocab.engine.harness"}
 
 __all__ = sorted(_EXPORTS)
 
@@ -16,7 +16,7 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name):
     if name in _EXPORTS:     # imported here, on first use (see above; allow-listed in tests/test_layering.py)
         return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():

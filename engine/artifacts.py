@@ -11,8 +11,8 @@ fingerprint that ties a fitted or trained artifact to the target it was made for
 - Fingerprint: `head_fingerprint(weight [V, d])` (the head's directions: sampled rows times fixed probe vectors,
   see `FINGERPRINT_RTOL`), stored under `FINGERPRINT_KEY` beside the vocabulary and hidden sizes, and one check,
   `fingerprint_matches` (`head_matches` with the sizes), used for EAGLE heads, DynaSpec fits and training data
-  alike. `stored_fingerprint` also reads the key EAGLE heads were saved with before (`target_fingerprint`), and
-  the check still reads the row-norm fingerprints of before #18 (with a warning), so files written then load.
+  alike. `stored_fingerprint` also reads the older key of EAGLE heads' config.json (`target_fingerprint`), and
+  the check also reads the older row-norm kind of fingerprint (a list; with a warning), so files holding either load.
 
 Below everything else in `engine`: imports nothing from it.
 """
@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from engine.atomic import atomic_dir, atomic_write, sidecar_path  # noqa: F401 (the writing rule, re-exported)
-from kernels.tensor_ops import row_chunks
+from specvocab.engine.atomic import atomic_dir, atomic_write, sidecar_path  # noqa: F401 (the writing rule, re-exported)
+from specvocab.kernels.tensor_ops import row_chunks
 
 # --- writing: one rule (engine.atomic; the torch writers below) -----------------------------------------
 
@@ -47,9 +47,9 @@ def save_torch(obj, path: str | Path, *, sidecar: Mapping | None = None) -> Path
 # --- the LM-head fingerprint and its one check ------------------------------------------------------------------
 
 FINGERPRINT_KEY = "head_fingerprint"          # written by every artifact tied to a target's LM head
-_OLD_FINGERPRINT_KEYS = ("target_fingerprint",)   # EAGLE heads' config.json before #17 (the shipped heads)
+_OLD_FINGERPRINT_KEYS = ("target_fingerprint",)   # the older key of EAGLE heads' config.json
 
-# The fingerprint (#18) is the head's *directions*, not its row norms: F = W[rows] @ P, `FINGERPRINT_ROWS` evenly
+# The fingerprint is the head's *directions*, not its row norms: F = W[rows] @ P, `FINGERPRINT_ROWS` evenly
 # spaced rows of W [V, d] times `FINGERPRINT_PROBES` fixed Gaussian probe vectors P [d, p] (drawn in fp64 from
 # `FINGERPRINT_SEED`). Two heads match when ||F_have - F_stored||_F <= RTOL * ||F_stored||_F.
 # Why this tells a copy from a fine-tune: for a probe p ~ N(0, I) independent of W, E[(x . p)^2] = ||x||^2, so
@@ -59,8 +59,8 @@ _OLD_FINGERPRINT_KEYS = ("target_fingerprint",)   # EAGLE heads' config.json bef
 # leaves room for the estimate's spread (4 standard deviations). Measured on the shipped heads' targets in bf16:
 # 1.3e-3 (SmolLM2) and 1.6e-3 (Gemma-3). A fine-tune, another checkpoint or noise of 1% of the weights' spread
 # moves it by ~1e-2, and another head of the same shape by ~1.4 (sqrt 2): refused.
-# The fingerprint of before #18 (a list: norms of 32 rows and the mean row norm) told only the norms apart, and
-# a same-shape fine-tune kept them within 0.3%. Files that still hold one are read (`fingerprint_matches`
+# The older, row-norm kind (a list: norms of 32 rows and the mean row norm) tells only the norms apart, and a
+# same-shape fine-tune keeps them within 0.3%. Files that still hold one are read (`fingerprint_matches`
 # checks it the old way, with a warning naming the command that rewrites the file); every writer writes the
 # new kind.
 FINGERPRINT_ROWS = 64
@@ -92,7 +92,7 @@ def head_fingerprint(weight: torch.Tensor, n: int = FINGERPRINT_ROWS, probes: in
 
 
 def old_head_fingerprint(weight: torch.Tensor, n: int = 32) -> list[float]:
-    """The fingerprint of before #18 (norms of n evenly spaced rows and the mean row norm); only to check
+    """The older, row-norm fingerprint (norms of n evenly spaced rows and the mean row norm); only to check
     files that hold one."""
     weight = weight.detach()
     rows = torch.linspace(0, weight.shape[0] - 1, min(n, weight.shape[0])).long().to(weight.device)
@@ -104,13 +104,13 @@ def old_head_fingerprint(weight: torch.Tensor, n: int = 32) -> list[float]:
 
 
 def is_old_fingerprint(stored) -> bool:
-    """A fingerprint of before #18 (a list of row norms)."""
+    """A fingerprint of the older, row-norm kind (a list of row norms)."""
     return isinstance(stored, (list, tuple))
 
 
 def stored_fingerprint(meta: Mapping | None):
     """The fingerprint an artifact's metadata holds, under `FINGERPRINT_KEY` or an older key; None if none. A
-    dict (`head_fingerprint`), or a list of floats for a file written before #18."""
+    dict (`head_fingerprint`), or a list of floats for a file holding the older row-norm kind."""
     for key in (FINGERPRINT_KEY, *_OLD_FINGERPRINT_KEYS):
         if meta and meta.get(key) is not None:
             value = meta[key]
@@ -141,10 +141,10 @@ def fingerprint_matches(stored, weight: torch.Tensor, fingerprint=None) -> bool:
         return False
     if isinstance(stored, Mapping):
         return fingerprint_distance(stored, weight) <= FINGERPRINT_RTOL
-    warnings.warn("an artifact holds an LM-head fingerprint of before #18 (row norms), which cannot tell a fine-tune "
+    warnings.warn("an artifact holds an LM-head fingerprint of the older row-norm kind, which cannot tell a fine-tune "
                   "of the same model from it; write the file again to store the new kind (EAGLE heads: "
-                  "`python -m engine.jobs.export_eagle`; DynaSpec fits: `python -m "
-                  "engine.jobs.fit_dynaspec`; EAGLE data: `python -m engine.jobs.eagle_data`)", stacklevel=2)
+                  "`python -m specvocab.engine.jobs.export_eagle`; DynaSpec fits: `python -m "
+                  "specvocab.engine.jobs.fit_dynaspec`; EAGLE data: `python -m specvocab.engine.jobs.eagle_data`)", stacklevel=2)
     want = np.asarray(stored, dtype=np.float64)
     if not isinstance(fingerprint, (list, tuple)):
         fingerprint = old_head_fingerprint(weight)

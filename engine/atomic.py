@@ -3,7 +3,7 @@
 The rule (temporary file beside the target, fsync, `os.replace`, fsync the folder) is described in
 `engine.artifacts`, which re-exports these three and adds the writers that need torch (`save_safetensors`,
 `save_torch`) and the LM-head fingerprint. They live here so that what only writes files - the sweeps'
-results (`sweeps.results`), the calibration cache - loads without torch (issue #17: `sweeps.tables` draws from a
+results (`sweeps.results`), the calibration cache - loads without torch (`sweeps.tables` draws from a
 results folder in a process without torch). Below everything in `engine`: imports nothing from it.
 """
 

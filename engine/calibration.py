@@ -66,7 +66,7 @@ EAGLE's `total_token=-1` heuristic (`eagle_total_token`): EAGLE times 20 forward
 without a KV cache for n in {40, 48, 50, 56, 60}, divides each time by a fixed prior of the acceptance
 gain {1, 1.05, 1.07, 1.1, 1.13}, and takes the n with the smallest ratio as its total tokens (root
 included, so n - 1 draft tokens). It never looks outside 40-60 nodes and assumes the gain instead of
-measuring it; `python -m engine.jobs.calibrate` reports its choice next to g*.
+measuring it; `python -m specvocab.engine.jobs.calibrate` reports its choice next to g*.
 """
 
 from __future__ import annotations
@@ -90,13 +90,13 @@ import torch
 from scipy.interpolate import BSpline
 from scipy.optimize import differential_evolution
 
-from engine.atomic import atomic_write
-from kernels.hardware import isa_env
+from specvocab.engine.atomic import atomic_write
+from specvocab.kernels.hardware import isa_env
 # The calibration key and the drafting methods are defined in engine.config (no torch); re-exported here, where
 # users and tests have always read them (engine.calibration.calibration_fields, ...).
-from engine.config import (ADDED_AT_DEFAULT, CALIBRATION_FIELDS, DRAFTING_METHODS, NOT_CALIBRATION_FIELDS,  # noqa: F401
+from specvocab.engine.config import (ADDED_AT_DEFAULT, CALIBRATION_FIELDS, DRAFTING_METHODS, NOT_CALIBRATION_FIELDS,  # noqa: F401
                            POLICY_FIELDS, SpecConfig, calibration_fields, config_fingerprint)
-from kernels.hardware import cache_root
+from specvocab.kernels.hardware import cache_root
 
 DEFAULT_GRIDS = {"cpu": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32), "cuda": tuple(range(16, 161, 16))}
 # [C] Per-method grids where the device's grid does not fit the method: a prompt-lookup chain is as deep as
@@ -320,7 +320,7 @@ def eagle_total_token(forward_s: Mapping[int, float], candidates: Sequence[int] 
 
 # ---- the cache key ---------------------------------------------------------------------------------------
 # Its config part (`calibration_fields`, `config_fingerprint` and their tables) is defined in engine.config,
-# without torch, so that a sweep's config links its cells in a process without torch (#17); imported above.
+# without torch, so that a sweep's config links its cells in a process without torch; imported above.
 
 
 def device_name(device: torch.device | str) -> str:
@@ -428,12 +428,12 @@ def code_stamp(root: str | Path | None = None) -> str:
 
 
 def calibrate_command(cfg: SpecConfig, model) -> str:
-    """The `python -m engine.jobs.calibrate` command that calibrates cfg's key on this machine: the model, the
+    """The `python -m specvocab.engine.jobs.calibrate` command that calibrates cfg's key on this machine: the model, the
     method, the device, dtype and (CPU) threads of the key, and a `--set` for every calibration field where
     cfg differs from the method's preset."""
     p = next(model.parameters())
     preset = calibration_fields(SpecConfig.preset(cfg.method)) if cfg.method in DRAFTING_METHODS else {}
-    parts = ["python -m engine.jobs.calibrate", f"--model {shlex.quote(model_id(model))}", f"--method {cfg.method}",
+    parts = ["python -m specvocab.engine.jobs.calibrate", f"--model {shlex.quote(model_id(model))}", f"--method {cfg.method}",
              f"--device {p.device}", f"--dtype {str(p.dtype).replace('torch.', '')}"]
     if p.device.type == "cpu":
         parts.append(f"--threads {torch.get_num_threads()}")
@@ -525,7 +525,7 @@ def refit(key: str, pipeline: str | None = None, mode: str | None = None, timing
     the other pipeline). Without `pipeline`, the record's own pipeline, mode and timing (unless given)."""
     rec = load_calibrations().get(key)
     if rec is None:
-        raise CalibrationError(f"no calibration {key!r} in {cache_file()}; run `python -m engine.jobs.calibrate`")
+        raise CalibrationError(f"no calibration {key!r} in {cache_file()}; run `python -m specvocab.engine.jobs.calibrate`")
     if pipeline is None:
         pipeline, rec_mode, rec_timing = _record_pipeline(rec)
         mode, timing = mode or rec_mode, timing or rec_timing

@@ -9,7 +9,7 @@
 
 `engine.models` loads the models, `engine.shipped` matches a shipped head to a loaded target and
 `engine.drafters` builds the drafters; each imports its names from here and re-exports them. A sweep's config
-(`sweeps.config`) is checked against this module alone, so it parses in a process without torch (issue #17).
+(`sweeps.config`) is checked against this module alone, so it parses in a process without torch.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from engine.config import HF_METHODS, METHODS
+from specvocab.engine.config import HF_METHODS, METHODS
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")   # owner/name
 

@@ -10,13 +10,13 @@ arguments.
 
 Draft size: one field, `draft_size` = g, the draft tokens per step (root excluded), for every method.
 `None` means the calibrated size of every drafter on this model, device, dtype and config (UniSpec §3,
-App. F: `engine.calibration.resolve_draft_size`, made by `python -m engine.jobs.calibrate --method <method>`), resolved
+App. F: `engine.calibration.resolve_draft_size`, made by `python -m specvocab.engine.jobs.calibrate --method <method>`), resolved
 once where a run's config is resolved (`engine.harness.resolve_config`), never inside a drafter. With no
 calibration cached, the method's uncalibrated default, with one warning naming the command: unispec a
 per-device g, recycling its whole static template, pld and the EAGLE-style drafters `DEFAULT_DRAFT_SIZE`.
 
 Also here, without torch, so that a sweep's config is parsed and expanded into cells in a process that never
-loads it (issue #17): what the methods and policies are in the config's terms - `DRAFTING_METHODS`,
+loads it: what the methods and policies are in the config's terms - `DRAFTING_METHODS`,
 `HF_METHODS`, each policy's size field `REQUESTED_SIZE` - and the calibration key: the fields that change a
 method's tau(g) or s(g) (`calibration_fields`, `config_fingerprint`), under which `engine.calibration`
 caches g* and a sweep links a bench cell to its calibrate cell.
@@ -79,7 +79,7 @@ class SpecConfig:
     verify_rows: int | None = None    # native + fixed_shape: rows of every decode forward; None = the next
                                       # bucket (power of two >= 4) of each step's tree
     compile: bool = False             # native + fixed_shape: torch.compile (inductor) the decode layer: fuses
-                                      # the elementwise ops around the GEMMs (python -m engine.jobs.forward
+                                      # the elementwise ops around the GEMMs (python -m specvocab.engine.jobs.forward
                                       # measures it); each bucket compiles once per process (~10 s on a CPU)
     cuda_graphs: bool = True          # native + fixed_shape on CUDA: replay the decode forward as CUDA graphs
                                       # (engine.native.GraphedDecode), one per BLOCK tokens of context; no-op
@@ -132,7 +132,7 @@ class SpecConfig:
                                       # every draft step); position = FR-Spec-PA (DynaSpec App. A.1): the top
                                       # floor(frspec_k / (t + 1)) ids at draft step t (t = 0: the root's children)
     frequency_file: str | None = None
-    # DynaSpec (engine.vocab.dynaspec): a fitted clusters + router file (`python -m engine.jobs.fit_dynaspec`); None =
+    # DynaSpec (engine.vocab.dynaspec): a fitted clusters + router file (`python -m specvocab.engine.jobs.fit_dynaspec`); None =
     # the newest one in the specvocab cache fitted for this LM head and drafter
     dynaspec_file: str | None = None
     dynaspec_k_max: int = 256         # clusters per row at draft steps 0-1 (DynaSpec §4.2); not stated in the
@@ -190,7 +190,7 @@ class SpecConfig:
         """`draft_size` of a resolved config; a clear error when it is still None (drafters call this)."""
         if self.draft_size is None:
             raise ConfigError(f"{self.method}: draft_size is None; the method's default is resolved by "
-                              f"engine.harness.resolve_config(cfg, model=target) - generate() does this - so "
+                              f"specvocab.engine.harness.resolve_config(cfg, model=target) - generate() does this - so "
                               f"resolve the config first or set draft_size")
         return int(self.draft_size)
 

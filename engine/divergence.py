@@ -46,8 +46,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from engine.metrics import VERDICTS, first_divergence, run_verdict  # noqa: F401 (the row verdicts, defined once)
-from engine.target import make_target
+from specvocab.engine.metrics import VERDICTS, first_divergence, run_verdict  # noqa: F401 (the row verdicts, defined once)
+from specvocab.engine.target import make_target
 
 # Fraction bits stored per dtype: a float x has ulp(x) = 2^(floor(log2|x|) - FRACTION_BITS) - bf16 keeps 8
 # significant bits (7 stored), fp16 11 (10), fp32 24 (23). Keys: torch's names, as the bench's `dtype` column.

@@ -35,18 +35,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.calibration import resolve_draft_size
-from engine.config import DEFAULT_DRAFT_SIZE, DRAFTING_METHODS, HF_METHODS, SpecConfig
-from engine.drafters import make_drafter
-from engine.drafters.recycling import TEMPLATES, template_size
-from engine.models import eos_token_ids
-from engine.shipped import default_eagle3_head, default_eagle_head
-from engine.native import BLOCK, bucket_rows
-from engine.target import (forward_tree, head_topk, lm_logits, make_target, max_tree_nodes,  # noqa: F401
+from specvocab.engine.calibration import resolve_draft_size
+from specvocab.engine.config import DEFAULT_DRAFT_SIZE, DRAFTING_METHODS, HF_METHODS, SpecConfig
+from specvocab.engine.drafters import make_drafter
+from specvocab.engine.drafters.recycling import TEMPLATES, template_size
+from specvocab.engine.models import eos_token_ids
+from specvocab.engine.shipped import default_eagle3_head, default_eagle_head
+from specvocab.engine.native import BLOCK, bucket_rows
+from specvocab.engine.target import (forward_tree, head_topk, lm_logits, make_target, max_tree_nodes,  # noqa: F401
                            native_model, pads_rows, prefill, resolve_backend)
-from engine.tree import DraftTree, Drafter, PrefillTopK, StepResult
-from engine.verify import sample_token, tree_layout, verify_greedy, verify_sampling, warp_probs
-from locality.trace import Trace
+from specvocab.engine.tree import DraftTree, Drafter, PrefillTopK, StepResult
+from specvocab.engine.verify import sample_token, tree_layout, verify_greedy, verify_sampling, warp_probs
+from specvocab.locality.trace import Trace
 
 # Histogram of the drafted nodes' confidence scores (`DraftTree.scores`, UniSpec §3.2, Fig. 3): SCORE_BINS equal
 # bins over [0, 1], bin b = [b / SCORE_BINS, (b + 1) / SCORE_BINS), a score of 1.0 (or above) in the last one
@@ -214,7 +214,7 @@ def bucket_edge(cfg: SpecConfig, model, g: int) -> int:
     runs at bucket_rows(g + 1) rows whatever g is inside the bucket, so the bucket's largest tree costs the
     same forward; its tau is no lower (every drafter's tree of g + 1 draft nodes holds its tree of g: the top
     nodes by score, a longer chain, more of a template), and its draft step costs about the same (measured:
-    UniSpec g = 2 -> 3 on SmolLM2, tau 1.26 -> 1.33 at 71.8 -> 73.1 ms per step, README). Capped by
+    UniSpec g = 2 -> 3 on SmolLM2, tau 1.26 -> 1.33 at 71.8 -> 73.1 ms per step, PERFORMANCE.md). Capped by
     `max_draft_size`. Elsewhere (hf, a fixed row count, no fixed shape, the CPU kernels running: no padding,
     `engine.target.pads_rows`) g itself."""
     if (cfg.method not in DRAFTING_METHODS or cfg.method in HF_METHODS

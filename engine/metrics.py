@@ -4,7 +4,7 @@ Polars only (no torch, no transformers): the bench job (`engine.jobs.bench`), wh
 and the sweeps' tables (`sweeps.tables`), which read a results folder to draw the figures, both summarise
 through here, so a number in a printed table and the same number in a figure come from one expression. As
 vLLM's `v1/spec_decode/metrics.py` defines acceptance length in one place, this module is the one place that
-says what tau, speedup, draft time and coverage are (issue #17). (Over 600 lines on purpose: that one place
+says what tau, speedup, draft time and coverage are. (Over 600 lines on purpose: that one place
 holds every measure, its interval and the comparisons built on them.)
 
 The results rows (`ROW_SCHEMA`, one per (method, run, prompt, turn, repeat), written by `engine.jobs.bench`)
@@ -47,13 +47,13 @@ A summary row is per `task`: what a paper calls a task, the row's Spec-Bench cat
 prompt set split by language, or "category/language" when a set has several of each (`with_task`; the rows
 keep `category` and `language`). Two totals, named apart because they differ:
 
-    ALL = "all"   every row pooled (`summarize`, what `python -m engine.jobs.bench` prints)
+    ALL = "all"   every row pooled (`summarize`, what `python -m specvocab.engine.jobs.bench` prints)
     AVG = "avg"   the mean over tasks of each task's value (`table2_summary`, MicroSpec Table 2's
                   "Avg. Speed" and "Avg. Len."; speedup = the mean tokens/s over ar's mean tokens/s)
 
 Per row, `step_sizes` lists the tokens each step committed (the prefill's step 0 commits one; they sum to
 new_tokens and their mean is the row's tau): Spec-Bench's per-step `accept_lengths` (`engine.jobs.specbench`).
-Rows written before #18 have it null.
+Rows without it (null) have no per-step sizes.
 
 Earlier summaries said `category` for the task and `coverage` for draft_coverage (`summarize`); they were never
 written to a results folder, so no reader needs the old names.
@@ -66,7 +66,7 @@ from typing import Sequence
 import numpy as np
 import polars as pl
 
-from engine.config import POLICIES
+from specvocab.engine.config import POLICIES
 
 DRAFTERS = ("layerskip", "eagle", "eagle3")    # drafters with an LM head behind a vocabulary policy
 PHASES = ("backbone", "router", "gather", "lm_head", "tree")   # drafter phases (engine.drafters.lmhead)
@@ -86,7 +86,7 @@ ROW_SCHEMA = {
     "temperature": pl.Float64,
     "seed": pl.Int64, "output_ids": pl.List(pl.Int64),
     "score_bins_proposed": pl.List(pl.Int64), "score_bins_accepted": pl.List(pl.Int64),
-    "step_sizes": pl.List(pl.Int64),    # tokens each step committed (GenerateResult.step_sizes; null before #18)
+    "step_sizes": pl.List(pl.Int64),    # tokens each step committed (GenerateResult.step_sizes; may be null)
     # against ar's row of the same (prompt_id, turn, repeat), greedy only (`engine.divergence`, `diagnose`)
     "verdict": pl.String, "first_divergence": pl.Int64, "ar_margin": pl.Float64, "ar_gap": pl.Float64,
     "prompt_differs": pl.Boolean,

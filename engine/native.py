@@ -24,8 +24,8 @@ rules make a row's result a function of its own logical context only:
 1. Rows: every decode forward runs at a bucket of `bucket_rows(n, floor)` >= MIN_ROWS rows (padding rows
    are harmless: they see only themselves). On the AMD EPYC CI runs on, bf16 GEMMs give a row the same bits
    for every M and fp32 GEMMs do for M >= 4 (M = 1, 2 take a GEMV path); on an Intel Xeon (AMX) the fp32 GEMM
-   (MKL) changed a row's bits at larger M too (session 21: this file's fp32 row test failed there with the
-   kernels off). So the floor is measured, not assumed: `row_floor`, once per process for the model's
+   (MKL) changes a row's bits at larger M too (tests/test_native.py's fp32 row test, kernels off, on an
+   H200 machine's Xeon). So the floor is measured, not assumed: `row_floor`, once per process for the model's
    shapes, dtype and threads, the smallest bucket from which F.linear gives every row the bits it has at
    ROW_PROBE rows. (The exact attention's GEMMs below have K = head_dim or BLOCK, one K block each; they
    are not probed.) The LM head
@@ -52,8 +52,8 @@ behaviour, and the forward reads its weights at about twice oneDNN's rate at 1-8
 the torch path's; a decode's forwards all take one path (exact mode always takes the kernels when they are on).
 With them a step needs no padding rows either (`engine.target.pads_rows`): it runs exactly its tree, n rows.
 In exact mode each layer is then one call, `kernels.cpu.layer` (norms, RoPE, the cache write, the attention,
-residuals and the gated MLP around the four linears, rounded to bf16 where `_layer` rounds): the ~25 torch ops
-per layer cost ~8 ms of SmolLM2's 27 ms forward; fused, the forward takes ~1.1x its bare linears.
+residuals and the gated MLP around the four linears, rounded to bf16 where `_layer` rounds), which spares the
+~25 small torch ops a layer has around them (PERFORMANCE.md, section 1).
 
 On an accelerator (tests/test_gpu.py, run on an H100 and an H200): rule 1 becomes one row count for every decode
 (`engine.target.DEVICE_ROWS`: cuBLAS picks its kernel, and so a row's fp32 rounding, by the number of rows);
@@ -69,9 +69,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu
-from kernels.cpu import PackedLinear
-from kernels.head import dense_head
+from specvocab.kernels import cpu
+from specvocab.kernels.cpu import PackedLinear
+from specvocab.kernels.head import dense_head
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text")
 GRAPH_CACHE_SLOTS = 4096  # the graphed decode's static cache (`GraphedDecode.static_cache`; grown when short)
@@ -291,6 +291,7 @@ class NativeModel:
         bits for every M, the kernel by construction). fp32: the linears and the attention (kernels/cpu_avx2.c),
         and on the AVX2 build the whole layer in one call; with them a row's bits no longer need M >= 4, so a
         step runs unpadded."""
+        cpu.decode_reason(self.device, self.dtype, on)     # one line, once, where the decode runs torch here
         if on and self.cpu_kernels_reason() is None and self.head_kernel is None:
             act = FUSED_ACTIVATIONS.get(getattr(self.config, "hidden_activation", None)
                                         or getattr(self.config, "hidden_act", None))
@@ -494,9 +495,8 @@ class NativeModel:
         of BLOCK rows per call (rows in block a see blocks [0, a) where they lie and their own block up to
         themselves; a sliding layer's window cuts inside the kernel). q [n, H, hd], the n rows' keys and values
         already in kc / vc -> [n, H hd]. The weights are rounded to bf16 before the values, as in the decode.
-        SDPA's causal kernel ran at ~15 GMAC/s in bf16 on one core (SmolLM2, a 298-token prompt: 3.5 ms a layer,
-        106 of the prefill's ~530 ms); by blocks the prefill's attention took 55-66 ms. A sliding layer past its
-        window gave SDPA a mask, and SDPA then computes every masked score (README, "The prefill")."""
+        Used instead of SDPA's causal kernel, which is slow in bf16 on a CPU and, past a sliding layer's window,
+        needs a mask and then computes every masked score (PERFORMANCE.md, "The prefill")."""
         H, hd = q.shape[1], q.shape[2]
         window = self.window if kind == "sliding_attention" else None
         out = torch.empty(n, H, hd, dtype=torch.float32)

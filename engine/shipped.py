@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.artifacts import head_fingerprint, head_matches, same_shape
+from specvocab.engine.artifacts import head_fingerprint, head_matches, same_shape
 # The listing of the shipped heads is in engine.catalog (no torch: a sweep's config checks it); re-exported.
-from engine.catalog import SHIPPED_HEADS, SHIPPED_PREFIX, shipped_eagle3_heads, shipped_heads  # noqa: F401
+from specvocab.engine.catalog import SHIPPED_HEADS, SHIPPED_PREFIX, shipped_eagle3_heads, shipped_heads  # noqa: F401
 
 
 def _target_block(path: Path) -> dict | None:

@@ -28,8 +28,8 @@ import weakref
 
 import torch
 
-from engine.verify import warp_probs
-from kernels import cpu as cpu_kernels
+from specvocab.engine.verify import warp_probs
+from specvocab.kernels import cpu as cpu_kernels
 
 
 class StoreError(ValueError):

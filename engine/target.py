@@ -30,11 +30,11 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from engine import kv
-from engine.native import BLOCK, NativeError, NativeModel, bucket_rows, tail_index, unsupported_reason
-from engine.verify import tree_layout
-from kernels import cpu
-from kernels.head import dense_head
+from specvocab.engine import kv
+from specvocab.engine.native import BLOCK, NativeError, NativeModel, bucket_rows, tail_index, unsupported_reason
+from specvocab.engine.verify import tree_layout
+from specvocab.kernels import cpu
+from specvocab.kernels.head import dense_head
 
 BACKENDS = ("auto", "native", "hf")
 # On an accelerator the fixed-shape forward runs at one row count for every decode (`verify_rows=None`):

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu as cpu_kernels
+from specvocab.kernels import cpu as cpu_kernels
 
 
 class VerifyError(ValueError):

@@ -6,12 +6,9 @@ reference.
     kernels.head      packed_head(h, packed, tok_of_slot), indexed_head(h, weight, idx)   fp32 logits
     kernels.window    WindowState, window_init, window_step (Eq. 4 / fifo_unique), unique_new
     kernels.streams   PackedLMHead: window step + gather on a copy stream + masked packed head
-    kernels.bench     python -m kernels.bench [--json] [--quick]
+    kernels.bench     python -m specvocab.kernels.bench [--json] [--quick]
     kernels.cpu       the native bf16 decode's CPU kernels (C, AVX512-BF16, built on first use): pack + small-row
                       linear, the exact attention one row at a time; linear_reference, attention_reference
 
-Importing `kernels` itself stays light (no torch, no triton): transformers probes a top-level package of
-this name (Hugging Face's kernel hub) by version.
+Importing `specvocab.kernels` itself stays light (no torch, no triton).
 """
-
-__version__ = "0.1.0"  # keep outside 0.18.2-0.19 (see pyproject.toml)

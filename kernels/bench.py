@@ -1,6 +1,6 @@
 """LM-head micro-benchmark: full head vs packed head vs indexed head vs gather.
 
-    python -m kernels.bench [--json] [--quick] [--rows 1] [--repeats 5] [--mem-budget-gb 2.5] [--threads N]
+    python -m specvocab.kernels.bench [--json] [--quick] [--rows 1] [--repeats 5] [--mem-budget-gb 2.5] [--threads N]
 
 For every (V, d, |I|): the full head over V rows, the packed head over |I| contiguous rows (MicroSpec),
 the indexed head reading |I| rows of the full head through an index on every call (the "Indexed GEMM"
@@ -27,10 +27,10 @@ from typing import Callable
 
 import torch
 
-from kernels import hardware
-from kernels.gather import gather_rows
-from kernels.hardware import using_triton
-from kernels.head import indexed_head, indexed_head_ref, packed_head, packed_head_ref
+from specvocab.kernels import hardware
+from specvocab.kernels.gather import gather_rows
+from specvocab.kernels.hardware import using_triton
+from specvocab.kernels.head import indexed_head, indexed_head_ref, packed_head, packed_head_ref
 
 VOCAB_SIZES = (49152, 128256, 262144)      # SmolLM2, Llama-3, Gemma-3
 DIMS = (576, 640, 4096)                    # SmolLM2-135M, Gemma-3-270M, Llama-3-8B
@@ -164,7 +164,7 @@ def main(vocab_sizes=VOCAB_SIZES, dims=DIMS, actives=ACTIVE, rows: int = 1, repe
 
 
 def cli(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m specvocab.kernels.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="one JSON record per line on stdout")
     p.add_argument("--quick", action="store_true", help="a few shapes, 3 repeats")
     p.add_argument("--rows", type=int, default=1, help="rows of h (1 = draft depth 0; EAGLE-2 depths use 10)")

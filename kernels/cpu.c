@@ -10,7 +10,7 @@
  * kept going by software prefetches into L2, PF_DIST bytes ahead of the block being read, spread evenly over
  * all the tiles' passes of that block: the first tile alone would prefetch and the later ones (reading L1)
  * would leave the memory idle, so an 8-row product cost a 1-row read plus its compute instead of the larger of
- * the two (60 SmolLM2-sized gate-up weights streamed from DRAM, one core: M = 8 19.6 -> 14.9 ms, M = 1 22.6 -> 13.4).
+ * the two (PERFORMANCE.md, section 1).
  *
  * Row invariance by construction: every output (m, n) is accumulated in its own 16-lane fp32 register over the
  * K chunks in order (VDPBF16PS), then reduced by one fixed shuffle tree (`hsum16`, and `hsum4`: the same tree

@@ -1,5 +1,5 @@
-"""CPU kernels for the native decode on x86 with AVX-512 (bf16: AVX512-BF16; issue #16's "better small-row
-kernel"), each beside its plain-torch reference. (Over 600 lines on purpose: the one C library's build, its
+"""CPU kernels for the native decode on x86 with AVX-512 (bf16: AVX512-BF16) and with AVX2 + FMA
+(fp32), each beside its plain-torch reference. (Over 600 lines on purpose: the one C library's build, its
 availability and every wrapper of it, each beside its reference, in one place.)
 
     pack(weight, bias)                  -> PackedLinear (the weight re-laid for the kernel, once; bf16 or fp32)
@@ -9,7 +9,7 @@ availability and every wrapper of it, each beside its reference, in one place.)
     rows_linear(x, weight, out_dtype)   the same small-row product over a row-major weight, as it lies (a
                                         buffer rewritten in place: MicroSpec's window head, a vocab head),
                                         with the same L2 prefetch schedule (a window head is read cold
-                                        after each target forward: 1.1 -> 0.2-0.45 ms at 3072 x 576)
+                                        after each target forward)
     attention(q, kc, vc, ...)           the exact decode's attention, one row at a time (engine.native rules 2-3)
     attention_reference(...)            the same in plain torch
     attention_f32(q, kc, vc, ...)       the same over an fp32 cache (kernels/cpu_avx2.c: AVX2 + FMA)
@@ -35,16 +35,13 @@ availability and every wrapper of it, each beside its reference, in one place.)
                                         `$SPECVOCAB_CPU_ISA` = auto | avx512 | avx2 picks one
 
 Why it exists. A decode forward multiplies 1-16 rows by every weight of the model: the work is reading the
-weights, so its limit is memory bandwidth. oneDNN's bf16 GEMM (what `F.linear` calls on a CPU) reached about
-a third of that on the 2-core AMD EPYC (avx512_bf16, no AMX) this was built on: SmolLM2-135M's 269 MB of
-weights took 38 ms at M = 1 and 47 ms at M = 8, against 18 ms for one core to read them. This kernel streams a
-weight layout packed for it ([N/4][K/32][4][32]: four output rows' chunks side by side, one sequential pass)
-and multiplies with VDPBF16PS: 18 ms at M = 1-4 and 25 ms at M = 8 on that machine
-(`python -m engine.jobs.forward --backends native,native-blas` prints both in one run). Prefetching into L2
-ahead of the stream, spread over every row tile's pass of a block (so the memory stays busy while the later
-tiles compute), and one transposing reduction per tile then took it to 16.0 ms at M = 1, 18.9 at M = 8 and
-30.3 at M = 16, against F.linear's 38.2 / 46.4 / 55.6 in the same run (a session whose copy bandwidth read
-20.6 GB/s: 64% of the bound at M = 1, was 43% the run before).
+weights (N x K x 2 bytes per bf16 linear, once per call, against M x K inputs and M x N outputs), so its limit is
+memory bandwidth, of which oneDNN's bf16 GEMM (what `F.linear` calls on a CPU) reaches about a third at these
+row counts. This kernel streams a weight layout packed for it ([N/4][K/32][4][32]: four output rows' chunks side
+by side, one sequential pass), multiplies with VDPBF16PS, prefetches into L2 ahead of the stream over every row
+tile's pass of a block (so the memory stays busy while the later tiles compute), and reduces each tile with one
+transposing reduction. `python -m specvocab.engine.jobs.forward --backends native,native-blas` measures both in
+one run (figures: PERFORMANCE.md, section 1).
 
 Row invariance by construction (what fixed-shape verification needs, engine.native rule 1): each output is
 accumulated in its own register over K in order, then reduced by one fixed shuffle tree, so a row's bits do not
@@ -52,72 +49,54 @@ depend on M, on the other rows or on the thread count (tests/test_cpu_kernels.py
 from oneDNN's (another order of the same sum); that is fine for exactness, which compares the decode's own
 paths with each other, and both stay within a bf16 rounding of the fp32 product.
 
-The attention. After the linears, the rest of a decode forward was mostly the fixed-shape attention's small
-torch ops (per layer a dozen GEMMs of 16 x 64 x 32, softmax pieces, casts, the fold: ~0.5 ms a layer at 4
-rows on SmolLM2). `attention` does the same work per (row, head) in one call: the row's keys in logical order,
+The attention. engine.native's fixed-shape attention in torch is per layer a dozen small GEMMs, softmax pieces,
+casts and the fold. `attention` does the same work per (row, head) in one call: the row's keys in logical order,
 in blocks of 32 aligned to logical positions, one softmax over them in fp32 (the scores and their max, then
 the weights and their sum, then the weighted values, each pass over the blocks in order). It reads the same
 inputs as engine.native's torch path (the committed block count, the tail's slots and mask) and, like it,
 depends only on the row's logical context: an `ar` step and a tree give a row the same bits. It sums in another order than the torch path (and keeps scores in fp32 where that path rounds
 them to bf16), so the two agree to rounding, not bitwise; a decode uses one of them for all its forwards.
 A KV head's query heads share each value row's load and widening (up to four at a time, each dim still one
-fmadd per key in key order: the same bits), which took a SmolLM2-shaped layer at 16 rows and a 400-token cache
-from 0.48 to 0.29 ms and a Gemma-shaped one at 8 rows from 0.30 to 0.18 ms. Three passes instead of a running
-max folded per block (which spent two scalar expf and a serial chain per head and block), the values by
-VDPBF16PS over key pairs with the weights rounded to bf16 (as transformers' eager bf16 attention rounds them;
-fp32 FMAs did one key per instruction at the FMA's peak), head sizes 64, 128 and 256 unrolled, and the KV head
-as the outer loop (its cache stays in L2 across the rows) took a SmolLM2-shaped layer at 8 rows over 400 / 1500
-keys from 133 to 83 / 512 to 313 us and a Gemma-shaped one from 187 to 95 / 597 to 364 us (the attention alone,
-one thread, a 2-core EPYC with AVX512-BF16).
+fmadd per key in key order: the same bits). The values go through VDPBF16PS over key pairs with the weights
+rounded to bf16 (as transformers' eager bf16 attention rounds them); head sizes 64, 128 and 256 are unrolled,
+and the KV head is the outer loop, so its cache stays in L2 across the rows.
 
 fp32. A model kept in fp32 (the default on a CPU without bf16 dot products) runs its linears on `sv_linear_f32`:
 the bf16 kernel's tiles, reduction tree and prefetch schedule, with one FMA chain per output over 16-wide fp32
 chunks, so rows are invariant by construction here too, and it needs AVX-512F/BW/VL only (`available_fp32`:
 the library builds without AVX512-BF16, whose functions are then never called). oneDNN's fp32 GEMM gives rows
 1-3 of a product other bits than inside a larger one, so the exact decode without the kernel pads every step to
-4 rows and an `ar` step streams the weights for 4. SmolLM2 fp32, 1 thread, 400-token cache, one run: a forward
-at n = 1 / 8 took 47.7 / 70.6 ms (native-blas 108.4 / 134.5, hf 68.6 / 111.3; the bare kernel 31.9 / 40.0 at a
-25.6 ms copy bound) and `ar` decoded 21.2 tokens/s against 9.0 (native-blas) and 15.3 (hf). The layer's small
-ops stay torch's in fp32; the attention, which took 12 of the 16 ms between the bare kernel and the forward at
-one row and 41 of a 110 ms forward at eight (the torch exact path's small GEMMs padded to 4 query rows and its
-softmax pieces), runs in C since (`attention_f32`, below): the same forward then took 32.3 / 45.4 ms, and `ar`
-28.8 tokens/s against hf's 15.8, in one later run.
+4 rows and an `ar` step streams the weights for 4; with it a step runs exactly its rows. The layer's small ops
+stay torch's in fp32 on an AVX-512 CPU; the attention runs in C (`attention_f32`, below).
 
 AVX2. Most laptops and desktops have no AVX-512 (Intel's client cores since Alder Lake, AMD before Zen 4, and
 so many of the machines researchers explore on): there the library above cannot build, the default dtype is
-fp32, and the native decode ran oneDNN padded to 4 rows - slower than transformers' own forward. The fp32 linear
+fp32, and the native decode without a kernel runs oneDNN padded to 4 rows - slower than transformers' own forward. The fp32 linear
 has a second build for them, kernels/cpu_avx2.c (`sv2_linear_f32`): the same design at 8 lanes (packed
 [N/4][K/8][4][8], tiles of 3, 2 and 1 rows for AVX2's 16 registers, one FMA chain per output and one fixed
 reduction tree, so rows are invariant by construction), chosen by `isa()` where the AVX-512 library cannot run.
 `SPECVOCAB_CPU_ISA=avx2` selects it on an AVX-512 machine and turns every AVX-512 kernel off, so a run there is
-what an AVX2 CPU runs (tests/test_cpu_avx2.py, tests/test_native.py's `avx2` cases). Measured so on the 2-core
-EPYC, fp32, 1 thread, 400-token cache, `ar` over 48 tokens, one run per model
-(`SPECVOCAB_CPU_ISA=avx2 python -m engine.jobs.forward --dtype fp32 --backends hf,native,native-blas --decode 48`),
-with the torch attention: SmolLM2 23.7 tokens/s against 11.2 (native-blas, the previous default there) and 15.8
-(hf); Gemma-3-270M 14.5 against 5.2 and 9.9.
+what an AVX2 CPU runs (tests/test_cpu_avx2.py, tests/test_native.py's `avx2` cases;
+`SPECVOCAB_CPU_ISA=avx2 python -m specvocab.engine.jobs.forward --dtype fp32 --backends hf,native,native-blas
+--decode 48` times it: PERFORMANCE.md, "The AVX2 build").
 
 The fp32 attention (`attention_f32`, kernels/cpu_avx2.c `sv2_attention_f32`). The exact decode's attention of an
 fp32 model, built with the AVX2 file and so run on AVX-512 CPUs as well: the bf16 kernel's contract (a row's keys
 in logical order - committed blocks where they lie, the tail through the row's slots - one softmax over them)
 with fp32 keys and values: scores by one FMA chain per key and a fixed reduction tree, a vector exp, the values by
-one FMA chain per dim over the keys in order, so a row's bits depend on its logical context alone. A SmolLM2 layer
-at a 400-token cache: 39 us at one row, 209 at eight (the torch path's ~390 and ~1360). With it, same runs as
-above: SmolLM2 forward n = 1 / 8 35.5 / 55.6 ms (was 42.8 / 68.2), `ar` 27.5 tokens/s (hf 15.4, native-blas 9.7);
-Gemma-3-270M 63.8 / 96.1 ms (was 71.7 / 130.1), `ar` 14.9 (hf 9.8, native-blas 5.4).
+one FMA chain per dim over the keys in order, so a row's bits depend on its logical context alone.
 
 The fp32 layer (`layer` over an fp32 `pack_layer`, kernels/cpu_avx2.c `sv2_layer_f32`): the fused layer of the
 bf16 path, in fp32 around the AVX2 linears and attention (so it runs where `isa()` is "avx2"; an fp32 model on
-an AVX-512 CPU keeps the packed linears and the C attention with torch's small ops between them). Same command,
-one later run: SmolLM2 32.1 / 52.3 ms at n = 1 / 8, 1.13x its bare linears, `ar` 33.7 tokens/s (hf 17.0,
-native-blas 11.0); Gemma-3-270M 56.9 / 86.6 ms, 1.09x, `ar` 16.2 (hf 10.1, native-blas 5.4).
+an AVX-512 CPU keeps the packed linears and the C attention with torch's small ops between them).
 
-The fused layer. With the linears and the attention in C, what remained of a decode forward was ~25 small torch
-ops per layer (norms, RoPE, casts, the cache write, residual adds, the gated activation): ~8 ms of SmolLM2's
-27 ms forward, ~18 ms of Gemma's 58. `layer` runs a whole decoder layer in one call, rounding to bf16 wherever
+The fused layer. Around its linears and attention a decoder layer has ~25 small torch ops (norms, RoPE, casts,
+the cache write, residual adds, the gated activation), a large share of a decode forward once the linears and
+the attention run in C. `layer` runs a whole decoder layer in one call, rounding to bf16 wherever
 the torch path holds a bf16 tensor (a product or sum of two bf16 values is exact in fp32, so those roundings
 give torch's bits; the norms' sums of squares and the activations' exp / tanh run in another fixed order, so
-they agree to rounding). Everything in it is per row, so the row-invariance above carries over. The forward
-went to 1.06-1.09x its bare linears (`python -m engine.jobs.forward`); the EAGLE heads' layer uses it too.
+they agree to rounding). Everything in it is per row, so the row-invariance above carries over. The EAGLE
+heads' layer uses it too.
 
 Built on first use with the system C compiler (`cc`, or `$CC`) into `$SPECVOCAB_CACHE/kernels/` (a file named by
 the hash of the source and flags, so an edit rebuilds); where there is no compiler, no AVX512-BF16, or the
@@ -126,20 +105,29 @@ build fails, `available()` says why and engine.native runs its torch path.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
+import platform
+import re
+import shlex
 import shutil
+import signal
+import stat
 import subprocess
+import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import filelock
 import torch
 import torch.nn.functional as F
 
-from kernels.hardware import ISA_ENV, cache_root, cpu_flags, isa_env
+from specvocab.kernels.hardware import ISA_ENV, cache_root, cpu_flags, isa_env
 
 SOURCE = Path(__file__).with_name("cpu.c")
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
@@ -160,37 +148,216 @@ class CpuKernelError(RuntimeError):
     """The kernel cannot run here (no compiler, no AVX512-BF16, a failed build); the message says which."""
 
 
+# -- the build: compiled on first use, once per machine, loaded once per process ------------------------------
+
+CC_TIMEOUT_ENV = "SPECVOCAB_CC_TIMEOUT"     # seconds the C compiler may take on one source (default CC_TIMEOUT_S)
+CC_TIMEOUT_S = 300.0                        # cpu.c takes ~10 s of CPU at -O3; a busy 2-core machine ~4x that
+REQUIRE_ENV = "SPECVOCAB_REQUIRE_KERNELS"   # 1: a kernel build failing on a CPU that has its ISA is an error (CI)
+STALE_S = 7 * 24 * 3600                     # another build of a source, unloaded this long, is removed on a build
+_HASHED = re.compile(r"(?P<stem>.+)-[0-9a-f]{16}\.so")      # a build's file name: `<source stem>-<tag>.so`
+
 _lib: ctypes.CDLL | None = None
 _why_not: str | None = None
-_tried = False
-_bf16 = False            # the CPU has AVX512-BF16 (read with the build, once)
+_broken: str | None = None      # `_why_not` when the CPU has the build's ISA (a failure to report, not a fact)
+_tried = False                  # set last, once `_lib` or `_why_not` is: another thread never sees it half done
+_bf16 = False                   # the CPU has AVX512-BF16 (read with the build, once)
 _lib2: ctypes.CDLL | None = None         # kernels/cpu_avx2.c (`_load_avx2`)
 _why_not2: str | None = None
+_broken2: str | None = None
 _tried2 = False
+_build_lock = threading.RLock()          # one build at a time in this process (the file lock: across processes)
+_said: set[str] = set()                  # the lines `_say` printed
+_decode_said = False                     # `decode_reason` printed its line
 
 
-def _compile(source: Path, flags: tuple[str, ...]) -> Path:
-    """`source` built with `flags` into the cache (a file named by the hash of the source and flags, so an edit
-    rebuilds; built once, atomically)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise CpuKernelError(f"no C compiler (cc / gcc / $CC) to build kernels/{source.name}")
-    src = source.read_bytes() + PORTABLE.read_bytes()                # both builds #include it
-    tag = hashlib.sha256(src + " ".join((cc,) + flags).encode()).hexdigest()[:16]
-    out = cache_root() / "kernels" / f"{source.stem}-{tag}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            so = Path(tmp) / out.name
+def _say(line: str) -> None:
+    """`line` on stderr, once per process, in engine.target's form for a fallback (`[specvocab] ...`)."""
+    if line not in _said:
+        _said.add(line)
+        print(f"[specvocab] {line}", file=sys.stderr, flush=True)
+
+
+def require_kernels() -> bool:
+    """Whether `$SPECVOCAB_REQUIRE_KERNELS` is 1: a build that fails on a CPU with its ISA (no compiler, a compile
+    error or timeout, no directory to build in) is then an error in the decode (`decode_reason`) and in the tests
+    (tests/conftest.py), not a fallback to torch. Unset or 0: the fallback, said on one line."""
+    raw = os.environ.get(REQUIRE_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise CpuKernelError(f"{REQUIRE_ENV}={raw!r}: set it to 1 (a kernel build failure is an error) or 0 / unset")
+    return raw == "1"
+
+
+def _cc_timeout() -> float:
+    raw = os.environ.get(CC_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return CC_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise CpuKernelError(f"{CC_TIMEOUT_ENV}={raw!r} is not a positive number of seconds; set one or unset it "
+                             f"(default {CC_TIMEOUT_S:g})")
+    return seconds
+
+
+def _compiler() -> list[str]:
+    """The C compiler's command: `$CC` (split as a shell would: "ccache gcc" works), else cc, else gcc."""
+    cc = os.environ.get("CC", "").strip()
+    argv = shlex.split(cc) if cc else [shutil.which("cc") or shutil.which("gcc") or ""]
+    if not argv or not argv[0]:
+        raise CpuKernelError("no C compiler (cc / gcc / $CC) to build the CPU kernels; install gcc or set $CC")
+    return argv
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    """A compiler's output as one line: its first line naming an error, else its last line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    pick = next((ln for ln in lines if "error" in ln.lower()), lines[-1] if lines else "no output")
+    return pick if len(pick) <= limit else pick[:limit] + "..."
+
+
+def _run(argv: list[str], what: str) -> subprocess.CompletedProcess:
+    """argv run to completion within `_cc_timeout()` seconds, in its own process group (killed whole on timeout:
+    the compiler's own children too)."""
+    timeout = _cc_timeout()
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    except OSError as e:
+        raise CpuKernelError(f"the C compiler {argv[0]} did not run ({e.strerror or e}); install gcc or set $CC") \
+            from None
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+        raise CpuKernelError(f"{what}: the C compiler {argv[0]} took over {timeout:g} s and was stopped; set "
+                             f"{CC_TIMEOUT_ENV} higher (seconds) or $CC to another compiler") from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def _compiler_id(cc: list[str]) -> str:
+    """The compiler as a build's hash sees it: its resolved path, its arguments and the first line of its
+    `--version` (an upgraded or another compiler rebuilds)."""
+    run = _run([*cc, "--version"], f"{cc[0]} --version")
+    first = (run.stdout.strip() or run.stderr.strip()).splitlines()[:1]
+    path = os.path.realpath(shutil.which(cc[0]) or cc[0])
+    return " ".join([path, *cc[1:], "|", *first])
+
+
+def _tag(sources: tuple[Path, ...], flags: tuple[str, ...], cc_id: str) -> str:
+    """A build's name: the hash of its sources' bytes, the flags and the compiler (`_compiler_id`)."""
+    h = hashlib.sha256()
+    for s in sources:
+        h.update(s.read_bytes())
+    h.update("\0".join((cc_id, *flags, *LIBS)).encode())
+    return h.hexdigest()[:16]
+
+
+def private_dir() -> Path:
+    """Where the kernels build when `$SPECVOCAB_CACHE/kernels` cannot hold them: a directory of this user's under
+    the system temp dir, mode 0700."""
+    return Path(tempfile.gettempdir()) / f"specvocab-kernels-{os.geteuid()}"
+
+
+def _untrusted(path: Path, st: os.stat_result) -> str | None:
+    """None when `path` (its stat `st`) belongs to this user and nobody else may write it (no group or other
+    write bit), else why not: a shared library is loaded only from such a file in such a directory."""
+    if st.st_uid != os.geteuid():
+        return f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
+    if st.st_mode & 0o022:
+        who = "others" if st.st_mode & 0o002 else "its group"
+        return f"{path} is writable by {who} (mode {st.st_mode & 0o777:o})"
+    return None
+
+
+def _dir_problem(d: Path, private: bool = False) -> str | None:
+    """None when builds may go to `d` (created if missing): a directory this user owns, which nobody else may
+    write and this process can; else why not (one line). The private dir must not be a symlink either."""
+    try:
+        d.mkdir(mode=0o755,  # MUTANT parents=True, exist_ok=True)
+        st = os.lstat(d) if private else os.stat(d)
+    except OSError as e:
+        return f"{d} cannot be made a directory ({e.strerror or e})"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{d} is not a directory" + (" (a symlink)" if stat.S_ISLNK(st.st_mode) else "")
+    return _untrusted(d, st) or (None if os.access(d, os.W_OK | os.X_OK) else f"{d} is not writable")
+
+
+def _remove_stale(d: Path, stem: str, keep: Path) -> None:
+    """Under `stem`'s file lock in `d`: partial builds of `stem` (a process killed while compiling: only the
+    lock's holder compiles) and builds of `stem` under another hash that no process loaded for `STALE_S`
+    (an edited source's; a build loaded now and then - another checkout sharing the cache - stays)."""
+    now = time.time()
+    for p in d.iterdir():
+        m = _HASHED.fullmatch(p.name)
+        old = (m is not None and m["stem"] == stem and p != keep and now - p.stat().st_mtime > STALE_S)
+        if old or (p.name.startswith(f".{stem}-") and p.name.endswith(".tmp")):
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+
+def _build_in(d: Path, source: Path, flags: tuple[str, ...], cc: list[str], tag: str) -> ctypes.CDLL:
+    """The build `d/<stem>-<tag>.so` loaded, compiled first if missing or not trusted (`_untrusted`), all under a
+    file lock (`d/<stem>.lock`): one process compiles, the others wait and load its file; the compiler writes a
+    temp file in `d`, renamed into place (atomic). Raises OSError where `d` takes no file."""
+    out = d / f"{source.stem}-{tag}.so"
+    lock = filelock.FileLock(str(d / f"{source.stem}.lock"), timeout=_cc_timeout() + 60)
+    try:
+        lock.acquire()
+    except filelock.Timeout:
+        raise CpuKernelError(f"another process has held {lock.lock_file} for over {lock.timeout:g} s; remove it "
+                             f"if no build of {source.name} is running") from None
+    try:
+        why = _untrusted(out, os.stat(out)) if out.exists() else "missing"
+        if why is not None:
+            if why != "missing":
+                _say(f"kernels.cpu builds {out.name} again: {why}")
+            fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=d)
+            os.close(fd)
             try:
-                run = subprocess.run([cc, *flags, str(source), "-o", str(so), *LIBS], capture_output=True,
-                                     text=True, check=False)
+                run = _run([*cc, *flags, str(source), "-o", tmp, *LIBS], f"building {source.name}")
+                if run.returncode != 0:
+                    raise CpuKernelError(f"building {source.name} with {cc[0]} failed: {_one_line(run.stderr)}")
+                os.chmod(tmp, 0o755)                     # whatever the umask: nobody else may write it
+                os.replace(tmp, out)                     # atomic: a reader sees the old name absent or whole
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            _remove_stale(d, source.stem, out)
+        else:
+            with contextlib.suppress(OSError):
+                os.utime(out)                            # loaded now: not stale (`_remove_stale`)
+        return ctypes.CDLL(str(out))                     # under the lock: no process removes it meanwhile
+    finally:
+        lock.release()
+
+
+def _library(source: Path, flags: tuple[str, ...], includes: tuple[Path, ...] = (PORTABLE,)) -> ctypes.CDLL:
+    """`source` built with `flags` and loaded: a file named by the hash of the source, the files it #includes,
+    the flags and the compiler (`_tag`), so an edit or another compiler rebuilds. In `$SPECVOCAB_CACHE/kernels`
+    where this user owns it and nobody else may write it, else in `private_dir()` (said once, with why); where
+    neither takes it, CpuKernelError names both problems."""
+    cc = _compiler()
+    tag = _tag((source, *includes), flags, _compiler_id(cc))
+    refused = []
+    for d, private in ((cache_root() / "kernels", False), (private_dir(), True)):
+        why = _dir_problem(d, private)
+        if why is None:
+            try:
+                lib = _build_in(d, source, flags, cc, tag)
             except OSError as e:
-                raise CpuKernelError(f"the C compiler {cc} did not run ({e}); install gcc or set $CC") from None
-            if run.returncode != 0:
-                raise CpuKernelError(f"building {source.name} with {cc} failed: {run.stderr.strip()[-400:]}")
-            os.replace(so, out)                                           # atomic: a concurrent build is harmless
-    return out
+                why = f"{d} takes no build ({e.strerror or e})"
+            else:
+                if refused:
+                    _say(f"kernels.cpu builds in {d}: {refused[0]}")
+                return lib
+        refused.append(why)
+    raise CpuKernelError(f"no directory to build the CPU kernels in: {'; '.join(refused)}")
 
 
 def _bind_shared(lib: ctypes.CDLL, topk: str, topk_lse: str, scratch: str, layer: str) -> None:
@@ -223,13 +390,16 @@ def _bind_portable(lib: ctypes.CDLL) -> None:
     lib.sv_window_step.restype = ctypes.c_long
 
 
+class _NoIsa(CpuKernelError):
+    """The CPU lacks a build's instructions: a fact of the machine, not a failure (`require_kernels`)."""
+
+
 def _build() -> ctypes.CDLL:
     missing = [f for f in BUILD_FLAGS if f not in cpu_flags()]
     if missing:
-        raise CpuKernelError(f"this CPU lacks {', '.join(missing)} (the kernels need AVX-512; the bf16 ones "
-                             f"AVX512-BF16 too)")
-    out = _compile(SOURCE, FLAGS)
-    lib = ctypes.CDLL(str(out))
+        raise _NoIsa(f"this CPU lacks {', '.join(missing)} (the kernels need AVX-512; the bf16 ones "
+                     f"AVX512-BF16 too)")
+    lib = _library(SOURCE, FLAGS)
     lib.sv_linear_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
     lib.sv_linear_bf16.restype = None
     lib.sv_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
@@ -246,22 +416,28 @@ def _build() -> ctypes.CDLL:
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib, _why_not, _tried, _bf16
+    """kernels/cpu.c built and loaded, once per process (None where it cannot be: `_why_not` says why). Threads
+    wait for one build; `_tried` is set last, so none sees it tried before the library or its reason is set."""
+    global _lib, _why_not, _broken, _tried, _bf16
     if not _tried:
-        _tried = True
-        _bf16 = "avx512_bf16" in cpu_flags()
-        try:
-            _lib = _build()
-        except (CpuKernelError, OSError) as e:
-            _why_not = str(e)
+        with _build_lock:
+            if not _tried:
+                _bf16 = "avx512_bf16" in cpu_flags()
+                lib = why = broken = None
+                try:
+                    lib = _build()
+                except (CpuKernelError, OSError) as e:
+                    why, broken = str(e), None if isinstance(e, _NoIsa) else str(e)
+                _lib, _why_not, _broken = lib, why, broken
+                _tried = True
     return _lib
 
 
 def _build_avx2() -> ctypes.CDLL:
     missing = [f for f in AVX2_FLAGS if f not in cpu_flags()]
     if missing:
-        raise CpuKernelError(f"this CPU lacks {', '.join(missing)} (the fp32 linear needs AVX-512F or AVX2 + FMA)")
-    lib = ctypes.CDLL(str(_compile(SOURCE_AVX2, FLAGS_AVX2)))
+        raise _NoIsa(f"this CPU lacks {', '.join(missing)} (the fp32 linear needs AVX-512F or AVX2 + FMA)")
+    lib = _library(SOURCE_AVX2, FLAGS_AVX2)
     lib.sv2_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     lib.sv2_linear_f32.restype = None
     lib.sv2_block_outputs.restype = ctypes.c_int
@@ -275,14 +451,29 @@ def _build_avx2() -> ctypes.CDLL:
 
 
 def _load_avx2() -> ctypes.CDLL | None:
-    global _lib2, _why_not2, _tried2
+    """kernels/cpu_avx2.c built and loaded, as `_load` (`_why_not2` says why not)."""
+    global _lib2, _why_not2, _broken2, _tried2
     if not _tried2:
-        _tried2 = True
-        try:
-            _lib2 = _build_avx2()
-        except (CpuKernelError, OSError) as e:
-            _why_not2 = str(e)
+        with _build_lock:
+            if not _tried2:
+                lib = why = broken = None
+                try:
+                    lib = _build_avx2()
+                except (CpuKernelError, OSError) as e:
+                    why, broken = str(e), None if isinstance(e, _NoIsa) else str(e)
+                _lib2, _why_not2, _broken2 = lib, why, broken
+                _tried2 = True
     return _lib2
+
+
+def cpu_isa() -> str:
+    """This CPU's widest level among the builds' instructions, as kernel tests name it in a skip reason ("needs
+    AVX512-BF16 (this CPU: avx2)"): "avx512_bf16" (REQUIRED_FLAGS), "avx512" (BUILD_FLAGS), "avx2" (AVX2_FLAGS)
+    or "no avx2 (<machine>)"."""
+    flags = cpu_flags()
+    if set(BUILD_FLAGS) <= flags:
+        return "avx512_bf16" if set(REQUIRED_FLAGS) <= flags else "avx512"
+    return "avx2" if set(AVX2_FLAGS) <= flags else f"no avx2 ({platform.machine() or 'unknown machine'})"
 
 
 def _isa_asked() -> str:
@@ -299,7 +490,7 @@ def isa() -> str | None:
     FMA but no AVX-512, most laptops and desktops), or None (neither: `linear_reason` says why).
     `$SPECVOCAB_CPU_ISA` (auto | avx512 | avx2) picks one; avx2 on an AVX-512 machine also turns the AVX-512
     kernels off and the default dtype to fp32 (`kernels.hardware.cpu_has_native_bf16`), so a run there is what an
-    AVX2 machine runs (the tests, and `python -m engine.jobs.forward` for its timings)."""
+    AVX2 machine runs (the tests, and `python -m specvocab.engine.jobs.forward` for its timings)."""
     asked = _isa_asked()
     if asked != "avx2" and _load() is not None:
         return "avx512"
@@ -363,11 +554,40 @@ def linear_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     return f"the model is in {str(dtype).removeprefix('torch.')}, the packed linear multiplies bf16 or fp32"
 
 
+def broken() -> list[str]:
+    """Why each build this CPU has the instructions for, and that was tried, did not load (no compiler, a compile
+    error or timeout, no directory to build in); empty when none failed. Tries nothing itself."""
+    return [why for why in (_broken, _broken2) if why]
+
+
+def decode_reason(device: torch.device, dtype: torch.dtype, on: bool = True) -> str | None:
+    """None when a decode of a model on `device` in `dtype` takes this machine's fastest path (the kernels here, or
+    a device other than the CPU); else why it runs torch instead, said once per process on stderr (one line).
+    on=False: the kernels were turned off (`SpecConfig.cpu_kernels`). With `$SPECVOCAB_REQUIRE_KERNELS=1` a
+    reason that is a build failure on a CPU with its ISA (`broken`) raises CpuKernelError instead."""
+    global _decode_said
+    if torch.device(device).type != "cpu":
+        return None
+    why = "the kernels are turned off (SpecConfig.cpu_kernels=False)" if not on else linear_reason(device, dtype)
+    if why is None and dtype == torch.float32 and attention_f32_reason(8) is not None:
+        why = f"the fp32 attention runs torch: {_why_not2}"          # kernels/cpu_avx2.c, on AVX-512 CPUs too
+    if why is None:
+        return None
+    failed = [b for b in broken() if b in why]
+    if on and failed and require_kernels():
+        raise CpuKernelError(f"{REQUIRE_ENV}=1 and the CPU kernels failed on a CPU that has their ISA: {failed[0]}")
+    if not _decode_said:
+        _decode_said = True
+        print(f"[specvocab] the CPU decode runs torch, not the kernels of kernels.cpu: {why}", file=sys.stderr,
+              flush=True)
+    return why
+
+
 def block_outputs() -> int:
     """Output rows per packed block (NB in the C source)."""
     lib = _load()
     if lib is None:
-        raise CpuKernelError(f"kernels.cpu is not available here: {_why_not}")
+        raise CpuKernelError(f"specvocab.kernels.cpu is not available here: {_why_not}")
     return lib.sv_block_outputs()
 
 
@@ -428,7 +648,7 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear
         if kind is None:
             raise CpuKernelError(f"no fp32 linear kernel here: {linear_reason(weight.device, weight.dtype)}")
     elif available() is not None:
-        raise CpuKernelError(f"kernels.cpu is not available here: {available()}")
+        raise CpuKernelError(f"specvocab.kernels.cpu is not available here: {available()}")
     if kind == "avx2":
         nb, chunk = _lib2.sv2_block_outputs(), _lib2.sv2_chunk()
     else:

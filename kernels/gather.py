@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import hardware  # noqa: F401  (sets TRITON_INTERPRET before the kernels below are defined)
-from kernels.hardware import check_triton_can_run, triton_enabled
-from kernels.tensor_ops import row_chunks
+from specvocab.kernels import hardware  # noqa: F401  (sets TRITON_INTERPRET before the kernels below are defined)
+from specvocab.kernels.hardware import check_triton_can_run, triton_enabled
+from specvocab.kernels.tensor_ops import row_chunks
 
 import triton
 import triton.language as tl

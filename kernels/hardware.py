@@ -102,7 +102,7 @@ def default_dtype(env: str | None = None, cuda: bool = HAS_CUDA, cpu_bf16: bool 
     2. CUDA: fp16, the precision of the FR-Spec and UniSpec experiments (UniSpec App. A);
     3. a CPU with bf16 dot products (`cpu_has_native_bf16`): bf16. The native backend's fixed-shape
        verification keeps every method token-equal to `ar` in bf16 (engine.native, tests/test_native.py), and
-       a bf16 forward costs about what an fp32 forward of a quarter of the rows does (issue #16's table);
+       a bf16 forward costs about what an fp32 forward of a quarter of the rows does (PERFORMANCE.md, section 1);
     4. any other CPU: fp32 (bf16 GEMMs are emulated there and gain nothing).
     """
     env = os.environ.get(DTYPE_ENV, "") if env is None else env

@@ -12,12 +12,9 @@ through the index on every call (no packed buffer): the "Indexed GEMM" ablation 
 
 `dense_head(h, weight, bias)`: the full LM head (the target's, for verification), h @ weight.T in the
 weight's dtype. On CPU with at most `SMALL_ROWS` rows it computes (weight @ h.T).T: one pass over the
-[V, d] weight for all rows, which this machine's fp32 BLAS (MKL on an AMD EPYC) runs much faster than
-`F.linear`'s small-M GEMM. One-off timings on Gemma-3-270M's 262144 x 640 head, not a bench flag:
-one thread, 2 rows 90 -> 28 ms, 3 rows 135 -> 40 ms, 4 rows 79 -> 33 ms; two threads, 4 rows 123 -> 40 ms,
-5 rows 180 -> 60 ms, 6 rows 244 -> 75 ms, 8 rows 198 -> 66 ms; 1 row equal; from 10 rows on neither order
-wins on both thread counts (one thread, 12 rows: 192 vs 265 ms), so 8 rows (a draft tree of up to 7
-nodes plus its root) is where it stops. Both orders sum the same d
+[V, d] weight for all rows, which a CPU's fp32 BLAS runs 2.4-3.4x faster than `F.linear`'s small-M GEMM
+at 2-8 rows on a large head (PERFORMANCE.md, "The target's LM head"); from about 10 rows on neither order wins,
+so 8 rows (a draft tree of up to 7 nodes plus its root) is where it stops. Both orders sum the same d
 products per logit; only the accumulation order differs.
 
 One Triton kernel serves both (a constexpr picks the row address); `packed_head_ref` /
@@ -28,10 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels import hardware  # noqa: F401  (sets TRITON_INTERPRET before the kernels below are defined)
-from kernels.hardware import check_triton_can_run, triton_enabled, triton_interpreted
-from kernels import cpu
-from kernels.tensor_ops import row_chunks
+from specvocab.kernels import hardware  # noqa: F401  (sets TRITON_INTERPRET before the kernels below are defined)
+from specvocab.kernels.hardware import check_triton_can_run, triton_enabled, triton_interpreted
+from specvocab.kernels import cpu
+from specvocab.kernels.tensor_ops import row_chunks
 
 import triton
 import triton.language as tl

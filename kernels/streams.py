@@ -21,9 +21,9 @@ from typing import Sequence
 
 import torch
 
-from kernels.gather import gather_rows
-from kernels.head import packed_head
-from kernels.window import MODES, GatherList, WindowError, new_window_state, window_init, window_step
+from specvocab.kernels.gather import gather_rows
+from specvocab.kernels.head import packed_head
+from specvocab.kernels.window import MODES, GatherList, WindowError, new_window_state, window_init, window_step
 
 
 class PackedLMHead:

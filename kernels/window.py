@@ -42,10 +42,10 @@ import torch
 import contextlib
 from typing import Iterator
 
-from kernels import cpu as cpu_kernels
-from kernels import hardware  # noqa: F401  (sets TRITON_INTERPRET before the kernels below are defined)
-from kernels.hardware import check_triton_can_run, triton_enabled
-from kernels.tensor_ops import compact, first_occurrence, scatter_masked_
+from specvocab.kernels import cpu as cpu_kernels
+from specvocab.kernels import hardware  # noqa: F401  (sets TRITON_INTERPRET before the kernels below are defined)
+from specvocab.kernels.hardware import check_triton_can_run, triton_enabled
+from specvocab.kernels.tensor_ops import compact, first_occurrence, scatter_masked_
 
 import triton
 import triton.language as tl

@@ -1,8 +1,12 @@
 """Ground-truth coverage and temporal locality of candidate streams.
 
 `locality` is pure and token-only: functions take token-id arrays, `Trace`s or polars frames and return
-polars frames. No model, tokenizer or GPU inside, and nothing from `engine`: traces are recorded by
-`python -m engine.jobs.record` (or `engine.generate(..., record=True).to_trace()`) and read here.
+polars frames. Every analysis accepts plain token ids as well as Traces: one stream (a sequence of ints or a
+1-D array), or one stream per text (`as_traces`, `Trace.from_tokens`: the first id of each is the prompt);
+the window over the tokens themselves is `stream="generated"`. What needs the target's top-k rows (the
+candidate stream's k_pre / k_ver sources, the successor store) refuses bare ids in one line. No model,
+tokenizer or GPU inside, and nothing from `engine`: traces are recorded by
+`python -m specvocab.engine.jobs.record` (or `engine.generate(..., record=True).to_trace()`) and read here.
 
 Glossary (one word for one thing, across modules, notebooks and Parquet columns)
 ---------------------------------------------------------------------------------
@@ -41,16 +45,17 @@ reuse distance    for y_t: the number of stream entries since its latest occurre
 stack distance    LRU stack distance: the number of distinct tokens seen since y_t's latest occurrence, + 1.
 """
 
-from locality.trace import META_COLUMNS, Trace, TraceError, read_traces, traces_to_frame, write_traces
-from locality.stream import LocalityError, Stream, StreamIndex, candidate_stream, generated_stream
-from locality.coverage import coverage, coverage_by, coverage_report
-from locality.temporal import distance_histograms, miss_ratio_curves, token_distances
+from specvocab.locality.trace import (META_COLUMNS, Trace, TraceError, as_traces, read_traces, traces_to_frame,
+                                      write_traces)
+from specvocab.locality.stream import LocalityError, Stream, StreamIndex, candidate_stream, generated_stream
+from specvocab.locality.coverage import coverage, coverage_by, coverage_report
+from specvocab.locality.temporal import distance_histograms, miss_ratio_curves, token_distances
 # `shortlist(ranking, k)` stays at locality.shortlist.shortlist: exporting it here would hide the module
-from locality.shortlist import (ShortlistError, count_tokens, load_ranking, ranking_from_traces, save_ranking,
+from specvocab.locality.shortlist import (ShortlistError, count_tokens, load_ranking, ranking_from_traces, save_ranking,
                                 shortlist_coverage, shortlist_coverage_by)
-from locality.successor import successor_coverage, successor_ranks
+from specvocab.locality.successor import successor_coverage, successor_ranks
 
-__all__ = ["META_COLUMNS", "Trace", "TraceError", "read_traces", "traces_to_frame", "write_traces",
+__all__ = ["META_COLUMNS", "Trace", "TraceError", "as_traces", "read_traces", "traces_to_frame", "write_traces",
            # candidate stream and window coverage (locality.stream, locality.coverage)
            "LocalityError", "Stream", "StreamIndex", "candidate_stream", "generated_stream",
            "coverage", "coverage_by", "coverage_report",

@@ -1,4 +1,4 @@
-"""`python -m locality {coverage,lru,successor} TRACES ...`: print locality tables of recorded traces.
+"""`python -m specvocab.locality {coverage,lru,successor} TRACES ...`: print locality tables of recorded traces.
 
 - coverage : MicroSpec window coverage / mean active vocab per `--by` group and w_max (`coverage_report`)
 - lru      : LRU vocabulary vs FIFO window at equal mean size (`miss_ratio_curves`)
@@ -13,14 +13,14 @@ import argparse
 
 import polars as pl
 
-from locality.coverage import REPORT_W, coverage_by, coverage_report
-from locality.successor import successor_coverage
-from locality.temporal import DEFAULT_CAPACITIES, miss_ratio_curves
-from locality.trace import read_traces
+from specvocab.locality.coverage import REPORT_W, coverage_by, coverage_report
+from specvocab.locality.successor import successor_coverage
+from specvocab.locality.temporal import DEFAULT_CAPACITIES, miss_ratio_curves
+from specvocab.locality.trace import read_traces
 
 
 def main(argv=None) -> pl.DataFrame:
-    ap = argparse.ArgumentParser(prog="python -m locality", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m specvocab.locality", description=__doc__.split("\n")[0])
     ap.add_argument("what", choices=["coverage", "lru", "successor"])
     ap.add_argument("traces", help="trace Parquet file or folder")
     ap.add_argument("--by", default="category", help="meta column to group by (category, language, model, ...)")

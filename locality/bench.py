@@ -1,4 +1,4 @@
-"""`python -m locality.bench`: speed of the one-pass coverage curve against the per-step set simulation.
+"""`python -m specvocab.locality.bench`: speed of the one-pass coverage curve against the per-step set simulation.
 
 What is compared: both compute, for every window size W in a list of 16, the coverage and the mean active
 vocab of MicroSpec's candidate stream (`sources="ctx+ext"`, k_pre = k_ver = 3) over the same traces.
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from locality.stream import StreamIndex, candidate_stream
-from locality.trace import Trace, read_traces
+from specvocab.locality.stream import StreamIndex, candidate_stream
+from specvocab.locality.trace import Trace, read_traces
 
 W16 = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 2560, 3072, 4096, 5120, 6144, 8192, 16384)
 

@@ -17,9 +17,9 @@ from typing import Literal, Sequence
 import numpy as np
 import polars as pl
 
-from locality.stream import (LocalityError, StreamIndex, candidate_stream, check_traces, check_windows,
+from specvocab.locality.stream import (LocalityError, StreamIndex, candidate_stream, check_traces, check_windows,
                              generated_stream)
-from locality.trace import Trace
+from specvocab.locality.trace import Trace
 
 DEFAULT_W = (1024, 2048, 3072, 4096, 8192)
 REPORT_W = (1024, 2048, 3072, 8192)
@@ -60,10 +60,29 @@ def coverage(traces: Sequence[Trace], w_max=DEFAULT_W, k_pre: int = 3, k_ver: in
              event_order: Literal["token", "engine"] = "token") -> pl.DataFrame:
     """Coverage and mean active vocab of the window for every w_max, from one pass over all traces.
 
+    `traces`: Traces, or token ids (one stream, or one per text; see `locality.trace.as_traces`).
     Columns: `w_max, coverage, bonus_coverage, mean_active_vocab, tokens, steps, mean_stream_len` (mean |S|
     at query time: the raw stream length, repeats included). `sources`: "ctx+ext" | "ctx" | "ext" (MicroSpec
     Table 3, see `locality.stream`); `event_order`: "token" | "engine" (see `locality.stream`);
-    `stream="generated"` measures the plain prompt ⊕ generated stream instead.
+    `stream="generated"` measures the plain prompt ⊕ generated stream instead: for a token stream, the
+    window of the last w_max tokens before each token (the candidate stream needs recorded top-k rows).
+
+    A stream of 6 tokens: the first is the prompt, the other 5 are queried. The 1 at stream position 2 was
+    last seen 2 entries back, the 2 and 1 at positions 4 and 5 3 entries back, the 2 and 3 at positions 1
+    and 3 never: a window of 2 covers 1 of 5 tokens, a window of 3 covers 3 of 5.
+
+    >>> f = coverage([1, 2, 1, 3, 2, 1], w_max=[2, 3], stream="generated")
+    >>> f["coverage"].to_list(), f["tokens"].to_list()
+    ([0.2, 0.6], [5, 5])
+
+    The windows before the 5 queries hold {1}, {1,2}, {2,1}, {1,3}, {3,2} distinct tokens for w_max = 2:
+
+    >>> f["mean_active_vocab"].to_list()
+    [1.8, 2.2]
+    >>> coverage([1, 2, 1, 3, 2, 1], w_max=2)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    specvocab.locality.stream.LocalityError: traces[0] has no top-k rows (plain token ids) but ...
     """
     check_windows(w_max)
     return window_frame(build_index(traces, stream, k_pre, k_ver, sources, prefill_order, event_order), w_max)
@@ -91,6 +110,7 @@ def coverage_by(traces: Sequence[Trace], by: Sequence[str] = ("category",), w_ma
                 event_order: Literal["token", "engine"] = "token") -> pl.DataFrame:
     """`coverage` per group of meta columns (tidy: the group columns, then one row per w_max)."""
     check_windows(w_max)
+    traces = check_traces(traces)
     frames = []
     for values, idx in group_traces(traces, by):
         sub = [traces[i] for i in idx]

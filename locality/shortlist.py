@@ -15,9 +15,9 @@ Files: `save_ranking(ranking, path, tokenizer)` writes Parquet plus a JSON sidec
 vocab_size, total_tokens, source); `load_ranking(path, tokenizer=..., vocab_size=...)` refuses a mismatch.
 The ids in rank order (what a drafter packs) are `shortlist(ranking, k)`, or `ranking["token_id"]`.
 
-`python -m locality.shortlist --traces T.parquet | --token-ids A.npy ... --vocab-size V --tokenizer NAME
+`python -m specvocab.locality.shortlist --traces T.parquet | --token-ids A.npy ... --vocab-size V --tokenizer NAME
 --out rank.parquet` counts recorded traces (VocabTrim-style, `--what`) or pre-tokenised id arrays (FR-Spec
-corpus counts) and prints the coverage-vs-K of the traces. Text corpora: `python -m engine.jobs.frequency`.
+corpus counts) and prints the coverage-vs-K of the traces. Text corpora: `python -m specvocab.engine.jobs.frequency`.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import Iterable, Literal, Sequence
 import numpy as np
 import polars as pl
 
-from locality.coverage import with_groups, group_traces
-from locality.stream import check_traces
-from locality.trace import Trace, read_traces
+from specvocab.locality.coverage import with_groups, group_traces
+from specvocab.locality.stream import check_traces
+from specvocab.locality.trace import Trace, TraceError, as_traces, check_ids, read_traces, token_kind
 
 
 class ShortlistError(ValueError):
@@ -61,7 +61,8 @@ def count_tokens(arrays: Iterable[np.ndarray], vocab_size: int) -> pl.DataFrame:
 def ranking_from_traces(traces: Sequence[Trace], vocab_size: int,
                         what: Literal["generated", "prompt", "prompt+generated"] = "generated") -> pl.DataFrame:
     """A frequency ranking counted from traces: the generated tokens (VocabTrim-style: the target's own
-    outputs), the prompts, or both."""
+    outputs), the prompts, or both. Token-id streams count as `locality.trace.as_traces` splits them (the
+    first id of each is its prompt); to count every id of a corpus, use `count_tokens`."""
     traces = check_traces(traces)
     pick = {"generated": lambda t: [t.generated], "prompt": lambda t: [t.prompt],
             "prompt+generated": lambda t: [t.prompt, t.generated]}
@@ -94,7 +95,7 @@ def load_ranking(path: str | Path, tokenizer: str | None = None, vocab_size: int
     side = _sidecar(path)
     if not path.exists() or not side.exists():
         raise ShortlistError(f"ranking {path} or its sidecar {side.name} is missing; write both with "
-                             "locality.shortlist.save_ranking")
+                             "specvocab.locality.shortlist.save_ranking")
     meta = json.loads(side.read_text())
     if tokenizer is not None and meta.get("tokenizer") != tokenizer:
         raise ShortlistError(f"ranking {path} was counted with tokenizer {meta.get('tokenizer')!r}, not "
@@ -134,20 +135,50 @@ def token_ranks(ranking: pl.DataFrame, tokens: np.ndarray) -> np.ndarray:
     tokens = np.asarray(tokens, dtype=np.int64)
     v = ranking.height
     if tokens.size and (tokens.min() < 0 or tokens.max() >= v):
-        raise ShortlistError(f"token id {int(tokens.max())} is outside the ranking's vocabulary of {v} ids; "
+        bad = int(tokens.min()) if tokens.min() < 0 else int(tokens.max())
+        raise ShortlistError(f"token id {bad} is outside the ranking's vocabulary of {v} ids; "
                              "the ranking was made for another tokenizer")
     rank_of = np.empty(v, dtype=np.int64)
     rank_of[ranking["token_id"].to_numpy()] = ranking["rank"].to_numpy()
     return rank_of[tokens]
 
 
+def counted_ids(tokens) -> np.ndarray:
+    """[n] the ids `shortlist_coverage` counts: every id of token-id input (one stream, a list of streams or an
+    array; a static shortlist needs no context, so no id is a prompt), the generated tokens of Traces."""
+    if isinstance(tokens, Trace):
+        return tokens.generated
+    if isinstance(tokens, (list, tuple)) and any(token_kind(x) != "id" for x in tokens):
+        kinds = {token_kind(x) for x in tokens}
+        if kinds == {"stream"}:
+            parts = []
+            for i, x in enumerate(tokens):
+                try:
+                    parts.append(check_ids(np.asarray(x).reshape(-1)))
+                except TraceError as e:
+                    raise ShortlistError(f"tokens[{i}]: {e}") from None
+            return np.concatenate(parts)
+        return np.concatenate([t.generated for t in as_traces(tokens, name="tokens")])  # refuses a mix of kinds
+    try:
+        return check_ids(np.asarray(tokens).reshape(-1))
+    except TraceError as e:
+        raise ShortlistError(f"tokens: {e}") from None
+
+
 def shortlist_coverage(ranking: pl.DataFrame, tokens, k=(512, 1024, 2048, 4096, 8192, 16384, 32768)) -> pl.DataFrame:
-    """Coverage of `tokens` (an id array, a list of them, or traces: their generated tokens) by the top-K
-    shortlist, for
-    every K at once. Columns: `k, coverage, tokens`."""
-    if isinstance(tokens, (list, tuple)):
-        tokens = [t.generated if isinstance(t, Trace) else np.asarray(t).reshape(-1) for t in tokens]
-        tokens = np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.int64)
+    """Coverage of `tokens` by the top-K shortlist, for every K at once. Columns: `k, coverage, tokens`.
+
+    `tokens`: token ids (one stream, a list of streams or an array: every id counts) or Traces (their
+    generated tokens); `k`: one or more shortlist sizes. A token of rank r is covered for every K > r.
+
+    >>> r = count_tokens([[1, 1, 1, 2, 2, 3]], vocab_size=5)    # ranks: 1, 2, 3, then unseen 0, 4
+    >>> r["token_id"].to_list()
+    [1, 2, 3, 0, 4]
+    >>> f = shortlist_coverage(r, [1, 2, 4, 1], k=[1, 2, 5])     # ranks of the tokens: 0, 1, 4, 0
+    >>> f["coverage"].to_list(), f["tokens"].to_list()
+    ([0.5, 0.75, 1.0], [4, 4, 4])
+    """
+    tokens = counted_ids(tokens)
     ranks = np.sort(token_ranks(ranking, tokens))
     ks = np.atleast_1d(np.asarray(k, dtype=np.int64))
     if (ks < 0).any():
@@ -159,7 +190,9 @@ def shortlist_coverage(ranking: pl.DataFrame, tokens, k=(512, 1024, 2048, 4096, 
 
 def shortlist_coverage_by(ranking: pl.DataFrame, traces: Sequence[Trace], by: Sequence[str] = ("category",),
                           k=(512, 1024, 2048, 4096, 8192, 16384, 32768)) -> pl.DataFrame:
-    """`shortlist_coverage` of the traces' generated tokens per group of meta columns."""
+    """`shortlist_coverage` of the traces' generated tokens per group of meta columns (`traces`: Traces or
+    token ids, see `locality.trace.as_traces`)."""
+    traces = check_traces(traces)
     frames = []
     for values, members in group_traces(traces, by):
         f = shortlist_coverage(ranking, np.concatenate([traces[i].generated for i in members]), k)
@@ -168,8 +201,8 @@ def shortlist_coverage_by(ranking: pl.DataFrame, traces: Sequence[Trace], by: Se
 
 
 def main(argv=None) -> Path:
-    ap = argparse.ArgumentParser(prog="python -m locality.shortlist", description="build a frequency ranking "
-                                 "from token ids (text corpora: python -m engine.jobs.frequency)")
+    ap = argparse.ArgumentParser(prog="python -m specvocab.locality.shortlist", description="build a frequency ranking "
+                                 "from token ids (text corpora: python -m specvocab.engine.jobs.frequency)")
     ap.add_argument("--traces", help="trace Parquet file or folder to count (see --what)")
     ap.add_argument("--what", default="generated", choices=["generated", "prompt", "prompt+generated"])
     ap.add_argument("--token-ids", nargs="+", default=[], help=".npy files of token ids (a tokenised corpus)")
@@ -179,7 +212,7 @@ def main(argv=None) -> Path:
     ap.add_argument("--k", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
     a = ap.parse_args(argv)
     if not a.traces and not a.token_ids:
-        ap.error("give --traces and/or --token-ids (to count text, use python -m engine.jobs.frequency)")
+        ap.error("give --traces and/or --token-ids (to count text, use python -m specvocab.engine.jobs.frequency)")
     traces = read_traces(a.traces) if a.traces else []
     pick = {"generated": ("generated",), "prompt": ("prompt",), "prompt+generated": ("prompt", "generated")}
     arrays = [getattr(t, f) for t in traces for f in pick[a.what]] + [np.load(p) for p in a.token_ids]

@@ -87,7 +87,7 @@ from typing import Literal, Sequence
 
 import numpy as np
 
-from locality.trace import Trace, TraceError
+from specvocab.locality.trace import Trace, TraceError, as_traces
 
 SOURCES = ("ctx+ext", "ctx", "ext")
 EVENT_ORDERS = ("token", "engine")
@@ -146,20 +146,30 @@ def check_windows(w_max) -> np.ndarray:
     return ws.astype(np.int64)
 
 
-def check_traces(traces: Sequence[Trace]) -> list[Trace]:
-    traces = list(traces)
+def check_traces(traces) -> list[Trace]:
+    """A non-empty list of `Trace`s from any input `locality.trace.as_traces` accepts (Traces or token ids)."""
+    traces = as_traces(traces)
     if not traces:
-        raise LocalityError("the trace list is empty; read some with locality.read_traces(path) "
-                            "or record them with `python -m engine.jobs.record`")
-    for i, t in enumerate(traces):
-        if not isinstance(t, Trace):
-            raise LocalityError(f"traces[{i}] is a {type(t).__name__}, not a locality.Trace")
+        raise LocalityError("the trace list is empty; read some with locality.read_traces(path), record them "
+                            "with `specvocab record`, or pass token ids (one stream, or one per text)")
     return traces
 
 
-def _check_trace_k(t: Trace, k: int, what: str) -> None:
-    if t.prefill_topk.shape[0] or t.step_topk.shape[0]:      # a trace with no rows has nothing to take
-        t.check_k(k, what)
+def has_rows(t: Trace) -> bool:
+    """Whether the trace holds any top-k row (prefill or step) for the stream to take from."""
+    return bool(t.prefill_topk.shape[0] or t.step_topk.shape[0])
+
+
+def _check_trace_k(t: Trace, k: int, what: str, i: int) -> None:
+    if not has_rows(t):                                      # a trace with no rows has nothing to take
+        return
+    if k and t.k == 0:
+        row = "prefill" if what == "k_pre" else "verify"
+        raise LocalityError(f"traces[{i}] has no top-k rows (plain token ids) but the candidate stream takes the "
+                            f"top-{k} of every {row} row ({what}={k}); measure stream='generated' (the window "
+                            "over the tokens themselves), pass k_pre=0, k_ver=0, or record traces with top-k rows "
+                            "(`specvocab record`)")
+    t.check_k(k, what)
 
 
 def _dedup(flat: np.ndarray, order: str) -> np.ndarray:
@@ -254,7 +264,7 @@ def step_bounds(t: Trace) -> np.ndarray:
         raise TraceError(f"meta['step_sizes'] = {list(sizes)} is not one int >= 1 per step "
                          f"({'any number of' if n is None else n} steps, the prefill's step 0 committing 1) "
                          f"summing to >= {T} generated tokens; re-record the trace with "
-                         f"engine.harness.GenerateResult.to_trace")
+                         f"specvocab.engine.harness.GenerateResult.to_trace")
     return np.concatenate([[0], np.minimum(np.cumsum(a.astype(np.int64)), T)])
 
 
@@ -306,10 +316,10 @@ def candidate_stream(traces: Sequence[Trace], k_pre: int = 3, k_ver: int = 3, so
         raise LocalityError(f"event_order={event_order!r}; choose one of {EVENT_ORDERS} (see locality.stream)")
     build = _token_stream if event_order == "token" else _engine_stream
     parts, queries = [], []
-    for t in traces:
-        _check_trace_k(t, k_pre, "k_pre")
+    for i, t in enumerate(traces):
+        _check_trace_k(t, k_pre, "k_pre", i)
         if sources != "ctx":
-            _check_trace_k(t, k_ver, "k_ver")
+            _check_trace_k(t, k_ver, "k_ver", i)
         s, pos, step, position = build(t, k_pre, k_ver, sources, prefill_order)
         parts.append(s)
         queries.append((pos, step, position, t.generated[position]))
@@ -318,7 +328,8 @@ def candidate_stream(traces: Sequence[Trace], k_pre: int = 3, k_ver: int = 3, so
 
 def generated_stream(traces: Sequence[Trace]) -> Stream:
     """The plain text stream: S = prompt ⊕ generated; step t queries generated[t] against prompt ⊕
-    generated[:t] (prompt-lookup / in-context hit rate, MicroSpec §2.2)."""
+    generated[:t] (prompt-lookup / in-context hit rate, MicroSpec §2.2). For token ids (`as_traces`), S is
+    each text itself and every id after the first is queried; no top-k rows are needed."""
     traces = check_traces(traces)
     parts = [np.concatenate([t.prompt, t.generated]) for t in traces]
     queries = []

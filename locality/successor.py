@@ -30,9 +30,9 @@ from typing import Sequence
 import numpy as np
 import polars as pl
 
-from locality.coverage import with_groups, group_traces
-from locality.stream import LocalityError, Stream, StreamIndex, check_traces
-from locality.trace import Trace
+from specvocab.locality.coverage import with_groups, group_traces
+from specvocab.locality.stream import LocalityError, Stream, StreamIndex, check_traces, has_rows
+from specvocab.locality.trace import Trace
 
 
 def successor_ranks(traces: Sequence[Trace], k: int | None = None, persist: bool = False,
@@ -40,6 +40,10 @@ def successor_ranks(traces: Sequence[Trace], k: int | None = None, persist: bool
     """One row per generated token: `trace, position` (t), `store_hit` (the root has a row) and `rank`
     (0-based rank of generated[t] in the root's row[:k], null when there is no row or the token is not in it)."""
     traces = check_traces(traces)
+    bare = next((i for i, t in enumerate(traces) if has_rows(t) and t.k == 0), None)
+    if bare is not None:
+        raise LocalityError(f"traces[{bare}] has no top-k rows (plain token ids) but the successor store is filled "
+                            "from them; record traces with top-k rows (`specvocab record`)")
     ks = [t.k for t in traces if t.prefill_topk.shape[0] or t.step_topk.shape[0]]
     kk = min(ks) if k is None and ks else (k or 0)
     if k is not None:

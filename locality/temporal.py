@@ -25,9 +25,9 @@ from typing import Literal, Sequence
 import numpy as np
 import polars as pl
 
-from locality.coverage import with_groups, build_index, group_traces
-from locality.stream import NEVER, LocalityError, check_windows
-from locality.trace import Trace
+from specvocab.locality.coverage import with_groups, build_index, group_traces
+from specvocab.locality.stream import NEVER, LocalityError, check_traces, check_windows
+from specvocab.locality.trace import Trace
 
 DEFAULT_BY = ("category", "language")
 DEFAULT_CAPACITIES = (64, 128, 256, 512, 1024, 2048, 3072, 4096)
@@ -39,7 +39,17 @@ def token_distances(traces: Sequence[Trace], stream: Literal["candidate", "gener
                     event_order: Literal["token", "engine"] = "token") -> pl.DataFrame:
     """One row per queried generated token: the `by` meta columns, `trace` (index in `traces`), `step` (the
     step that committed it; = position in the "token" event order), `position` (t in `generated`), `token`,
-    `reuse_distance` and `stack_distance` (null when the token never occurred before in the stream)."""
+    `reuse_distance` and `stack_distance` (null when the token never occurred before in the stream).
+
+    `traces`: Traces, or token ids (one stream, or one per text; see `locality.trace.as_traces`). In the
+    stream 1 2 3 3 3 2 (the first id is the prompt), the last 2 is 4 entries after its previous
+    occurrence but only one distinct token (3) lies between them:
+
+    >>> d = token_distances([1, 2, 3, 3, 3, 2], by=())
+    >>> d["token"].to_list(), d["reuse_distance"].to_list(), d["stack_distance"].to_list()
+    ([2, 3, 3, 3, 2], [None, None, 1, 1, 4], [None, None, 1, 1, 2])
+    """
+    traces = check_traces(traces)
     idx = build_index(traces, stream, k_pre, k_ver, sources, prefill_order, event_order)
     s = idx.stream
     reuse, stack = idx.reuse_distance, idx.stack_distance()
@@ -66,8 +76,13 @@ def distance_histograms(traces: Sequence[Trace], by: Sequence[str] = DEFAULT_BY,
     cum_fraction`; bins are [2^b, 2^(b+1) - 1]; the row with null bin_lo/bin_hi counts tokens never seen
     before. cum_fraction at bin_hi = the coverage of a FIFO window w_max = bin_hi (reuse distance) or of an
     LRU vocabulary of bin_hi tokens (stack distance).
+
+    >>> h = distance_histograms([1, 2, 3, 3, 3, 2], by=(), streams=["generated"])
+    >>> h.filter(pl.col("metric") == "reuse_distance").select("bin_lo", "bin_hi", "count").rows()
+    [(1, 1, 2), (4, 7, 1), (None, None, 2)]
     """
     by = [by] if isinstance(by, str) else list(by)
+    traces = check_traces(traces)
     frames = []
     for st in streams:
         d = token_distances(traces, st, by, k_pre, k_ver, sources, prefill_order, event_order)
@@ -108,8 +123,18 @@ def miss_ratio_curves(traces: Sequence[Trace], capacities=DEFAULT_CAPACITIES, by
 
     Columns: `by..., capacity, tokens, lru_mean_active_vocab, lru_miss_ratio, fifo_w_max,
     fifo_mean_active_vocab, fifo_miss_ratio` (micro-averages over the group's queried generated tokens).
+
+    In the stream 1 2 3 3 3 2 (5 queries after the prompt id), an LRU vocabulary of 2 tokens still holds the
+    last 2 (stack distance 2) and hits 3 of 5 tokens; its mean size is (1 + 2 + 2 + 2 + 2) / 5 = 1.8. The
+    FIFO window of the same mean size is w_max = 3 (windows {1}, {1,2}, {1,2,3}, {2,3}, {3}), which has
+    lost the 2 (reuse distance 4) and hits only the two repeated 3s:
+
+    >>> f = miss_ratio_curves([1, 2, 3, 3, 3, 2], capacities=[2], by=(), stream="generated")
+    >>> f.select("lru_mean_active_vocab", "lru_miss_ratio", "fifo_w_max", "fifo_miss_ratio").row(0)
+    (1.8, 0.4, 3, 0.6)
     """
     caps = check_windows(capacities)
+    traces = check_traces(traces)
     frames = []
     for values, members in group_traces(traces, by):
         sub = [traces[i] for i in members]

@@ -55,12 +55,95 @@ def _ids_1d(x: Any, name: str) -> np.ndarray:
     return a
 
 
+def check_ids(x: Any) -> np.ndarray:
+    """[n] int64 ids of one token stream (a sequence of ints or a 1-D array), checked: integers >= 0."""
+    a = np.asarray(x)
+    if a.ndim != 1:
+        raise TraceError(f"a token stream must be 1-D (one id per token), got shape {a.shape}; pass several "
+                         "texts as a list of streams or a 2-D array with one row per text")
+    if a.size and (a.dtype == bool or not np.issubdtype(a.dtype, np.integer)):
+        raise TraceError(f"token ids must be integers, got dtype {a.dtype}; convert the stream with "
+                         "np.asarray(ids, dtype=np.int64)")
+    a = a.astype(np.int64)
+    if a.size and a.min() < 0:
+        at = int(np.argmax(a < 0))
+        raise TraceError(f"token id {int(a[at])} at position {at} is negative; token ids index the vocabulary "
+                         "(0 .. vocab_size - 1)")
+    return a
+
+
+def token_kind(item: Any) -> str:
+    """What one element of a `traces` argument is: "trace", "id", "stream" or its type name."""
+    if isinstance(item, Trace):
+        return "trace"
+    if isinstance(item, (int, np.integer)) and not isinstance(item, bool):
+        return "id"
+    if isinstance(item, (list, tuple, np.ndarray)) or (hasattr(item, "__array__") and not isinstance(item, str)):
+        return "id" if np.ndim(item) == 0 else "stream"
+    return type(item).__name__
+
+
+_KINDS = {"trace": "a Trace", "id": "a token id", "stream": "a sequence of token ids"}
+
+
+def as_traces(traces: Any, prompt_len: int = 1, name: str = "traces") -> list[Trace]:
+    """Every input the `locality` analyses accept, as a list of `Trace`s.
+
+    `traces` is a `Trace`, a sequence of `Trace`s, one token-id stream (a sequence of ints or a 1-D array),
+    or several streams, one per text (a sequence of them, or a 2-D array with one row per text). A stream
+    becomes `Trace.from_tokens(stream, prompt_len)`; texts never share a window. One kind per call: a list
+    mixing Traces, ids and streams is refused, as are negative or non-integer ids; errors call the
+    argument `name`.
+
+    >>> [t.generated.tolist() for t in as_traces([[1, 2, 1], [4, 4]])]
+    [[2, 1], [4]]
+    >>> as_traces([1, 2, 1])[0].generated.tolist()
+    [2, 1]
+    """
+    if isinstance(traces, Trace):
+        return [traces]
+    if isinstance(traces, pl.DataFrame):
+        raise TraceError(f"{name} is a polars DataFrame; turn a trace table into Traces with "
+                         "locality.read_traces(path), or pass its token ids as one stream per text")
+    if isinstance(traces, (str, bytes)) or not (hasattr(traces, "__iter__") or hasattr(traces, "__array__")):
+        raise TraceError(f"{name} has type {type(traces).__name__}; pass Traces (locality.read_traces), one stream "
+                         "of token ids, or a list of streams (one per text)")
+    if isinstance(traces, np.ndarray) or (hasattr(traces, "__array__") and not isinstance(traces, (list, tuple))):
+        a = np.asarray(traces)
+        if a.ndim == 2:
+            return [_stream_trace(row, f"{name}[{i}]", prompt_len) for i, row in enumerate(a)]
+        return [_stream_trace(a, name, prompt_len)]
+    items = list(traces)
+    kinds = [token_kind(x) for x in items]
+    bad = next((i for i, k in enumerate(kinds) if k not in _KINDS), None)
+    if bad is not None:
+        raise TraceError(f"{name}[{bad}] has type {kinds[bad]}; pass Traces (locality.read_traces), one stream of "
+                         "token ids, or a list of streams (one per text)")
+    if len(set(kinds)) > 1:
+        j = next(i for i, k in enumerate(kinds) if k != kinds[0])
+        raise TraceError(f"{name} mixes kinds: {name}[0] is {_KINDS[kinds[0]]} but {name}[{j}] is "
+                         f"{_KINDS[kinds[j]]}; pass only Traces, one stream of ids, or only streams (one per text)")
+    if not items or kinds[0] == "trace":
+        return items
+    if kinds[0] == "id":
+        return [_stream_trace(items, name, prompt_len)]
+    return [_stream_trace(x, f"{name}[{i}]", prompt_len) for i, x in enumerate(items)]
+
+
+def _stream_trace(ids: Any, name: str, prompt_len: int) -> Trace:
+    """`Trace.from_tokens`, its error prefixed with the argument it came from."""
+    try:
+        return Trace.from_tokens(ids, prompt_len)
+    except TraceError as e:
+        raise TraceError(f"{name}: {e}") from None
+
+
 def _ids_2d(x: Any, name: str, rows: int) -> np.ndarray:
     # an ndarray keeps its shape even with no rows ([0, K]); other array types go through lists
     a = x.astype(np.int64) if isinstance(x, np.ndarray) else np.asarray(
         x.tolist() if hasattr(x, "tolist") else x, dtype=np.int64)
-    if a.size == 0:
-        a = a.reshape(0, a.shape[1] if a.ndim == 2 else 0)
+    if a.size == 0 and a.ndim != 2:                     # [] or [[]]: no rows; [rows, 0] keeps its rows
+        a = a.reshape(0, 0)
     if a.ndim != 2:
         raise TraceError(f"Trace.{name} must be a 2-D [rows, K] array of token ids with equal-length rows, "
                          f"got shape {a.shape}")
@@ -95,6 +178,32 @@ class Trace:
                 raise TraceError(f"Trace.{name} holds a negative token id ({a.min()})")
         self.meta = dict(self.meta or {})
 
+    @classmethod
+    def from_tokens(cls, tokens: Any, prompt_len: int = 1, meta: dict | None = None) -> "Trace":
+        """The trace of a plain token-id stream: no model behind it, so no top-k rows (K = 0) and no draft trees.
+
+        `tokens [n]`: ids >= 0 (a sequence of ints or a 1-D array), n >= prompt_len. The first `prompt_len`
+        ids are the prompt (context only, never queried: a window needs one entry before its first query),
+        the other n - prompt_len are `generated`, each queried once. `meta` feeds the `by` groupings
+        (category, language, ...). Every analysis of `locality` accepts such streams directly (`as_traces`);
+        the window over the tokens themselves is `stream="generated"`, since the candidate stream's top-k
+        sources (k_pre, k_ver) need rows recorded from a model (`specvocab record`).
+
+        >>> t = Trace.from_tokens([1, 2, 1, 3], meta={"category": "toy"})
+        >>> t.prompt.tolist(), t.generated.tolist(), t.k, t.step_topk.shape
+        ([1], [2, 1, 3], 0, (3, 0))
+        """
+        if isinstance(prompt_len, bool) or not isinstance(prompt_len, (int, np.integer)) or prompt_len < 1:
+            raise TraceError(f"prompt_len must be an int >= 1 (the stream's first prompt_len ids are context), "
+                             f"got {prompt_len!r}")
+        ids = check_ids(tokens)
+        if len(ids) < prompt_len:
+            raise TraceError(f"a token stream of {len(ids)} id(s) is shorter than prompt_len={prompt_len}; a stream "
+                             f"needs its prompt_len context id(s) before the first queried one")
+        return cls(prompt=ids[:prompt_len], prefill_topk=np.zeros((prompt_len - 1, 0), dtype=np.int64),
+                   generated=ids[prompt_len:], step_topk=np.zeros((len(ids) - prompt_len, 0), dtype=np.int64),
+                   meta=meta or {})
+
     @property
     def k(self) -> int:
         """K of the recorded top-K rows (the smaller of prefill and step K when both exist)."""
@@ -104,7 +213,7 @@ class Trace:
     def check_k(self, k: int, what: str = "K") -> None:
         if k > self.k:
             raise TraceError(f"{what}={k} is larger than the K={self.k} this trace was recorded with; "
-                             f"re-record with `python -m engine.jobs.record --topk {k}` or ask for {what} <= {self.k}")
+                             f"re-record with `python -m specvocab.engine.jobs.record --topk {k}` or ask for {what} <= {self.k}")
 
     def to_row(self) -> dict:
         meta = dict(self.meta)
@@ -170,15 +279,15 @@ def read_traces(path: str | Path | Sequence[str | Path]) -> list[Trace]:
     if path.is_dir():
         files = [f for f in sorted(path.rglob("*.parquet")) if _is_trace_file(f)]
         if not files:
-            raise TraceError(f"no Parquet trace files under {path}; record some with `python -m engine.jobs.record`")
+            raise TraceError(f"no Parquet trace files under {path}; record some with `python -m specvocab.engine.jobs.record`")
         return [t for f in files for t in read_traces(f)]
     if not path.exists():
-        raise TraceError(f"trace file {path} does not exist; record traces with `python -m engine.jobs.record`")
+        raise TraceError(f"trace file {path} does not exist; record traces with `python -m specvocab.engine.jobs.record`")
     try:
         df = pl.read_parquet(path)
     except Exception as e:  # polars raises several error types for a non-Parquet file
         raise TraceError(f"{path} is not a readable Parquet trace file ({type(e).__name__}: {e}); "
-                         f"delete it and re-record with `python -m engine.jobs.record`") from e
+                         f"delete it and re-record with `python -m specvocab.engine.jobs.record`") from e
     try:
         return _frame_traces(df)
     except Exception:        # a malformed file: read it row by row, whose error names the row and the field

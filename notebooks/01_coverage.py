@@ -23,7 +23,7 @@
 #   same mean size (`locality.miss_ratio_curves`).
 #
 # The window's stream is the papers' default (prompt, prefill top-3, verify top-3, MicroSpec §3.2) when the
-# sweep has it. Run with `python -m sweeps.render DIR`, or set `results_dir` below.
+# sweep has it. Run with `python -m specvocab.sweeps.render DIR`, or set `results_dir` below.
 
 # %% tags=["parameters"]
 results_dir = "results/quick"
@@ -35,7 +35,7 @@ out_dir = ""                     # default: {results_dir}/figures
 import altair as alt
 import polars as pl
 
-from sweeps import charts, tables
+from specvocab.sweeps import charts, tables
 
 out_dir = out_dir or f"{results_dir}/figures"
 record = tables.read(results_dir, "record", tables.RECORD_COLUMNS)
@@ -55,7 +55,7 @@ if table is not None:
         tooltip=["panel", "series", "w_max", "k", alt.Tooltip("vocab:Q", format=".0f"),
                  alt.Tooltip("coverage:Q", format=".1%"), "tokens"])
     static = base.transform_filter(alt.datum.series == tables.STATIC).mark_line(
-        strokeDash=[6, 4], color="#555", point=alt.OverlayMarkDef(color="#555", size=18)).encode(
+        strokeDash=[6, 4], color="rgb(85, 85, 85)", point=alt.OverlayMarkDef(color="rgb(85, 85, 85)", size=18)).encode(
         detail="series:N")
     window = base.transform_filter(alt.datum.series == tables.WINDOW).mark_point(
         shape=star, filled=True, size=140, opacity=0.9).encode(

@@ -29,7 +29,7 @@ out_dir = ""                     # default: {results_dir}/figures
 # %%
 # %load_ext autoreload
 # %autoreload 2
-from sweeps import charts, tables
+from specvocab.sweeps import charts, tables
 
 out_dir = out_dir or f"{results_dir}/figures"
 record = tables.read(results_dir, "record", tables.RECORD_COLUMNS)

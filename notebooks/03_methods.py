@@ -26,12 +26,12 @@
 #   each where ar's top two logits were within rounding; "mismatch" - some differ with a clear margin, a bug, or
 #   were never diagnosed against ar: `engine.jobs.bench.diagnose`), and the ratios against `full`
 #   (`sweeps.tables.one_head_tables`: `engine.metrics.summarize` and `compare_vocabs`, the tables
-#   `python -m engine.jobs.bench` prints; also written as `one_head_table.csv`).
+#   `python -m specvocab.engine.jobs.bench` prints; also written as `one_head_table.csv`).
 # * **methods_speed** — the same as bars: tokens/s, speedup over ar and tau per task.
 # * **draft_time_by_phase** — MicroSpec Fig. 4: draft time per drafted step, split into the drafter's phases
 #   (backbone layers, DynaSpec's router, weight gather, LM head, tree building; a phase no run spent time in
 #   is left out), per task.
-# * **dynaspec_choices** — DynaSpec's unstated choices (`python -m engine.jobs.dynaspec_choices`, not a sweep kind: read
+# * **dynaspec_choices** — DynaSpec's unstated choices (`python -m specvocab.engine.jobs.dynaspec_choices`, not a sweep kind: read
 #   from `dynaspec_choices`, default `{results_dir}/dynaspec_choices`): held-out token recall against the mean
 #   shortlist per row, one line per setting of the number of clusters M, the router's width and the L of its
 #   top-L training labels, each varied alone around a centre setting (one panel per factor, the centre in black
@@ -45,7 +45,7 @@
 # %% tags=["parameters"]
 results_dir = "results/quick"
 out_dir = ""                     # default: {results_dir}/figures
-dynaspec_choices = ""            # a folder `python -m engine.jobs.dynaspec_choices --out` wrote; default:
+dynaspec_choices = ""            # a folder `python -m specvocab.engine.jobs.dynaspec_choices --out` wrote; default:
                                  # {results_dir}/dynaspec_choices (none there: the figure is skipped)
 
 # %%
@@ -55,7 +55,7 @@ from pathlib import Path
 
 import polars as pl
 
-from sweeps import charts, tables
+from specvocab.sweeps import charts, tables
 
 out_dir = out_dir or f"{results_dir}/figures"
 bench = tables.read(results_dir, "bench")
@@ -120,7 +120,7 @@ if phases is not None and not phases.is_empty():
     display(chart)  # noqa: F821 (IPython)
 
 # %% [markdown]
-# ## DynaSpec's unstated choices: M, router width, L (`python -m engine.jobs.dynaspec_choices`)
+# ## DynaSpec's unstated choices: M, router width, L (`python -m specvocab.engine.jobs.dynaspec_choices`)
 # Offline, on the held-out prompts of one fit's logged rows: token recall = the share of the full-vocabulary
 # drafter's top-L tokens (the L the fit logged) inside a row's shortlist; a row at recall 1 proposes what the full
 # head proposes. Each factor is varied alone around the centre setting (`tables.choices_centre`: the centre the

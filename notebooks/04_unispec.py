@@ -31,7 +31,7 @@ out_dir = ""                     # default: {results_dir}/figures
 # %autoreload 2
 import altair as alt
 
-from sweeps import charts, tables
+from specvocab.sweeps import charts, tables
 
 out_dir = out_dir or f"{results_dir}/figures"
 bench = tables.read(results_dir, "bench")

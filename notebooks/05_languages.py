@@ -33,7 +33,7 @@ out_dir = ""                     # default: {results_dir}/figures
 import altair as alt
 import polars as pl
 
-from sweeps import charts, tables
+from specvocab.sweeps import charts, tables
 
 out_dir = out_dir or f"{results_dir}/figures"
 record = tables.read(results_dir, "record", tables.RECORD_COLUMNS)

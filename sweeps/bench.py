@@ -1,4 +1,4 @@
-"""The sweep machinery's own cost: `python -m sweeps.bench [--out DIR] [--typical DIR]`.
+"""The sweep machinery's own cost: `python -m specvocab.sweeps.bench [--out DIR] [--typical DIR]`.
 
 On a grid of many cheap cells - MicroSpec window coverage (every k_pre x k_ver x sources) over traces a tiny
 random model recorded through the sweep itself - it prints, with what was compared:
@@ -31,13 +31,13 @@ from concurrent.futures import ProcessPoolExecutor
 
 import ray
 
-from locality.trace import read_traces
-from sweeps.cluster import start_local
-from sweeps.config import parse_sweep
-from sweeps.coverage_cells import coverage_cell
-from sweeps.results import MANIFEST, cell_path, load
-from sweeps.run import run_sweep
-from sweeps.schema import Sweep
+from specvocab.locality.trace import read_traces
+from specvocab.sweeps.cluster import start_local
+from specvocab.sweeps.config import parse_sweep
+from specvocab.sweeps.coverage_cells import coverage_cell
+from specvocab.sweeps.results import MANIFEST, cell_path, load
+from specvocab.sweeps.run import run_sweep
+from specvocab.sweeps.schema import Sweep
 
 SOURCES = ("ctx+ext", "ctx", "ext")
 
@@ -175,7 +175,7 @@ def main(out: str | Path | None = None, typical: str | Path | None = None, k: in
 
 
 def cli(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m sweeps.bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m specvocab.sweeps.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="a new folder for the benchmark's sweeps (default: a temp folder)")
     ap.add_argument("--typical", default=None, help="a finished sweep's --out folder: its bench cells' median "
                                                     "seconds are the 'typical bench cell'")

@@ -5,7 +5,7 @@ chart; a notebook reads a sweep, calls a table builder and a chart builder, and 
 torch at import (tests/test_layering.py).
 
 A sweep may hold several models (`paper.toml` has three): every chart that draws bench or coverage results
-splits them - one panel, or one facet row, per model (and prompt set), the model named in its title (issue #18).
+splits them - one panel, or one facet row, per model (and prompt set), the model named in its title.
 Colours: tableau10 up to 10 series, category20 up to 20, and above 20 a second channel (the line's dash or
 the point's shape, a bar's outline dash) that tells apart series of one colour (`series_channels`). Every
 quantitative y axis has a title with its unit.
@@ -24,8 +24,8 @@ from typing import Sequence
 import altair as alt
 import polars as pl
 
-from engine.metrics import AVG, PHASES
-from sweeps import tables
+from specvocab.engine.metrics import AVG, PHASES
+from specvocab.sweeps import tables
 
 FIGURE_LINE = "figure: "                                    # how save_chart announces a written PNG
 TEN = "tableau10"
@@ -43,12 +43,12 @@ def title(what: str, frame: pl.DataFrame, record: pl.DataFrame | None = None, no
     """A chart title: `what` the figure shows; the subtitle: `notes` (how to read it), then
     `sweeps.tables.describe`'s lines (what was run)."""
     return alt.TitleParams(what, subtitle=[*notes, *tables.describe(frame, record)], anchor="start", fontSize=15,
-                           subtitleColor="#444", subtitleFontSize=12)
+                           subtitleColor="rgb(68, 68, 68)", subtitleFontSize=12)
 
 
 def stroke_legend(**kwargs) -> alt.Legend:
     """A legend that draws line dashes (a strokeDash encoding), visible also on lines with point markers."""
-    return alt.Legend(symbolType="stroke", symbolStrokeColor="#333", symbolStrokeWidth=2,
+    return alt.Legend(symbolType="stroke", symbolStrokeColor="rgb(51, 51, 51)", symbolStrokeWidth=2,
                       symbolFillColor="transparent", **kwargs)
 
 
@@ -78,10 +78,10 @@ def series_channels(field: str, domain: Sequence, title_: str, *, mark: str = "l
     return out
 
 
-BAR_OUTLINE = {"stroke": "#222", "strokeWidth": 1}          # mark_bar(**BAR_OUTLINE): a dash channel shows
+BAR_OUTLINE = {"stroke": "rgb(34, 34, 34)", "strokeWidth": 1}          # mark_bar(**BAR_OUTLINE): a dash channel shows
 
 
-def highlight_scale(domain: Sequence[str], highlight: str, color: str = "#222") -> alt.Scale:
+def highlight_scale(domain: Sequence[str], highlight: str, color: str = "rgb(34, 34, 34)") -> alt.Scale:
     """A colour scale over `domain` (in order) that draws `highlight` in `color` (near-black) and the rest in
     tableau10's colours: one series (a centre setting, a default) reads the same in every panel."""
     others = iter(["#4c78a8", "#f58518", "#e45756", "#72b7b2", "#54a24b", "#eeca3b", "#b279a2", "#ff9da6",
@@ -259,11 +259,11 @@ def methods_speed(summary: pl.DataFrame, bench: pl.DataFrame):
         **series_channels("run", runs, RUN_TITLE, mark="bar"),
         tooltip=["model", "prompt_set", "task", "run", "measure", alt.Tooltip("value:Q", format=".2f")])
     one = alt.Chart(pl.DataFrame({"measure": [MEASURES["speedup"], MEASURES["tau"]], "y": [1.0, 1.0]})
-                    ).mark_rule(strokeDash=[4, 3], color="#333").encode(y="y:Q")
+                    ).mark_rule(strokeDash=[4, 3], color="rgb(51, 51, 51)").encode(y="y:Q")
     # the average's 95% interval (engine.metrics speedup_lo / _hi: bootstrap over the tasks) on its speedup bar
     avg = summary.filter((pl.col("task") == AVG) & pl.col("speedup_lo").is_not_null()).select(
         "model", "prompt_set", "task", "run", "speedup_lo", "speedup_hi", measure=pl.lit(MEASURES["speedup"]))
-    whiskers = alt.Chart(avg).mark_rule(color="#111", strokeWidth=1.5).encode(
+    whiskers = alt.Chart(avg).mark_rule(color="rgb(17, 17, 17)", strokeWidth=1.5).encode(
         x=alt.X("task:N", sort=tables.task_order(summary)), xOffset=alt.XOffset("run:N", sort=runs),
         y="speedup_lo:Q", y2="speedup_hi:Q",
         tooltip=["run", alt.Tooltip("speedup_lo:Q", format=".2f"), alt.Tooltip("speedup_hi:Q", format=".2f")])
@@ -335,7 +335,7 @@ def dynaspec_choices(shaped: pl.DataFrame):
                 color=alt.Color("setting:N", sort=settings, title=factor, scale=highlight_scale(settings, centre),
                                 legend=alt.Legend(orient="bottom", direction="vertical")))
             static = alt.Chart(panel.filter(pl.col("series") == "static")).mark_line(
-                color="#888", strokeDash=[5, 4], point=alt.OverlayMarkDef(color="#888", size=20)).encode(
+                color="rgb(136, 136, 136)", strokeDash=[5, 4], point=alt.OverlayMarkDef(color="rgb(136, 136, 136)", size=20)).encode(
                 x=x, y=y, tooltip=tips)
             fixed = ", ".join(f"{short[k]} {c[k]}" for k, name in tables.CHOICE_FACTORS.items() if name != factor)
             panels.append(alt.layer(static, lines).properties(
@@ -366,7 +366,7 @@ def speedup_by_language(langs: pl.DataFrame, bench: pl.DataFrame):
         **series_channels("run", runs, RUN_TITLE, mark="bar"),
         tooltip=["model", "prompt_set", "task", "run", alt.Tooltip("speedup:Q", format=".2f"),
                  alt.Tooltip("tau:Q", format=".2f"), alt.Tooltip("tokens_per_s:Q", format=".1f"), "rows"])
-    one = alt.Chart(pl.DataFrame({"y": [1.0]})).mark_rule(strokeDash=[4, 3], color="#333").encode(y="y:Q")
+    one = alt.Chart(pl.DataFrame({"y": [1.0]})).mark_rule(strokeDash=[4, 3], color="rgb(51, 51, 51)").encode(y="y:Q")
     columns = []
     for m, s in keys(langs, "model", "prompt_set"):
         part = base.transform_filter(_where(model=m, prompt_set=s))

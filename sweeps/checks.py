@@ -14,11 +14,11 @@ import sys
 
 from transformers import AutoConfig, AutoTokenizer
 
-from engine.catalog import RANDOM_MODELS, ModelInfo, known_models
-from engine.models import load_model, load_random_model, model_cache_dir
-from engine.prompts import encode_prompt
-from sweeps.cell import SweepError
-from sweeps.schema import ModelSpec, PromptEntry, Sweep
+from specvocab.engine.catalog import RANDOM_MODELS, ModelInfo, known_models
+from specvocab.engine.models import load_model, load_random_model, model_cache_dir
+from specvocab.engine.prompts import encode_prompt
+from specvocab.sweeps.cell import SweepError
+from specvocab.sweeps.schema import ModelSpec, PromptEntry, Sweep
 
 
 def check_contexts(sweep: Sweep) -> None:

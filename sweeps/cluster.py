@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 import ray
 from ray._private import ray_constants
 
-from sweeps.cell import SweepError
+from specvocab.sweeps.cell import SweepError
 
 LOOPBACK = "127.0.0.1"
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -81,7 +81,7 @@ def in_ray_job() -> bool:
 def checkout_runtime_env() -> dict | None:
     """The runtime_env `attach` gives a cluster (module docstring): None inside a Ray job or when this
     package is installed rather than run from a checkout (the workers then need it installed too)."""
-    from sweeps.provenance import checkout
+    from specvocab.sweeps.provenance import checkout
 
     repo = checkout()
     if in_ray_job() or repo is None:

@@ -1,6 +1,6 @@
 """A sweep: one TOML file naming a grid, expanded into a deterministic list of cells, validated up front.
 
-`load_sweep(path)` / `parse_sweep(config)` -> `Sweep`, in a process without torch (issue #17): this module
+`load_sweep(path)` / `parse_sweep(config)` -> `Sweep`, in a process without torch: this module
 parses `[sweep]`, `[[models]]`, `[[prompts]]`, `[timeouts]` and `[testing]`; `sweeps.plan` the grid sections
 and their cells; `sweeps.schema` holds the keys, defaults and parsed objects; `sweeps.checks.check_contexts`
 the one check that needs tokenizers (below), which `sweeps.run` makes before anything runs.
@@ -23,7 +23,7 @@ the one check that needs tokenizers (below), which `sweeps.run` makes before any
     timing = "exclusive"                 # on CPUs, the timed cells (calibrate, bench) run one at a time per
                                          # machine, with nothing else of the sweep beside them; "shared": as
                                          # many at once as it has slots - faster, but cells beside each other
-                                         # share its memory bandwidth, which slows `ar` most (sweeps/README.md)
+                                         # share its memory bandwidth, which slows `ar` most (PERFORMANCE.md)
 
     [[models]]
     name = "smollm2-135m-instruct"       # an offline name, random-*, a local folder or a hub id (owner/name)
@@ -107,14 +107,14 @@ import re
 import tomllib
 from pathlib import Path
 
-from engine.catalog import HUB_ID, RANDOM_MODELS, known_models
-from engine.prompts import PromptError, load_prompts
-from sweeps.cell import KINDS, SweepError, digest
-from sweeps.plan import expand_cells, plan  # noqa: F401 (plan: re-exported, the dry-run table)
-from sweeps.schema import (DTYPES, MAX_CRASHES, MEMORY_UNITS, RANDOM_OPTIONS, RUNTIME_KEYS, SECTION_KEYS, SPLITS,
+from specvocab.engine.catalog import HUB_ID, RANDOM_MODELS, known_models
+from specvocab.engine.prompts import PromptError, load_prompts
+from specvocab.sweeps.cell import KINDS, SweepError, digest
+from specvocab.sweeps.plan import expand_cells, plan  # noqa: F401 (plan: re-exported, the dry-run table)
+from specvocab.sweeps.schema import (DTYPES, MAX_CRASHES, MEMORY_UNITS, RANDOM_OPTIONS, RUNTIME_KEYS, SECTION_KEYS, SPLITS,
                            TIMEOUT_DEFAULTS, TIMINGS, as_list, check_int, check_keys, check_params, suggest)
 # the parsed objects and the words of the schema, re-exported: code and notebooks import them from here
-from sweeps.schema import ANALYSES, BY, COVERAGE_DEFAULTS, MODEL_KINDS, SOURCES, ModelSpec, PromptEntry, Sweep  # noqa: F401
+from specvocab.sweeps.schema import ANALYSES, BY, COVERAGE_DEFAULTS, MODEL_KINDS, SOURCES, ModelSpec, PromptEntry, Sweep  # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------------------

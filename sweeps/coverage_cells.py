@@ -19,10 +19,10 @@ from typing import Sequence
 
 import polars as pl
 
-from locality.coverage import coverage_by
-from locality.shortlist import shortlist_coverage_by
-from locality.temporal import distance_histograms, miss_ratio_curves
-from locality.trace import Trace
+from specvocab.locality.coverage import coverage_by
+from specvocab.locality.shortlist import shortlist_coverage_by
+from specvocab.locality.temporal import distance_histograms, miss_ratio_curves
+from specvocab.locality.trace import Trace
 
 
 class CoverageCellError(ValueError):

@@ -24,7 +24,7 @@ and returns a polars frame; writing it is the driver's job.
 - calibrate: `engine.jobs.calibrate.calibrate` (UniSpec §3, App. F) for any drafting method (and vocabulary
   policy) -> the measured tau(g), s(g), the fitted curves and g* (`engine.calibration.calibration_curves`),
   with g*, the device and dtype on every row; the record also goes into the calibration cache of the machine
-  it ran on (`[sweep] calibration_cache`), as `python -m engine.jobs.calibrate` does.
+  it ran on (`[sweep] calibration_cache`), as `python -m specvocab.engine.jobs.calibrate` does.
 """
 
 from __future__ import annotations
@@ -40,20 +40,20 @@ from pathlib import Path
 import polars as pl
 import torch
 
-from engine.jobs.bench import diagnose, run_bench
-from engine.jobs.calibrate import calibrate, calibration_prompts
-from engine.calibration import cache_file, calibration_curves, save_calibration
-from engine.config import REQUESTED_SIZE, SpecConfig
-from engine.jobs.frequency import default_frequency_file
-from engine.atomic import atomic_dir
-from engine.models import cache_root, eos_token_ids, load_model
-from engine.prompts import DATA_ENV, Prompt, PromptError, data_file, load_prompts
-from engine.jobs.record import record_traces
-from kernels.hardware import DEFAULT_DTYPE, DEVICE
-from locality.shortlist import load_ranking
-from locality.trace import traces_to_frame
-from sweeps.cell import SweepError, canonical_json
-from sweeps.results import DIAGNOSIS_COLUMNS, DIAGNOSIS_KEY
+from specvocab.engine.jobs.bench import diagnose, run_bench
+from specvocab.engine.jobs.calibrate import calibrate, calibration_prompts
+from specvocab.engine.calibration import cache_file, calibration_curves, save_calibration
+from specvocab.engine.config import REQUESTED_SIZE, SpecConfig
+from specvocab.engine.jobs.frequency import default_frequency_file
+from specvocab.engine.atomic import atomic_dir
+from specvocab.engine.models import cache_root, eos_token_ids, load_model
+from specvocab.engine.prompts import DATA_ENV, Prompt, PromptError, data_file, load_prompts
+from specvocab.engine.jobs.record import record_traces
+from specvocab.kernels.hardware import DEFAULT_DTYPE, DEVICE
+from specvocab.locality.shortlist import load_ranking
+from specvocab.locality.trace import traces_to_frame
+from specvocab.sweeps.cell import SweepError, canonical_json
+from specvocab.sweeps.results import DIAGNOSIS_COLUMNS, DIAGNOSIS_KEY
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the run's settings that run_bench takes as its own arguments, never through `config`
@@ -188,7 +188,7 @@ def calibration_file(cache: bool | str | None) -> Path | None:
 def calibrate_cell(p: dict, loaded, method: str, cache: bool | str | None = None) -> pl.DataFrame:
     """The calibration's curves and g* (results) of `method` at the cell's config (its policy and size
     included); with `cache` (see `calibration_file`) the record is also saved in the calibration cache, as
-    `python -m engine.jobs.calibrate` does, so that later runs on this device, model, dtype and config take this
+    `python -m specvocab.engine.jobs.calibrate` does, so that later runs on this device, model, dtype and config take this
     g* as the method's default draft size (`resolve_draft_size`). The rows say where in `calibration_cache`
     (null: not saved)."""
     model, tokenizer, info = loaded

@@ -4,7 +4,7 @@
 
 What a cell is and how bench cells find the g* of their calibrate cell: the `sweeps.config` docstring. A
 cell's id is a hash of its parameters (`sweeps.cell.Cell`), so the order and the parameters written here
-are what an output folder resumes by. Without torch (issue #17): methods, policies, shipped heads and the
+are what an output folder resumes by. Without torch: methods, policies, shipped heads and the
 calibration key are read from `engine.catalog` and `engine.config`.
 """
 
@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import itertools
 
-from engine.catalog import known_methods, shipped_eagle3_heads, shipped_heads
-from engine.config import DRAFTING_METHODS, POLICIES, REQUESTED_SIZE, SpecConfig, calibration_fields
-from engine.metrics import DRAFTERS
-from engine.prompts import load_prompts
-from sweeps.cell import NO_METHOD, Cell, SweepError, canonical_json
-from sweeps.schema import (ANALYSES, BY, COVERAGE_DEFAULTS, SECTION_KEYS, SOURCES, ModelSpec, PromptEntry, Sweep,
+from specvocab.engine.catalog import known_methods, shipped_eagle3_heads, shipped_heads
+from specvocab.engine.config import DRAFTING_METHODS, POLICIES, REQUESTED_SIZE, SpecConfig, calibration_fields
+from specvocab.engine.metrics import DRAFTERS
+from specvocab.engine.prompts import load_prompts
+from specvocab.sweeps.cell import NO_METHOD, Cell, SweepError, canonical_json
+from specvocab.sweeps.schema import (ANALYSES, BY, COVERAGE_DEFAULTS, SECTION_KEYS, SOURCES, ModelSpec, PromptEntry, Sweep,
                            as_list, check_choices, check_int, check_keys, check_params, grid_points, positive_ints,
                            spec_config, suggest)
 
@@ -101,12 +101,12 @@ def _check_eagle_head(cfg: SpecConfig, m: ModelSpec, where: str) -> None:
     if cfg.method == "eagle" and not cfg.eagle_head and m.name not in shipped_heads():
         raise SweepError(f"{where}: eagle needs a draft head for {m.name!r}: params.eagle_head = a local EAGLE "
                          f"checkpoint folder or hub id (heads ship for {sorted(shipped_heads())} only; train one "
-                         f"with `python -m engine.jobs.train_eagle`)")
+                         f"with `python -m specvocab.engine.jobs.train_eagle`)")
     if cfg.method == "eagle3" and not cfg.eagle3_head and m.name not in shipped_eagle3_heads():
         raise SweepError(f"{where}: eagle3 needs an EAGLE-3 head for {m.name!r}: params.eagle3_head = a local "
                          f"EAGLE-3 checkpoint folder or hub id (EAGLE-3 heads ship for "
                          f"{sorted(shipped_eagle3_heads()) or 'no model yet'}; train one with `python -m "
-                         f"engine.jobs.train_eagle3`)")
+                         f"specvocab.engine.jobs.train_eagle3`)")
 
 
 def _calibrated_by(method: str, cfg: SpecConfig, calibrations: list[Cell], where: str) -> str | None:

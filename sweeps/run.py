@@ -1,9 +1,9 @@
-"""Run a sweep on Ray: `python -m sweeps.run CONFIG --out DIR [--address auto|HOST:PORT|ray://HOST:PORT]
+"""Run a sweep on Ray: `python -m specvocab.sweeps.run CONFIG --out DIR [--address auto|HOST:PORT|ray://HOST:PORT]
 [--extend] [--strict-provenance]`.
 
-    python -m sweeps.run sweeps/configs/quick.toml --out results/quick          # a local Ray on 127.0.0.1
+    python -m specvocab.sweeps.run sweeps/configs/quick.toml --out results/quick          # a local Ray on 127.0.0.1
     ray job submit --working-dir . --runtime-env-json '{"env_vars": {"SPECVOCAB_DATA": "/shared/data"}, "excludes": ["tests/"]}' \\
-        -- python -m sweeps.run sweeps/configs/paper.toml --out /shared/results/paper --address auto
+        -- python -m specvocab.sweeps.run sweeps/configs/paper.toml --out /shared/results/paper --address auto
 
 Order: per model, one pool of actors (`ModelWorker`: the model loaded once per actor) runs that model's
 record and calibrate cells, then its bench cells - a bench cell of a calibrated method without a draft size
@@ -73,19 +73,20 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm.auto import tqdm
 
-from engine.config import SpecConfig, calibration_fields
-from locality.trace import read_traces
-from sweeps.cluster import connect, cpu_nodes, is_local, physical_cores, resources
-from sweeps.cell import Cell, SweepError, canonical_json
-from sweeps.checks import check_contexts
-from sweeps.config import load_sweep
-from sweeps.coverage_cells import timed_coverage_cells
-from sweeps.model_cells import SHIPPED, ModelWorker, bench_config, data_files, shipped_prompts
-from sweeps.plan import plan
-from sweeps.results import (DIAGNOSIS_KEY, cell_path, check_output_folder, diagnosis_path, finished, is_finished,
+from specvocab.engine.config import SpecConfig, calibration_fields
+from specvocab.engine.jobs.args import add_debug, debugging, run_main
+from specvocab.locality.trace import read_traces
+from specvocab.sweeps.cluster import connect, cpu_nodes, is_local, physical_cores, resources
+from specvocab.sweeps.cell import Cell, SweepError, canonical_json
+from specvocab.sweeps.checks import check_contexts
+from specvocab.sweeps.config import load_sweep
+from specvocab.sweeps.coverage_cells import timed_coverage_cells
+from specvocab.sweeps.model_cells import SHIPPED, ModelWorker, bench_config, data_files, shipped_prompts
+from specvocab.sweeps.plan import plan
+from specvocab.sweeps.results import (DIAGNOSIS_KEY, cell_path, check_output_folder, diagnosis_path, finished, is_finished,
                             load, lock_output, prepare_output, ranking_path, undiagnosed, write_cell, write_error,
                             write_frame)
-from sweeps.schema import MODEL_KINDS, TIMED_KINDS, Sweep
+from specvocab.sweeps.schema import MODEL_KINDS, TIMED_KINDS, Sweep
 
 WAIT_S = 1.0                      # how often the driver wakes to refresh the progress bar
 BATCHES_PER_SLOT = 4              # coverage: tasks per worker slot and group of cells sharing traces
@@ -318,7 +319,7 @@ class _Driver:
         "exclusive"` on CPUs, one per machine that has the actor's CPUs, and nothing else of the sweep beside
         it: cells side by side share a machine's memory bandwidth, and a one-row decode step (`ar`'s) is bound
         by it while a speculative step of 5-8 rows is much less, so speedups measured beside a neighbour read
-        high (sweeps/README.md). Else `slots`: one per GPU, or per `num_cpus` CPUs."""
+        high (PERFORMANCE.md, section 3). Else `slots`: one per GPU, or per `num_cpus` CPUs."""
         if not self.exclusive:
             return self.slots(spec)
         machines = sum(cpus >= (spec.num_cpus or 1.0) for cpus in self.nodes.values()) or 1
@@ -493,7 +494,7 @@ class _Driver:
         """Bench rows of `spec`'s model whose output differs from ar's and that carry no verdict - ar runs in a
         cell of its own, so a cell cannot diagnose its rows as it goes - diagnosed on one of its actors
         (`ModelWorker.diagnose`: ar's top-2 margin at the first divergent token -> exact / near-tie /
-        mismatch, #16) into DIR/_diagnoses/<model>.parquet, which `sweeps.load` joins. Trouble here is
+        mismatch) into DIR/_diagnoses/<model>.parquet, which `sweeps.load` joins. Trouble here is
         reported, never fatal: the rows keep no verdict (the tables count them as mismatches)."""
         try:
             rows = load(self.out, "bench").filter(pl.col("model") == spec.label).collect()
@@ -786,7 +787,7 @@ def _run_locked(sweep, out, address, max_workers, num_cpus, progress, show, exte
             ray.shutdown()
     summary.files = len(finished(out, sweep.cells, summary.damaged))
     summary.wall_s = time.perf_counter() - t0
-    summary.driver_cpu_s = time.process_time() - cpu0         # the driver's own work, counted (#18)
+    summary.driver_cpu_s = time.process_time() - cpu0         # the driver's own work, counted
     if show:
         print("\n".join(summary.lines()), flush=True)
     return summary
@@ -805,7 +806,7 @@ def plan_table(sweep: Sweep) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sweeps.run", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m specvocab.sweeps.run", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", help="the sweep's TOML file (see sweeps.config)")
     ap.add_argument("--out", required=True, help="output folder (one sweep config per folder; rerun to resume)")
     ap.add_argument("--address", default=None,
@@ -822,6 +823,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--strict-provenance", action="store_true",
                     help="refuse to resume a folder started under another package version, git commit, torch, "
                          "transformers or data files (default: a warning naming what changed)")
+    add_debug(ap)
     a = ap.parse_args(argv)
     try:
         sweep = load_sweep(a.config)
@@ -832,10 +834,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = run_sweep(sweep, a.out, address=a.address, max_workers=a.max_workers, num_cpus=a.num_cpus,
                             progress=a.progress, extend=a.extend, strict_provenance=a.strict_provenance)
     except SweepError as e:
+        if debugging():
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0 if summary.ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

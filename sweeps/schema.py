@@ -2,7 +2,7 @@
 parsed objects (`ModelSpec`, `PromptEntry`, `Sweep`) and the small checks that name a problem in a value.
 
 Shared by the parser (`sweeps.config`), the cell plan (`sweeps.plan`) and the pre-run checks (`sweeps.checks`);
-without torch, like the first two (issue #17).
+without torch, like the first two.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import difflib
 import itertools
 from dataclasses import dataclass
 
-from engine.config import ConfigError, SpecConfig
-from sweeps.cell import Cell, SweepError
+from specvocab.engine.config import ConfigError, SpecConfig
+from specvocab.sweeps.cell import Cell, SweepError
 
 # the kinds of cell are one list, sweeps.cell.KINDS (results readers take it from there without the config)
 MODEL_KINDS = ("record", "calibrate", "bench")          # cells run on an actor holding the model

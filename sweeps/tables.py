@@ -22,7 +22,7 @@ for a prompt set split by language (the multilingual set), or both when a set ha
 adds the prompt set and the model when a sweep holds several. Every table keeps `model`: a sweep of several
 models (`paper.toml`) is drawn per model (`sweeps.charts`).
 
-About 700 lines, over the ~600 of issue #17, on purpose: one section per family of figures (coverage, bench,
+Over 600 lines on purpose (about 700): one section per family of figures (coverage, bench,
 UniSpec, DynaSpec's choices), each builder short and documented with the figure it feeds; split it by section
 when one grows.
 """
@@ -35,11 +35,11 @@ from typing import Sequence
 
 import polars as pl
 
-from engine.config import SpecConfig
-from engine.metrics import (AVG, DRAFTERS, PHASE_MS, PHASES, compare_vocabs, comparison_lines, draft_coverage,
+from specvocab.engine.config import SpecConfig
+from specvocab.engine.metrics import (AVG, DRAFTERS, PHASE_MS, PHASES, compare_vocabs, comparison_lines, draft_coverage,
                             summarize, table2_summary, tau, tokens_per_s, with_task)
-from sweeps.cell import KINDS, SweepError
-from sweeps.results import load
+from specvocab.sweeps.cell import KINDS, SweepError
+from specvocab.sweeps.results import load
 
 __all__ = ["AVG", "PHASES", "with_task"]      # re-exported for the notebooks (defined in engine.metrics)
 
@@ -611,23 +611,23 @@ def g_stars(cal: pl.DataFrame | None) -> pl.DataFrame | None:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# DynaSpec: the choices the paper leaves open (`python -m engine.jobs.dynaspec_choices`)
+# DynaSpec: the choices the paper leaves open (`python -m specvocab.engine.jobs.dynaspec_choices`)
 # ----------------------------------------------------------------------------------------------------------
 
 # the factors `engine.jobs.dynaspec_choices.choice_settings` varies one at a time, and their facet titles
 CHOICE_FACTORS = {"num_clusters": "M (clusters)", "router_width": "router width", "top_l": "L (label top-L)"}
-CHOICES_COMMAND = "python -m engine.jobs.dynaspec_choices --work-dir FITWORK --out {folder}"
+CHOICES_COMMAND = "python -m specvocab.engine.jobs.dynaspec_choices --work-dir FITWORK --out {folder}"
 CHOICES_COLUMNS = ("model", "drafter", *CHOICE_FACTORS, "logged_top_l", "scorer", "budget", "budget_tokens",
                    "k_max", "token_recall", "top1_hit", "mean_row_vocab", "train_s", "kmeans_s")
 
 
 def read_choices(folder: str | Path) -> pl.DataFrame | None:
-    """The Parquet files `python -m engine.jobs.dynaspec_choices --out FOLDER` wrote (one per setting), or None with
+    """The Parquet files `python -m specvocab.engine.jobs.dynaspec_choices --out FOLDER` wrote (one per setting), or None with
     one printed line saying how to make them."""
     files = sorted(Path(folder).expanduser().glob("*.parquet"))
     if not files:
         print(f"skipped the DynaSpec choices: no Parquet files in {folder}; make them with `"
-              f"{CHOICES_COMMAND.format(folder=folder)}` (FITWORK: the work dir of `python -m engine.jobs.fit_dynaspec`, "
+              f"{CHOICES_COMMAND.format(folder=folder)}` (FITWORK: the work dir of `python -m specvocab.engine.jobs.fit_dynaspec`, "
               f"<fitted file>.work)")
         return None
     frame = pl.read_parquet(files)

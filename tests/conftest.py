@@ -10,14 +10,14 @@ if not torch.cuda.is_available():
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
-# --- real offline models, loaded once per test session (converted to the safetensors cache on first use) ---
+# --- real offline models, loaded once per pytest run (converted to the safetensors cache on first use) ---
 import pytest  # noqa: E402
 
 
 def _offline(name: str, dtype=None, reuse=None):
     """(model, tokenizer, info) of an offline model; `reuse` when it is already loaded in that dtype."""
-    from engine.models import load_model
-    from kernels.hardware import parse_dtype
+    from specvocab.engine.models import load_model
+    from specvocab.kernels.hardware import parse_dtype
 
     if reuse is not None and reuse[0].dtype == parse_dtype(dtype):
         return reuse
@@ -71,3 +71,22 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# --- $SPECVOCAB_REQUIRE_KERNELS=1 (.ci/run): a kernel test may not skip over a build that failed on a CPU with its ISA ---
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test skipped with a reason that names a failed kernel build (`kernels.cpu.broken()`: no compiler, a compile
+    error or timeout, no directory to build in, on a CPU that has the build's ISA) fails instead, under
+    `$SPECVOCAB_REQUIRE_KERNELS=1`; a skip for an ISA the CPU lacks stays a skip."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.skipped or hasattr(report, "wasxfail"):
+        return
+    from specvocab.kernels import cpu  # MUTANT
+    reason = str(report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr)
+    failed = [why for why in cpu.broken() if why in reason]
+    if failed:
+        report.outcome = "failed"
+        report.longrepr = (f"{reason} -- {cpu.REQUIRE_ENV}=1: this CPU ({cpu.cpu_isa()}) has the kernels' ISA, so "
+                           f"this kernel test must run; fix the build above or unset {cpu.REQUIRE_ENV}")

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.tree import DraftTree, Drafter
+from specvocab.engine.tree import DraftTree, Drafter
 
 ARCHS = ("random-llama", "random-gemma3", "random-qwen3")
 
@@ -169,7 +169,7 @@ def greedy_topk_reference(model, prompt_ids, max_new_tokens: int, topk: int, eos
 def tiny_dynaspec_fit(folder: Path, out: Path, *, epochs: int = 2):
     """A DynaSpec `FitConfig` on the random Llama: 5 one-turn prompts written to `folder/prompts.jsonl`, 4 of
     them logged (1 held out) with the layer-skip drafter, 16 clusters, a router of width 16; fits to `out`."""
-    from engine.jobs.fit_dynaspec import FitConfig
+    from specvocab.engine.jobs.fit_dynaspec import FitConfig
 
     prompts = Path(folder) / "prompts.jsonl"
     with open(prompts, "w") as f:

@@ -5,7 +5,7 @@
   with its file;
 - the fingerprint check accepts a bf16 / fp16 copy of an fp32 head (and the other way round), even one built
   so that rounding moves every element by nearly bf16's unit roundoff, and refuses another head of the same
-  shape, the same head scaled by 2^-7, and a fine-tune-like change of 1-2% (#18); the old key
+  shape, the same head scaled by 2^-7, and a fine-tune-like change of 1-2%; the old key
   (`target_fingerprint`) and the old row-norm fingerprints are still read.
 """
 
@@ -18,14 +18,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine import atomic
-from engine.artifacts import (FINGERPRINT_KEY, FINGERPRINT_RTOL, atomic_dir, atomic_write, fingerprint_matches,
+from specvocab.engine import atomic
+from specvocab.engine.artifacts import (FINGERPRINT_KEY, FINGERPRINT_RTOL, atomic_dir, atomic_write, fingerprint_matches,
                               fingerprint_distance, head_fingerprint, head_matches, old_head_fingerprint,
                               save_safetensors, save_torch, sidecar_path, stored_fingerprint)
-from engine.drafters.eagle import check_head_target, random_eagle_head, save_eagle_head
-from engine.drafters.lmhead import DrafterError
-from engine.models import load_model
-from engine.shipped import SHIPPED_HEADS, default_eagle_head
+from specvocab.engine.drafters.eagle import check_head_target, random_eagle_head, save_eagle_head
+from specvocab.engine.drafters.lmhead import DrafterError
+from specvocab.engine.models import load_model
+from specvocab.engine.shipped import SHIPPED_HEADS, default_eagle_head
 
 
 # --- atomic_write ----------------------------------------------------------------------------------------------
@@ -134,9 +134,9 @@ def test_the_tolerance_is_bf16s_unit_roundoff():
 
 
 def test_a_fine_tune_of_the_same_head_is_refused_and_its_bf16_copy_accepted():
-    """#18: the row-norm fingerprint took any same-shape fine-tune for the head (the shipped Gemma's norms span
+    """The row-norm fingerprint takes any same-shape fine-tune for the head (the shipped Gemma's norms span
     0.3%). On a copy of a model: noise of 1% of the weights' spread, or a low-rank change of 2% (what a
-    fine-tune does), is refused; the same weights in bf16 are accepted. The old fingerprint took the noisy copy."""
+    fine-tune does), is refused; the same weights in bf16 are accepted. The row-norm kind takes the noisy copy."""
     model = load_model("random-llama", seed=3)[0]
     w = model.get_output_embeddings().weight.detach().clone()
     stored = head_fingerprint(w)
@@ -146,7 +146,7 @@ def test_a_fine_tune_of_the_same_head_is_refused_and_its_bf16_copy_accepted():
     low_rank = u @ v
     tuned = w + 0.02 * low_rank * (w.norm() / low_rank.norm())
     assert not fingerprint_matches(stored, noisy) and not fingerprint_matches(stored, tuned)
-    with pytest.warns(UserWarning, match="before #18"):                     # the old kind took the noisy one for it
+    with pytest.warns(UserWarning, match="older row-norm kind"):                     # the old kind took the noisy one for it
         assert fingerprint_matches(old_head_fingerprint(w), noisy)
     assert fingerprint_matches(stored, w.bfloat16()) and fingerprint_matches(head_fingerprint(w.bfloat16()), w)
     # through a whole drafter: a head saved for this model refuses the fine-tuned copy of the model
@@ -180,7 +180,7 @@ def test_old_and_new_keys_are_read_and_the_new_one_is_written(tmp_path):
     assert not head_matches({**sizes, "vocab_size": 999, FINGERPRINT_KEY: fp}, w)
     assert not head_matches(sizes, w) and not head_matches(None, w)
 
-    # an EAGLE head saved now carries the new key; one saved before #17 (the old key) still loads for its target
+    # an EAGLE head saved carries the new key; one holding the old key still loads for its target
     model = load_model("random-llama")[0]
     other = load_model("random-llama", seed=1)[0]
     folder = save_eagle_head(random_eagle_head(model), tmp_path / "head", target_name="random-llama",
@@ -195,8 +195,8 @@ def test_old_and_new_keys_are_read_and_the_new_one_is_written(tmp_path):
 
 
 def test_the_shipped_heads_and_their_fits_store_the_new_fingerprint():
-    """#18: the shipped heads were exported again and their fits refitted: both hold the direction fingerprint
-    of the same LM head, under the new key."""
+    """The shipped heads and their fits both hold the direction fingerprint of the same LM head, under the new
+    key."""
     heads = sorted(SHIPPED_HEADS.glob("*/config.json"))
     assert len(heads) == 2
     for cfg in heads:

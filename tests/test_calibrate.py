@@ -13,14 +13,14 @@ import polars as pl
 import pytest
 import torch
 
-import engine.jobs.calibrate as cal
-import engine.jobs.frequency as freq_job
-from engine import calibration as calib
-from engine.config import METHODS, POLICIES, SpecConfig, parse_overrides
-from engine.harness import bucket_edge, generate, resolve_config
-from engine.models import load_model
-from engine.native import BLOCK
-from engine.target import pads_rows
+import specvocab.engine.jobs.calibrate as cal
+import specvocab.engine.jobs.frequency as freq_job
+from specvocab.engine import calibration as calib
+from specvocab.engine.config import METHODS, POLICIES, SpecConfig, parse_overrides
+from specvocab.engine.harness import bucket_edge, generate, resolve_config
+from specvocab.engine.models import load_model
+from specvocab.engine.native import BLOCK
+from specvocab.engine.target import pads_rows
 
 
 def true_optimum(tau_fn, s_fn, lo, hi):
@@ -195,7 +195,7 @@ def test_calibration_imports_neither_the_harness_nor_the_measuring_module():
     tree = ast.parse(Path(calib.__file__).read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert not {m for m in imported if m.startswith(("engine.harness", "engine.jobs.calibrate", "engine.drafters"))}
+    assert not {m for m in imported if m.startswith(("specvocab.engine.harness", "specvocab.engine.jobs.calibrate", "specvocab.engine.drafters"))}
 
 
 def test_measure_and_calibrate_through_harness(cache_dir, tiny):
@@ -284,7 +284,7 @@ def test_calibration_curves_frame():
 def test_calibrate_after_generate_on_the_same_model(tiny):
     """`generate` makes the deployment store inside inference mode; a later calibration (a notebook's
     next cell) must still be able to snapshot and restore it."""
-    from engine.harness import generate
+    from specvocab.engine.harness import generate
 
     model, info = tiny
     gen = torch.Generator().manual_seed(3)
@@ -480,7 +480,7 @@ def test_the_missing_calibration_warning_names_the_command_once(cache_dir, tiny)
     cmd = calib.calibrate_command(cfg, model)
     assert cmd in msgs[0] and msgs[0].endswith("using eagle's uncalibrated default g = 59")
     args = shlex.split(cmd)
-    assert args[:3] == ["python", "-m", "engine.jobs.calibrate"]
+    assert args[:3] == ["python", "-m", "specvocab.engine.jobs.calibrate"]
     opts = dict(zip(args[3::2], args[4::2]))
     assert opts["--model"] == calib.model_id(model) and opts["--method"] == "eagle"
     assert (opts["--device"], opts["--dtype"], opts["--threads"]) == ("cpu", "float32", str(torch.get_num_threads()))
@@ -544,7 +544,7 @@ def test_frspec_is_calibrated_on_its_default_ranking_and_keyed_as_a_bench_resolv
 
 
 def test_cli_calibrates_eagle_end_to_end(cache_dir, capsys):
-    """`python -m engine.jobs.calibrate --method eagle` measures the grid through the harness, fits, prints and caches
+    """`python -m specvocab.engine.jobs.calibrate --method eagle` measures the grid through the harness, fits, prints and caches
     the record under eagle's key, where resolve_config finds it."""
     overrides = ["eagle_head=random", "eagle_depth=2", "eagle_topk=3"]
     cal.main(["--model", "random-llama", "--method", "eagle", "--dtype", "fp32", "--grid", "1,2,3", "--prompts", "2",

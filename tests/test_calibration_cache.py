@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import calibration as calib
-from engine.config import SpecConfig
+from specvocab.engine import calibration as calib
+from specvocab.engine.config import SpecConfig
 from tests import test_calibrate
 
 cache_dir, tiny = test_calibrate.cache_dir, test_calibrate.tiny    # its fixtures: a private cache, a tiny model
@@ -79,7 +79,7 @@ def test_cache_round_trip_and_resolve(cache_dir, tiny):
     assert key.startswith("llama-V300-d32-L1|cpu:") and "|float32|unispec|" in key
     assert key.endswith("|" + calib.config_fingerprint(cfg))
     assert calib.cached_draft_size(key) is None
-    with pytest.raises(calib.CalibrationError, match="engine.jobs.calibrate"):
+    with pytest.raises(calib.CalibrationError, match="specvocab.engine.jobs.calibrate"):
         calib.resolve_draft_size(cfg, model, on_missing="error")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")

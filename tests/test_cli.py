@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-import engine.jobs.fit_dynaspec as fit_job
-from sweeps import cli
+import specvocab.engine.jobs.fit_dynaspec as fit_job
+from specvocab.sweeps import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,7 +67,7 @@ def test_help_loads_neither_torch_nor_ray():
 
 
 def test_the_console_script_is_declared():
-    assert 'specvocab = "sweeps.cli:main"' in (ROOT / "pyproject.toml").read_text()
+    assert 'specvocab = "specvocab.sweeps.cli:main"' in (ROOT / "pyproject.toml").read_text()
 
 
 # --- every documented command parses --------------------------------------------------------------------------
@@ -118,7 +118,7 @@ def _check(cmd: str) -> None:
     matter, so required options and positionals are not demanded; every flag must exist and every value parse."""
     words = _words(cmd)
     if words[0] == "specvocab":
-        module, args = cli.resolve(words[1:])
+        module, args = cli.resolve(cli.split_debug(words[1:])[1])
     else:
         module, args = words[2], words[3:]
     unknown = []
@@ -169,21 +169,21 @@ def _all_documented() -> list[tuple[str, str]]:
 
 
 def test_the_extractor_finds_commands_and_continuations():
-    text = ("    python -m engine.jobs.bench --model m \\\n        --methods ar   # comment\n"
-            "see `python -m sweeps.render DIR` and `specvocab bench --model m`; `python -m engine.jobs.calibrate\n"
-            "  --model m` runs over\n$ time python -m sweeps.run a.toml --out o   # real 9m\n")
-    assert documented_commands(text) == ["python -m engine.jobs.bench --model m --methods ar",
-                                         "python -m sweeps.render DIR", "specvocab bench --model m",
-                                         "python -m sweeps.run a.toml --out o"]
+    text = ("    python -m specvocab.engine.jobs.bench --model m \\\n        --methods ar   # comment\n"
+            "see `python -m specvocab.sweeps.render DIR` and `specvocab bench --model m`; `python -m specvocab.engine.jobs.calibrate\n"
+            "  --model m` runs over\n$ time python -m specvocab.sweeps.run a.toml --out o   # real 9m\n")
+    assert documented_commands(text) == ["python -m specvocab.engine.jobs.bench --model m --methods ar",
+                                         "python -m specvocab.sweeps.render DIR", "specvocab bench --model m",
+                                         "python -m specvocab.sweeps.run a.toml --out o"]
 
 
 def test_the_check_catches_a_wrong_flag_and_a_missing_module():
     with pytest.raises(AssertionError, match="does not know"):
-        _check("python -m engine.jobs.fit_dynaspec --model m --clusters 8")
+        _check("python -m specvocab.engine.jobs.fit_dynaspec --model m --clusters 8")
     with pytest.raises(AssertionError, match="refused"):
-        _check("python -m engine.jobs.fit_dynaspec --model m --num-clusters eight")    # not an int
+        _check("python -m specvocab.engine.jobs.fit_dynaspec --model m --num-clusters eight")    # not an int
     with pytest.raises(ImportError):
-        _check("python -m engine.dynaspec fit --model m")                       # the module moved (#17)
+        _check("python -m specvocab.engine.dynaspec fit --model m")                       # no such module
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")   # runpy: the module is already imported; harmless here

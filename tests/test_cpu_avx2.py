@@ -33,7 +33,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu
+from specvocab.kernels import cpu
 
 CPU = torch.device("cpu")
 
@@ -42,7 +42,7 @@ CPU = torch.device("cpu")
 def avx2(monkeypatch):
     monkeypatch.setenv(cpu.ISA_ENV, "avx2")
     if cpu.isa() != "avx2":
-        pytest.skip(f"the AVX2 build does not run here: {cpu._why_not2}")
+        pytest.skip(f"needs AVX2 + FMA (this CPU: {cpu.cpu_isa()}): {cpu._why_not2}")
 
 
 @pytest.mark.parametrize("N,K", [(64, 64), (1001, 577), (13, 40), (960, 576), (7, 9), (5, 3)])
@@ -66,11 +66,11 @@ def test_the_build_is_chosen_by_the_cpu_and_by_the_environment(monkeypatch):
     """auto: AVX-512 where it runs; avx2 turns every AVX-512 kernel off (a run here is then what an AVX2 CPU
     runs: bf16 kernels, top-k, window step in torch) while the fp32 linear still runs; a bad value names the
     choices."""
-    from engine.calibration import device_name
+    from specvocab.engine.calibration import device_name
     monkeypatch.delenv(cpu.ISA_ENV, raising=False)
     expected = "avx512" if cpu.available_fp32() is None else ("avx2" if cpu._load_avx2() is not None else None)
     assert cpu.isa() == expected
-    from kernels.hardware import BF16_CPU_FLAGS, cpu_flags, cpu_has_native_bf16, default_dtype
+    from specvocab.kernels.hardware import BF16_CPU_FLAGS, cpu_flags, cpu_has_native_bf16, default_dtype
     here = device_name("cpu")
     assert cpu_has_native_bf16() == any(f in cpu_flags() for f in BF16_CPU_FLAGS)
     monkeypatch.setenv(cpu.ISA_ENV, "avx2")
@@ -78,7 +78,7 @@ def test_the_build_is_chosen_by_the_cpu_and_by_the_environment(monkeypatch):
     assert not cpu_has_native_bf16()                     # an AVX2 CPU has no bf16 dot products: fp32 by default
     assert default_dtype(env="", cuda=False, cpu_bf16=cpu_has_native_bf16()) == torch.float32
     if cpu._load_avx2() is None:
-        pytest.skip(f"the AVX2 build does not run here: {cpu._why_not2}")
+        pytest.skip(f"needs AVX2 + FMA (this CPU: {cpu.cpu_isa()}): {cpu._why_not2}")
     assert cpu.isa() == "avx2"
     assert "SPECVOCAB_CPU_ISA=avx2" in cpu.available_fp32() and cpu.available() is not None
     assert cpu.linear_reason(CPU, torch.float32) is None
@@ -105,7 +105,7 @@ def test_a_cpu_with_avx2_but_not_avx512_runs_the_avx2_linear(monkeypatch):
     monkeypatch.setattr(cpu, "cpu_flags", lambda: {"sse4_2", "avx", "avx2", "fma"})
     assert "avx512f" in cpu.available_fp32()
     if cpu.isa() != "avx2":
-        pytest.skip(f"the AVX2 build does not run here: {cpu._why_not2}")
+        pytest.skip(f"needs AVX2 + FMA (this CPU: {cpu.cpu_isa()}): {cpu._why_not2}")
     assert cpu.linear_reason(CPU, torch.float32) is None and "avx512f" in cpu.linear_reason(CPU, torch.bfloat16)
     w = torch.randn(8, 20)
     assert torch.allclose(cpu.pack(w)(torch.ones(1, 20)), w.sum(1)[None], rtol=1e-5, atol=1e-5)
@@ -155,7 +155,7 @@ def test_route_linears_runs_a_drafters_fp32_linears_on_the_avx2_kernel(avx2):
 
 needs_attention = pytest.mark.skipif(
     cpu.attention_f32_reason(64) is not None,
-    reason=f"the fp32 attention kernel does not run here: {cpu.attention_f32_reason(64)}")
+    reason=f"needs AVX2 + FMA (this CPU: {cpu.cpu_isa()}): {cpu.attention_f32_reason(64)}")
 
 
 def _attn_case(**shape):
@@ -262,7 +262,7 @@ def test_the_fp32_layer_is_refused_off_the_avx2_build(monkeypatch):
             _layer_case(dtype=torch.float32)
     monkeypatch.setenv(cpu.ISA_ENV, "avx2")
     if cpu.isa() != "avx2":
-        pytest.skip(f"the AVX2 build does not run here: {cpu._why_not2}")
+        pytest.skip(f"needs AVX2 + FMA (this CPU: {cpu.cpu_isa()}): {cpu._why_not2}")
     spec, x, args, _ = _layer_case(dtype=torch.float32)
     cos, sin, kc, vc, slots, b0, pos, idx, ok, window, scale = args
     with pytest.raises(cpu.CpuKernelError, match="fp32"):

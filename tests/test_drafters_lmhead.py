@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from engine import kv
-from engine.config import SpecConfig
-from engine.drafters import make_drafter
-from engine.drafters.eagle import EagleDrafter, EagleHead, load_eagle_head, random_eagle_head
-from engine.drafters.layerskip import LayerSkipDrafter, parse_layers
-from engine.drafters.lmhead import DrafterError, PhaseTimer, expand_tree
-from engine.harness import forward_tree, generate, prefill
-from engine.models import load_model
-from engine.verify import verify_greedy
+from specvocab.engine import kv
+from specvocab.engine.config import SpecConfig
+from specvocab.engine.drafters import make_drafter
+from specvocab.engine.drafters.eagle import EagleDrafter, EagleHead, load_eagle_head, random_eagle_head
+from specvocab.engine.drafters.layerskip import LayerSkipDrafter, parse_layers
+from specvocab.engine.drafters.lmhead import DrafterError, PhaseTimer, expand_tree
+from specvocab.engine.harness import forward_tree, generate, prefill
+from specvocab.engine.models import load_model
+from specvocab.engine.verify import verify_greedy
 
 ARCHS = ("random-llama", "random-gemma3", "random-qwen3")
 V = 384
@@ -258,7 +258,7 @@ def test_the_policys_pass_over_the_prompt_is_draft_prefill_not_gather(tiny, monk
     """MicroSpec's first window (its `begin`, timed as gather) is moved to draft_prefill, so gather is the
     steps' own (MicroSpec Fig. 4 per drafted step). The policy's begin is slowed by 50 ms here."""
     import time
-    from engine.vocab.microspec import MicroSpecVocab
+    from specvocab.engine.vocab.microspec import MicroSpecVocab
     model, info, _, _ = tiny
     original = MicroSpecVocab.begin_ids
 
@@ -316,7 +316,7 @@ def _drive(model, drafter, prompt, steps):
             accepted, new = verify_greedy(tree.tokens, tree.parents, lg)
             yield ids, tree, lg
             committed = kv.compact(cache, committed, tree.size, accepted.tolist())
-            from engine.tree import StepResult
+            from specvocab.engine.tree import StepResult
             drafter.observe(StepResult(tree=tree, logits=lg, hidden=h, accepted=accepted, new_tokens=new))
             ids = torch.cat([ids, new])
 

@@ -22,17 +22,17 @@ import polars as pl
 import pytest
 import torch
 
-from engine.config import SpecConfig
-from engine.drafters import make_drafter
-from engine.drafters.eagle3 import Eagle3Drafter, eagle3_feature_layers, load_eagle3_head
-from engine.drafters.lmhead import DrafterError
-from engine.harness import forward_tree, generate, prefill
-from engine import kv
-from engine.models import load_model
-from engine.target import make_target
-from engine.tree import StepResult
-from engine.verify import tree_layout
-from engine.vocab.dynaspec import DynaSpecError, FittedDynaSpec, Router, save_dynaspec
+from specvocab.engine.config import SpecConfig
+from specvocab.engine.drafters import make_drafter
+from specvocab.engine.drafters.eagle3 import Eagle3Drafter, eagle3_feature_layers, load_eagle3_head
+from specvocab.engine.drafters.lmhead import DrafterError
+from specvocab.engine.harness import forward_tree, generate, prefill
+from specvocab.engine import kv
+from specvocab.engine.models import load_model
+from specvocab.engine.target import make_target
+from specvocab.engine.tree import StepResult
+from specvocab.engine.verify import tree_layout
+from specvocab.engine.vocab.dynaspec import DynaSpecError, FittedDynaSpec, Router, save_dynaspec
 from tests.eagle3_testing import official_state, reference_logp, target_features, write_checkpoint
 
 V = 384
@@ -310,11 +310,11 @@ def test_missing_head_hub_offline_and_dynaspec_name_the_fix(tmp_path, llama_head
 
 
 def test_a_shipped_head_is_the_default_for_its_own_target_only(tmp_path, monkeypatch, llama_head):
-    """#19: `eagle3_head=None` resolves (`resolve_config`, and the drafter itself) to the EAGLE-3 head shipped
+    """`eagle3_head=None` resolves (`resolve_config`, and the drafter itself) to the EAGLE-3 head shipped
     in `engine/heads/<model>/eagle3/` whose LM-head fingerprint matches the target - decoding with it equals ar
     - and to nothing for a same-shape target of other weights (the fix named), even with a head shipped."""
-    from engine.harness import resolve_config
-    from engine.jobs.train_eagle3 import new_eagle3_head, save_eagle3_head
+    from specvocab.engine.harness import resolve_config
+    from specvocab.engine.jobs.train_eagle3 import new_eagle3_head, save_eagle3_head
 
     model = llama_head[0]
     other, _, _ = load_model("random-llama", vocab_size=V, hidden_size=48, num_layers=4, seed=6)
@@ -323,7 +323,7 @@ def test_a_shipped_head_is_the_default_for_its_own_target_only(tmp_path, monkeyp
     heads = tmp_path / "heads"
     save_eagle3_head(head, heads / "tiny" / "eagle3", target_name="random-llama", target_weight=weight,
                      feature_layers=eagle3_feature_layers(model.config.num_hidden_layers))
-    monkeypatch.setattr("engine.catalog.SHIPPED_HEADS", heads)
+    monkeypatch.setattr("specvocab.engine.catalog.SHIPPED_HEADS", heads)
     cfg = resolve_config(cfg=SpecConfig.preset("eagle3", draft_size=8, max_new_tokens=16), model=model)
     assert cfg.eagle3_head == "specvocab:tiny"
     assert make_drafter(model, SpecConfig.preset("eagle3", draft_size=8)).head_source == "specvocab:tiny"
@@ -336,9 +336,9 @@ def test_a_shipped_head_is_the_default_for_its_own_target_only(tmp_path, monkeyp
 
 
 def test_table2_on_an_eagle3_head(tmp_path, llama_head):
-    """#19 §5: bench's --drafter eagle3 runs the head once per vocabulary policy inside its draft vocabulary,
+    """Bench's --drafter eagle3 runs the head once per vocabulary policy inside its draft vocabulary,
     every run equal to ar's output, the head named in `draft_head`, the policies' sizes in `vocab_size`."""
-    from engine.jobs.bench import run_bench
+    from specvocab.engine.jobs.bench import run_bench
 
     model, _, folder, ranking = llama_head
     frame = run_bench(methods="ar", drafter="eagle3", vocab="full,frspec:64,microspec:32,oracle",
@@ -359,7 +359,7 @@ def test_table2_on_an_eagle3_head(tmp_path, llama_head):
 
 def _hand_fit(model, folder, path, *, M=8, seed=0, **cfg_kw):
     """A DynaSpec over the EAGLE-3 head's draft rows with random clusters and router, keyed to that head."""
-    from engine.artifacts import FINGERPRINT_KEY, head_fingerprint
+    from specvocab.engine.artifacts import FINGERPRINT_KEY, head_fingerprint
 
     drafter = make_drafter(model, _cfg(folder, **cfg_kw))
     K, d = drafter.head_weight.shape
@@ -409,8 +409,8 @@ def test_dynaspec_fit_for_an_eagle3_head_logs_draft_ids_and_decodes_losslessly(t
     draft head's own top-L in draft ids (a log in target ids would put labels outside [0, K) or on the wrong
     rows), the fit is found by `find_fitted` for this head and depth only, and decoding with it equals ar;
     Table 2 on the head includes it."""
-    import engine.jobs.fit_dynaspec as ds
-    from engine.jobs.bench import run_bench
+    import specvocab.engine.jobs.fit_dynaspec as ds
+    from specvocab.engine.jobs.bench import run_bench
     from tests.engine_testing import tiny_dynaspec_fit
 
     model, state, folder, ranking = llama_head

@@ -15,10 +15,10 @@ import copy
 import pytest
 import torch
 
-from engine import generate
-from engine.drafters import eagle as eagle_mod
-from engine.models import load_model
-from kernels import cpu
+from specvocab.engine import generate
+from specvocab.engine.drafters import eagle as eagle_mod
+from specvocab.engine.models import load_model
+from specvocab.kernels import cpu
 from tests.engine_testing import untie_head
 
 pytestmark = pytest.mark.skipif(cpu.available() is not None,

@@ -20,20 +20,20 @@ import polars as pl
 import pytest
 import torch
 
-import engine.jobs.bench as bench
-import engine.divergence as divergence
-from engine.jobs.bench import (BenchError, PHASES, RESULTS_FILE, compare_vocabs, plan_runs, run_bench, summarize)
-from engine.divergence import (NEAR_TIE_ULPS, DivergenceError, classify, diagnose_rows, first_divergence,
+import specvocab.engine.jobs.bench as bench
+import specvocab.engine.divergence as divergence
+from specvocab.engine.jobs.bench import (BenchError, PHASES, RESULTS_FILE, compare_vocabs, plan_runs, run_bench, summarize)
+from specvocab.engine.divergence import (NEAR_TIE_ULPS, DivergenceError, classify, diagnose_rows, first_divergence,
                                near_tie_bound, ulp)
-from engine.artifacts import head_fingerprint
-from engine.jobs.fit_dynaspec import spherical_kmeans
-from engine.vocab.dynaspec import (DynaSpecError, FittedDynaSpec, Router, k_max_for_tokens, save_dynaspec,
+from specvocab.engine.artifacts import head_fingerprint
+from specvocab.engine.jobs.fit_dynaspec import spherical_kmeans
+from specvocab.engine.vocab.dynaspec import (DynaSpecError, FittedDynaSpec, Router, k_max_for_tokens, save_dynaspec,
                                    tokens_for_k_max)
-from engine.models import eos_token_ids, load_model
-from engine.target import pads_rows
-from engine.jobs.frequency import corpus_texts
-from engine.prompts import ByteTokenizer, decode_answer, encode_prompt, load_prompts
-from locality.shortlist import load_ranking
+from specvocab.engine.models import eos_token_ids, load_model
+from specvocab.engine.target import pads_rows
+from specvocab.engine.jobs.frequency import corpus_texts
+from specvocab.engine.prompts import ByteTokenizer, decode_answer, encode_prompt, load_prompts
+from specvocab.locality.shortlist import load_ranking
 from tests.engine_testing import untie_head
 
 METHODS = ["ar", "pld", "hf-prompt-lookup"]
@@ -540,8 +540,8 @@ M = 32                                        # clusters of the test DynaSpec: 1
 
 
 def _random_eagle_key(model) -> dict:
-    """The drafter key of eagle_head="random" (seed 0) at DRAFT_CFG's depth: what a fit for it records (#18)."""
-    from engine.drafters.eagle import head_digest, random_eagle_head
+    """The drafter key of eagle_head="random" (seed 0) at DRAFT_CFG's depth: what a fit for it records."""
+    from specvocab.engine.drafters.eagle import head_digest, random_eagle_head
     return {"drafter": "eagle", "eagle_head_sha": head_digest(random_eagle_head(model, 0)),
             "eagle_depth": DRAFT_CFG["eagle_depth"]}
 
@@ -654,7 +654,7 @@ def test_drafter_problems_fail_before_any_prompt(loaded, prompt_file, cache, mon
     common = dict(prompts=str(prompt_file), loaded=loaded, progress=False, warmup=0)
     with pytest.raises(BenchError, match="eagle full: .*eagle_head"):               # no head for this model
         run_bench(drafter="eagle", vocab="full", config=DRAFT_CFG, **common)
-    with pytest.raises(BenchError, match="eagle dynaspec: .*python -m engine.jobs.fit_dynaspec"):   # nothing fitted
+    with pytest.raises(BenchError, match="eagle dynaspec: .*python -m specvocab.engine.jobs.fit_dynaspec"):   # nothing fitted
         run_bench(drafter="eagle", vocab="dynaspec", config={**DRAFT_CFG, "eagle_head": "random"}, **common)
     _save_random_dynaspec(loaded[0], cache / "dynaspec", _random_eagle_key(loaded[0]))
     with pytest.raises(BenchError, match="dynaspec:513: .*token budget must be in \\[1, V=512\\]"):

@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from engine import ContextError, GenerateResult, HarnessError, SpecConfig, generate, harness, vocab
-from engine.calibration import FALLBACK_DRAFT_SIZE, model_key, save_calibration
-from engine.config import LITERAL_FIELDS, METHODS, POLICIES, ConfigError
-from engine.drafters.recycling import template_size
-from engine.harness import resolve_config
-from engine.drafters import UnknownMethodError, make_drafter
-from engine.models import load_model
-from engine.tree import DraftTree, Drafter
-from engine.verify import warp_probs
-from kernels import cpu
-from locality.trace import read_traces, write_traces
+from specvocab.engine import ContextError, GenerateResult, HarnessError, SpecConfig, generate, harness, vocab
+from specvocab.engine.calibration import FALLBACK_DRAFT_SIZE, model_key, save_calibration
+from specvocab.engine.config import LITERAL_FIELDS, METHODS, POLICIES, ConfigError
+from specvocab.engine.drafters.recycling import template_size
+from specvocab.engine.harness import resolve_config
+from specvocab.engine.drafters import UnknownMethodError, make_drafter
+from specvocab.engine.models import load_model
+from specvocab.engine.tree import DraftTree, Drafter
+from specvocab.engine.verify import warp_probs
+from specvocab.kernels import cpu
+from specvocab.locality.trace import read_traces, write_traces
 from tests.engine_testing import ARCHS, OracleTreeDrafter, SelfDrafter, naive_greedy, untie_head
 from tests.sampling_stats import assert_fits, assert_rejects
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from engine import kv
-from engine.harness import forward_tree, generate, prefill
-from engine.models import load_model
-from engine.tree import DraftTree
-from engine.verify import tree_layout
+from specvocab.engine import kv
+from specvocab.engine.harness import forward_tree, generate, prefill
+from specvocab.engine.models import load_model
+from specvocab.engine.tree import DraftTree
+from specvocab.engine.verify import tree_layout
 from tests.engine_testing import ARCHS, random_tree, untie_head
 
 VOCAB = 512

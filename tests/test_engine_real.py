@@ -5,11 +5,11 @@ summarization prompt (688 tokens) runs past its sliding window."""
 import pytest
 import torch
 
-from engine import SpecConfig, generate
-from engine.divergence import classify, first_divergence, margin_at, next_logits
-from engine.jobs.frequency import with_default_ranking
-from engine.models import eos_token_ids
-from engine.prompts import encode_prompt, load_prompts
+from specvocab.engine import SpecConfig, generate
+from specvocab.engine.divergence import classify, first_divergence, margin_at, next_logits
+from specvocab.engine.jobs.frequency import with_default_ranking
+from specvocab.engine.models import eos_token_ids
+from specvocab.engine.prompts import encode_prompt, load_prompts
 from tests.engine_testing import OracleTreeDrafter
 
 T = 24
@@ -69,7 +69,7 @@ SHIPPED_EAGLE3 = ("smollm2", "gemma")      # the offline models an EAGLE-3 head 
 
 @pytest.mark.parametrize("which", SHIPPED_EAGLE3)
 def test_the_shipped_eagle3_head_is_the_default_and_lossless_with_every_policy(request, which):
-    """#19: `method="eagle3"` with no head named drafts with the head shipped for the model (in its draft
+    """`method="eagle3"` with no head named drafts with the head shipped for the model (in its draft
     vocabulary, d2t-mapped), and with every policy - the dynaspec fit shipped beside it at depth 3 included -
     the output equals ar token for token, on a real model in its default dtype; the trees hold several tokens
     (a head that never agreed with the target would draft in vain: tau > 1 guards against a head loaded wrong)."""

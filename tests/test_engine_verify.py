@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.tree import DraftTree
-from engine.verify import VerifyError, tree_layout, verify_greedy, verify_sampling, warp_probs
+from specvocab.engine.tree import DraftTree
+from specvocab.engine.verify import VerifyError, tree_layout, verify_greedy, verify_sampling, warp_probs
 from tests.engine_testing import random_parents
 from tests.sampling_stats import assert_fits, assert_rejects, skewed
 

@@ -18,12 +18,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import engine.jobs.dynaspec_choices as choices_job
-import engine.jobs.fit_dynaspec as ds
-from engine.jobs.fit_dynaspec import (FitConfig, RouterRows, cluster_targets, router_metrics, spherical_kmeans,
+import specvocab.engine.jobs.dynaspec_choices as choices_job
+import specvocab.engine.jobs.fit_dynaspec as ds
+from specvocab.engine.jobs.fit_dynaspec import (FitConfig, RouterRows, cluster_targets, router_metrics, spherical_kmeans,
                                       train_router)
-from engine.models import load_model
-from engine.vocab.dynaspec import ClusterLayout, DynaSpecError, load_dynaspec, select_clusters
+from specvocab.engine.models import load_model
+from specvocab.engine.vocab.dynaspec import ClusterLayout, DynaSpecError, load_dynaspec, select_clusters
 from tests.engine_testing import tiny_dynaspec_fit
 
 
@@ -241,7 +241,7 @@ def test_cli_set_takes_only_specconfig_fields(monkeypatch):
         ds.main(["--model", "smollm2-135m-instruct", "--set", "eagle_depth"])
 
 
-# --- known answers (issue #18 §3: tests that would catch the mutants) ---------------------------------------
+# --- known answers (tests that would catch the mutants) ------------------------------------------------------
 
 def test_router_loss_is_the_hand_computed_bce():
     """BCE over all M clusters, summed over clusters and averaged over rows (§4.2), on numbers whose sigmoid
@@ -290,7 +290,7 @@ def test_kmeans_ends_at_its_fixed_point_on_overlapping_data(seed):
     assert km.converged and km.iterations > 2                              # the data needs several iterations
 
 
-# --- fit quality (issue #18 §3) and row logging (§2) ----------------------------------------------------------
+# --- fit quality and row logging ------------------------------------------------------------------------------
 
 def _full_head_top(weight, h, el):
     return (h.double() @ weight.double().T).topk(el, dim=1).indices
@@ -396,7 +396,7 @@ def test_router_training_refuses_changed_hyper_parameters(tmp_path):
 
 
 def _fake_shards(work, ids):
-    from engine.artifacts import save_safetensors
+    from specvocab.engine.artifacts import save_safetensors
     paths = []
     for j, pid in enumerate(ids):
         rows = _mapping_rows(3 + j, seed=j)

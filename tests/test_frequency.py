@@ -1,4 +1,4 @@
-"""engine.jobs.frequency: FR-Spec frequency lists from the training corpus (never the benchmark), EOS and the chat
+"""specvocab.engine.jobs.frequency: FR-Spec frequency lists from the training corpus (never the benchmark), EOS and the chat
 template's specials always kept, the true size when K exceeds the tokens seen, the target's own generations,
 SGLang's token map and EAGLE-3's d2t / t2d exports, and the CLI."""
 
@@ -12,19 +12,19 @@ import numpy as np
 import pytest
 import torch
 
-from engine.jobs.calibrate import calibration_prompts
-from engine.config import SpecConfig
-from engine.jobs.frequency import (CORPORA, DEFAULT_CORPORA, corpus_texts, default_frequency_file, frequency_list,
+from specvocab.engine.jobs.calibrate import calibration_prompts
+from specvocab.engine.config import SpecConfig
+from specvocab.engine.jobs.frequency import (CORPORA, DEFAULT_CORPORA, corpus_texts, default_frequency_file, frequency_list,
                                    generation_arrays, kept_special_ids, main, ranking_from_texts, read_texts,
                                    target_generations, tokenize_texts, write_frequency_lists)
-from engine.vocab.frspec import (FrequencyError, eagle3_maps, load_eagle3_maps, load_token_map, save_eagle3_maps,
+from specvocab.engine.vocab.frspec import (FrequencyError, eagle3_maps, load_eagle3_maps, load_token_map, save_eagle3_maps,
                                  save_token_map)
-from engine.harness import generate
-from engine.models import eos_token_ids, load_random_model
-from engine.prompts import DATA_ENV, ByteTokenizer, Prompt, encode_prompt, load_prompts
-from engine.vocab import FrSpecVocab, VocabError
-from locality.shortlist import count_tokens, load_ranking, save_ranking
-from locality.trace import Trace
+from specvocab.engine.harness import generate
+from specvocab.engine.models import eos_token_ids, load_random_model
+from specvocab.engine.prompts import DATA_ENV, ByteTokenizer, Prompt, encode_prompt, load_prompts
+from specvocab.engine.vocab import FrSpecVocab, VocabError
+from specvocab.locality.shortlist import count_tokens, load_ranking, save_ranking
+from specvocab.locality.trace import Trace
 
 
 class ChatBytes:

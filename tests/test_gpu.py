@@ -1,4 +1,4 @@
-"""The native decode path on CUDA (issue #16's GPU part): parity with transformers, CUDA graphs, bitwise rows,
+"""The native decode path on CUDA: parity with transformers, CUDA graphs, bitwise rows,
 lossless decoding. `pytest -m gpu` runs these; they skip (needs CUDA) elsewhere.
 
 On a GPU the fixed-shape forward runs every decode at one row count (`engine.target.DEVICE_ROWS`), folds the
@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 import torch
 
-import engine.target as target_mod
-from engine import generate
-from engine.models import load_model
-from engine.native import BLOCK
-from engine.target import DEVICE_ROWS, BackendError, HFTarget, NativeTarget, native_model
-from engine.tree import DraftTree
-from engine.verify import tree_layout
+import specvocab.engine.target as target_mod
+from specvocab.engine import generate
+from specvocab.engine.models import load_model
+from specvocab.engine.native import BLOCK
+from specvocab.engine.target import DEVICE_ROWS, BackendError, HFTarget, NativeTarget, native_model
+from specvocab.engine.tree import DraftTree
+from specvocab.engine.verify import tree_layout
 from tests.engine_testing import random_parents, untie_head
 
 DEV = torch.device(os.environ.get("SPECVOCAB_GPU_TESTS_DEVICE", "cuda"))

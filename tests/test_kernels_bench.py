@@ -1,9 +1,9 @@
-"""kernels.bench on tiny shapes: records, bytes accounting, skips (timings themselves are not asserted)."""
+"""specvocab.kernels.bench on tiny shapes: records, bytes accounting, skips (timings themselves are not asserted)."""
 
 import io
 import json
 
-from kernels import bench
+from specvocab.kernels import bench
 
 KEYS = {"v", "d", "active", "dtype", "full_ms", "packed_ms", "indexed_ms", "gather_ms", "full_bytes",
         "packed_bytes", "indexed_bytes", "gather_bytes", "full_gbps", "packed_gbps", "full_over_packed"}

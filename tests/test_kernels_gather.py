@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from kernels.gather import GatherError, gather_rows, gather_rows_ref, gather_rows_triton
-from kernels.hardware import DEVICE, using_triton
-from kernels.testing import nan_filled
+from specvocab.kernels.gather import GatherError, gather_rows, gather_rows_ref, gather_rows_triton
+from specvocab.kernels.hardware import DEVICE, using_triton
+from specvocab.kernels.testing import nan_filled
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (V, d, W, m): d not a multiple of any block (781 > 512 and < 1024; 1500 spans two blocks), odd W,
@@ -79,7 +79,7 @@ def test_bad_arguments_name_the_problem():
 
 
 def test_row_chunks_cover_every_row_within_the_budget():
-    from kernels.tensor_ops import row_chunks
+    from specvocab.kernels.tensor_ops import row_chunks
     for n, row_bytes, budget in [(0, 8, 64), (1, 1000, 64), (10, 8, 64), (1823, 781 * 4, 1 << 16)]:
         chunks = row_chunks(n, row_bytes, budget)
         assert [i for a, b in chunks for i in range(a, b)] == list(range(n))
@@ -88,8 +88,8 @@ def test_row_chunks_cover_every_row_within_the_budget():
 
 def test_reference_gathers_in_chunks(monkeypatch):
     """The CPU path copies a few rows at a time; force many chunks and compare with the kernel."""
-    import kernels.gather as g
-    from kernels.tensor_ops import row_chunks
+    import specvocab.kernels.gather as g
+    from specvocab.kernels.tensor_ops import row_chunks
     monkeypatch.setattr(g, "row_chunks", lambda n, row_bytes: row_chunks(n, row_bytes, 3 * row_bytes))
     weight, slots, tokens = _case(300, 97, 63, 50, torch.float16, seed=9)
     count = torch.tensor(41, device=DEVICE)

@@ -1,10 +1,10 @@
-"""kernels.hardware: one place decides device, dtype, compiled vs interpreted Triton, and the backend."""
+"""specvocab.kernels.hardware: one place decides device, dtype, compiled vs interpreted Triton, and the backend."""
 
 import pytest
 import torch
 
-from kernels import gather, hardware
-from kernels.hardware import KernelBackendError, triton_enabled, use_triton, using_triton
+from specvocab.kernels import gather, hardware
+from specvocab.kernels.hardware import KernelBackendError, triton_enabled, use_triton, using_triton
 
 
 @pytest.fixture(autouse=True)
@@ -107,7 +107,7 @@ def test_describe_names_device_and_backend():
 
 def test_transformers_does_not_mistake_us_for_the_kernel_hub():
     """Our top-level `kernels` shares its name with Hugging Face's kernel hub (shared/FACTS.md)."""
-    import kernels
+    from specvocab import kernels
     from transformers.utils.import_utils import is_kernels_available
 
     assert kernels.__version__ == "0.1.0"

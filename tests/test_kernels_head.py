@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from kernels.head import (HeadError, indexed_head, indexed_head_ref, indexed_head_triton, packed_head,
+from specvocab.kernels.head import (HeadError, indexed_head, indexed_head_ref, indexed_head_triton, packed_head,
                           packed_head_ref, packed_head_triton)
-from kernels.hardware import DEVICE, using_triton
-from kernels.testing import nan_filled, rel_rms
+from specvocab.kernels.hardware import DEVICE, using_triton
+from specvocab.kernels.testing import nan_filled, rel_rms
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]          # bf16: multiplied in fp32 when interpreted
 # (r, W, d): GEMV and small GEMM rows (r > 16 spans two row blocks), odd W, d not a multiple of 16/128
@@ -61,7 +61,7 @@ def test_indexed_head_torch_path_is_the_reference_to_output_rounding(dtype, monk
     closer than a GEMM that rounded its inputs' products or partial sums would be. On CUDA, cuBLAS may reduce
     split-K partial sums in the half dtype (torch's default `allow_fp16/bf16_reduced_precision_reduction`:
     7 fp16 ulps off on an H100); that is the user's setting, so the test switches it off to check ours."""
-    from kernels.head import indexed_head_torch
+    from specvocab.kernels.head import indexed_head_torch
     if torch.cuda.is_available():
         monkeypatch.setattr(torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction", False)
         monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False)
@@ -132,8 +132,8 @@ def test_bad_arguments_name_the_problem():
 
 
 def test_indexed_reference_in_chunks_matches_kernel(monkeypatch):
-    import kernels.head as hd
-    from kernels.tensor_ops import row_chunks
+    import specvocab.kernels.head as hd
+    from specvocab.kernels.tensor_ops import row_chunks
     monkeypatch.setattr(hd, "row_chunks", lambda n, row_bytes: row_chunks(n, row_bytes, 5 * row_bytes))
     g = torch.Generator().manual_seed(2)
     h, weight = torch.randn(3, 45, generator=g).to(DEVICE), torch.randn(400, 45, generator=g).to(DEVICE)
@@ -154,7 +154,7 @@ def test_packed_head_takes_a_bool_valid_mask(backend):
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
 @pytest.mark.parametrize("bias", [False, True])
 def test_dense_head_equals_linear(rows, bias):
-    from kernels.head import dense_head
+    from specvocab.kernels.head import dense_head
 
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(1000, 64, generator=g)

@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
-from kernels.hardware import DEVICE, using_triton
-from kernels.streams import PackedLMHead
-from kernels.testing import rel_rms
+from specvocab.kernels.hardware import DEVICE, using_triton
+from specvocab.kernels.streams import PackedLMHead
+from specvocab.kernels.testing import rel_rms
 
 BACKENDS = pytest.mark.parametrize("backend", [True, False], ids=["triton", "torch"])
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

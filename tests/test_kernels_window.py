@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from kernels import cpu as cpu_kernels
-from kernels import window as wn
-from kernels.hardware import DEVICE, using_triton
+from specvocab.kernels import cpu as cpu_kernels
+from specvocab.kernels import window as wn
+from specvocab.kernels.hardware import DEVICE, using_triton
 
 _NO_C = (cpu_kernels.available_portable() or "") if DEVICE.type == "cpu" else "the window state is on CUDA"
 _NO_AVX2 = ("the window state is on CUDA" if DEVICE.type != "cpu" else

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests import locality_reference as ref
-from locality import (LocalityError, Trace, TraceError, candidate_stream, coverage, coverage_by, coverage_report,
+from specvocab.locality import (LocalityError, Trace, TraceError, candidate_stream, coverage, coverage_by, coverage_report,
                       generated_stream)
-from locality.bench import one_pass, simulate_per_step, synthetic_traces, word_traces
-from locality.stream import StreamIndex
+from specvocab.locality.bench import one_pass, simulate_per_step, synthetic_traces, word_traces
+from specvocab.locality.stream import StreamIndex
 
 PARAGRAPHS = [
     "The cache keeps the most recent tokens. When a token is used again soon, the cache still holds it, and "
@@ -331,8 +331,8 @@ def test_trace_files_read_column_wise_as_row_by_row(tmp_path, monkeypatch):
     """read_traces builds traces from whole columns; what it returns equals Trace.from_row on every row (empty
     prefills and generations, with and without draft tokens, extra meta), and a malformed file still gets
     the row-by-row error that names the row."""
-    from locality import read_traces, write_traces
-    from locality.trace import traces_to_frame
+    from specvocab.locality import read_traces, write_traces
+    from specvocab.locality.trace import traces_to_frame
 
     rng = np.random.default_rng(5)
     trs = [random_trace(rng, L=1, T=0), random_trace(rng, draft=True, T=5), random_trace(rng, draft=False),
@@ -359,8 +359,8 @@ def test_trace_files_read_column_wise_as_row_by_row(tmp_path, monkeypatch):
 
 
 def test_cli_and_bench_run(tmp_path, capsys):
-    from locality import bench, write_traces
-    from locality.__main__ import main
+    from specvocab.locality import bench, write_traces
+    from specvocab.locality.__main__ import main
 
     trs = random_traces(11, n=5, T=6)
     write_traces(trs, tmp_path / "tr" / "t.parquet")

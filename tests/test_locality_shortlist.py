@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from locality import (ShortlistError, count_tokens, load_ranking, ranking_from_traces, save_ranking,
+from specvocab.locality import (ShortlistError, count_tokens, load_ranking, ranking_from_traces, save_ranking,
                       shortlist_coverage, shortlist_coverage_by)
-from locality.shortlist import main as shortlist_main
-from locality.shortlist import shortlist
+from specvocab.locality.shortlist import main as shortlist_main
+from specvocab.locality.shortlist import shortlist
 from tests import locality_reference as ref
 from tests.test_locality_coverage import random_traces
 
@@ -76,7 +76,7 @@ def test_vocabtrim_ranking_covers_its_own_generations_best():
 
 
 def test_cli_builds_a_ranking_from_traces_and_id_arrays(tmp_path, capsys):
-    from locality import write_traces
+    from specvocab.locality import write_traces
 
     trs = random_traces(6, n=4, T=8)
     write_traces(trs, tmp_path / "t.parquet")
@@ -94,7 +94,7 @@ def test_cli_builds_a_ranking_from_traces_and_id_arrays(tmp_path, capsys):
 # --- the module stays token-only --------------------------------------------------------------------------
 
 def test_text_counting_lives_in_engine_and_the_cli_says_so(tmp_path, capsys):
-    import locality.shortlist as sl
+    import specvocab.locality.shortlist as sl
 
     for name in ("tokenize_texts", "ranking_from_texts", "read_texts"):
         assert not hasattr(sl, name), name               # moved to engine.jobs.frequency
@@ -103,7 +103,7 @@ def test_text_counting_lives_in_engine_and_the_cli_says_so(tmp_path, capsys):
     assert "unrecognized arguments: --texts" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         shortlist_main(["--vocab-size", "12", "--tokenizer", "t", "--out", str(tmp_path / "r.parquet")])
-    assert "python -m engine.jobs.frequency" in capsys.readouterr().err
+    assert "python -m specvocab.engine.jobs.frequency" in capsys.readouterr().err
 
 
 def test_sidecar_counts_the_distinct_ids_seen(tmp_path):

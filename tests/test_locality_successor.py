@@ -4,7 +4,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from locality import Trace, TraceError, successor_coverage, successor_ranks
+from specvocab.locality import Trace, TraceError, successor_coverage, successor_ranks
 from tests import locality_reference as ref
 from tests.test_locality_coverage import random_trace, random_traces
 

@@ -4,9 +4,9 @@ import numpy as np
 import polars as pl
 import pytest
 
-from locality import (LocalityError, StreamIndex, candidate_stream, coverage, distance_histograms,
+from specvocab.locality import (LocalityError, StreamIndex, candidate_stream, coverage, distance_histograms,
                       miss_ratio_curves, token_distances)
-from locality.stream import range_count_less
+from specvocab.locality.stream import range_count_less
 from tests import locality_reference as ref
 from tests.test_locality_coverage import random_traces
 

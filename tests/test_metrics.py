@@ -10,8 +10,8 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from engine import metrics
-from engine.metrics import ALL, AVG
+from specvocab.engine import metrics
+from specvocab.engine.metrics import ALL, AVG
 
 # (model, method, run, policy, category, prompt_id, new_tokens, steps, wall_s, draft_s, backbone_s, coverage,
 #  mean_active_vocab)
@@ -177,7 +177,7 @@ def test_task_is_the_language_of_a_set_split_by_language():
 def test_sweeps_tables_summarise_through_the_metrics():
     """The sweeps' Table 2 (`sweeps.tables.method_summary`) is `engine.metrics.table2_summary` with the sweep's run
     labels: the same numbers."""
-    from sweeps import tables
+    from specvocab.sweeps import tables
 
     rows = bench_rows()
     got = tables.method_summary(rows)

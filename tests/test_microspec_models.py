@@ -7,10 +7,10 @@ token-for-token check, not speed)."""
 import numpy as np
 import pytest
 
-from engine.harness import generate
-from engine.prompts import encode_prompt, load_prompts
-from engine.shipped import SHIPPED_HEADS
-from locality.shortlist import count_tokens, save_ranking
+from specvocab.engine.harness import generate
+from specvocab.engine.prompts import encode_prompt, load_prompts
+from specvocab.engine.shipped import SHIPPED_HEADS
+from specvocab.locality.shortlist import count_tokens, save_ranking
 
 POLICIES = [dict(vocab="full"), dict(vocab="frspec", frspec_k=2048), dict(vocab="microspec", w_max=512),
             dict(vocab="oracle", w_max=512)]

@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import ConfigError, SpecConfig
-from engine.drafters import make_drafter
-from engine.harness import generate
-from engine.models import load_model
-from engine.tree import DraftTree, StepResult
-from engine.vocab import (FrSpecVocab, FullVocab, MicroSpecVocab, OracleVocab, VocabError, make_policy,
+from specvocab.engine.config import ConfigError, SpecConfig
+from specvocab.engine.drafters import make_drafter
+from specvocab.engine.harness import generate
+from specvocab.engine.models import load_model
+from specvocab.engine.tree import DraftTree, StepResult
+from specvocab.engine.vocab import (FrSpecVocab, FullVocab, MicroSpecVocab, OracleVocab, VocabError, make_policy,
                           ordered_unique, prefill_entries, replay_trace, step_entries)
-from locality.shortlist import ShortlistError, count_tokens, save_ranking
-from locality.coverage import coverage
-from locality.stream import candidate_stream
-from locality.trace import Trace, TraceError
+from specvocab.locality.shortlist import ShortlistError, count_tokens, save_ranking
+from specvocab.locality.coverage import coverage
+from specvocab.locality.stream import candidate_stream
+from specvocab.locality.trace import Trace, TraceError
 from tests.engine_testing import untie_head
 from tests.locality_reference import ordered_unique as py_ordered_unique
 from tests.test_drafters_lmhead import _drive

@@ -1,17 +1,19 @@
-"""engine.models: random models, the offline-wheel cache, local folders, errors, eos ids."""
+"""specvocab.engine.models: random models, the offline-wheel cache, local folders, errors, eos ids."""
 
 import importlib.metadata
-import importlib.util
 import json
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from engine import models
-from engine.models import (MANIFEST, OFFLINE_MODELS, RANDOM_MODELS, ModelError, OfflineModel, eos_token_ids,
+import specvocab.kernels
+from specvocab.engine import models
+from specvocab.engine.models import (MANIFEST, OFFLINE_MODELS, RANDOM_MODELS, ModelError, OfflineModel, eos_token_ids,
                            load_model, load_random_model, model_cache_dir, read_manifest)
 
 
@@ -183,22 +185,49 @@ def test_a_new_wheel_version_rebuilds_the_cache_once(tmp_path, monkeypatch):
     assert sorted(p.name for p in folder.parent.iterdir()) == ["smollm2-135m-instruct"]
 
 
-# --- our top-level `kernels` package and transformers -------------------------------------------------------
+# --- transformers' probe of Hugging Face's `kernels` --------------------------------------------------------
 
-def test_transformers_loads_models_with_our_kernels_package_importable(tmp_path):
-    import kernels
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import is_kernels_available
+_KERNELS_PROBE = """
+import importlib.metadata, importlib.util, json, sys
+import torch
+import specvocab.kernels.cpu
+from transformers import AutoModelForCausalLM
+from transformers.utils import is_kernels_available
+from specvocab.engine.models import load_random_model
 
-    assert Path(kernels.__file__).resolve().parent == Path(__file__).resolve().parents[1] / "kernels"
-    assert importlib.util.find_spec("kernels") is not None
-    assert not is_kernels_available()  # our version is outside Hugging Face kernels' probed range
-    model, _, _ = load_random_model("random-gemma3")
-    model.save_pretrained(tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
-    ids = torch.arange(20)[None]
-    with torch.no_grad():
-        assert torch.equal(loaded(ids).logits, model(ids).logits)
+spec = importlib.util.find_spec("kernels")
+try:
+    hub = importlib.metadata.distribution("kernels")
+    hub = {"version": hub.version, "init": str(hub.locate_file("kernels/__init__.py"))}
+except importlib.metadata.PackageNotFoundError:
+    hub = None
+model, _, _ = load_random_model("random-gemma3")
+model.save_pretrained(sys.argv[1])
+loaded = AutoModelForCausalLM.from_pretrained(sys.argv[1], attn_implementation="sdpa").eval()
+ids = torch.arange(20)[None]
+with torch.no_grad():
+    same = torch.equal(loaded(ids).logits, model(ids).logits)
+print(json.dumps({"ours": specvocab.kernels.__file__, "origin": getattr(spec, "origin", None), "hub": hub,
+                  "available": is_kernels_available(), "same_logits": same}))
+"""
+
+
+def test_transformers_probe_of_the_kernel_hub_sees_no_kernels_of_ours_and_models_load(tmp_path):
+    """transformers probes a top-level `kernels` (Hugging Face's kernel hub) by import name and distribution
+    version. Ours is `specvocab.kernels`, so the probe finds Hugging Face's package or nothing, and a model saved
+    and loaded again gives the same logits. Run as an installed user runs: from a folder outside the checkout,
+    without PYTHONPATH (a test process has the checkout's root, and so its top-level folders, on sys.path)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", _KERNELS_PROBE, str(tmp_path / "model")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert Path(out["ours"]).resolve().parent == Path(specvocab.kernels.__file__).resolve().parent
+    if out["hub"] is None:                                       # no kernel hub installed: nothing to find
+        assert out["origin"] is None and out["available"] is False
+    else:                                                        # the hub's own files, whatever its version
+        assert Path(out["origin"]).resolve() == Path(out["hub"]["init"]).resolve()
+    assert out["same_logits"]
 
 
 def test_local_folder_without_a_tokenizer_says_how_to_fix(tmp_path):
@@ -280,7 +309,7 @@ def test_local_folder_loads_through_from_pretrained(smollm2, tmp_path):
     assert info.has_chat_template and info.vocab_size == len(tok) == len(smol_tok)
     assert loaded.config._attn_implementation == "sdpa"
     ids = torch.tensor([tok("hello there").input_ids])
-    from kernels.hardware import DEFAULT_DTYPE
+    from specvocab.kernels.hardware import DEFAULT_DTYPE
     assert loaded.dtype == DEFAULT_DTYPE                      # a folder loads in this machine's default dtype
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model.to(DEFAULT_DTYPE)(ids).logits)
@@ -289,7 +318,7 @@ def test_local_folder_loads_through_from_pretrained(smollm2, tmp_path):
 def test_dtype_and_device_defaults_come_from_kernels_hardware(monkeypatch):
     """Real models load with `kernels.hardware`'s device and dtype unless told otherwise; strings are parsed
     by the one dtype parser every CLI uses."""
-    from kernels import hardware
+    from specvocab.kernels import hardware
 
     seen = []
     def spy(name, *, dtype, device, source, **kw):
@@ -312,7 +341,7 @@ def test_dtype_and_device_defaults_come_from_kernels_hardware(monkeypatch):
 
 
 def test_one_dtype_parser_for_every_cli():
-    from kernels.hardware import DEFAULT_DTYPE, DEVICE, HardwareError, parse_device, parse_dtype
+    from specvocab.kernels.hardware import DEFAULT_DTYPE, DEVICE, HardwareError, parse_device, parse_dtype
 
     assert parse_dtype(None) == DEFAULT_DTYPE and parse_device(None) == DEVICE
     for names, dtype in ((("fp32", "float32", "torch.float32", "FP32"), torch.float32),

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.models import load_model
-from engine.native import BLOCK, NativeModel, _causal_run
-from engine.target import NativeTarget, native_model
-from kernels import cpu
+from specvocab.engine.models import load_model
+from specvocab.engine.native import BLOCK, NativeModel, _causal_run
+from specvocab.engine.target import NativeTarget, native_model
+from specvocab.kernels import cpu
 
 
 def _rel(a, b) -> float:

@@ -18,18 +18,18 @@ import ray
 # the notebooks extra (papermill, jupytext, altair, vl-convert): skip before importing what needs it
 pytest.importorskip("papermill", reason="the notebooks extra (pip install -e '.[notebooks]') is not installed")
 
-from engine.jobs.dynaspec_choices import ChoicesConfig, sweep_choices  # noqa: E402
-from engine.jobs.fit_dynaspec import FitConfig, fit  # noqa: E402
-from engine.models import load_model  # noqa: E402
+from specvocab.engine.jobs.dynaspec_choices import ChoicesConfig, sweep_choices  # noqa: E402
+from specvocab.engine.jobs.fit_dynaspec import FitConfig, fit  # noqa: E402
+from specvocab.engine.models import load_model  # noqa: E402
 import altair as alt  # noqa: E402
 
-from sweeps import charts, tables  # noqa: E402
-from sweeps.cell import SweepError  # noqa: E402
-from sweeps.cluster import start_local  # noqa: E402
-from sweeps.config import load_sweep  # noqa: E402
-from sweeps.render import main as render_main, notebooks, render, spec_bench_answers  # noqa: E402
-from sweeps.results import load  # noqa: E402
-from sweeps.run import run_sweep  # noqa: E402
+from specvocab.sweeps import charts, tables  # noqa: E402
+from specvocab.sweeps.cell import SweepError  # noqa: E402
+from specvocab.sweeps.cluster import start_local  # noqa: E402
+from specvocab.sweeps.config import load_sweep  # noqa: E402
+from specvocab.sweeps.render import main as render_main, notebooks, render, spec_bench_answers  # noqa: E402
+from specvocab.sweeps.results import load  # noqa: E402
+from specvocab.sweeps.run import run_sweep  # noqa: E402
 from tests.engine_testing import tiny_dynaspec_fit  # noqa: E402
 from tests.sweeps_testing import tiny_toml, write_toml  # noqa: E402
 
@@ -45,7 +45,7 @@ FIGURES = {
 # the smallest sweep that gives every figure its data: both prompt sets (categories; languages), the
 # coverage grid over several w_max, k_pre and k_ver, ar + speculative methods + the layer-skip drafter with
 # the full vocabulary and MicroSpec's window at two w_max, and a calibration; two models (a second random
-# Llama, other sizes), so that every chart must tell models apart (issue #18)
+# Llama, other sizes), so that every chart must tell models apart
 SECOND_MODEL = '''
 [[models]]
 name = "random-llama"
@@ -214,7 +214,7 @@ def _splits_by_model(spec, models) -> bool:
 
 
 def test_the_average_speedup_carries_its_interval_into_the_table_and_the_bars(results):
-    """engine.metrics' speedup_lo / _hi of each AVG row reach the methods table (csv columns, a "95% CI" cell
+    """specvocab.engine.metrics' speedup_lo / _hi of each AVG row reach the methods table (csv columns, a "95% CI" cell
     with the same numbers) and the methods_speed bars (a rule from lo to hi), as the tests of engine.metrics
     define them; the interval holds the speedup (two tasks per prompt set here)."""
     bench = tables.read(results, "bench")
@@ -248,7 +248,7 @@ def test_the_average_speedup_carries_its_interval_into_the_table_and_the_bars(re
 
 
 def test_every_bench_and_coverage_chart_tells_the_models_apart(results):
-    """Issue #18: with two models in the sweep, each chart that drew bench or coverage results without `model`
+    """With two models in the sweep, each chart that drew bench or coverage results without `model`
     has a panel or a facet per model (the charts of 01 facet on `panel`, which names the model)."""
     bench, coverage = tables.read(results, "bench"), tables.read(results, "coverage")
     record = tables.read(results, "record", tables.RECORD_COLUMNS)
@@ -294,7 +294,7 @@ def test_a_sweep_without_bench_or_calibrate_cells_still_renders(results, tmp_pat
     assert "no 'bench' results" in done[0].executed.read_text()
     # notebook 3 draws nothing, and says how to make the DynaSpec choices
     assert done[1].figures == []
-    assert "python -m engine.jobs.dynaspec_choices --work-dir FITWORK" in done[1].executed.read_text()
+    assert "python -m specvocab.engine.jobs.dynaspec_choices --work-dir FITWORK" in done[1].executed.read_text()
 
 
 def test_a_folder_without_results_is_refused(tmp_path, capsys):
@@ -307,7 +307,7 @@ def test_a_folder_without_results_is_refused(tmp_path, capsys):
 
 
 def test_the_sweeps_bench_cells_become_spec_bench_answer_files(results, tmp_path):
-    """`sweeps.render` writes Spec-Bench answer files of the bench cells (#18 §4): one per model label x prompt
+    """`sweeps.render` writes Spec-Bench answer files of the bench cells: one per model label x prompt
     set x method x run x vocabulary size (a sweep's run is the bare policy), the bench cells of every split value of a prompt entry in one file (one line per
     question), each a lossless run's answers equal to ar's, and ar's accept lengths all 1."""
     written = spec_bench_answers(results, tmp_path, show=False)

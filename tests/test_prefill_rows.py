@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import SpecConfig
-from engine.drafters import make_drafter
-from engine.harness import generate
-from engine.models import load_model
-from engine.store import prompt_rows, rows_tokens
-from engine.target import BackendError, head_topk, make_target, prefill_logits
-from engine.tree import PrefillTopK
+from specvocab.engine.config import SpecConfig
+from specvocab.engine.drafters import make_drafter
+from specvocab.engine.harness import generate
+from specvocab.engine.models import load_model
+from specvocab.engine.store import prompt_rows, rows_tokens
+from specvocab.engine.target import BackendError, head_topk, make_target, prefill_logits
+from specvocab.engine.tree import PrefillTopK
 from tests.engine_testing import untie_head
 
 VOCAB = 96
@@ -39,7 +39,7 @@ def test_prompt_rows_are_each_tokens_last_position_ascending():
 @pytest.mark.parametrize("backend", ["hf", "native"])
 def test_prefill_logits_of_chosen_rows_are_those_rows_of_all(model, backend, monkeypatch):
     m, _ = model
-    monkeypatch.setattr("engine.target.PREFILL_HEAD_ROWS", 4)              # several chunks on a short prompt
+    monkeypatch.setattr("specvocab.engine.target.PREFILL_HEAD_ROWS", 4)              # several chunks on a short prompt
     t = make_target(m, backend)
     with torch.inference_mode():
         t.begin(32)
@@ -119,7 +119,7 @@ def test_head_topk_is_the_top_k_of_every_rows_logits_in_chunks(backend, monkeypa
     Gemma-2-style soft-capped logits (the cap is skipped: tanh keeps the order)."""
     m, _, _ = load_model("random-gemma3", vocab_size=VOCAB, num_layers=2, seed=5)
     m.config.get_text_config(decoder=True).final_logit_softcapping = 2.0      # Gemma-3 itself has none
-    monkeypatch.setattr("engine.target.PREFILL_HEAD_ROWS", 4)
+    monkeypatch.setattr("specvocab.engine.target.PREFILL_HEAD_ROWS", 4)
     t = make_target(m, backend)
     with torch.inference_mode():
         t.begin(32)

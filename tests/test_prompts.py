@@ -1,4 +1,4 @@
-"""engine.prompts: the data root, prompt sets (the training corpus among them), selection, malformed files,
+"""specvocab.engine.prompts: the data root, prompt sets (the training corpus among them), selection, malformed files,
 encoding for chat and base models."""
 
 import copy
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import engine
-from engine.models import load_random_model
-from engine.prompts import (DATA_ENV, FRSPEC_SYSTEM_PROMPT, HUMANEVAL_SYSTEM_PROMPT, ByteTokenizer, PromptError,
+from specvocab import engine
+from specvocab.engine.models import load_random_model
+from specvocab.engine.prompts import (DATA_ENV, FRSPEC_SYSTEM_PROMPT, HUMANEVAL_SYSTEM_PROMPT, ByteTokenizer, PromptError,
                             PromptTooLongError, chat_messages, data_root, decode_answer, encode_prompt,
                             load_prompts, template_accepts_system)
 
@@ -63,7 +63,7 @@ def test_a_missing_data_root_names_both_places_and_the_sources(tmp_path, monkeyp
     assert "data/spec_bench/question.jsonl of the public Spec-Bench repository" in msg and "datasets" in msg
     # no variable and nothing beside the checkout: both places named
     monkeypatch.delenv(DATA_ENV)
-    monkeypatch.setattr("engine.prompts._beside_checkout", lambda: tmp_path / "shared" / "data")
+    monkeypatch.setattr("specvocab.engine.prompts._beside_checkout", lambda: tmp_path / "shared" / "data")
     with pytest.raises(PromptError, match=f"{DATA_ENV} is not set and .*shared/data.* does not exist"):
         data_root()
 

@@ -1,4 +1,4 @@
-"""engine.jobs.record: traces through the one decode loop (generate(..., method="ar", record=True).to_trace()),
+"""specvocab.engine.jobs.record: traces through the one decode loop (generate(..., method="ar", record=True).to_trace()),
 equal to a plain greedy reference; one trace per turn, Parquet round trip, resume, CLI."""
 
 import numpy as np
@@ -6,12 +6,12 @@ import polars as pl
 import pytest
 import torch
 
-import engine.jobs.record as record
-from engine.harness import generate
-from engine.models import RANDOM_MODELS, eos_token_ids, load_random_model
-from engine.prompts import PromptTooLongError, encode_prompt, load_prompts
-from engine.jobs.record import record_traces
-from locality import read_traces, write_traces
+import specvocab.engine.jobs.record as record
+from specvocab.engine.harness import generate
+from specvocab.engine.models import RANDOM_MODELS, eos_token_ids, load_random_model
+from specvocab.engine.prompts import PromptTooLongError, encode_prompt, load_prompts
+from specvocab.engine.jobs.record import record_traces
+from specvocab.locality import read_traces, write_traces
 from tests.engine_testing import greedy_topk_reference, naive_greedy
 
 

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-import engine.verify as verify
-from engine.artifacts import head_fingerprint
-from engine.config import SpecConfig
-from engine.drafters import make_drafter
-from engine.harness import generate
-from engine.models import load_model
-from engine.vocab.dynaspec import FittedDynaSpec, Router, drafter_key, save_dynaspec
+import specvocab.engine.verify as verify
+from specvocab.engine.artifacts import head_fingerprint
+from specvocab.engine.config import SpecConfig
+from specvocab.engine.drafters import make_drafter
+from specvocab.engine.harness import generate
+from specvocab.engine.models import load_model
+from specvocab.engine.vocab.dynaspec import FittedDynaSpec, Router, drafter_key, save_dynaspec
 from tests.engine_testing import untie_head
 from tests.sampling_stats import ALPHA, assert_fits, chi2_pvalue
 

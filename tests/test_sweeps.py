@@ -14,19 +14,19 @@ import polars as pl
 import pytest
 import ray
 
-import sweeps
-from engine.calibration import DRAFTING_METHODS, load_calibrations, model_key, resolve_draft_size
-from engine.config import SpecConfig
-from locality.trace import read_traces
-from sweeps.cell import Cell, SweepError
-from sweeps.checks import check_contexts
-from sweeps.cluster import attach, start_local
-from sweeps.config import load_sweep, parse_sweep
-from sweeps import bench as sweeps_bench, model_cells
-from sweeps.model_cells import ModelWorker
-from sweeps.results import cell_path, prepare_output, result_files, write_cell
-from sweeps import run as run_module
-from sweeps.run import main as run_main, run_sweep
+from specvocab import sweeps
+from specvocab.engine.calibration import DRAFTING_METHODS, load_calibrations, model_key, resolve_draft_size
+from specvocab.engine.config import SpecConfig
+from specvocab.locality.trace import read_traces
+from specvocab.sweeps.cell import Cell, SweepError
+from specvocab.sweeps.checks import check_contexts
+from specvocab.sweeps.cluster import attach, start_local
+from specvocab.sweeps.config import load_sweep, parse_sweep
+from specvocab.sweeps import bench as sweeps_bench, model_cells
+from specvocab.sweeps.model_cells import ModelWorker
+from specvocab.sweeps.results import cell_path, prepare_output, result_files, write_cell
+from specvocab.sweeps import run as run_module
+from specvocab.sweeps.run import main as run_main, run_sweep
 from tests.sweeps_testing import tiny_toml, write_toml
 
 
@@ -129,10 +129,10 @@ def test_prompts_longer_than_the_context_fail_the_check_before_the_run(tmp_path,
 
 
 def test_the_shipped_configs_keep_their_cell_ids():
-    """A cell's id is a hash of its parameters, and an output folder resumes by those ids: the #17 split of
-    sweeps/config.py (parsing / sweeps.plan / sweeps.checks) kept every id, in the same order. The digests were
-    computed with the code before the split (sha256 of the ids joined by newlines, in plan order). #19 added
-    the EAGLE-3 head's Table 2 to quick.toml (56 eagle3 cells): every cell that was there keeps its id."""
+    """A cell's id is a hash of its parameters, and an output folder resumes by those ids: parsing, planning
+    (sweeps.plan) and checking (sweeps.checks) keep every pinned id, in the same order (the digest: sha256 of
+    the ids joined by newlines, in plan order). quick.toml's EAGLE-3 Table 2 adds 56 eagle3 cells after the
+    pinned ones: every pinned cell keeps its id."""
     pinned = {"quick": (208, "79d2c7e8e8c5b0b8", "90f19de5c6653ab4e5642fb60aace3164a1d39693b5438229c566056f704c48c"),
               "paper": (2856, "be6ea3bfa136e3c1", "8c32de2820754df837b3819f88c76a44c0ddf2c8a7a8f1bda89ff13df0a853ac")}
     added = {"quick": 56, "paper": 0}
@@ -259,7 +259,7 @@ def test_worker_loads_once_and_warms_up_once_per_configuration(monkeypatch):
 
 
 def test_calibrate_cell_saves_g_star_where_generate_finds_it(tmp_path, monkeypatch):
-    """A calibrate cell writes its record to the results and, as `python -m engine.jobs.calibrate` does, to the
+    """A calibrate cell writes its record to the results and, as `python -m specvocab.engine.jobs.calibrate` does, to the
     calibration cache ($SPECVOCAB_CACHE here), where `resolve_draft_size` - unispec's default draft size in
     `generate` - takes it."""
     monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path / "cache"))

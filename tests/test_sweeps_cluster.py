@@ -1,4 +1,4 @@
-"""`python -m sweeps.run` as a user runs it, in subprocesses: bad input exits 2 with the problem named, a driver
+"""`python -m specvocab.sweeps.run` as a user runs it, in subprocesses: bad input exits 2 with the problem named, a driver
 killed mid-sweep resumes without losing or recomputing finished cells, and `ray job submit` runs the same
 command on a head started here (127.0.0.1 only, token authentication)."""
 
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.prompts import data_root
-from sweeps.cluster import loopback_env
-from sweeps.config import load_sweep
-from sweeps.results import result_files
+from specvocab.engine.prompts import data_root
+from specvocab.sweeps.cluster import loopback_env
+from specvocab.sweeps.config import load_sweep
+from specvocab.sweeps.results import result_files
 from tests.sweeps_testing import tiny_toml, write_toml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ def _free_port() -> int:
 
 
 def _cli(*args, timeout=300, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sweeps.run", *map(str, args)], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "specvocab.sweeps.run", *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout, **kw)
 
 
@@ -75,7 +75,7 @@ def test_driver_killed_mid_sweep_resumes(tmp_path):
     config = write_toml(tmp_path, text)
     total = len(load_sweep(config).cells)                      # 4 record + 8 bench
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "sweeps.run", str(config), "--out", str(out), "--num-cpus", "2", "--no-progress"]
+    cmd = [sys.executable, "-m", "specvocab.sweeps.run", str(config), "--out", str(out), "--num-cpus", "2", "--no-progress"]
     with open(tmp_path / "first.log", "w") as log:
         driver = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -106,7 +106,7 @@ def test_the_checkout_ray_uploads_fits_under_its_request_limit():
     request of at most 100 MiB (Ray's dashboard limit); the shipped heads fill most of it. Counted here on the
     tracked files (the zip of safetensors is about their size), so a head added or grown fails this test
     with the numbers rather than a user's job with HTTP 413."""
-    from sweeps.cluster import UPLOAD_LIMIT, WORKING_DIR_EXCLUDES
+    from specvocab.sweeps.cluster import UPLOAD_LIMIT, WORKING_DIR_EXCLUDES
     repo = Path(__file__).resolve().parents[1]
     files = subprocess.run(["git", "ls-files", "-z"], cwd=repo, capture_output=True, text=True, check=True)
     dirs = tuple(e for e in WORKING_DIR_EXCLUDES if e.endswith("/"))
@@ -141,7 +141,7 @@ def test_ray_job_submit_to_a_local_head(tmp_path):
         # the job runs in a copy of the working dir, away from the checkout's ../shared/data: name the data root
         runtime_env = json.dumps({"env_vars": {"SPECVOCAB_DATA": str(data_root())}, "excludes": ["tests/"]})
         submit = ["ray", "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--working-dir", str(REPO),
-                  "--runtime-env-json", runtime_env, "--", "python", "-m", "sweeps.run", str(config), "--out", str(out),
+                  "--runtime-env-json", runtime_env, "--", "python", "-m", "specvocab.sweeps.run", str(config), "--out", str(out),
                   "--address", "auto", "--no-progress"]
         deadline = time.monotonic() + 300
         while True:                                           # the dashboard takes a while to come up

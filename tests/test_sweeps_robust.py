@@ -1,6 +1,6 @@
 """Sweeps that meet trouble: a model that cannot load, Ray system errors, hung cells, actors that keep
 crashing, a second driver on the same folder, damaged result files, a changed environment on resume, an
-extended config, and the multi-node rules (`python -m sweeps.run --address`). Each test names the failure
+extended config, and the multi-node rules (`python -m specvocab.sweeps.run --address`). Each test names the failure
 it guards against; the whole sweeps run on a real local Ray (2 CPUs, 127.0.0.1) with a tiny random model."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import polars as pl
 import pytest
 import ray
 
-from sweeps.cell import SweepError
-from sweeps.cluster import start_local
-from sweeps.config import load_sweep, parse_sweep
-from sweeps.results import cell_path, result_files
-from sweeps.run import run_sweep
+from specvocab.sweeps.cell import SweepError
+from specvocab.sweeps.cluster import start_local
+from specvocab.sweeps.config import load_sweep, parse_sweep
+from specvocab.sweeps.results import cell_path, result_files
+from specvocab.sweeps.run import run_sweep
 from tests.sweeps_testing import tiny_toml, write_toml
 
 
@@ -57,7 +57,7 @@ def test_a_model_that_cannot_load_fails_its_cells_and_the_sweep_goes_on(local_ra
     assert {f.cell.id for f in s.failed} == {c.id for c in broken}          # only the broken model's cells
     assert s.files == len(sweep.cells) - len(broken)                        # the tiny model's all finished
     for f in s.failed:
-        assert "the model could not load in its actor: engine.models.ModelError: could not load a tokenizer" \
+        assert "the model could not load in its actor: specvocab.engine.models.ModelError: could not load a tokenizer" \
             in f.error, f.error
     assert "broken" in s.stopped and "STOPPED model broken" in "\n".join(s.lines())
 
@@ -157,7 +157,7 @@ def test_a_second_driver_on_the_same_folder_is_refused_naming_the_first(tmp_path
 
     out = tmp_path / "out"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from sweeps.results import lock_output; "
+        [sys.executable, "-c", "import sys, time; from specvocab.sweeps.results import lock_output; "
                                f"held = lock_output({str(out)!r}); print('locked', flush=True); time.sleep(120)"],
         cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, text=True)
     try:
@@ -171,7 +171,7 @@ def test_a_second_driver_on_the_same_folder_is_refused_naming_the_first(tmp_path
     finally:
         holder.kill()
         holder.wait()
-    from sweeps.results import lock_output
+    from specvocab.sweeps.results import lock_output
 
     with lock_output(out):                                       # the OS released the dead holder's lock
         assert (out / ".sweep.lock.owner").is_file()
@@ -183,7 +183,7 @@ def test_a_second_driver_on_the_same_folder_is_refused_naming_the_first(tmp_path
 def test_a_damaged_result_file_is_moved_aside_and_not_counted_finished(tmp_path):
     """Before: "finished" meant "the file exists": a truncated file counted as done forever (and broke
     `sweeps.load`)."""
-    from sweeps.results import finished, write_cell
+    from specvocab.sweeps.results import finished, write_cell
 
     sweep = _sweep(tiny_toml(kinds=("record",)))
     a, b = sweep.cells[:2]
@@ -205,7 +205,7 @@ def test_a_damaged_result_file_is_moved_aside_and_not_counted_finished(tmp_path)
 def test_publishing_a_result_fsyncs_the_file_and_every_folder_it_created(tmp_path, monkeypatch):
     import os
 
-    from sweeps import results
+    from specvocab.sweeps import results
 
     synced: list = []
     real = os.fsync
@@ -243,8 +243,8 @@ def test_provenance_is_recorded_and_a_changed_environment_is_named_on_resume(tmp
     """Before: sweep.json said nothing of the code, libraries or data that made the results."""
     import json
 
-    from sweeps import provenance
-    from sweeps.results import prepare_output
+    from specvocab.sweeps import provenance
+    from specvocab.sweeps.results import prepare_output
 
     sweep = _sweep(tiny_toml(kinds=("record",)))
     out = prepare_output(tmp_path / "out", sweep)
@@ -274,7 +274,7 @@ def test_extend_takes_a_superset_config_into_the_folder_without_recomputing(tmp_
     """Before: any other config hash was refused, even one that only adds a seed or a window size."""
     import json
 
-    from sweeps.results import prepare_output, write_cell
+    from specvocab.sweeps.results import prepare_output, write_cell
 
     base = tiny_toml(kinds=("record", "coverage", "bench"), bench='[[bench]]\nmethods = ["ar"]\n')
     old = _sweep(base)
@@ -290,7 +290,7 @@ def test_extend_takes_a_superset_config_into_the_folder_without_recomputing(tmp_
     prepare_output(out, wider, extend=True)
     manifest = json.loads((out / "sweep.json").read_text())
     assert manifest["config_hash"] == wider.config_hash and manifest["extended"][0]["config_hash"] == old.config_hash
-    from sweeps.results import finished
+    from specvocab.sweeps.results import finished
 
     done = finished(out, wider.cells)
     kept = {c.id for c in old.cells if c.id in {w.id for w in wider.cells}}
@@ -310,7 +310,7 @@ def test_extend_takes_a_superset_config_into_the_folder_without_recomputing(tmp_
 
 def test_address_needs_an_absolute_out(tmp_path, capsys):
     """Before: a relative --out under `ray job submit` landed in the job's temporary copy of the working dir."""
-    from sweeps.run import main
+    from specvocab.sweeps.run import main
 
     config = write_toml(tmp_path, tiny_toml(kinds=("record",)))
     assert main([str(config), "--out", "results/x", "--address", "auto"]) == 2
@@ -318,7 +318,7 @@ def test_address_needs_an_absolute_out(tmp_path, capsys):
 
 
 def test_attaching_from_a_checkout_ships_it_unless_inside_a_ray_job(monkeypatch):
-    from sweeps import cluster, provenance
+    from specvocab.sweeps import cluster, provenance
 
     for var in cluster.JOB_ENV_VARS:
         monkeypatch.delenv(var, raising=False)
@@ -346,7 +346,7 @@ def test_models_request_memory_and_cpus_for_their_actors():
 
 
 def test_calibration_cache_defaults_off_under_address(tmp_path, monkeypatch):
-    from sweeps import run as run_module
+    from specvocab.sweeps import run as run_module
 
     seen = {}
     sweep = _sweep(tiny_toml(kinds=("calibrate",)).replace("calibration_cache = false\n", ""))
@@ -376,8 +376,8 @@ def test_calibration_cache_defaults_off_under_address(tmp_path, monkeypatch):
 def test_workers_get_their_prompts_from_the_driver(tmp_path, monkeypatch):
     """Before: record and bench cells loaded their prompt set from the worker's own data root (absent on
     another machine). Now the driver sends them: a worker whose data root is empty still runs both."""
-    from sweeps import model_cells
-    from sweeps.model_cells import SHIPPED, ModelWorker, shipped_prompts
+    from specvocab.sweeps import model_cells
+    from specvocab.sweeps.model_cells import SHIPPED, ModelWorker, shipped_prompts
 
     sweep = _sweep(tiny_toml(kinds=("record", "bench"), bench='[[bench]]\nmethods = ["ar"]\n'))
     cells = {c.kind: c for c in sweep.cells}
@@ -403,9 +403,9 @@ def test_workers_get_the_training_corpus_from_the_driver(tmp_path, monkeypatch):
     (`install_data`): a worker whose data root is empty runs a calibrate cell, a frspec bench cell and the
     token ranking, on the same prompts and counts as with the driver's root - and its data root holds the
     training corpus only, so no evaluation set can be read there."""
-    from engine.jobs.calibrate import calibration_prompts
-    from engine.prompts import DATA_ENV, data_root
-    from sweeps.model_cells import SHIPPED, ModelWorker, data_files, install_data, model_ranking, shipped_prompts
+    from specvocab.engine.jobs.calibrate import calibration_prompts
+    from specvocab.engine.prompts import DATA_ENV, data_root
+    from specvocab.sweeps.model_cells import SHIPPED, ModelWorker, data_files, install_data, model_ranking, shipped_prompts
 
     monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path / "cache"))   # rankings and the installed data here
     sweep = _sweep(tiny_toml(kinds=("bench", "calibrate"), bench='''
@@ -462,7 +462,7 @@ def _fake_sysfs(root: Path, cores: dict[int, tuple[int, int]]) -> Path:
 def test_physical_cores_take_one_hardware_thread_per_core(tmp_path):
     """Two sockets x two cores x two hyper-threads (siblings numbered as Linux does: cpu n and n + 4 share a
     core): one CPU per core, the lowest; core ids repeat across sockets; a CPU without topology is its own."""
-    from sweeps.cluster import physical_cores
+    from specvocab.sweeps.cluster import physical_cores
 
     topo = {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1), 4: (0, 0), 5: (0, 1), 6: (1, 0), 7: (1, 1)}
     sysfs = _fake_sysfs(tmp_path / "cpu", topo)
@@ -479,7 +479,7 @@ def test_pin_process_pins_the_thread_and_the_threads_it_starts(tmp_path):
 
     code = '''
 import os, threading
-from sweeps.model_cells import pin_process
+from specvocab.sweeps.model_cells import pin_process
 seen = {}
 def tid(name):
     seen[name] = threading.get_native_id()
@@ -501,7 +501,7 @@ stop.set(); before.join(); after.join()
 def test_timed_actors_get_distinct_physical_cores_and_the_driver_is_counted(local_ray, tmp_path):
     """On a local Ray (2 CPUs here): the actors that run timed cells each hold one physical core, no two the
     same while alive; the summary names the cores and the driver's own CPU time."""
-    from sweeps.cluster import physical_cores
+    from specvocab.sweeps.cluster import physical_cores
 
     sweep = _sweep(tiny_toml(kinds=("bench",), bench='[[bench]]\nmethods = ["ar", "pld"]\n'))
     s = run_sweep(sweep, tmp_path / "out", progress=False, show=False)
@@ -515,7 +515,7 @@ def test_timed_actors_get_distinct_physical_cores_and_the_driver_is_counted(loca
     assert 0 < s.driver_cpu_s < s.wall_s and f"driver: {s.driver_cpu_s:.1f} s of CPU" in text
 
 
-# ---- divergences diagnosed across cells (#16) --------------------------------------------------------------
+# ---- divergences diagnosed across cells -------------------------------------------------------------------
 
 @pytest.mark.timeout(400)
 def test_a_bench_row_that_differs_from_ar_in_another_cell_is_diagnosed(local_ray, tmp_path):
@@ -523,8 +523,8 @@ def test_a_bench_row_that_differs_from_ar_in_another_cell_is_diagnosed(local_ray
     after the model's cells (and on a rerun, for rows an earlier run left): a pld row made to differ from ar's
     at its third token gets, through `sweeps.load`, first_divergence 2, ar's margin there and a verdict - the
     tampered token is not ar's top-2 near-tie, so "mismatch" - while the rows equal to ar's keep none."""
-    from engine.divergence import VERDICTS
-    from sweeps.results import diagnosis_path, load
+    from specvocab.engine.divergence import VERDICTS
+    from specvocab.sweeps.results import diagnosis_path, load
 
     sweep = _sweep(tiny_toml(kinds=("bench",), bench='[[bench]]\nmethods = ["ar", "pld"]\n'))
     out = tmp_path / "out"

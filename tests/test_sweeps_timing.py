@@ -1,7 +1,7 @@
 """`[sweep] timing`: the timed cells (calibrate, bench) of a CPU sweep alone on their machine ("exclusive", the
 default) or side by side ("shared").
 
-Why it is the default, measured (sweeps/README.md): on a 2-core machine the quick sweep's `ar` decoded SmolLM2 at
+Why it is the default, measured (PERFORMANCE.md, section 3): on a 2-core machine the quick sweep's `ar` decoded SmolLM2 at
 43.5 tok/s alone and at 31-33 tok/s beside a neighbour, while the 5-8-row steps of the speculative methods slowed
 much less - so speedups timed side by side read 0.1-0.25 high.
 
@@ -19,12 +19,12 @@ import polars as pl
 import pytest
 import ray
 
-import sweeps
-from sweeps.cell import SweepError
-from sweeps.cluster import LOOPBACK, loopback_env, start_local
-from sweeps.config import parse_sweep
-from sweeps.run import run_sweep
-from sweeps.tables import describe
+from specvocab import sweeps
+from specvocab.sweeps.cell import SweepError
+from specvocab.sweeps.cluster import LOOPBACK, loopback_env, start_local
+from specvocab.sweeps.config import parse_sweep
+from specvocab.sweeps.run import run_sweep
+from specvocab.sweeps.tables import describe
 from tests.sweeps_testing import tiny_toml
 
 # 4 record cells, 8 bench cells and 1 calibrate cell, each at least 0.3 s (`[testing] delay_s`), so that

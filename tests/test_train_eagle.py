@@ -18,15 +18,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.config import SpecConfig
-from engine.drafters.eagle import (EagleDrafter, default_eagle_head, load_eagle_head, random_eagle_head,
+from specvocab.engine.config import SpecConfig
+from specvocab.engine.drafters.eagle import (EagleDrafter, default_eagle_head, load_eagle_head, random_eagle_head,
                                    save_eagle_head, shipped_heads)
-from engine.drafters.lmhead import DrafterError
-from engine.harness import generate, prefill
-from engine.kv import new_cache
-from engine.models import load_model
-import engine.jobs.eagle_data as data_job
-import engine.jobs.train_eagle as tr
+from specvocab.engine.drafters.lmhead import DrafterError
+from specvocab.engine.harness import generate, prefill
+from specvocab.engine.kv import new_cache
+from specvocab.engine.models import load_model
+import specvocab.engine.jobs.eagle_data as data_job
+import specvocab.engine.jobs.train_eagle as tr
 
 OFFICIAL_KEYS = {"fc.weight", "fc.bias", "layers.0.post_attention_layernorm.weight",
                  *(f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
@@ -234,7 +234,7 @@ def test_shipped_head_is_the_default_and_lossless(name, request):
     model, tok, info = request.getfixturevalue(name)
     source = default_eagle_head(model)
     assert source == f"specvocab:{info.name}"
-    from engine.prompts import encode_prompt, load_prompts
+    from specvocab.engine.prompts import encode_prompt, load_prompts
     p = load_prompts("spec_bench", categories=["summarization"], per_category=1)[0]
     ids = torch.as_tensor(encode_prompt(tok, info, p.turns[:1], [], max_new_tokens=24))
     ar = generate(model, ids, method="ar", max_new_tokens=24, tokenizer=tok, info=info)
@@ -244,7 +244,7 @@ def test_shipped_head_is_the_default_and_lossless(name, request):
     assert trained.tau > untrained.tau + 0.3, (trained.tau, untrained.tau)
 
 
-# --- training targets: known answers (issue #18 §3) --------------------------------------------------------------
+# --- training targets: known answers -----------------------------------------------------------------------------
 # A bigram "target" over V = d = 4 tokens: its feature after reading x_i is f_i = E[x_i] = 2 e_{x_i} and its LM
 # head is the identity, so its next-token logits at i are f_i (top-1: x_i). EAGLE pairs (f_i, x_{i+1}) at
 # position i with the targets at i + 1: the feature f_{i+1} and the distribution after x_{i+1}. A head that
@@ -270,7 +270,7 @@ def _linear_head(which: str) -> tuple:
     """An EAGLE head whose decoder layer is the identity (o_proj and down_proj zero: the residual passes x
     through) and whose fc reads only the token embedding ("embedding": h_i = E[x_{i+1}]) or only the feature
     ("feature": h_i = f_i). Returns (head, embed) with embed = 2 I."""
-    from engine.drafters.eagle import EagleHead, llama_config
+    from specvocab.engine.drafters.eagle import EagleHead, llama_config
     head = EagleHead(llama_config(dict(hidden_size=D, intermediate_size=8, num_attention_heads=1,
                                         num_key_value_heads=1, vocab_size=D, max_position_embeddings=64)))
     with torch.no_grad():
@@ -335,7 +335,7 @@ def test_head_forward_and_eagle_loss_known_answers():
 def test_head_forward_keeps_packed_sequences_apart():
     """The packed forward of two samples equals each sample's forward alone (block-causal mask, positions
     restarting at 0 per sample), with a random head."""
-    from engine.drafters.eagle import EagleHead, llama_config
+    from specvocab.engine.drafters.eagle import EagleHead, llama_config
     torch.manual_seed(0)
     head = EagleHead(llama_config(dict(hidden_size=8, intermediate_size=16, num_attention_heads=2,
                                         num_key_value_heads=1, vocab_size=D, max_position_embeddings=64))).eval()

@@ -20,13 +20,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import engine.jobs.eagle_data as data_job
-import engine.jobs.train_eagle3 as t3
-from engine.drafters.eagle3 import DraftVocab, load_eagle3_head
-from engine.harness import generate
-from engine.artifacts import FINGERPRINT_KEY, head_fingerprint, head_matches
-from engine.models import eos_token_ids, load_model
-from engine.vocab.frspec import eagle3_maps
+import specvocab.engine.jobs.eagle_data as data_job
+import specvocab.engine.jobs.train_eagle3 as t3
+from specvocab.engine.drafters.eagle3 import DraftVocab, load_eagle3_head
+from specvocab.engine.harness import generate
+from specvocab.engine.artifacts import FINGERPRINT_KEY, head_fingerprint, head_matches
+from specvocab.engine.models import eos_token_ids, load_model
+from specvocab.engine.vocab.frspec import eagle3_maps
 from tests.eagle3_testing import midlayer_reference
 
 DATA = dict(model="random-llama", num_prompts=6, heldout_prompts=2, max_tokens=160, max_prompt_tokens=120,
@@ -216,7 +216,7 @@ def test_a_head_trained_here_is_refused_on_another_target(trained, target):
     1% perturbation, as a fine-tune would be) are refused by the eagle3 drafter, naming the field and the fix."""
     import copy
 
-    from engine.drafters.lmhead import DrafterError
+    from specvocab.engine.drafters.lmhead import DrafterError
 
     other = copy.deepcopy(target)
     with torch.no_grad():
@@ -268,15 +268,15 @@ def test_data_without_eagle3_features_is_refused(tmp_path):
 
 
 def test_cli_verb():
-    from sweeps.cli import resolve
-    assert resolve(["train", "eagle3", "--model", "x"]) == ("engine.jobs.train_eagle3", ["--model", "x"])
+    from specvocab.sweeps.cli import resolve
+    assert resolve(["train", "eagle3", "--model", "x"]) == ("specvocab.engine.jobs.train_eagle3", ["--model", "x"])
 
 
 def test_compare_heads_runs_both_heads_at_one_tree(data_dir, trained, target):
     """`engine.jobs.compare_heads`: ar, the EAGLE-2 head and the EAGLE-3 head on the data's held-out prompts at one
     tree; each tau is the one a direct decode of those prompts gives (catches another tree, other prompts or the
     heads swapped), outputs counted against ar's."""
-    from engine.jobs.compare_heads import CompareConfig, compare_heads
+    from specvocab.engine.jobs.compare_heads import CompareConfig, compare_heads
 
     loaded = (target, *load_model("random-llama", dtype="fp32")[1:])
     cfg = CompareConfig(model="random-llama", data=str(data_dir), eagle_head="random", eagle3_head=str(trained),

@@ -12,9 +12,9 @@ import pytest
 import torch
 import transformers
 
-from engine.config import SpecConfig
-from engine.harness import generate
-from engine.models import load_model
+from specvocab.engine.config import SpecConfig
+from specvocab.engine.harness import generate
+from specvocab.engine.models import load_model
 
 
 @pytest.mark.parametrize("model", ["random-llama", "random-gemma3"])

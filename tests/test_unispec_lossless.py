@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import SpecConfig
-from engine.drafters import make_drafter
-from engine.drafters.recycling import RecyclingDrafter
-from engine.drafters.unispec import UniSpecDrafter
-from engine.harness import ContextError, generate
-from engine.models import load_model
-from engine.prompts import encode_prompt, load_prompts
-from engine.store import StoreError, SuccessorStore
+from specvocab.engine.config import SpecConfig
+from specvocab.engine.drafters import make_drafter
+from specvocab.engine.drafters.recycling import RecyclingDrafter
+from specvocab.engine.drafters.unispec import UniSpecDrafter
+from specvocab.engine.harness import ContextError, generate
+from specvocab.engine.models import load_model
+from specvocab.engine.prompts import encode_prompt, load_prompts
+from specvocab.engine.store import StoreError, SuccessorStore
 
 ARCHS = ("random-llama", "random-gemma3", "random-qwen3")
 

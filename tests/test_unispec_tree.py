@@ -20,13 +20,13 @@ import random
 import pytest
 import torch
 
-from engine.config import SpecConfig
-from engine.drafters.recycling import TEMPLATES, RecyclingDrafter, RecyclingError, Template, fill_template
-from engine.drafters.unispec import UniSpecDrafter, UniSpecError, accepted_last_order, build_unispec_tree
-from engine.store import StoreError, SuccessorStore, deployment_store, topk_probs
-from engine.tree import DraftTree, StepResult
-from engine.verify import warp_probs
-from kernels import cpu as cpu_kernels
+from specvocab.engine.config import SpecConfig
+from specvocab.engine.drafters.recycling import TEMPLATES, RecyclingDrafter, RecyclingError, Template, fill_template
+from specvocab.engine.drafters.unispec import UniSpecDrafter, UniSpecError, accepted_last_order, build_unispec_tree
+from specvocab.engine.store import StoreError, SuccessorStore, deployment_store, topk_probs
+from specvocab.engine.tree import DraftTree, StepResult
+from specvocab.engine.verify import warp_probs
+from specvocab.kernels import cpu as cpu_kernels
 
 
 # ---- store ---------------------------------------------------------------------------------------
@@ -347,8 +347,8 @@ def test_the_c_tree_is_the_torch_tree_node_for_node(isa, monkeypatch):
                     reason=f"the CPU kernels do not run here: {cpu_kernels.available_portable()}")
 def test_the_drafter_drafts_the_same_trees_with_and_without_the_c_tree(monkeypatch):
     """A whole decode: UniSpecDrafter's trees with the C tree (`cpu_kernels=True`) equal the torch ones."""
-    from engine import generate
-    from engine.models import load_model
+    from specvocab.engine import generate
+    from specvocab.engine.models import load_model
     model = load_model("random-llama", vocab_size=200, hidden_size=32, num_layers=1, seed=2)[0]
     calls = []
     real = cpu_kernels.unispec_tree

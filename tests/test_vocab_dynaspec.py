@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine.artifacts import head_fingerprint, sidecar_path
-from engine.config import SpecConfig
-from engine.harness import generate
-from engine.jobs.fit_dynaspec import spherical_kmeans
-from engine.models import load_model
-from engine.vocab import DynaSpecVocab, head_topk, make_policy
-from engine.vocab.dynaspec import (ClusterLayout, DynaSpecError, FittedDynaSpec, Router, cluster_budget, find_fitted,
+from specvocab.engine.artifacts import head_fingerprint, sidecar_path
+from specvocab.engine.config import SpecConfig
+from specvocab.engine.harness import generate
+from specvocab.engine.jobs.fit_dynaspec import spherical_kmeans
+from specvocab.engine.models import load_model
+from specvocab.engine.vocab import DynaSpecVocab, head_topk, make_policy
+from specvocab.engine.vocab.dynaspec import (ClusterLayout, DynaSpecError, FittedDynaSpec, Router, cluster_budget, find_fitted,
                                    load_dynaspec, per_row_reference_logits, save_dynaspec, select_clusters,
                                    shortlist_logits, union_shortlist)
 from tests.engine_testing import untie_head
@@ -189,14 +189,14 @@ def test_find_fitted_matches_head_and_drafter(tiny, tmp_path):
     assert find_fitted(weight, cfg, tmp_path) == path
     with pytest.raises(DynaSpecError, match="none is in"):                # another drafter's states
         find_fitted(weight, cfg.replace(drafter_layers="skip:2"), tmp_path)
-    with pytest.raises(DynaSpecError, match="none is in"):                # the steps of another tree depth (#18)
+    with pytest.raises(DynaSpecError, match="none is in"):                # the steps of another tree depth
         find_fitted(weight, cfg.replace(eagle_depth=3), tmp_path)
 
 
 def test_policy_without_a_file_names_the_fit_command(tiny, tmp_path, monkeypatch):
     _, weight, _ = tiny
     monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path))
-    with pytest.raises(DynaSpecError, match="python -m engine.jobs.fit_dynaspec"):
+    with pytest.raises(DynaSpecError, match="python -m specvocab.engine.jobs.fit_dynaspec"):
         make_policy(SpecConfig.preset("layerskip", vocab="dynaspec"), weight)
 
 
@@ -223,12 +223,12 @@ def test_side_stream_router_matches_cpu(tiny):
 
 
 
-# --- the fit names its drafter: head hash and depth (#18) ----------------------------------------------------------
+# --- the fit names its drafter: head hash and depth ---------------------------------------------------------------
 
 def _eagle_fit(model, folder, head, depth):
-    from engine.artifacts import head_fingerprint
-    from engine.drafters.eagle import head_digest
-    from engine.jobs.fit_dynaspec import spherical_kmeans
+    from specvocab.engine.artifacts import head_fingerprint
+    from specvocab.engine.drafters.eagle import head_digest
+    from specvocab.engine.jobs.fit_dynaspec import spherical_kmeans
     weight = model.get_output_embeddings().weight.detach()
     km = spherical_kmeans(weight, 16, seed=0)
     torch.manual_seed(0)
@@ -239,14 +239,14 @@ def _eagle_fit(model, folder, head, depth):
 
 
 def test_a_retrained_head_or_another_depth_does_not_reuse_a_stale_router(tmp_path, monkeypatch):
-    """#18: the key named the head only by its name (`eagle_head`) and ignored depth, so a head retrained into
-    the same folder, or a run at depth 5 on a fit logged at depth 3, silently reused the router."""
-    from engine.drafters.eagle import EagleDrafter, random_eagle_head, save_eagle_head
+    """A key that named the head only by its name (`eagle_head`) and ignored depth would let a head retrained
+    into the same folder, or a run at depth 5 on a fit logged at depth 3, silently reuse the router."""
+    from specvocab.engine.drafters.eagle import EagleDrafter, random_eagle_head, save_eagle_head
     model, _, _ = load_model("random-llama", seed=0)
     weight = model.get_output_embeddings().weight
     folder = tmp_path / "head"
     save_eagle_head(random_eagle_head(model, seed=0), folder, target_name="random-llama", target_weight=weight)
-    from engine.drafters.eagle import load_eagle_head
+    from specvocab.engine.drafters.eagle import load_eagle_head
     monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path / "cache"))
     fit = _eagle_fit(model, tmp_path / "cache" / "dynaspec", load_eagle_head(str(folder)), depth=3)
     cfg = SpecConfig.preset("eagle", vocab="dynaspec", eagle_head=str(folder), eagle_depth=3, draft_size=8)
@@ -260,25 +260,24 @@ def test_a_retrained_head_or_another_depth_does_not_reuse_a_stale_router(tmp_pat
     with pytest.raises(DynaSpecError, match="fitted for drafter .*not for this one"):
         EagleDrafter(model, cfg.replace(dynaspec_file=str(fit)))
     old = json.loads(sidecar_path(fit).read_text())
-    old["drafter_config"] = {"drafter": "eagle", "eagle_head": str(folder)}   # a fit made before #18
+    old["drafter_config"] = {"drafter": "eagle", "eagle_head": str(folder)}   # a key without hash or depth
     sidecar_path(fit).write_text(json.dumps(old))
-    with pytest.raises(DynaSpecError, match="made before #18"):
+    with pytest.raises(DynaSpecError, match="records neither"):
         EagleDrafter(model, cfg.replace(dynaspec_file=str(fit)))
 
 
 
-# The depths each shipped head has a DynaSpec fit for: the default depth, and depth 3 (the fits from before #18,
-# kept for runs at eagle_depth=3).
+# The depths each shipped head has a DynaSpec fit for: the default depth, and depth 3 (for runs at
+# eagle_depth=3).
 SHIPPED_FIT_DEPTHS = {"smollm2-135m-instruct": {3, SpecConfig().eagle_depth}, "gemma-3-270m": {3, SpecConfig().eagle_depth}}
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED_FIT_DEPTHS))
 def test_the_shipped_fits_are_keyed_by_head_and_depth(name):
-    """#18: the shipped routers were logged at eagle_depth=3 and run at the default depth 5. Each shipped fit
-    now records its depth and the head's hash, and is named for its depth: `dynaspec-eagle.safetensors` at the
-    default depth, `dynaspec-eagle-depth<d>.safetensors` at another, so a run finds the fit logged at its depth."""
-    from engine.drafters.eagle import head_digest, load_eagle_head
-    from engine.shipped import SHIPPED_HEADS
+    """Each shipped fit records its depth and the head's hash, and is named for its depth:
+    `dynaspec-eagle.safetensors` at the default depth, `dynaspec-eagle-depth<d>.safetensors` at another, so a run finds the fit logged at its depth."""
+    from specvocab.engine.drafters.eagle import head_digest, load_eagle_head
+    from specvocab.engine.shipped import SHIPPED_HEADS
     folder = SHIPPED_HEADS / name
     sha = head_digest(load_eagle_head(f"specvocab:{name}"))
     depths = {}
@@ -292,18 +291,18 @@ def test_the_shipped_fits_are_keyed_by_head_and_depth(name):
                         else f"dynaspec-eagle-depth{depth}.safetensors.json")
 
 
-# The depths each shipped EAGLE-3 head has a DynaSpec fit for (engine/heads/<model>/eagle3/, #19).
+# The depths each shipped EAGLE-3 head has a DynaSpec fit for (engine/heads/<model>/eagle3/).
 SHIPPED_EAGLE3_FIT_DEPTHS = {"smollm2-135m-instruct": {3, SpecConfig().eagle_depth},
                              "gemma-3-270m": {3, SpecConfig().eagle_depth}}
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED_EAGLE3_FIT_DEPTHS))
 def test_the_shipped_eagle3_fits_are_keyed_by_head_and_depth(name):
-    """#19: the DynaSpec fits beside a shipped EAGLE-3 head partition its draft vocabulary (V = draft_vocab_size),
+    """The DynaSpec fits beside a shipped EAGLE-3 head partition its draft vocabulary (V = draft_vocab_size),
     are keyed by that head's hash and the depth they were logged at, and are named for the depth."""
-    from engine.catalog import shipped_eagle3_heads
-    from engine.drafters.eagle import head_digest
-    from engine.drafters.eagle3 import load_eagle3_head
+    from specvocab.engine.catalog import shipped_eagle3_heads
+    from specvocab.engine.drafters.eagle import head_digest
+    from specvocab.engine.drafters.eagle3 import load_eagle3_head
     folder = shipped_eagle3_heads()[name]
     head = load_eagle3_head(f"specvocab:{name}")
     sha = head_digest(head)

@@ -1,4 +1,4 @@
-"""FR-Spec's static list (`engine.vocab.frspec`, #18 §2):
+"""FR-Spec's static list (`engine.vocab.frspec`):
 
 - FR-Spec-PA (DynaSpec App. A.1), `frspec_budget="position"`: draft step t scores the top floor(K / (t + 1))
   of the list, set by the drafter's `route` call before each head call; "fixed" (FR-Spec) keeps K. Sizes per
@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import SpecConfig
-from engine.drafters import make_drafter
-from engine.harness import generate
-from engine.models import load_model, tokenizer_name
-from engine.vocab import FrequencyError, make_policy, save_token_map
-from engine.vocab.frspec import load_frequency_ranking
+from specvocab.engine.config import SpecConfig
+from specvocab.engine.drafters import make_drafter
+from specvocab.engine.harness import generate
+from specvocab.engine.models import load_model, tokenizer_name
+from specvocab.engine.vocab import FrequencyError, make_policy, save_token_map
+from specvocab.engine.vocab.frspec import load_frequency_ranking
 
 V = 512
 

@@ -4,8 +4,8 @@ Adding a method = adding a module `engine/drafters/<method>.py` (a '-' in the me
 whose `Drafter` subclass is decorated with `@register_drafter("<method>")`, and the method name in
 `engine.config.METHODS`. `make_drafter` imports that module on first use, so nothing else changes.
 
-    from engine.drafters import register_drafter
-    from engine.tree import Drafter
+    from specvocab.engine.drafters import register_drafter
+    from specvocab.engine.tree import Drafter
 
     @register_drafter("recycling")
     class RecyclingDrafter(Drafter):
@@ -19,9 +19,9 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from engine.catalog import known_methods
-from engine.config import HF_METHODS
-from engine.tree import Drafter
+from specvocab.engine.catalog import known_methods
+from specvocab.engine.config import HF_METHODS
+from specvocab.engine.tree import Drafter
 
 _REGISTRY: dict[str, Callable] = {}
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.drafters import register_drafter
-from engine.tree import DraftTree, Drafter
+from specvocab.engine.drafters import register_drafter
+from specvocab.engine.tree import DraftTree, Drafter
 
 
 @register_drafter("ar")

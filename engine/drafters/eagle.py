@@ -28,7 +28,7 @@ so a head trained here on Gemma expects embeddings ~25x larger than the raw tabl
 `load_eagle_head` divides it out again, so the package's own drafting does not change. A head with scale 1
 (every official checkpoint) is drafted with the raw lookup here too.
 
-Shipped heads: `engine/heads/<model>/` holds a head trained by `python -m engine.jobs.train_eagle` for each offline model
+Shipped heads: `engine/heads/<model>/` holds a head trained by `python -m specvocab.engine.jobs.train_eagle` for each offline model
 (its model card says on what, how long and with which tau). `eagle_head=None` resolves to the shipped head
 whose target LM head matches the model's (`default_eagle_head`, called where the run's config is resolved);
 `"specvocab:<model>"` names one explicitly. A head saved by `save_eagle_head` records its target's name and
@@ -50,17 +50,17 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from engine.artifacts import FINGERPRINT_KEY, atomic_write, head_fingerprint, head_matches, save_safetensors
-from engine.drafters import register_drafter
-from engine.catalog import SHIPPED_PREFIX, shipped_heads
-from engine.shipped import default_eagle_head
-from engine.drafters.lmhead import DraftKVCache, DrafterError, Expansion, LMHeadDrafter, attention_bias
-from engine.drafters.layerskip import text_config
-from engine.target import cache_kwarg
-from engine.vocab.dynaspec import drafter_key as dynaspec_drafter_key
-from engine.tree import StepResult
-from kernels import cpu as cpu_kernels
-from engine.native import BLOCK
+from specvocab.engine.artifacts import FINGERPRINT_KEY, atomic_write, head_fingerprint, head_matches, save_safetensors
+from specvocab.engine.drafters import register_drafter
+from specvocab.engine.catalog import SHIPPED_PREFIX, shipped_heads
+from specvocab.engine.shipped import default_eagle_head
+from specvocab.engine.drafters.lmhead import DraftKVCache, DrafterError, Expansion, LMHeadDrafter, attention_bias
+from specvocab.engine.drafters.layerskip import text_config
+from specvocab.engine.target import cache_kwarg
+from specvocab.engine.vocab.dynaspec import drafter_key as dynaspec_drafter_key
+from specvocab.engine.tree import StepResult
+from specvocab.kernels import cpu as cpu_kernels
+from specvocab.engine.native import BLOCK
 
 FUSED_CHUNK = 32      # rows of a causal run (the prompt) per fused call: the kernel reads a row's last 2 BLOCKs by slot
 
@@ -242,8 +242,9 @@ def save_eagle_head(head: EagleHead, folder: str | Path, *, target_name: str, ta
              if not k.startswith("rotary_emb.") and not k.startswith("embed_tokens.")}
     d = head.hidden_size
     if head.embed_scale is None:
-        raise DrafterError("this head was saved before #18 without its embedding scale; set head.embed_scale = "
-                           "engine.drafters.eagle.embed_scale(target) first (python -m engine.jobs.export_eagle does)")
+        raise DrafterError("this head's embedding scale is unknown (its config.json records neither "
+                           "embed_scale_folded nor weights_id); set head.embed_scale = "
+                           "specvocab.engine.drafters.eagle.embed_scale(target) first (python -m specvocab.engine.jobs.export_eagle does)")
     scale = float(head.embed_scale)
     if scale != 1.0:       # the stored-dtype values, scaled in fp32: loading divides and rounds back exactly
         fc = head.fc.weight.detach().to("cpu", dtype).float().clone()
@@ -276,7 +277,7 @@ def _weights_ids(path: Path) -> set[str]:
 
 
 def check_head_target(head_source: str, block: dict | None, target, *, field: str = "eagle_head",
-                      retrain: str = "`python -m engine.jobs.train_eagle --model <name>`") -> None:
+                      retrain: str = "`python -m specvocab.engine.jobs.train_eagle --model <name>`") -> None:
     """Raise unless a head whose config.json has `specvocab` block `block` was trained for `target` (its LM-head
     fingerprint, `engine.artifacts.head_matches`). `field` names the config field in the message; an EAGLE-1/2
     head also suggests the head shipped for the target."""
@@ -326,7 +327,8 @@ def load_eagle_head(source: str) -> EagleHead:
             head.fc.weight[:, : head.hidden_size] = w.to(stored).float()   # the values before folding, exactly
         head.embed_scale = scale
     elif block and "weights_id" not in block:
-        # saved here before #18: trained through get_input_embeddings(), scale not recorded - the target's own
+        # a head of this package without weights_id or embed_scale_folded: trained through
+        # get_input_embeddings(), its scale not recorded - the target's own
         head.embed_scale = None
     return head
 
@@ -479,7 +481,7 @@ class EagleDrafter(EagleTreeDrafter):
             if source is None:
                 raise DrafterError("method 'eagle' needs a draft head and none ships for this target: pass "
                                    "eagle_head=<hub id or local EAGLE-1/2 checkpoint directory>, train one with "
-                                   "`python -m engine.jobs.train_eagle --model <name>`, or eagle_head='random' for an "
+                                   "`python -m specvocab.engine.jobs.train_eagle --model <name>`, or eagle_head='random' for an "
                                    "untrained head (tests)")
             self.head_source = source
             head = random_eagle_head(target, cfg.seed) if source == "random" else load_eagle_head(source)
@@ -514,7 +516,7 @@ class EagleDrafter(EagleTreeDrafter):
         EAGLE's cnets1.py embeds - the head's own embed_tokens, else the target's raw table (for Gemma this is
         not `get_input_embeddings()`, which scales by sqrt(d)). A head trained here on scaled embeddings
         (embed_scale s != 1): the target's `get_input_embeddings()`, which must scale by s."""
-        if head.embed_scale is None:                  # a head saved here before #18 (load_eagle_head)
+        if head.embed_scale is None:                  # an unexported head of this package (load_eagle_head)
             return target.get_input_embeddings()
         if head.embed_scale != 1.0:
             have = embed_scale(target)

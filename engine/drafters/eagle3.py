@@ -38,7 +38,7 @@ admits (stats: `frspec_candidates`, `frspec_admitted`); `microspec` = MicroSpec'
 unchanged, scoring the entries t2d admits (stats: `window_vocab`, the window's distinct tokens, and
 `window_admitted`, those t2d admits, both means over steps); `oracle` = the whole draft vocabulary's proposals
 at the cost of a [w_max, d] head; `dynaspec` = DynaSpec's clusters over the draft vocabulary (the rows of the
-head's own lm_head, fitted for this head and depth: `python -m engine.jobs.fit_dynaspec --drafter eagle3`), the
+head's own lm_head, fitted for this head and depth: `python -m specvocab.engine.jobs.fit_dynaspec --drafter eagle3`), the
 router reading [h; E(x)] with E(x) the target's LM-head row of the target id x, the union head over draft rows
 and its slots mapped through d2t (stats as for eagle's dynaspec, sizes in draft rows).
 """
@@ -53,20 +53,20 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from engine.catalog import shipped_eagle3_heads
-from engine.shipped import default_eagle3_head
-from engine.drafters import register_drafter
-from engine.drafters.eagle import (EagleTreeDrafter, check_head_target, head_digest, llama_config, random_eagle_head,
+from specvocab.engine.catalog import shipped_eagle3_heads
+from specvocab.engine.shipped import default_eagle3_head
+from specvocab.engine.drafters import register_drafter
+from specvocab.engine.drafters.eagle import (EagleTreeDrafter, check_head_target, head_digest, llama_config, random_eagle_head,
                                    read_state_dict, resolve_head_dir)
-from engine.drafters.layerskip import text_config
-from engine.drafters.lmhead import DrafterError
-from engine.target import cache_kwarg, decoder, native_model, resolve_backend
-from engine.vocab import DynaSpecVocab, FrSpecVocab, MicroSpecVocab, OracleVocab, VocabError, VocabPolicy
-from engine.vocab.dynaspec import drafter_key as dynaspec_drafter_key
-from kernels import cpu as cpu_kernels
-from kernels.head import packed_head
-from kernels.streams import PackedLMHead
-from kernels.window import GatherList
+from specvocab.engine.drafters.layerskip import text_config
+from specvocab.engine.drafters.lmhead import DrafterError
+from specvocab.engine.target import cache_kwarg, decoder, native_model, resolve_backend
+from specvocab.engine.vocab import DynaSpecVocab, FrSpecVocab, MicroSpecVocab, OracleVocab, VocabError, VocabPolicy
+from specvocab.engine.vocab.dynaspec import drafter_key as dynaspec_drafter_key
+from specvocab.kernels import cpu as cpu_kernels
+from specvocab.kernels.head import packed_head
+from specvocab.kernels.streams import PackedLMHead
+from specvocab.kernels.window import GatherList
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"      # `architectures` of the released heads' config.json
 
@@ -471,13 +471,13 @@ class Eagle3Drafter(EagleTreeDrafter):
                 raise DrafterError("method 'eagle3' needs an EAGLE-3 draft head and no EAGLE-3 head ships for this "
                                    "model: pass eagle3_head=<local directory of an official EAGLE-3 checkpoint "
                                    "(config.json + model.safetensors or pytorch_model.bin) or its hub id>, train one "
-                                   "(`python -m engine.jobs.train_eagle3 --model <name>`), or eagle3_head='random' "
+                                   "(`python -m specvocab.engine.jobs.train_eagle3 --model <name>`), or eagle3_head='random' "
                                    "for an untrained head (tests)")
             head = random_eagle3_head(target, cfg.seed) if source == "random" else load_eagle3_head(source)
         # a head trained here carries its target's LM-head fingerprint: a same-shape head of another target (or a
         # fine-tune of it) is refused; an official checkpoint has no block and is checked by its shapes below
         check_head_target(self.head_source, getattr(head, "target_block", None), target, field="eagle3_head",
-                          retrain="`python -m engine.jobs.train_eagle3 --model <name>`")
+                          retrain="`python -m specvocab.engine.jobs.train_eagle3 --model <name>`")
         t = text_config(target)
         V = target.get_output_embeddings().weight.shape[0]
         if head.target_hidden_size != t.hidden_size:

@@ -31,11 +31,11 @@ import inspect
 
 import torch
 
-from engine.drafters import register_drafter
-from engine.drafters.lmhead import DraftKVCache, DrafterError, Expansion, LMHeadDrafter, attention_bias
-from engine.native import NativeModel
-from engine.target import cache_kwarg, native_model, resolve_backend
-from engine.tree import StepResult
+from specvocab.engine.drafters import register_drafter
+from specvocab.engine.drafters.lmhead import DraftKVCache, DrafterError, Expansion, LMHeadDrafter, attention_bias
+from specvocab.engine.native import NativeModel
+from specvocab.engine.target import cache_kwarg, native_model, resolve_backend
+from specvocab.engine.tree import StepResult
 
 
 def parse_layers(spec: str, num_layers: int) -> list[int]:

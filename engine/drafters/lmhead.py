@@ -47,11 +47,11 @@ from typing import Callable
 
 import torch
 
-from engine.timing import PhaseTimer
-from engine.tree import DraftTree, Drafter, StepResult
-from engine.models import tokenizer_name
-from engine.vocab import make_policy
-from engine.vocab.dynaspec import drafter_key as dynaspec_drafter_key
+from specvocab.engine.timing import PhaseTimer
+from specvocab.engine.tree import DraftTree, Drafter, StepResult
+from specvocab.engine.models import tokenizer_name
+from specvocab.engine.vocab import make_policy
+from specvocab.engine.vocab.dynaspec import drafter_key as dynaspec_drafter_key
 
 
 class DrafterError(ValueError):

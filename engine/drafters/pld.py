@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.drafters import register_drafter
-from engine.tree import DraftTree, Drafter
+from specvocab.engine.drafters import register_drafter
+from specvocab.engine.tree import DraftTree, Drafter
 
 
 def prompt_lookup(ids: torch.Tensor, min_ngram: int, max_ngram: int, num_draft: int) -> torch.Tensor:

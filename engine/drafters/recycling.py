@@ -29,10 +29,10 @@ import time
 
 import torch
 
-from engine.drafters.unispec import accepted_last_order
-from engine.store import SuccessorStore, check_token_ids, drafter_store, prompt_rows, rows_tokens, topk_probs
-from engine.drafters import register_drafter
-from engine.tree import Drafter, DraftTree, StepResult
+from specvocab.engine.drafters.unispec import accepted_last_order
+from specvocab.engine.store import SuccessorStore, check_token_ids, drafter_store, prompt_rows, rows_tokens, topk_probs
+from specvocab.engine.drafters import register_drafter
+from specvocab.engine.tree import Drafter, DraftTree, StepResult
 
 # Children per node, level by level (root first), BFS order. Token Recycling Figure 5: 80 nodes, depth 6.
 TEMPLATES: dict[str, list[list[int]]] = {

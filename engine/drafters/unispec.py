@@ -27,10 +27,10 @@ import time
 
 import torch
 
-from engine.store import SuccessorStore, check_token_ids, drafter_store, prompt_rows, rows_tokens, topk_probs
-from engine.drafters import register_drafter
-from engine.tree import Drafter, DraftTree, StepResult
-from kernels import cpu as cpu_kernels
+from specvocab.engine.store import SuccessorStore, check_token_ids, drafter_store, prompt_rows, rows_tokens, topk_probs
+from specvocab.engine.drafters import register_drafter
+from specvocab.engine.tree import Drafter, DraftTree, StepResult
+from specvocab.kernels import cpu as cpu_kernels
 
 
 class UniSpecError(ValueError):

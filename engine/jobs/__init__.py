@@ -1,3 +1,3 @@
-"""Jobs: programs that run decodes to produce a measurement or an artifact (`python -m engine.jobs.<job>`).
+"""Jobs: programs that run decodes to produce a measurement or an artifact (`python -m specvocab.engine.jobs.<job>`).
 
 The decoder library (`engine`) never imports this package; each job imports the library."""

@@ -1,10 +1,10 @@
-"""Speed and losslessness of decoding methods on a prompt set: `python -m engine.jobs.bench` / `run_bench(...)`.
+"""Speed and losslessness of decoding methods on a prompt set: `python -m specvocab.engine.jobs.bench` / `run_bench(...)`.
 
-    python -m engine.jobs.bench --model smollm2-135m-instruct --methods ar,pld,hf-prompt-lookup \\
+    python -m specvocab.engine.jobs.bench --model smollm2-135m-instruct --methods ar,pld,hf-prompt-lookup \\
         --prompts spec_bench --per-category 1 --max-new-tokens 64 --repeats 1 --out runs/bench
-    python -m engine.jobs.bench --model gemma-3-270m --methods ar --drafter layerskip \\
+    python -m specvocab.engine.jobs.bench --model gemma-3-270m --methods ar --drafter layerskip \\
         --vocab full,frspec,frspec:1024,microspec,oracle --set drafter_layers=first:4 --threads 1 --out runs/microspec
-    python -m engine.jobs.bench --model gemma-3-270m --drafter eagle --vocab full,frspec,dynaspec,microspec \\
+    python -m specvocab.engine.jobs.bench --model gemma-3-270m --drafter eagle --vocab full,frspec,dynaspec,microspec \\
         --set eagle_head=<EAGLE-1/2 head dir> --per-category 1 --max-new-tokens 64 --threads 1 --out runs/table2
 
 A *run* is one (method, vocabulary policy) pair: every `--methods` entry (policy "full" for methods without
@@ -81,6 +81,7 @@ line: run, prompt_id, turn, first divergent token, ar's margin there, verdict (`
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
@@ -89,20 +90,21 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from engine.artifacts import atomic_write
-from engine.config import POLICIES, REQUESTED_SIZE, ConfigError, SpecConfig, parse_overrides
-from engine.divergence import diagnose_rows, next_logits
-from engine.drafters import available_methods, make_drafter
-from engine.vocab.dynaspec import find_fitted, fitted_sizes, k_max_for_tokens, tokens_for_k_max
-from engine.harness import generate, resolve_config
-from engine.models import eos_token_ids, load_model
-from engine.prompts import Prompt, decode_answer, encode_prompt, load_prompts
-from engine.target import backend_label
-from engine.jobs.frequency import with_default_ranking
-from engine.jobs.specbench import tokenizer_decoder, write_answer_files
-from engine.metrics import (ALL, DRAFTERS, PHASES, ROW_SCHEMA, RUN, compare_vocabs, comparison_lines,  # noqa: F401
+from specvocab.engine.artifacts import atomic_write
+from specvocab.engine.config import POLICIES, REQUESTED_SIZE, ConfigError, SpecConfig, parse_overrides
+from specvocab.engine.divergence import diagnose_rows, next_logits
+from specvocab.engine.drafters import available_methods, make_drafter
+from specvocab.engine.vocab.dynaspec import find_fitted, fitted_sizes, k_max_for_tokens, tokens_for_k_max
+from specvocab.engine.harness import generate, resolve_config
+from specvocab.engine.models import eos_token_ids, load_model
+from specvocab.engine.prompts import Prompt, decode_answer, encode_prompt, load_prompts
+from specvocab.engine.target import backend_label
+from specvocab.engine.jobs.args import add_debug, check_at_least, check_model, check_out, run_main
+from specvocab.engine.jobs.frequency import with_default_ranking
+from specvocab.engine.jobs.specbench import tokenizer_decoder, write_answer_files
+from specvocab.engine.metrics import (ALL, DRAFTERS, PHASES, ROW_SCHEMA, RUN, compare_vocabs, comparison_lines,  # noqa: F401
                             describe_bench, divergence_lines, divergences, policy, row_verdicts, summarize, table2)
-from kernels.hardware import HardwareError, parse_device, parse_dtype
+from specvocab.kernels.hardware import HardwareError, parse_device, parse_dtype
 
 RESULTS_FILE = "results.parquet"
 RUN_KEY = ("method", "run", "prompt_id", "repeat")
@@ -327,6 +329,10 @@ def run_bench(model: str = "smollm2-135m-instruct", methods: str | Sequence[str]
 
 def _bench(runs: list[Run], model, prompts, *, per_category, categories, languages, max_new_tokens, repeats,
            warmup, out, device, dtype, loaded, resume, progress, show) -> pl.DataFrame:
+    # the prompts first: an unknown set, a bad filter or a missing data root stops the bench before a model loads
+    prompt_list = load_prompts(prompts, per_category=per_category, categories=categories, languages=languages)
+    if not prompt_list:
+        raise BenchError(f"prompt set {prompts!r} with these filters is empty")
     if loaded is None:
         try:
             device, dtype = parse_device(device), parse_dtype(dtype)
@@ -339,9 +345,6 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
     param = next(target.parameters())
     dev, dtype_name = str(param.device), str(param.dtype).removeprefix("torch.")
     eos = eos_token_ids(target, tokenizer)
-    prompt_list = load_prompts(prompts, per_category=per_category, categories=categories, languages=languages)
-    if not prompt_list:
-        raise BenchError(f"prompt set {prompts!r} with these filters is empty")
     runs = [replace(r, cfg=with_default_ranking(r.cfg, tokenizer, info, eos)) for r in runs]   # says which corpus
     runs = [_resolve_dynaspec(r, target, show) if r.policy == "dynaspec" else r for r in runs]
     runs = [_check_drafter(r, target) if r.method in DRAFTERS else r for r in runs]
@@ -522,7 +525,7 @@ def print_summary(frame: pl.DataFrame) -> pl.DataFrame:
 
 
 def main(argv: Sequence[str] | None = None) -> pl.DataFrame:
-    ap = argparse.ArgumentParser(prog="python -m engine.jobs.bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m specvocab.engine.jobs.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--methods", default=None,
                     help="comma-separated method names (default: ar,pld,hf-prompt-lookup; ar with --drafter)")
@@ -553,7 +556,13 @@ def main(argv: Sequence[str] | None = None) -> pl.DataFrame:
     ap.add_argument("--specbench-answers", default=None, metavar="DIR",
                     help="also write Spec-Bench model-answer .jsonl files there, one per run "
                          "(engine.jobs.specbench; Spec-Bench's evaluation/speed.py and equal.py read them)")
+    add_debug(ap)
     a = ap.parse_args(argv)
+    check_model(a.model)
+    check_at_least("--per-category", a.per_category, 1)
+    for flag, folder in (("--out", a.out), ("--specbench-answers", a.specbench_answers)):
+        if folder:
+            check_out(flag, folder)
     split = (lambda s: None if s is None else [x for x in s.split(",") if x])
     frame = run_bench(model=a.model, methods=a.methods, prompts=a.prompts, drafter=a.drafter, vocab=a.vocab,
                       per_category=a.per_category, categories=split(a.categories), languages=split(a.languages),
@@ -574,4 +583,4 @@ def _parse_sets(items: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

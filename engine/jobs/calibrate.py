@@ -1,5 +1,5 @@
 """Measure tau(g) and s(g) through the harness and calibrate the draft size g* (UniSpec §3, App. F):
-`calibrate(model, prompts, method)` and the CLI `python -m engine.jobs.calibrate`.
+`calibrate(model, prompts, method)` and the CLI `python -m specvocab.engine.jobs.calibrate`.
 
 The fits, the pipelines ("default", and "paper": the paper's own), the cache and `resolve_draft_size`
 live in `engine.calibration` (pure; the harness imports them). This module runs
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 import warnings
 from typing import Mapping, Sequence
@@ -37,17 +38,18 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from engine.calibration import (EAGLE_CANDIDATES, CalibrationError, Pipeline, code_stamp, default_grid,
+from specvocab.engine.calibration import (EAGLE_CANDIDATES, CalibrationError, Pipeline, code_stamp, default_grid,
                                 device_name, eagle_total_token, fit_record, model_id, model_key, pipeline_of, refit,
                                 save_calibration)
-from engine.config import (DRAFTING_METHODS, SpecConfig, calibration_fields, config_fingerprint,
+from specvocab.engine.config import (DRAFTING_METHODS, SpecConfig, calibration_fields, config_fingerprint,
                            parse_overrides)
-from engine.jobs.frequency import FrequencyError, with_default_ranking
-from engine.harness import bucket_edge, generate, max_draft_size
-from engine.models import eos_token_ids, load_model
-from engine.prompts import encode_prompt, load_prompts
-from engine.store import deployment_store
-from kernels.hardware import parse_device, parse_dtype
+from specvocab.engine.jobs.args import add_debug, check_at_least, check_model, parse_ints, run_main
+from specvocab.engine.jobs.frequency import FrequencyError, with_default_ranking
+from specvocab.engine.harness import bucket_edge, generate, max_draft_size
+from specvocab.engine.models import eos_token_ids, load_model
+from specvocab.engine.prompts import encode_prompt, load_prompts
+from specvocab.engine.store import deployment_store
+from specvocab.kernels.hardware import parse_device, parse_dtype
 
 
 def measure_forward(model, lengths: Sequence[int] = EAGLE_CANDIDATES, reps: int = 20) -> dict[int, float]:
@@ -245,12 +247,17 @@ def calibrate(model, prompts: Sequence[torch.Tensor], method: str = "unispec", *
 
 # ---- CLI -------------------------------------------------------------------------------------------------
 
+def calibration_pool(seed: int = 1) -> list:
+    """The `Prompt`s `calibration_prompts` draws from: one English training-corpus prompt per task."""
+    return load_prompts("train_corpus", languages=["en"], per_category=1, seed=seed)
+
+
 def calibration_prompts(tokenizer, info, n: int = 5, warmup: int = 2, max_new_tokens: int = 96,
                         seed: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """n calibration + `warmup` warm-up prompts from the training corpus (English, one per task, drawn with
     `seed`), never from the benchmark a calibrated g* is measured on. UniSpec App. F calibrates on UltraChat,
     not available offline; the training corpus is its stand-in."""
-    pool = load_prompts("train_corpus", languages=["en"], per_category=1, seed=seed)
+    pool = calibration_pool(seed)
     rng = np.random.default_rng(seed)
     pick = [pool[i] for i in rng.permutation(len(pool))[: n + warmup]]
     enc = [torch.tensor(encode_prompt(tokenizer, info, p.turns[:1], [], max_new_tokens=max_new_tokens))
@@ -308,7 +315,7 @@ def calibrate_model(model: str = "smollm2-135m-instruct", method: str = "unispec
 
 
 def main(argv=None) -> dict | None:
-    ap = argparse.ArgumentParser(prog="python -m engine.jobs.calibrate",
+    ap = argparse.ArgumentParser(prog="python -m specvocab.engine.jobs.calibrate",
                                  description=calibrate_model.__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--method", default="unispec", choices=DRAFTING_METHODS,
@@ -331,21 +338,26 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--no-compare", action="store_true")
     ap.add_argument("--no-save", action="store_true")
     ap.add_argument("--refit", action="store_true", help="recompute g* from the cached measurements only")
+    add_debug(ap)
     a = ap.parse_args(argv)
+    # every argument checked, and the prompts read, before a model loads
+    check_model(a.model)
+    for flag, value, least in (("--prompts", a.prompts, 1), ("--warmup", a.warmup, 0), ("--repeats", a.repeats, 1),
+                               ("--max-new-tokens", a.max_new_tokens, 1), ("--threads", a.threads, 1)):
+        check_at_least(flag, value, least)
+    grid = parse_ints("--grid", a.grid)
     overrides = parse_overrides(a.set)
+    SpecConfig.preset(a.method, max_new_tokens=a.max_new_tokens, **overrides)     # a bad --set value stops here
+    device, dtype = parse_device(a.device), parse_dtype(a.dtype)
     if a.refit:
         if a.threads:
             torch.set_num_threads(a.threads)
-        target = load_model(a.model, device=parse_device(a.device), dtype=parse_dtype(a.dtype))[0]
+        target = load_model(a.model, device=device, dtype=dtype)[0]
         cfg = SpecConfig.preset(a.method, **overrides)
-        try:
-            rec = refit(model_key(target, cfg), pipeline=a.pipeline, mode=a.mode, timing=a.timing,
-                        save=not a.no_save)
-        except CalibrationError as e:
-            raise SystemExit(f"error: {e}") from None
+        rec = refit(model_key(target, cfg), pipeline=a.pipeline, mode=a.mode, timing=a.timing, save=not a.no_save)
         print(f"{rec['key']}: g* = {rec['g_star']} ({rec['pipeline']}, {rec['mode']}), grid g* = {rec['g_star_grid']}")
         return rec
-    grid = None if a.grid is None else [int(x) for x in a.grid.split(",")]
+    calibration_pool()                                 # the data root and the training corpus, before the model
     return calibrate_model(model=a.model, method=a.method, grid=grid, pipeline=a.pipeline or "default", mode=a.mode, timing=a.timing,
          prompts=a.prompts, warmup=a.warmup, max_new_tokens=a.max_new_tokens, repeats=a.repeats,
          compare=not a.no_compare, save=not a.no_save, threads=a.threads, device=a.device, dtype=a.dtype,
@@ -353,4 +365,4 @@ def main(argv=None) -> dict | None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -1,6 +1,6 @@
-"""tau of an EAGLE-2 head against an EAGLE-3 head at the same tree on held-out prompts (#19's first target).
+"""tau of an EAGLE-2 head against an EAGLE-3 head at the same tree on held-out prompts.
 
-    python -m engine.jobs.compare_heads --model smollm2-135m-instruct --data DIR --prompts 24 --new-tokens 48
+    python -m specvocab.engine.jobs.compare_heads --model smollm2-135m-instruct --data DIR --prompts 24 --new-tokens 48
 
 One run, printed and returned as a table: `ar`, `eagle` (the EAGLE-2 head, default the one shipped for the model)
 and `eagle3` (default the EAGLE-3 head shipped for it) on the first `prompts` held-out prompts of an EAGLE-3 data
@@ -12,19 +12,20 @@ equal ar's. The last line prints tau(eagle3) / tau(eagle), the issue's target be
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from engine.config import SpecConfig
-from engine.harness import generate, resolve_config
-from engine.models import eos_token_ids, load_model
+from specvocab.engine.config import SpecConfig
+from specvocab.engine.harness import generate, resolve_config
+from specvocab.engine.models import eos_token_ids, load_model
 
-from engine.jobs.args import config_main
-from engine.jobs.eagle_data import TrainError, load_split, read_manifest
-from engine.jobs.train_eagle3 import heldout_prompts
+from specvocab.engine.jobs.args import config_main, run_main
+from specvocab.engine.jobs.eagle_data import TrainError, load_split, read_manifest
+from specvocab.engine.jobs.train_eagle3 import heldout_prompts
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class CompareConfig:
 def compare_heads(cfg: CompareConfig, loaded=None) -> pl.DataFrame:
     """The table described in the module docstring; `loaded` = (model, tokenizer, info) skips loading."""
     if not cfg.data:
-        raise TrainError("--data is required: an EAGLE-3 data folder (`python -m engine.jobs.eagle_data "
+        raise TrainError("--data is required: an EAGLE-3 data folder (`python -m specvocab.engine.jobs.eagle_data "
                          "--eagle3-features`), whose held-out prompts neither head was trained on")
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
@@ -82,15 +83,14 @@ def compare_heads(cfg: CompareConfig, loaded=None) -> pl.DataFrame:
         print(f"  {r['method']:7s} tau {r['tau']:.3f}  {r['tokens_per_s']:.1f} tok/s  equal to ar "
               f"{r['equal_to_ar']}/{r['prompts']}  head {r['head']}")
     tau = dict(zip(frame["method"], frame["tau"]))
-    print(f"  tau eagle3 / eagle = {tau['eagle3'] / tau['eagle']:.2f} (#19's target: >= 1.3)")
+    print(f"  tau eagle3 / eagle = {tau['eagle3'] / tau['eagle']:.2f} (target: >= 1.3)")
     return frame
 
 
 def main(argv: list[str] | None = None) -> pl.DataFrame:
-    return config_main(argv, prog="python -m engine.jobs.compare_heads", description=__doc__.split("\n")[0],
-                       cls=CompareConfig, run=compare_heads, skip={"model", "progress"},
-                       errors=(TrainError, ValueError))
+    return config_main(argv, prog="python -m specvocab.engine.jobs.compare_heads", description=__doc__.split("\n")[0],
+                       cls=CompareConfig, run=compare_heads, skip={"model", "progress"})
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -1,6 +1,6 @@
 """Sweep what DynaSpec leaves open (§4.2: M, router width, L; k_max at evaluation) on the rows a fit logged.
 
-    python -m engine.jobs.dynaspec_choices --work-dir <fit work dir> --out DIR      # or: specvocab dynaspec choices
+    python -m specvocab.engine.jobs.dynaspec_choices --work-dir <fit work dir> --out DIR      # or: specvocab dynaspec choices
 
 One factor at a time around the fit's settings; each router is scored offline on the prompts the fit held out (its
 `split.json`; `engine.jobs.fit_dynaspec.router_metrics`). One Parquet file per setting; a rerun skips finished
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -22,11 +23,12 @@ import torch
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from engine.artifacts import atomic_write, save_safetensors, sidecar_path
-from engine.jobs.fit_dynaspec import (SPLIT_FILE, FitConfig, shard_prompt, cluster_targets, load_rows,
+from specvocab.engine.artifacts import atomic_write, save_safetensors, sidecar_path
+from specvocab.engine.jobs.fit_dynaspec import (SPLIT_FILE, FitConfig, shard_prompt, cluster_targets, load_rows,
                                       router_metrics, spherical_kmeans, train_router)
-from engine.models import load_model
-from engine.vocab.dynaspec import ClusterLayout, DynaSpecError, k_max_for_tokens, tokens_for_k_max
+from specvocab.engine.jobs.args import add_debug, check_at_least, check_out, parse_ints, run_main
+from specvocab.engine.models import load_model
+from specvocab.engine.vocab.dynaspec import ClusterLayout, DynaSpecError, k_max_for_tokens, tokens_for_k_max
 
 
 # --- sweeping what the paper leaves open (§4.2: M, router width, L; k_max at evaluation) ---------------------
@@ -113,7 +115,7 @@ def fit_split(work: Path, shards: list[Path], heldout: float | None = None) -> t
         split = {"train_prompt_ids": ids[: len(ids) - n_held], "heldout_prompt_ids": ids[len(ids) - n_held:]}
     else:
         raise DynaSpecError(f"{work} has no {SPLIT_FILE} (the fit's held-out prompts), nor a fitted file's sidecar "
-                            f"beside it: run the fit to its end (`python -m engine.jobs.fit_dynaspec ... --work-dir "
+                            f"beside it: run the fit to its end (`python -m specvocab.engine.jobs.fit_dynaspec ... --work-dir "
                             f"{work}` resumes and writes it), or pass ChoicesConfig(heldout=...) to re-split")
     by_id = {shard_prompt(s): s for s in shards}
     missing = [p for p in split["train_prompt_ids"] + split["heldout_prompt_ids"] if p not in by_id]
@@ -131,11 +133,15 @@ def sweep_choices(cfg: ChoicesConfig) -> Path:
     shards = sorted(work.glob("log-*.safetensors"))
     if not key_file.is_file() or not shards:
         raise DynaSpecError(f"{work} is not a DynaSpec fit's work dir (it needs fit.json and log-*.safetensors); "
-                            f"run `python -m engine.jobs.fit_dynaspec --model M --work-dir {work}` first")
+                            f"run `python -m specvocab.engine.jobs.fit_dynaspec --model M --work-dir {work}` first")
     base = json.loads(key_file.read_text())
     settings = choice_settings(cfg, base)
     if len(shards) < 2:
         raise DynaSpecError(f"{work} holds {len(shards)} logged prompt; the sweep needs 2 or more (train + held out)")
+    train_shards, held_shards = fit_split(work, shards, cfg.heldout)
+    if not train_shards or not held_shards:
+        raise DynaSpecError(f"the split of {work} leaves {len(train_shards)} training and {len(held_shards)} "
+                            f"held-out prompts; the sweep needs both")
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     model, _, _ = load_model(base["model"])
@@ -144,10 +150,6 @@ def sweep_choices(cfg: ChoicesConfig) -> Path:
     budgets = [b for b in cfg.budget_tokens if 1 <= b <= vocab]
     if not budgets:
         raise DynaSpecError(f"no budget in {cfg.budget_tokens} is within [1, V={vocab}]")
-    train_shards, held_shards = fit_split(work, shards, cfg.heldout)
-    if not train_shards or not held_shards:
-        raise DynaSpecError(f"the split of {work} leaves {len(train_shards)} training and {len(held_shards)} "
-                            f"held-out prompts; the sweep needs both")
     train_rows, held_rows = load_rows(train_shards), load_rows(held_shards)
     out = Path(cfg.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -199,7 +201,7 @@ def sweep_choices(cfg: ChoicesConfig) -> Path:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    ap = argparse.ArgumentParser(prog="python -m engine.jobs.dynaspec_choices", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m specvocab.engine.jobs.dynaspec_choices", description=__doc__.split("\n")[0])
     ap.add_argument("--work-dir", required=True, help="a fit's work dir (fit.json + log-*.safetensors)")
     ap.add_argument("--out", required=True, help="a folder for the Parquet files (one per setting; resumable)")
     for fld in fields(ChoicesConfig):
@@ -209,19 +211,17 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--epochs", type=int, default=ChoicesConfig.epochs)
     ap.add_argument("--threads", type=int, default=ChoicesConfig.threads)
     ap.add_argument("--no-progress", action="store_true")
+    add_debug(ap)
     args = vars(ap.parse_args(argv))
     progress = not args.pop("no_progress")
-    for k, v in list(args.items()):
-        if k in ("num_clusters", "router_width", "top_l", "budget_tokens"):
-            try:
-                args[k] = tuple(int(x) for x in str(v).split(",") if x.strip())
-            except ValueError:
-                raise SystemExit(f"--{k.replace('_', '-')} {v!r}: expected comma-separated integers") from None
+    for k in ("num_clusters", "router_width", "top_l", "budget_tokens"):
+        args[k] = tuple(parse_ints("--" + k.replace("_", "-"), args[k]))
+    check_at_least("--epochs", args["epochs"], 1)
+    check_at_least("--threads", args["threads"], 1)
+    check_out("--out", args["out"])
+    # sweep_choices checks the work dir, the settings and the fit's split before it loads the model
     return sweep_choices(ChoicesConfig(**args, progress=progress))
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except DynaSpecError as e:
-        raise SystemExit(f"error: {e}")
+    sys.exit(run_main(main))

@@ -1,6 +1,6 @@
 """Training data for draft heads: the target's features over training prompts, in resumable shards.
 
-    python -m engine.jobs.eagle_data --model smollm2-135m-instruct --source teacher,greedy --num-prompts 768
+    python -m specvocab.engine.jobs.eagle_data --model smollm2-135m-instruct --source teacher,greedy --num-prompts 768
     specvocab train data --model smollm2-135m-instruct ...                  # the same
 
 **Data** (`make_data`). The target runs over prompts of the training corpus (`train_corpus` in the data root:
@@ -36,13 +36,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from engine.artifacts import (FINGERPRINT_KEY, atomic_write, head_fingerprint, save_safetensors)
-from engine.models import cache_root, eos_token_ids, load_model
-from engine.prompts import Prompt, PromptError, encode_prompt, load_prompts
-from engine.target import decoder, lm_logits
+from specvocab.engine.artifacts import (FINGERPRINT_KEY, atomic_write, head_fingerprint, save_safetensors)
+from specvocab.engine.models import cache_root, eos_token_ids, load_model
+from specvocab.engine.prompts import Prompt, PromptError, encode_prompt, load_prompts
+from specvocab.engine.target import decoder, lm_logits
 
-from engine.drafters.eagle3 import eagle3_feature_layers
-from engine.jobs.args import add_fields, split_csv
+from specvocab.engine.drafters.eagle3 import eagle3_feature_layers
+from specvocab.engine.jobs.args import add_debug, add_fields, check_model, check_out, run_main, split_csv
 
 FORMAT = 1
 SOURCES = ("teacher", "greedy")
@@ -237,7 +237,7 @@ def _save_shard(samples: list[Sample], path: Path, feature_dtype: torch.dtype, m
 def load_shard(path: str | Path) -> list[Sample]:
     """The samples of one shard; a damaged or foreign file raises TrainError naming it and the fix."""
     path = Path(path)
-    fix = f"delete {path} and rerun `python -m engine.jobs.eagle_data` with the same settings to write it again"
+    fix = f"delete {path} and rerun `python -m specvocab.engine.jobs.eagle_data` with the same settings to write it again"
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {}).get("specvocab", "null"))
@@ -268,7 +268,7 @@ def read_manifest(folder: str | Path) -> dict:
     path = folder / "manifest.json"
     if not path.is_file():
         raise TrainError(f"{folder} holds no training data (no manifest.json); make it with "
-                         f"`python -m engine.jobs.eagle_data --model <name> --out {folder}`")
+                         f"`python -m specvocab.engine.jobs.eagle_data --model <name> --out {folder}`")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -287,22 +287,23 @@ def make_data(cfg: DataConfig) -> Path:
     """Run the target over the training prompts and write the shards (see the module docstring). Returns the
     data folder. Resumable: finished shards are kept; a folder made with other settings is refused."""
     cfg.validate()
+    # what needs no model first: the prompts (an unknown set, an empty selection, a missing data root) and the
+    # settings of a folder written before
+    prompts = _training_prompts(cfg)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out).expanduser() if cfg.out else default_data_dir(cfg.model)
     out.mkdir(parents=True, exist_ok=True)
+    mpath = out / "manifest.json"
+    if mpath.is_file() and read_manifest(out).get("settings") != cfg.key():
+        raise TrainError(f"{out} holds training data made with other settings ({mpath}); pass another --out "
+                         f"or delete that folder")
     model, tokenizer, info = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
     weight = model.get_output_embeddings().weight
     manifest = {"format": FORMAT, "settings": cfg.key(), "vocab_size": int(weight.shape[0]),
                 "hidden_size": int(weight.shape[1]), FINGERPRINT_KEY: head_fingerprint(weight),
                 "num_layers": info.num_layers}
-    mpath = out / "manifest.json"
-    if mpath.is_file():
-        have = read_manifest(out)
-        if have.get("settings") != manifest["settings"]:
-            raise TrainError(f"{out} holds training data made with other settings ({mpath}); pass another --out "
-                             f"or delete that folder")
-    else:
+    if not mpath.is_file():
         atomic_write(mpath, json.dumps(manifest, indent=1))
     eos = eos_token_ids(model, tokenizer)
     feature_dtype = DTYPES[cfg.feature_dtype]
@@ -310,7 +311,7 @@ def make_data(cfg: DataConfig) -> Path:
     # the prompts: encoded, too-long ones skipped, then split into held-out and train, then shards
     chosen: list[tuple[Prompt, list[int]]] = []
     skipped = 0
-    for p in _training_prompts(cfg):
+    for p in prompts:
         if len(chosen) == cfg.num_prompts:
             break
         try:
@@ -385,21 +386,22 @@ def make_data(cfg: DataConfig) -> Path:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    ap = argparse.ArgumentParser(prog="python -m engine.jobs.eagle_data", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m specvocab.engine.jobs.eagle_data", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--source", default="teacher", help="teacher | greedy | teacher,greedy")
     add_fields(ap, DataConfig, {"model", "sources", "progress"})
     ap.add_argument("--no-progress", action="store_true")
+    add_debug(ap)
     args = vars(ap.parse_args(argv))
     progress = not args.pop("no_progress")
     args["sources"] = split_csv(args.pop("source"))
     for k in ("languages", "tasks"):
         args[k] = split_csv(args[k]) if args[k] else None
-    try:
-        return make_data(DataConfig(**args, progress=progress))
-    except TrainError as err:
-        sys.exit(f"error: {err}")
+    check_model(args["model"])
+    if args["out"]:
+        check_out("--out", args["out"])
+    return make_data(DataConfig(**args, progress=progress))     # checks its settings and prompts, then loads
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -1,12 +1,15 @@
 """Fit DynaSpec's clusters and router for one model and drafter (DynaSpec §4.2, App. A.2).
 
-    python -m engine.jobs.fit_dynaspec --model smollm2-135m-instruct --drafter eagle     # or: specvocab dynaspec fit
+    python -m specvocab.engine.jobs.fit_dynaspec --model smollm2-135m-instruct --drafter eagle     # or: specvocab dynaspec fit
 
 Three steps, each resumable from the work dir (`<out>.work`): spherical k-means over the L2-normalised LM-head
 rows (`spherical_kmeans`); logging router rows from full-vocabulary drafting on the training corpus, one shard
 per prompt (`log_rows`, `RouterRows`); and training the router with the BCE of §4.2 (`train_router`). The
 fitted file is read at decode time by `engine.vocab.dynaspec` (which holds the layout, the router module and
 the file format); the words are in its docstring.
+
+Over 600 lines: the three steps, the config they share (checked before a model loads, `FitConfig.validate`)
+and the CLI are one fit, over one work-dir layout; what a decode reads lives in `engine.vocab.dynaspec`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,13 +30,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from engine.artifacts import FINGERPRINT_KEY, atomic_write, head_fingerprint, save_safetensors, save_torch
-from engine.config import ConfigError, SpecConfig, parse_overrides
-from engine.drafters import make_drafter
-from engine.harness import generate, resolve_config
-from engine.models import load_model
-from engine.prompts import PromptError, encode_prompt, load_prompts
-from engine.vocab.dynaspec import (ClusterLayout, DynaSpecError, FittedDynaSpec, Router, cluster_budget,
+from specvocab.engine.artifacts import FINGERPRINT_KEY, atomic_write, head_fingerprint, save_safetensors, save_torch
+from specvocab.engine.config import ConfigError, SpecConfig, parse_overrides
+from specvocab.engine.drafters import make_drafter
+from specvocab.engine.harness import generate, resolve_config
+from specvocab.engine.jobs.args import add_debug, add_fields, check_model, check_out, run_main
+from specvocab.engine.metrics import DRAFTERS
+from specvocab.engine.models import load_model
+from specvocab.engine.prompts import PromptError, encode_prompt, load_prompts
+from specvocab.engine.vocab.dynaspec import (ClusterLayout, DynaSpecError, FittedDynaSpec, Router, cluster_budget,
                                    default_dynaspec_path, save_dynaspec, select_clusters)
 
 
@@ -296,6 +302,22 @@ class FitConfig:
     def spec_config(self) -> SpecConfig:
         return SpecConfig.preset(self.drafter, vocab="full", max_new_tokens=self.max_new_tokens, **dict(self.spec))
 
+    def validate(self) -> "FitConfig":
+        """The settings checked before anything loads: a drafter with an LM head, the logging runs' SpecConfig,
+        the sizes, the held-out fraction, the k-means seeding; DynaSpecError / ConfigError name the bad one."""
+        if self.drafter not in DRAFTERS:
+            raise DynaSpecError(f"drafter {self.drafter!r} has no LM head to restrict; use {', '.join(DRAFTERS)}")
+        self.spec_config()
+        for name in ("num_prompts", "max_new_tokens", "max_prompt_tokens", "num_clusters", "kmeans_iters",
+                     "router_width", "top_l", "epochs", "batch_size", "k_max"):
+            if getattr(self, name) < 1:
+                raise DynaSpecError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.heldout < 1:
+            raise DynaSpecError(f"heldout must be a fraction in [0, 1), got {self.heldout}")
+        if self.kmeans_init not in ("k-means++", "random"):
+            raise DynaSpecError(f"unknown k-means init {self.kmeans_init!r}; choose 'k-means++' or 'random'")
+        return self
+
     def data_key(self) -> dict:
         """The settings the logged rows and clusters depend on: a work dir holds one of them."""
         keep = ("model", "drafter", "spec", "prompts", "num_prompts", "max_new_tokens", "max_prompt_tokens",
@@ -489,6 +511,7 @@ def fit(cfg: FitConfig) -> Path:
     """Clusters, logged rows, router; writes the fitted DynaSpec and returns its path. Resumable: the work
     dir keeps the clusters, one log shard per prompt and the router checkpoint."""
     t_start = time.perf_counter()
+    cfg.validate()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     model, tokenizer, info = load_model(cfg.model)
@@ -560,7 +583,7 @@ def fit(cfg: FitConfig) -> Path:
             "heldout": metrics, "eval_k_max": cfg.k_max, "fit_seconds": fit_s}
     path = save_dynaspec(FittedDynaSpec(assign=assign, router=router, meta=meta), out)
     print(f"[dynaspec] fitted in {fit_s:.0f} s -> {path} (logged rows, clusters, router checkpoint: {work}; "
-          f"`python -m engine.jobs.dynaspec_choices --work-dir {work} --out DIR` sweeps M, router width and L on them)")
+          f"`python -m specvocab.engine.jobs.dynaspec_choices --work-dir {work} --out DIR` sweeps M, router width and L on them)")
     if metrics:
         for name, res in metrics.items():
             o = res["overall"]
@@ -572,29 +595,29 @@ def fit(cfg: FitConfig) -> Path:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    ap = argparse.ArgumentParser(prog="python -m engine.jobs.fit_dynaspec", description=__doc__.split("\n")[0])
-    defaults = {fld.name: fld.default for fld in dataclasses.fields(FitConfig)}
+    ap = argparse.ArgumentParser(prog="python -m specvocab.engine.jobs.fit_dynaspec", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
-    for fld in dataclasses.fields(FitConfig):
-        if fld.name in ("model", "spec", "progress"):
-            continue
-        typ = {int: int, float: float}.get(type(fld.default), str)
-        ap.add_argument("--" + fld.name.replace("_", "-"), type=typ, default=fld.default,
-                        help=f"default {defaults[fld.name]}")
+    add_fields(ap, FitConfig, {"model", "spec", "progress"})
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="a SpecConfig field for the logging runs, e.g. drafter_layers=skip:12,14")
     ap.add_argument("--no-progress", action="store_true")
+    add_debug(ap)
     args = vars(ap.parse_args(argv))
     try:
         spec = tuple(parse_overrides(args.pop("set")).items())
     except ConfigError as e:
         raise SystemExit(str(e)) from None
     progress = not args.pop("no_progress")
-    return fit(FitConfig(**args, spec=spec, progress=progress))
+    cfg = FitConfig(**args, spec=spec, progress=progress).validate()
+    # before `fit` loads a model: the name, the paths, the training prompts (an unknown set, no data root)
+    check_model(cfg.model)
+    if cfg.out:
+        check_out("--out", cfg.out, file=True)
+    if cfg.work_dir:
+        check_out("--work-dir", cfg.work_dir)
+    _select_prompts(cfg)
+    return fit(cfg)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except DynaSpecError as e:
-        raise SystemExit(f"error: {e}")
+    sys.exit(run_main(main))

@@ -1,7 +1,7 @@
 """Forward benchmark: what one target forward of n new tokens costs, against this machine's limit.
 
-    python -m engine.jobs.forward --model smollm2-135m-instruct --dtype fp32,bf16 --threads 1,2
-    python -m engine.jobs.forward --device cuda --dtype bf16 --random-weights --model DIR_WITH_CONFIG_JSON
+    python -m specvocab.engine.jobs.forward --model smollm2-135m-instruct --dtype fp32,bf16 --threads 1,2
+    python -m specvocab.engine.jobs.forward --device cuda --dtype bf16 --random-weights --model DIR_WITH_CONFIG_JSON
 
 Per model, dtype, threads and backend it prints, in one run on one machine:
 - ms per forward of n = 1, 2, 4, 8, 16, 32 new tokens over a `--context`-token KV cache (median of --repeats,
@@ -30,19 +30,21 @@ Results go to `--out` as Parquet when given. Timings, not asserts: the machine i
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import polars as pl
 import torch
 import torch.nn.functional as F
 
-from engine.harness import generate
-from engine.models import load_architecture, load_model
-from engine.native import row_invariance as native_row_invariance, weight_bytes
-from engine.target import DEVICE_ROWS, make_target, native_model
-from kernels import cpu
-from kernels.hardware import parse_device
-from engine.verify import tree_layout
+from specvocab.engine.harness import generate
+from specvocab.engine.jobs.args import add_debug, check_at_least, check_model, check_out, parse_ints, run_main
+from specvocab.engine.models import load_architecture, load_model
+from specvocab.engine.native import row_invariance as native_row_invariance, weight_bytes
+from specvocab.engine.target import DEVICE_ROWS, make_target, native_model
+from specvocab.kernels import cpu
+from specvocab.kernels.hardware import parse_device, parse_dtype
+from specvocab.engine.verify import tree_layout
 
 SIZES = (1, 2, 4, 8, 16, 32)
 BACKENDS = ("hf", "native", "native-blas", "native-compiled", "native-graph", "native-compiled-graph", "native-sdpa")
@@ -187,7 +189,7 @@ def row_invariance(model) -> dict[str, list[int]]:
 
 
 def print_targets(rows: list[dict]) -> None:
-    """Issue #16's forward targets, from this run's rows: an `ar` step (n = 1) on native bf16 against hf fp32
+    """The forward's targets, from this run's rows: an `ar` step (n = 1) on native bf16 against hf fp32
     (>= 2x), the native forward against its bare matmuls (<= 1.25x; the bare matmuls of the path it ran),
     verify(8) / verify(1) <= 1.15 and verify(16) / verify(1) <= 1.4 on native bf16, and the stretch: a
     one-token native bf16 forward at >= 50% of the copy bound. Printed, never asserted; only what this run
@@ -201,7 +203,7 @@ def print_targets(rows: list[dict]) -> None:
     bound = {(r["model"], r["threads"], r["dtype"]): r["weight_bytes"] / r["copy_gbs"] / 1e6
              for r in frame.iter_rows(named=True)}
     verdict = (lambda ok: "met" if ok else "MISSED")
-    print("\ntargets (issue #16; measured above, in this run):")
+    print("\ntargets (measured above, in this run):")
     for model, threads in frame.select("model", "threads").unique(maintain_order=True).iter_rows():
         nb = lambda n: ms.get((model, threads, "bf16", "native", n))
         hf32 = ms.get((model, threads, "fp32", "hf", 1))
@@ -249,8 +251,19 @@ def main(argv=None) -> None:
                    "tokens per backend (tokens/s; 0 = no)")
     g.add_argument("--out", default=None, help="write the table here as Parquet (the decode table beside it, "
                    "<out stem>.decode.parquet)")
+    add_debug(ap)
     a = ap.parse_args(argv)
-    sizes = [int(s) for s in a.sizes.split(",")]
+    # every argument checked before the first model loads (a bad second dtype would stop it after the first)
+    check_model(a.model)
+    sizes, thread_counts = parse_ints("--sizes", a.sizes), parse_ints("--threads", a.threads)
+    dtypes = [d for d in a.dtype.split(",") if d]
+    for d in dtypes:
+        parse_dtype(d)
+    for flag, value, least in (("--context", a.context, 0), ("--repeats", a.repeats, 1),
+                               ("--copy-mb", a.copy_mb, 1), ("--decode", a.decode, 0)):
+        check_at_least(flag, value, least)
+    if a.out:
+        check_out("--out", a.out, file=True)
     rows, decodes = [], []
     device = parse_device(a.device)
     on_device = device.type != "cpu"
@@ -259,11 +272,11 @@ def main(argv=None) -> None:
         ap.error(f"unknown backend(s) {', '.join(map(repr, unknown))}: --backends takes {', '.join(BACKENDS)} "
                  f"(the dtype is --dtype, e.g. --backends hf,native --dtype fp32,bf16)")
     backends = [b for b in a.backends.split(",") if on_device or b not in GRAPHED]   # graphs: CUDA only
-    for dtype in a.dtype.split(","):
+    for dtype in dtypes:
         loader = load_architecture if a.random_weights else load_model
         model, _, info = loader(a.model, dtype=dtype, device=device)
         wbytes = weight_bytes(native_model(model))
-        for threads in (int(t) for t in a.threads.split(",")):
+        for threads in thread_counts:
             torch.set_num_threads(threads)
             bw = copy_bandwidth(a.copy_mb, device=device)
             bound_ms = wbytes / bw / 1e6
@@ -325,4 +338,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

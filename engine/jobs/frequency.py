@@ -33,7 +33,7 @@ size, requested K, true size, kept specials, tokens counted, source):
 `frequency_file`: the whole list counted on the training corpus, cached in `<specvocab cache>/rankings/`
 keyed by tokenizer, vocabulary size and a digest of the corpus and the kept specials.
 
-CLI: `python -m engine.jobs.frequency --model NAME --out-dir DIR` counts the training corpus (`--languages`,
+CLI: `python -m specvocab.engine.jobs.frequency --model NAME --out-dir DIR` counts the training corpus (`--languages`,
 `--tasks`), optionally the target's generations (`--generations N`) or recorded traces (`--traces`) and text
 files (`--texts FILE.jsonl --text-field turns`), and writes the lists for `--sizes` (8k/16k/32k/64k) with
 their exports.
@@ -46,19 +46,21 @@ import gzip
 import hashlib
 import json
 import pickle
+import sys
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 import polars as pl
 
-from engine.artifacts import atomic_write, sidecar_path
-from engine.harness import generate
-from engine.models import cache_root, eos_token_ids, load_model
-from engine.prompts import ByteTokenizer, Prompt, PromptError, data_file, encode_prompt, load_prompts
-from engine.vocab.frspec import FrequencyError, load_token_map, save_eagle3_maps, save_token_map
-from locality.shortlist import ShortlistError, count_tokens, save_ranking
-from locality.trace import Trace, read_traces
+from specvocab.engine.artifacts import atomic_write, sidecar_path
+from specvocab.engine.harness import generate
+from specvocab.engine.jobs.args import add_debug, check_at_least, check_model, check_out, run_main
+from specvocab.engine.models import cache_root, eos_token_ids, load_model
+from specvocab.engine.prompts import ByteTokenizer, Prompt, data_file, encode_prompt, load_prompts
+from specvocab.engine.vocab.frspec import FrequencyError, load_token_map, save_eagle3_maps, save_token_map
+from specvocab.locality.shortlist import ShortlistError, count_tokens, save_ranking
+from specvocab.locality.trace import Trace, read_traces
 
 # name -> (data set folder, file, dotted field of the texts or None for the prompt set's own reader, what it is)
 CORPORA = {
@@ -202,7 +204,7 @@ def target_generations(model, tokenizer, info, prompts: Sequence[Prompt], *, max
 
 
 def generation_arrays(traces: Sequence[Trace], tokenizer_name: str | None = None) -> list[np.ndarray]:
-    """[T_i] the generated tokens of recorded traces (`python -m engine.jobs.record --prompts train_corpus`).
+    """[T_i] the generated tokens of recorded traces (`python -m specvocab.engine.jobs.record --prompts train_corpus`).
     Traces of an evaluation set, or recorded with another tokenizer, raise."""
     _refuse_evaluation({str(t.meta.get("prompt_set", "")) for t in traces}, "traces")
     if tokenizer_name is not None:
@@ -261,20 +263,27 @@ def frequency_list(ranking: pl.DataFrame, keep: Sequence[int] = ()) -> np.ndarra
 
 # --- lists of several sizes, and the default one ---------------------------------------------------------------
 
+def check_lists(sizes: Sequence[int], exports: Sequence[str]) -> None:
+    """FrequencyError unless every list size is >= 1 and every export is known (what `write_frequency_lists`
+    writes; the CLI checks it before the model loads)."""
+    unknown = sorted(set(exports) - {"eagle3"})
+    if unknown:
+        raise FrequencyError(f"unknown export(s) {unknown}; choose from ['eagle3'] (the SGLang token map is the "
+                             f"frspec-k<K>.pt list itself)")
+    for k in sizes:
+        if isinstance(k, bool) or int(k) < 1:
+            raise FrequencyError(f"list sizes must be >= 1, got {k!r}")
+
+
 def write_frequency_lists(ids: np.ndarray, out_dir: str | Path, *, tokenizer: str, vocab_size: int,
                           sizes: Sequence[int] = DEFAULT_SIZES, exports: Sequence[str] = ("eagle3",),
                           meta: dict | None = None, verbose: bool = True) -> dict[int, dict[str, Path]]:
     """For each K of `sizes`: `frspec-k<K>.pt` (the frequency list's first K ids; SGLang's token map) and, with
     "eagle3" in `exports`, `eagle3-k<K>.pt`. A K above the list's length gets the whole list and says so."""
     ids = np.asarray(ids, dtype=np.int64)
-    unknown = sorted(set(exports) - {"eagle3"})
-    if unknown:
-        raise FrequencyError(f"unknown export(s) {unknown}; choose from ['eagle3'] (the SGLang token map is the "
-                             f"frspec-k<K>.pt list itself)")
+    check_lists(sizes, exports)
     out, out_dir = {}, Path(out_dir)
     for k in sizes:
-        if isinstance(k, bool) or int(k) < 1:
-            raise FrequencyError(f"list sizes must be >= 1, got {k!r}")
         top = ids[: int(k)]
         extra = {**(meta or {}), "list_size": int(ids.size)}
         files = {"frspec": save_token_map(top, out_dir / f"frspec-k{k}.pt", tokenizer=tokenizer,
@@ -367,7 +376,7 @@ def with_default_ranking(cfg, tokenizer, info, eos_ids: Sequence[int] = ()):
 # --- CLI -------------------------------------------------------------------------------------------------------
 
 def main(argv=None) -> dict[int, dict[str, Path]]:
-    ap = argparse.ArgumentParser(prog="python -m engine.jobs.frequency",
+    ap = argparse.ArgumentParser(prog="python -m specvocab.engine.jobs.frequency",
                                  description="FR-Spec frequency lists from the training corpus and the target's "
                                              "own generations, with SGLang and EAGLE-3 exports")
     ap.add_argument("--model", required=True, help="the target (engine.models name): its tokenizer counts")
@@ -388,32 +397,44 @@ def main(argv=None) -> dict[int, dict[str, Path]]:
     ap.add_argument("--allow-evaluation-data", action="store_true",
                     help="admit evaluation sets as corpora (comparisons only: the list is then fitted on them)")
     ap.add_argument("--out-dir", required=True)
+    add_debug(ap)
     a = ap.parse_args(argv)
+
+    # what needs no model first: the arguments, then every text (a bad corpus, file or data root stops here)
+    check_model(a.model)
+    check_out("--out-dir", a.out_dir)
+    check_at_least("--generations", a.generations, 0)
+    check_at_least("--max-new-tokens", a.max_new_tokens, 1)
+    check_lists(a.sizes, a.export)
+    if not (a.corpus or a.texts or a.generations or a.traces):
+        ap.error("nothing to count: give --corpus, --texts, --generations or --traces")
+    if not a.allow_evaluation_data:
+        _refuse_evaluation(set(a.corpus), "corpora")
+    filters = dict(languages=a.languages, tasks=a.tasks)
+    texts, sources = [], []
+    for c in a.corpus:
+        got = corpus_texts(c, **filters, responses=not a.no_responses) if c == "train_corpus" else corpus_texts(c)
+        texts += got
+        sources.append(f"{c} ({len(got)} texts)")
+    for p in a.texts:
+        texts += read_texts(p, a.text_field)
+        sources.append(f"texts {p} ({a.text_field})")
+    pool = load_prompts("train_corpus", **filters) if a.generations else []
+    traces = read_traces(a.traces) if a.traces else []
 
     model, tokenizer, info = load_model(a.model)
     tok = tokenizer if tokenizer is not None else ByteTokenizer()
     tok_name = info.tokenizer_name or "bytes"
-    if not a.allow_evaluation_data:
-        _refuse_evaluation(set(a.corpus), "corpora")
-    filters = dict(languages=a.languages, tasks=a.tasks)
-    arrays, sources = [], []
-    for c in a.corpus:
-        texts = corpus_texts(c, **filters, responses=not a.no_responses) if c == "train_corpus" else corpus_texts(c)
-        arrays += tokenize_texts(texts, tok)
-        sources.append(f"{c} ({len(texts)} texts)")
-    for p in a.texts:
-        arrays += tokenize_texts(read_texts(p, a.text_field), tok)
-        sources.append(f"texts {p} ({a.text_field})")
+    arrays = tokenize_texts(texts, tok)
     if a.generations:
-        pool = load_prompts("train_corpus", **filters)
         pick = sorted(np.random.default_rng(0).permutation(len(pool))[: a.generations].tolist())
         arrays += target_generations(model, tokenizer, info, [pool[i] for i in pick], max_new_tokens=a.max_new_tokens)
         sources.append(f"{a.model}'s greedy continuations of {len(pick)} train_corpus prompts")
-    if a.traces:
-        arrays += generation_arrays(read_traces(a.traces), tok_name)
+    if traces:
+        arrays += generation_arrays(traces, tok_name)
         sources.append(f"generated tokens of traces {a.traces}")
     if not arrays:
-        ap.error("nothing to count: give --corpus, --texts, --generations or --traces")
+        ap.error("nothing to count: the corpora, files and traces given hold no text")
     ranking = count_tokens(arrays, info.vocab_size)
     keep = kept_special_ids(tokenizer, eos_token_ids(model, tokenizer))   # generation config's EOS too
     ids = frequency_list(ranking, keep)
@@ -429,7 +450,4 @@ def main(argv=None) -> dict[int, dict[str, Path]]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (FrequencyError, PromptError) as e:
-        raise SystemExit(f"error: {e}")
+    sys.exit(run_main(main))

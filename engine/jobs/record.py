@@ -1,6 +1,6 @@
 """Record traces: what a target model does, greedily, on a prompt set. The thin CLI that feeds `locality`.
 
-    python -m engine.jobs.record --model smollm2-135m-instruct --prompts spec_bench --per-category 2 \\
+    python -m specvocab.engine.jobs.record --model smollm2-135m-instruct --prompts spec_bench --per-category 2 \\
         --max-new-tokens 128 --topk 16 --out runs/traces/smollm2 [--report] [--resume]
 
 writes `OUT/traces.parquet` (format: `locality.trace`) and prints a one-line summary; `--report` also prints
@@ -16,18 +16,24 @@ turn 2's prompt holds turn 1 and the model's own turn-1 answer (the MT-Bench pro
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from engine.harness import generate
-from engine.models import eos_token_ids, load_model
-from engine.prompts import decode_answer, encode_prompt, load_prompts
-from kernels.hardware import parse_device, parse_dtype
-from locality.coverage import coverage_report
-from locality.trace import Trace, read_traces, write_traces
+from specvocab.engine.harness import generate
+from specvocab.engine.jobs.args import add_debug, check_at_least, check_model, check_out, run_main
+from specvocab.engine.models import eos_token_ids, load_model
+from specvocab.engine.prompts import decode_answer, encode_prompt, load_prompts
+from specvocab.kernels.hardware import parse_device, parse_dtype
+from specvocab.locality.coverage import coverage_report
+from specvocab.locality.trace import Trace, read_traces, write_traces
+
+
+class RecordError(ValueError):
+    """A recording setting does not fit the model or the traces already in `out`; the message says the fix."""
 
 
 def record_traces(model, tokenizer, info, prompts, *, max_new_tokens: int = 128, topk: int = 16,
@@ -41,7 +47,7 @@ def record_traces(model, tokenizer, info, prompts, *, max_new_tokens: int = 128,
     what it finished; resume: start from the traces already in `out` and skip their prompts (the
     recording settings must match - model, max_new_tokens and topk are checked)."""
     if topk < 1 or topk > info.vocab_size:
-        raise ValueError(f"topk must be in 1..{info.vocab_size} (the model's vocabulary), got {topk}")
+        raise RecordError(f"topk must be in 1..{info.vocab_size} (the model's vocabulary), got {topk}")
     eos_ids = eos_token_ids(model, tokenizer) if eos_ids is None else list(eos_ids)
     model.eval()
     # Fail before hours of decoding when a first turn cannot fit; later turns are checked as they come.
@@ -75,7 +81,7 @@ def _resumable(old: list[Trace], info, max_new_tokens: int, topk: int, path) -> 
     for t in old:
         got = (t.meta.get("model"), t.meta.get("max_new_tokens"), t.meta.get("topk"))
         if got != (info.name, max_new_tokens, topk):
-            raise ValueError(f"{path} holds traces recorded with (model, max_new_tokens, topk) = {got}, not "
+            raise RecordError(f"{path} holds traces recorded with (model, max_new_tokens, topk) = {got}, not "
                              f"{(info.name, max_new_tokens, topk)}; pass another --out or drop --resume")
     return old
 
@@ -110,7 +116,7 @@ def record(*, model: str, prompts: str, out: str, per_category: int | None = Non
 
 
 def _parse(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m engine.jobs.record", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m specvocab.engine.jobs.record", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="offline name, random-*, hub id or local folder")
     ap.add_argument("--prompts", required=True,
                     help="spec_bench | humaneval | multilingual | train_corpus | path.jsonl")
@@ -125,12 +131,18 @@ def _parse(argv=None) -> dict:
     ap.add_argument("--report", action="store_true", help="print locality.coverage.coverage_report afterwards")
     ap.add_argument("--no-progress", dest="progress", action="store_false")
     ap.add_argument("--resume", action="store_true", help="keep the prompts already in OUT/traces.parquet")
+    add_debug(ap)
     return vars(ap.parse_args(argv))
 
 
 def main(argv=None) -> Path:
-    return record(**_parse(argv))
+    args = _parse(argv)
+    check_model(args["model"])
+    check_out("--out", args["out"])
+    for flag in ("--per-category", "--max-new-tokens", "--topk"):
+        check_at_least(flag, args[flag[2:].replace("-", "_")], 1)
+    return record(**args)                    # loads the prompt set before the model
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

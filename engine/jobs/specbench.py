@@ -1,8 +1,8 @@
 """Spec-Bench model-answer files from bench rows, so Spec-Bench's own scripts read our runs.
 
-    python -m engine.jobs.specbench runs/bench --out runs/bench/spec_bench_answers        # a bench --out folder
-    python -m sweeps.render results/quick      # a sweep folder: its figures and results/quick/spec_bench_answers
-    python -m engine.jobs.bench ... --out runs/bench --specbench-answers runs/bench/answers  # while benching
+    python -m specvocab.engine.jobs.specbench runs/bench --out runs/bench/spec_bench_answers        # a bench --out folder
+    python -m specvocab.sweeps.render results/quick      # a sweep folder: its figures and results/quick/spec_bench_answers
+    python -m specvocab.engine.jobs.bench ... --out runs/bench --specbench-answers runs/bench/answers  # while benching
 
 Spec-Bench (Xia et al., 2024, github.com/hemingkx/Spec-Bench) compares methods through one answer `.jsonl` per
 method: its `evaluation/speed.py` takes a method's file and the baseline's and prints the mean accepted tokens
@@ -31,8 +31,8 @@ method, run, vocabulary size and config. Spec-Bench's speed.py counts the *basel
 (`len(tokenizer(text).input_ids) - 1`, which assumes a BOS token): for tokenizers without one (SmolLM2) it
 undercounts ar by one token per turn; `new_tokens` here is exact.
 
-Rows written before bench recorded `step_sizes` (#18) have none: such a run's file is refused, naming it,
-unless it committed one token per step (ar), whose sizes are known.
+Rows without `step_sizes` (null in results.parquet) have no accept lengths: such a run's file is refused,
+naming it, unless it committed one token per step (ar), whose sizes are known.
 """
 
 from __future__ import annotations
@@ -41,15 +41,17 @@ import argparse
 import hashlib
 import json
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Sequence
 
 import polars as pl
 
-from engine.atomic import atomic_write
-from engine.models import eos_token_ids, load_model
-from engine.prompts import decode_answer
+from specvocab.engine.atomic import atomic_write
+from specvocab.engine.jobs.args import add_debug, check_out, run_main
+from specvocab.engine.models import eos_token_ids, load_model
+from specvocab.engine.prompts import decode_answer
 
 FILE_KEY = ("model", "prompt_set", "method", "run", "vocab_size", "config")   # the columns a file is one value of
 CHOICE_KEY = ("seed", "repeat")
@@ -76,8 +78,8 @@ def _sizes(row: dict) -> list[int]:
     if row["steps"] == row["new_tokens"]:                         # one token per step: ar's sizes are known
         return [1] * int(row["new_tokens"])
     raise SpecBenchError(f"{row['method']} run {row['run']!r} of {row['model']} ({row['prompt_set']} "
-                         f"{row['prompt_id']} turn {row['turn']}) has no step_sizes: it was benched before bench recorded them (#18); "
-                         f"bench it again (python -m engine.jobs.bench ... --out NEW) to write its answer file")
+                         f"{row['prompt_id']} turn {row['turn']}) has no step_sizes (its results.parquet holds none); "
+                         f"bench it again (python -m specvocab.engine.jobs.bench ... --out NEW) to write its answer file")
 
 
 def _label(named: dict) -> str:
@@ -180,7 +182,7 @@ def read_rows(source: str | Path) -> pl.DataFrame:
     if (source / "results.parquet").is_file():
         return pl.read_parquet(source / "results.parquet")
     if (source / "sweep.json").is_file():
-        raise SpecBenchError(f"{source} is a sweep folder: `python -m sweeps.render {source}` writes its answer "
+        raise SpecBenchError(f"{source} is a sweep folder: `python -m specvocab.sweeps.render {source}` writes its answer "
                              f"files to {source}/spec_bench_answers (with its figures)")
     raise SpecBenchError(f"{source}: no results.parquet (an engine.jobs.bench --out folder); pass one, or a "
                          f"results .parquet file")
@@ -191,8 +193,11 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
                                              "evaluation/speed.py and equal.py read them).")
     ap.add_argument("source", help="an engine.jobs.bench --out folder or its results.parquet")
     ap.add_argument("--out", required=True, help="the folder for <model>/<prompt set>/<run>.jsonl and index.json")
+    add_debug(ap)
     a = ap.parse_args(argv)
-    written = write_answer_files(read_rows(a.source), a.out, tokenizer_decoder())
+    check_out("--out", a.out)
+    rows = read_rows(a.source)                         # before any tokenizer loads
+    written = write_answer_files(rows, a.out, tokenizer_decoder())
     for p in written:
         print(p)
     base = [p for p in written if p.stem == "ar"]
@@ -203,4 +208,4 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

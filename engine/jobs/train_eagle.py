@@ -1,6 +1,6 @@
 """Train an EAGLE-2 draft head on a data folder made by `engine.jobs.eagle_data`.
 
-    python -m engine.jobs.train_eagle --model smollm2-135m-instruct --tokens 2000000 --out engine/heads/smollm2-135m-instruct
+    python -m specvocab.engine.jobs.train_eagle --model smollm2-135m-instruct --tokens 2000000 --out engine/heads/smollm2-135m-instruct
     specvocab train eagle --model smollm2-135m-instruct ...                 # the same
 
 **Heads** (`train_eagle`). An EAGLE-1/2 head (`engine.drafters.eagle.EagleHead`: fc over [token embedding;
@@ -40,6 +40,7 @@ import hashlib
 import itertools
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,14 +52,14 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from engine.artifacts import (head_matches, save_torch)
-from engine.config import SpecConfig
-from engine.drafters.eagle import EagleDrafter, EagleHead, random_eagle_head, save_eagle_head
-from engine.harness import generate, resolve_config
-from engine.models import cache_root, eos_token_ids, load_model
+from specvocab.engine.artifacts import (head_matches, save_torch)
+from specvocab.engine.config import SpecConfig
+from specvocab.engine.drafters.eagle import EagleDrafter, EagleHead, random_eagle_head, save_eagle_head
+from specvocab.engine.harness import generate, resolve_config
+from specvocab.engine.models import cache_root, eos_token_ids, load_model
 
-from engine.jobs.args import config_main
-from engine.jobs.eagle_data import DTYPES, Sample, TrainError, data_used, default_data_dir, load_split, read_manifest
+from specvocab.engine.jobs.args import config_main, run_main
+from specvocab.engine.jobs.eagle_data import DTYPES, Sample, TrainError, data_used, default_data_dir, load_split, read_manifest
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,8 @@ class TrainConfig:
     cls_rows: int | None = 512              # rows per step that get the cross-entropy, drawn at random (an
                                             # unbiased subsample; the regression sees every row): the full-vocab
                                             # head is ~90% of a step's cost on 262k tokens. None = every row
-    head_dtype: str = "bf16"                # the loss's LM-head matmul (fp32 softmax): 2.8x faster than fp32 on
-                                            # this CPU's avx512_bf16 (262k x 640: 191 vs 68 rows/s fwd+bwd)
+    head_dtype: str = "bf16"                # the loss's LM-head matmul (fp32 softmax): faster than fp32 on a
+                                            # CPU with bf16 dot products (PERFORMANCE.md, section 6)
     head_chunk: int = 512                   # rows of LM-head logits materialised at once
     eval_every: int = 250_000               # tokens between learning-curve points
     eval_prompts: int = 8                   # held-out prompts decoded for tau at each point
@@ -100,6 +101,17 @@ class TrainConfig:
     seed: int = 0
     threads: int | None = None
     progress: bool = True
+
+    def validate(self) -> "TrainConfig":
+        """The settings checked before anything loads; TrainError names the bad one."""
+        if self.loss_on not in ("all", "response"):
+            raise TrainError(f"loss_on must be 'all' or 'response', got {self.loss_on!r}")
+        if self.head_dtype not in DTYPES:
+            raise TrainError(f"head_dtype {self.head_dtype!r}: choose one of {list(DTYPES)}")
+        for name in ("tokens", "max_epochs", "batch_tokens", "save_every", "head_chunk"):
+            if getattr(self, name) < 1:
+                raise TrainError(f"{name} must be >= 1, got {getattr(self, name)}")
+        return self
 
 
 def pack_samples(samples: list[Sample], order: Sequence[int], batch_tokens: int) -> list[list[int]]:
@@ -263,6 +275,7 @@ def default_head_dir(model: str) -> Path:
 
 def train_eagle(cfg: TrainConfig) -> Path:
     """Train an EAGLE-1/2 head for `cfg.model` on a data folder; returns the checkpoint folder."""
+    cfg.validate()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     data = Path(cfg.data).expanduser() if cfg.data else default_data_dir(cfg.model)
@@ -275,14 +288,12 @@ def train_eagle(cfg: TrainConfig) -> Path:
     if not head_matches(manifest, weight):
         raise TrainError(f"the data in {data} was made for model {manifest['settings']['model']!r} (vocabulary "
                          f"{manifest['vocab_size']}, hidden {manifest['hidden_size']}), not for {cfg.model!r}; "
-                         f"make data for this model with `python -m engine.jobs.eagle_data --model {cfg.model}`")
+                         f"make data for this model with `python -m specvocab.engine.jobs.eagle_data --model {cfg.model}`")
     train = load_split(data, "train")
     held = load_split(data, "heldout")
     if not train:
-        raise TrainError(f"{data} has no training shards; run `python -m engine.jobs.eagle_data --model {cfg.model}`")
+        raise TrainError(f"{data} has no training shards; run `python -m specvocab.engine.jobs.eagle_data --model {cfg.model}`")
     embed = model.get_input_embeddings()
-    if cfg.head_dtype not in DTYPES:
-        raise TrainError(f"head_dtype {cfg.head_dtype!r}: choose one of {list(DTYPES)}")
     loss_weight = weight.to(DTYPES[cfg.head_dtype])
     softcap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
     sample_rows = torch.cat([s.hidden[:256] for s in train[:64]]).float()
@@ -425,10 +436,10 @@ def model_card(cfg: TrainConfig, summary: dict, curve: list[dict]) -> str:
                                      f"tokens" if "greedy" in d["sources"] else "") if x) + ")",
              f"- sequences cut at {d['max_tokens']} tokens; prompts over {d['max_prompt_tokens']} tokens skipped", "",
              "## Command", "", "```",
-             f"python -m engine.jobs.eagle_data --model {cfg.model} --source {','.join(d['sources'])} "
+             f"python -m specvocab.engine.jobs.eagle_data --model {cfg.model} --source {','.join(d['sources'])} "
              f"--num-prompts {d['num_prompts']} --heldout-prompts {d['heldout_prompts']}"
              + (f" --dtype {d['dtype']}" if d.get("dtype") else ""),
-             f"python -m engine.jobs.train_eagle --model {cfg.model} --tokens {cfg.tokens} --batch-tokens "
+             f"python -m specvocab.engine.jobs.train_eagle --model {cfg.model} --tokens {cfg.tokens} --batch-tokens "
              f"{cfg.batch_tokens} --lr {cfg.lr} --out <dir>", "```", "",
              "## Budget", "",
              f"- {summary['tokens_seen']:,} training tokens in {summary['steps']} steps of ~{cfg.batch_tokens} tokens; "
@@ -458,9 +469,9 @@ def model_card(cfg: TrainConfig, summary: dict, curve: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    return config_main(argv, prog="python -m engine.jobs.train_eagle", description=__doc__.split("\n")[0], cls=TrainConfig, run=train_eagle,
-                       skip={"model", "betas", "progress"}, errors=(TrainError,))
+    return config_main(argv, prog="python -m specvocab.engine.jobs.train_eagle", description=__doc__.split("\n")[0], cls=TrainConfig, run=train_eagle,
+                       skip={"model", "betas", "progress"})
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -3,8 +3,8 @@
 (Over 600 lines on purpose: the EAGLE-3 recipe - draft vocabulary, TTT batches and loss, the resumable loop, the
 official-layout writer and the model card - read in one place, as `engine.jobs.train_eagle` holds EAGLE-2's.)
 
-    python -m engine.jobs.eagle_data --model smollm2-135m-instruct --source greedy --eagle3-features
-    python -m engine.jobs.train_eagle3 --model smollm2-135m-instruct --tokens 2000000 --out <dir>
+    python -m specvocab.engine.jobs.eagle_data --model smollm2-135m-instruct --source greedy --eagle3-features
+    python -m specvocab.engine.jobs.train_eagle3 --model smollm2-135m-instruct --tokens 2000000 --out <dir>
     specvocab train eagle3 --model smollm2-135m-instruct ...                # the same
 
 **The head** is `engine.drafters.eagle3.Eagle3Head` (fc over the target's low / mid / high features, one
@@ -59,6 +59,7 @@ import hashlib
 import itertools
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,19 +71,19 @@ import torch
 from tqdm.auto import tqdm
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
-from engine.artifacts import FINGERPRINT_KEY, atomic_write, head_fingerprint, head_matches, save_safetensors, save_torch
-from engine.config import SpecConfig
-from engine.drafters.eagle import eagle_config_dict, random_eagle_head
-from engine.drafters.eagle3 import (EAGLE3_ARCHITECTURE, DraftVocab, Eagle3Drafter, Eagle3Head,
+from specvocab.engine.artifacts import FINGERPRINT_KEY, atomic_write, head_fingerprint, head_matches, save_safetensors, save_torch
+from specvocab.engine.config import SpecConfig
+from specvocab.engine.drafters.eagle import eagle_config_dict, random_eagle_head
+from specvocab.engine.drafters.eagle3 import (EAGLE3_ARCHITECTURE, DraftVocab, Eagle3Drafter, Eagle3Head,
                                     eagle3_feature_layers)
-from engine.harness import generate, resolve_config
-from engine.models import cache_root, eos_token_ids, load_model
-from engine.target import decoder
-from engine.vocab.frspec import eagle3_maps
+from specvocab.engine.harness import generate, resolve_config
+from specvocab.engine.models import cache_root, eos_token_ids, load_model
+from specvocab.engine.target import decoder
+from specvocab.engine.vocab.frspec import eagle3_maps
 
-from engine.jobs.args import config_main
-from engine.jobs.eagle_data import DTYPES, Sample, TrainError, data_used, default_data_dir, load_split, read_manifest
-from engine.jobs.train_eagle import chunked_head_ce, pack_samples
+from specvocab.engine.jobs.args import config_main, run_main
+from specvocab.engine.jobs.eagle_data import DTYPES, Sample, TrainError, data_used, default_data_dir, load_split, read_manifest
+from specvocab.engine.jobs.train_eagle import chunked_head_ce, pack_samples
 
 FEATURES = ("hidden_low", "hidden_mid", "hidden_high")
 
@@ -198,7 +199,7 @@ def make_batch3(samples: Sequence[Sample], maps: DraftVocab, steps: int, loss_on
     for j, s in enumerate(x for x in samples if x.input_ids.numel() >= 2):
         if any(f not in s.extra for f in FEATURES):
             raise TrainError("the data folder holds no EAGLE-3 features (hidden_low / mid / high); make it with "
-                             "`python -m engine.jobs.eagle_data --eagle3-features` into another --out")
+                             "`python -m specvocab.engine.jobs.eagle_data --eagle3-features` into another --out")
         L = s.input_ids.numel()
         p = torch.arange(L - 1)
         idx = p[None] + 1 + torch.arange(steps)[:, None]                     # [S, n]
@@ -448,7 +449,7 @@ def train_eagle3(cfg: Train3Config) -> Path:
     data = Path(cfg.data).expanduser() if cfg.data else default_data_dir(cfg.model)
     manifest = read_manifest(data)
     if not manifest["settings"].get("eagle3_features"):
-        raise TrainError(f"the data in {data} has no EAGLE-3 features; make it with `python -m engine.jobs.eagle_data "
+        raise TrainError(f"the data in {data} has no EAGLE-3 features; make it with `python -m specvocab.engine.jobs.eagle_data "
                          f"--model {cfg.model} --eagle3-features --out <another folder>`")
     out = Path(cfg.out).expanduser() if cfg.out else default_head_dir(cfg.model)
     out.mkdir(parents=True, exist_ok=True)
@@ -458,12 +459,12 @@ def train_eagle3(cfg: Train3Config) -> Path:
     if not head_matches(manifest, weight):
         raise TrainError(f"the data in {data} was made for model {manifest['settings']['model']!r} (vocabulary "
                          f"{manifest['vocab_size']}, hidden {manifest['hidden_size']}), not for {cfg.model!r}; "
-                         f"make data for this model with `python -m engine.jobs.eagle_data --model {cfg.model} "
+                         f"make data for this model with `python -m specvocab.engine.jobs.eagle_data --model {cfg.model} "
                          f"--eagle3-features`")
     train = load_split(data, "train")
     held = load_split(data, "heldout")
     if not train:
-        raise TrainError(f"{data} has no training shards; run `python -m engine.jobs.eagle_data --model {cfg.model} "
+        raise TrainError(f"{data} has no training shards; run `python -m specvocab.engine.jobs.eagle_data --model {cfg.model} "
                          f"--eagle3-features`")
     V = weight.shape[0]
     vocab_ids, vocab_counts = draft_vocabulary(train, V, cfg.draft_vocab_size, cfg.vocab_count, cfg.loss_on)
@@ -625,10 +626,10 @@ def model_card(cfg: Train3Config, summary: dict, curve: list[dict]) -> str:
              f"of the training split; they cover {dv['coverage']:.1%} of those tokens. Positions whose target top-1 "
              "is outside it get no loss (as EAGLE-3's training).", "",
              "## Command", "", "```",
-             f"python -m engine.jobs.eagle_data --model {cfg.model} --source {','.join(d['sources'])} --eagle3-features "
+             f"python -m specvocab.engine.jobs.eagle_data --model {cfg.model} --source {','.join(d['sources'])} --eagle3-features "
              f"--num-prompts {d['num_prompts']} --heldout-prompts {d['heldout_prompts']}"
              + (f" --dtype {d['dtype']}" if d.get("dtype") else ""),
-             f"python -m engine.jobs.train_eagle3 --model {cfg.model} --tokens {cfg.tokens} --batch-tokens "
+             f"python -m specvocab.engine.jobs.train_eagle3 --model {cfg.model} --tokens {cfg.tokens} --batch-tokens "
              f"{cfg.batch_tokens} --draft-vocab-size {cfg.draft_vocab_size} --ttt-steps {cfg.ttt_steps} --lr {cfg.lr} "
              f"--out <dir>", "```", "",
              "## Budget", "",
@@ -670,9 +671,9 @@ def model_card(cfg: Train3Config, summary: dict, curve: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    return config_main(argv, prog="python -m engine.jobs.train_eagle3", description=__doc__.split("\n")[0], cls=Train3Config, run=train_eagle3,
-                       skip={"model", "betas", "progress"}, errors=(TrainError,))
+    return config_main(argv, prog="python -m specvocab.engine.jobs.train_eagle3", description=__doc__.split("\n")[0], cls=Train3Config, run=train_eagle3,
+                       skip={"model", "betas", "progress"})
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

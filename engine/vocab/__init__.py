@@ -44,13 +44,13 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import POLICIES
-from engine.vocab.base import (FullVocab, OracleVocab, VocabError, VocabPolicy, check_w_max, head_topk,
+from specvocab.engine.config import POLICIES
+from specvocab.engine.vocab.base import (FullVocab, OracleVocab, VocabError, VocabPolicy, check_w_max, head_topk,
                                softcap)
-from engine.vocab.dynaspec import DynaSpecVocab
-from engine.vocab.frspec import (FrequencyError, FrSpecVocab, eagle3_maps, load_eagle3_maps, load_frequency_ranking,
+from specvocab.engine.vocab.dynaspec import DynaSpecVocab
+from specvocab.engine.vocab.frspec import (FrequencyError, FrSpecVocab, eagle3_maps, load_eagle3_maps, load_frequency_ranking,
                                  load_token_map, save_eagle3_maps, save_token_map)
-from engine.vocab.microspec import (MicroSpecVocab, ordered_unique, prefill_entries, replay_trace, step_entries,
+from specvocab.engine.vocab.microspec import (MicroSpecVocab, ordered_unique, prefill_entries, replay_trace, step_entries,
                                     ver_row_index)
 
 __all__ = ["DynaSpecVocab", "FrSpecVocab", "FrequencyError", "FullVocab", "MicroSpecVocab", "OracleVocab",

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.timing import PhaseTimer
-from kernels.head import packed_head
+from specvocab.engine.timing import PhaseTimer
+from specvocab.kernels.head import packed_head
 
 
 class VocabError(ValueError):

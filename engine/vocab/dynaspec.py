@@ -35,7 +35,7 @@ are its shortlist, and the drafter's LM head scores only shortlisted tokens. Ver
 
 This module is the decode-time part: the cluster layout, the budget, the router's module, the union head, the
 fitted file's format and lookup, and the policy `DynaSpecVocab`. Fitting (k-means, row logging, router
-training) is the job `engine.jobs.fit_dynaspec` (`python -m engine.jobs.fit_dynaspec --model M`, or
+training) is the job `engine.jobs.fit_dynaspec` (`python -m specvocab.engine.jobs.fit_dynaspec --model M`, or
 `specvocab dynaspec fit`), which writes a `.safetensors` file with a JSON sidecar that `vocab="dynaspec"`
 loads; `engine.jobs.dynaspec_choices` sweeps the choices the paper leaves open. Where the paper is silent the
 defaults are choices, each said where it is set (`engine.jobs.fit_dynaspec.FitConfig`,
@@ -57,13 +57,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from engine.artifacts import (FINGERPRINT_KEY, fingerprint_matches, save_safetensors, sidecar_path,
+from specvocab.engine.artifacts import (FINGERPRINT_KEY, fingerprint_matches, save_safetensors, sidecar_path,
                               stored_fingerprint)
-from engine.catalog import EAGLE3_FOLDER, SHIPPED_HEADS
-from engine.config import SpecConfig
-from engine.models import cache_root
-from engine.vocab.base import VocabPolicy, softcap
-from kernels.head import indexed_head
+from specvocab.engine.catalog import EAGLE3_FOLDER, SHIPPED_HEADS
+from specvocab.engine.config import SpecConfig
+from specvocab.engine.models import cache_root
+from specvocab.engine.vocab.base import VocabPolicy, softcap
+from specvocab.kernels.head import indexed_head
 
 FORMAT = 1                                   # version of the saved file layout
 
@@ -227,12 +227,12 @@ def read_sidecar(path: str | Path) -> dict:
         meta = json.loads(side.read_text())
     except FileNotFoundError:
         raise DynaSpecError(f"{side} is missing: a fitted DynaSpec is `{Path(path).name}` plus its JSON sidecar "
-                            f"`{side.name}`; fit again with `python -m engine.jobs.fit_dynaspec`") from None
+                            f"`{side.name}`; fit again with `python -m specvocab.engine.jobs.fit_dynaspec`") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DynaSpecError(f"{side} is not valid JSON ({e}); fit again with `python -m engine.jobs.fit_dynaspec`") from None
+        raise DynaSpecError(f"{side} is not valid JSON ({e}); fit again with `python -m specvocab.engine.jobs.fit_dynaspec`") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("method") != "dynaspec":
         raise DynaSpecError(f"{side} is not a DynaSpec sidecar of format {FORMAT}; fit again with "
-                            f"`python -m engine.jobs.fit_dynaspec`")
+                            f"`python -m specvocab.engine.jobs.fit_dynaspec`")
     return meta
 
 
@@ -241,7 +241,7 @@ def check_head(meta: dict, weight: torch.Tensor, where: str = "this DynaSpec",
     """Raise unless `meta` was fitted for LM head `weight [V, d]` (shape, and `engine.artifacts.fingerprint_matches`
     on its fingerprint, which may be passed in when several files are checked against one head)."""
     model = meta.get("model", "?")
-    fix = "fit one for this model with `python -m engine.jobs.fit_dynaspec --model <name>`"
+    fix = "fit one for this model with `python -m specvocab.engine.jobs.fit_dynaspec --model <name>`"
     if (meta["vocab_size"], meta["hidden_size"]) != tuple(weight.shape):
         raise DynaSpecError(f"{where} was fitted for model {model!r} with vocabulary {meta['vocab_size']} and hidden "
                             f"size {meta['hidden_size']}, but this LM head is {weight.shape[0]} x {weight.shape[1]}; "
@@ -255,7 +255,7 @@ def load_dynaspec(path: str | Path, weight: torch.Tensor | None = None) -> Fitte
     """A fitted DynaSpec from `path` (+ `path.json`); with `weight`, checked against that LM head."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise DynaSpecError(f"fitted DynaSpec {path} does not exist; fit one with `python -m engine.jobs.fit_dynaspec "
+        raise DynaSpecError(f"fitted DynaSpec {path} does not exist; fit one with `python -m specvocab.engine.jobs.fit_dynaspec "
                             f"--model <name>` (it is written under {cache_root() / 'dynaspec'})")
     meta = read_sidecar(path)
     try:
@@ -296,8 +296,8 @@ def drafter_key(cfg: SpecConfig, head_sha: str | None = None) -> dict:
 
 
 def key_matches(stored: dict | None, key: dict) -> bool:
-    """A fit's `drafter_config` is this drafter's `key` (None values in `key` match anything). Fits made before
-    #18 stored no depth or head hash, so they match no eagle or layerskip drafter: refit them."""
+    """A fit's `drafter_config` is this drafter's `key` (None values in `key` match anything). A fit whose key
+    holds no depth or head hash matches no eagle or layerskip drafter: refit it."""
     stored = stored or {}
     return all(v is None or stored.get(k) == v for k, v in key.items())
 
@@ -306,9 +306,9 @@ def check_drafter(meta: dict, key: dict, where: str) -> None:
     """Raise unless the fit in `meta` was made for the drafter `key` (an explicit `dynaspec_file`)."""
     if not key_matches(meta.get("drafter_config"), key):
         raise DynaSpecError(f"{where} was fitted for drafter {meta.get('drafter_config')}, not for this one {key} "
-                            f"(another head, another eagle_depth or layer choice, or a fit made before #18, which "
-                            f"recorded neither): its router would score steps and states it never saw; fit one "
-                            f"for this drafter with `python -m engine.jobs.fit_dynaspec --model <name> --drafter "
+                            f"(another head, another eagle_depth or layer choice, or a fit whose key records neither "
+                            f"the head's hash nor the depth): its router would score steps and states it never saw; fit one "
+                            f"for this drafter with `python -m specvocab.engine.jobs.fit_dynaspec --model <name> --drafter "
                             f"{key['drafter']}` (with the same --set eagle_depth=...)")
 
 
@@ -346,7 +346,7 @@ def find_fitted(weight: torch.Tensor, cfg: SpecConfig, folder: str | Path | None
             found.append((meta.get("created", 0), path.name, path))
     if not found:
         raise DynaSpecError(f"vocab='dynaspec' needs a fitted DynaSpec for this model and drafter {key}, and none is "
-                            f"in {folder}; fit one with `python -m engine.jobs.fit_dynaspec --model <name> --drafter "
+                            f"in {folder}; fit one with `python -m specvocab.engine.jobs.fit_dynaspec --model <name> --drafter "
                             f"{key['drafter']}` or pass dynaspec_file=<path>")
     return max(found)[2]
 

@@ -20,9 +20,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from engine.artifacts import save_torch, sidecar_path
-from engine.vocab.base import VocabError, VocabPolicy, softcap
-from locality.shortlist import load_ranking
+from specvocab.engine.artifacts import save_torch, sidecar_path
+from specvocab.engine.vocab.base import VocabError, VocabPolicy, softcap
+from specvocab.locality.shortlist import load_ranking
 
 
 class FrequencyError(VocabError):
@@ -57,16 +57,16 @@ def check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
 def read_map_meta(path: Path, tokenizer: str | None, vocab_size: int | None, fmt: str) -> dict:
     side = sidecar_path(path)
     if not path.exists():
-        raise FrequencyError(f"{path} does not exist; write it with `python -m engine.jobs.frequency`")
+        raise FrequencyError(f"{path} does not exist; write it with `python -m specvocab.engine.jobs.frequency`")
     meta = json.loads(side.read_text()) if side.exists() else {}
     if side.exists() and meta.get("format") != fmt:
         raise FrequencyError(f"{path} is a {meta.get('format')!r} file, not a {fmt!r} one")
     if tokenizer is not None and "tokenizer" in meta and meta["tokenizer"] != tokenizer:
         raise FrequencyError(f"{path} was made for tokenizer {meta['tokenizer']!r}, not {tokenizer!r}: its ids mean "
-                             f"other tokens. Count a list with {tokenizer!r} (python -m engine.jobs.frequency --model ...)")
+                             f"other tokens. Count a list with {tokenizer!r} (python -m specvocab.engine.jobs.frequency --model ...)")
     if vocab_size is not None and "vocab_size" in meta and meta["vocab_size"] != vocab_size:
         raise FrequencyError(f"{path} was made for a vocabulary of {meta['vocab_size']} ids but the target has "
-                             f"{vocab_size}; count a list with the target's tokenizer (python -m engine.jobs.frequency)")
+                             f"{vocab_size}; count a list with the target's tokenizer (python -m specvocab.engine.jobs.frequency)")
     return meta
 
 
@@ -140,7 +140,7 @@ def load_frequency_ranking(path: str | Path, vocab_size: int | None = None, *,
     through `load_token_map` (`torch.load(weights_only=True)`: no pickled code runs)."""
     path = Path(path)
     if not path.exists():
-        raise VocabError(f"frequency file {path} does not exist; build one with `python -m engine.jobs.frequency` "
+        raise VocabError(f"frequency file {path} does not exist; build one with `python -m specvocab.engine.jobs.frequency` "
                          f"and pass frequency_file=<path>")
     side = path.with_name(path.name + ".json")
     if path.suffix != ".parquet" and side.exists():
@@ -148,11 +148,11 @@ def load_frequency_ranking(path: str | Path, vocab_size: int | None = None, *,
         made_for = meta.get("vocab_size")
         if vocab_size is not None and made_for not in (None, vocab_size):
             raise VocabError(f"frequency file {path} was made for a vocabulary of {made_for} ids but the model has "
-                             f"{vocab_size}; count a list with the target's tokenizer (python -m engine.jobs.frequency)")
+                             f"{vocab_size}; count a list with the target's tokenizer (python -m specvocab.engine.jobs.frequency)")
         if tokenizer and meta.get("tokenizer") not in (None, tokenizer):
             raise FrequencyError(f"frequency file {path} was made for tokenizer {meta['tokenizer']!r}, not this "
                                  f"target's {tokenizer!r}: its ids mean other tokens. Count a list with "
-                                 f"{tokenizer!r} (python -m engine.jobs.frequency --model ...)")
+                                 f"{tokenizer!r} (python -m specvocab.engine.jobs.frequency --model ...)")
     if path.suffix == ".parquet":
         frame = load_ranking(path, vocab_size=vocab_size).sort("rank")
         ranking = frame["token_id"].to_numpy()[frame["count"].to_numpy() > 0]   # never-seen ids are not ranked
@@ -164,7 +164,7 @@ def load_frequency_ranking(path: str | Path, vocab_size: int | None = None, *,
         except pickle.UnpicklingError as e:
             raise FrequencyError(f"frequency file {path} is not a plain list of token ids (torch.load with "
                                  f"weights_only=True refused it: {str(e).splitlines()[0]}); write it with "
-                                 f"engine.vocab.save_token_map") from None
+                                 f"specvocab.engine.vocab.save_token_map") from None
     elif path.suffix == ".txt":
         ranking = np.loadtxt(path, dtype=np.int64, ndmin=1)
     else:
@@ -192,7 +192,7 @@ class FrSpecVocab(VocabPolicy):
         if ranking is None:
             if cfg.frequency_file is None:
                 raise VocabError("vocab='frspec' needs a frequency ranking: build one with "
-                                 "`python -m locality.shortlist` and pass frequency_file=<path>")
+                                 "`python -m specvocab.locality.shortlist` and pass frequency_file=<path>")
             ranking = load_frequency_ranking(cfg.frequency_file, self.vocab_size, tokenizer=tokenizer)
         ranking = torch.as_tensor(np.asarray(ranking), dtype=torch.long).reshape(-1)
         if ranking.numel() and (int(ranking.max()) >= self.vocab_size or int(ranking.min()) < 0):

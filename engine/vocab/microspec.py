@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.tree import PrefillTopK
-from engine.vocab.base import VocabError, VocabPolicy, check_w_max, softcap
-from kernels import cpu as cpu_kernels
-from kernels.streams import PackedLMHead
-from kernels.tensor_ops import first_occurrence
-from locality.stream import step_bounds
+from specvocab.engine.tree import PrefillTopK
+from specvocab.engine.vocab.base import VocabError, VocabPolicy, check_w_max, softcap
+from specvocab.kernels import cpu as cpu_kernels
+from specvocab.kernels.streams import PackedLMHead
+from specvocab.kernels.tensor_ops import first_occurrence
+from specvocab.locality.stream import step_bounds
 
 
 # --- pure stream builders (token ids in, padded token ids out; no host sync) ---------------------------------

@@ -33,6 +33,10 @@ availability and every wrapper of it, each beside its reference, in one place.)
     isa()                               which build runs the fp32 linear: "avx512" (this library), "avx2"
                                         (kernels/cpu_avx2.c: x86 with AVX2 + FMA, no AVX-512), or None;
                                         `$SPECVOCAB_CPU_ISA` = auto | avx512 | avx2 picks one
+    decode_reason(device, dtype, on)    None when a decode there takes the kernels, else why not (said once on
+                                        stderr; an error under `$SPECVOCAB_REQUIRE_KERNELS=1` for a failed build)
+    broken()                            why each build this CPU has the ISA for failed (empty: none did)
+    cpu_isa()                           this CPU's widest level: "avx512_bf16", "avx512", "avx2", "no avx2 (..)"
 
 Why it exists. A decode forward multiplies 1-16 rows by every weight of the model: the work is reading the
 weights (N x K x 2 bytes per bf16 linear, once per call, against M x K inputs and M x N outputs), so its limit is
@@ -98,9 +102,16 @@ give torch's bits; the norms' sums of squares and the activations' exp / tanh ru
 they agree to rounding). Everything in it is per row, so the row-invariance above carries over. The EAGLE
 heads' layer uses it too.
 
-Built on first use with the system C compiler (`cc`, or `$CC`) into `$SPECVOCAB_CACHE/kernels/` (a file named by
-the hash of the source and flags, so an edit rebuilds); where there is no compiler, no AVX512-BF16, or the
-build fails, `available()` says why and engine.native runs its torch path.
+The build. Each library is compiled on first use with the system C compiler (`cc`, or `$CC`) into
+`$SPECVOCAB_CACHE/kernels/`, in a file named by the hash of its sources, flags and compiler (resolved path and
+`--version`), so an edit or another compiler rebuilds. One thread of a process builds while the others wait, and
+one process (a file lock in that directory) while the others wait and load its file; the compiler writes a temp
+file there, renamed into place, and runs for at most `$SPECVOCAB_CC_TIMEOUT` seconds; a build then removes its
+source's stale builds under the same lock. A library is loaded only from a file and directory this user owns and
+nobody else may write; a cache that is not so, or cannot be written, gives way to `private_dir()` (one line says
+why). Where there is no compiler, no ISA for a build, or the build fails, `available()` says why, and
+engine.native runs its torch path and says so on one line (`decode_reason`); `$SPECVOCAB_REQUIRE_KERNELS=1`
+makes a failure on a CPU that has the ISA an error instead (CI: .ci/run).
 """
 
 from __future__ import annotations
@@ -151,7 +162,7 @@ class CpuKernelError(RuntimeError):
 # -- the build: compiled on first use, once per machine, loaded once per process ------------------------------
 
 CC_TIMEOUT_ENV = "SPECVOCAB_CC_TIMEOUT"     # seconds the C compiler may take on one source (default CC_TIMEOUT_S)
-CC_TIMEOUT_S = 300.0                        # cpu.c takes ~10 s of CPU at -O3; a busy 2-core machine ~4x that
+CC_TIMEOUT_S = 300.0                        # cpu.c takes seconds at -O3, several times that on a busy machine
 REQUIRE_ENV = "SPECVOCAB_REQUIRE_KERNELS"   # 1: a kernel build failing on a CPU that has its ISA is an error (CI)
 STALE_S = 7 * 24 * 3600                     # another build of a source, unloaded this long, is removed on a build
 _HASHED = re.compile(r"(?P<stem>.+)-[0-9a-f]{16}\.so")      # a build's file name: `<source stem>-<tag>.so`
@@ -279,7 +290,7 @@ def _dir_problem(d: Path, private: bool = False) -> str | None:
     """None when builds may go to `d` (created if missing): a directory this user owns, which nobody else may
     write and this process can; else why not (one line). The private dir must not be a symlink either."""
     try:
-        d.mkdir(mode=0o755,  # MUTANT parents=True, exist_ok=True)
+        d.mkdir(mode=0o700 if private else 0o755, parents=True, exist_ok=True)
         st = os.lstat(d) if private else os.stat(d)
     except OSError as e:
         return f"{d} cannot be made a directory ({e.strerror or e})"
@@ -295,9 +306,9 @@ def _remove_stale(d: Path, stem: str, keep: Path) -> None:
     now = time.time()
     for p in d.iterdir():
         m = _HASHED.fullmatch(p.name)
-        old = (m is not None and m["stem"] == stem and p != keep and now - p.stat().st_mtime > STALE_S)
-        if old or (p.name.startswith(f".{stem}-") and p.name.endswith(".tmp")):
-            with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):               # gone meanwhile: nothing to remove
+            if ((m is not None and m["stem"] == stem and p != keep and now - p.stat().st_mtime > STALE_S)
+                    or (p.name.startswith(f".{stem}-") and p.name.endswith(".tmp"))):
                 p.unlink()
 
 

@@ -331,6 +331,13 @@ def test_dynaspec_refuses_before_the_model(capsys, no_model, a_file, missing_roo
     _refused(capsys, choices + ["--top-l", "0"], "--top-l '0'")
     _refused(capsys, choices, "is not a DynaSpec fit's work dir")
     _refused(capsys, ["dynaspec", "choices", "--work-dir", str(tmp_path), "--out", str(a_file)], "not a folder")
+    work = tmp_path / "fit"                   # a fit's work dir stopped before it wrote its held-out split
+    work.mkdir()
+    (work / "fit.json").write_text(json.dumps({"model": "smollm2-135m-instruct", "num_clusters": 8, "top_l": 10}))
+    for i in range(2):
+        (work / f"log-{i:05d}.safetensors").write_bytes(b"")
+    _refused(capsys, ["dynaspec", "choices", "--work-dir", str(work), "--out", str(tmp_path / "o")],
+             "has no split.json")
     assert no_model == []
 
 
@@ -347,6 +354,9 @@ def test_a_sweep_checks_prompts_and_data_root_before_any_cell(capsys, no_model, 
     monkeypatch.setattr(run, "check_contexts", lambda *a, **k: started.append(a) or pytest.fail("checked contexts"))
     config = write_toml(tmp_path, tiny_toml().replace('set = "spec_bench"', 'set = "specbench"'))
     _refused(capsys, ["sweep", str(config), "--out", str(tmp_path / "out")], "unknown prompt set 'specbench'")
+    assert cli.main(["--debug", "sweep", str(config), "--out", str(tmp_path / "out")]) == 2     # its own catch too
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("error: [[prompts]]")
     monkeypatch.setenv("SPECVOCAB_DATA", str(tmp_path / "nowhere"))
     _refused(capsys, ["sweep", str(write_toml(tmp_path, tiny_toml(), "ok.toml")), "--out", str(tmp_path / "out")],
              "SPECVOCAB_DATA")
@@ -386,3 +396,10 @@ def test_cli_entry_and_debug_in_a_fresh_interpreter(tmp_path):
                tmp_path, SPECVOCAB_DEBUG="1")
     assert out.returncode == 2 and out.stderr.startswith("Traceback"), out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("error: cannot load the training prompts 'nope'")
+
+
+def test_render_refuses_in_one_line_and_debug_shows_the_traceback(capsys, tmp_path):
+    _refused(capsys, ["render", str(tmp_path / "nowhere")], "is not a folder", "sweeps.run")
+    assert cli.main(["render", str(tmp_path / "nowhere"), "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "SweepError" in err and err.strip().splitlines()[-1].startswith("error: ")

@@ -2,17 +2,17 @@
 may hang or change, into a directory nobody else can write, and what the decode says when it runs torch instead.
 
 Each test starts from a process that tried no build (`fresh`), a fresh `$SPECVOCAB_CACHE` and a fresh system temp
-dir (so a fresh `kernels.cpu.private_dir()`). Builds of the real sources use kernels/cpu_avx2.c (about a second of
-compiler time; kernels/cpu.c takes ten); the rest build a one-function C file. `$CC` is a script that logs each
-compile (so "one compile" is counted, not timed) and can wait before it runs the real compiler, so that two
-builders really overlap.
+dir (so a fresh `kernels.cpu.private_dir()`). The real sources are built at -O0 (the same library in a fraction of
+the time); the rest build a one-function C file. `$CC` is a script that logs each compile (so "one compile" is
+counted, not timed) and can wait before it runs the real compiler, so that two builders really overlap.
 
 Mutants these tests were checked against (each fails at least one test here):
-- `_tried2` set before the build finishes (a second thread sees "tried" and gets None)   -> two threads
+- `_tried` / `_tried2` set before the build finishes (a second thread sees "tried", gets None) -> two threads
 - no in-process lock (both threads build; each gets its own library object)             -> two threads
 - no file lock (two processes both compile)                                             -> two processes
 - no fallback directory (an unwritable cache is an error)                               -> read-only cache
 - the private directory made with the umask's mode (0755)                               -> read-only cache
+- the private directory's symlink followed (stat for lstat)                             -> planted private dir
 - a group- or other-writable cache directory, or a build file others can write, used    -> shared cache
 - the compiler's version, or its resolved path, left out of the hash                    -> compiler change
 - no compiler timeout; only the compiler's own process killed on timeout                -> timeout
@@ -121,8 +121,7 @@ def test_two_threads_building_at_once_both_get_the_library_from_one_compile(fres
     for t in threads:
         t.join()
     assert got[0] is not None and got[0] is got[1], (cpu._why_not, cpu._why_not2)
-    assert (got[0].sv2_chunk() == 8 if load == "_load_avx2"   # a working library: 8 fp32 lanes,
-            else got[0].sv_block_outputs() == cpu.block_outputs())   # the NB it packs with
+    assert (got[0].sv2_chunk() if load == "_load_avx2" else got[0].sv_block_outputs()) > 0   # it answers
     assert _compiles(log) == 1
     assert len(_sos(fresh / "cache" / "kernels")) == 1
 
@@ -142,7 +141,7 @@ print(cpu._library(Path(sys.argv[3]), {flags!r}, includes=()).sv_probe())
 def test_two_processes_building_at_once_compile_once_and_both_load_it(fresh):
     cc, log = _fake_cc(fresh, wait=1)
     src = _probe(fresh)
-    env = {**os.environ, "CC": str(cc), "SPECVOCAB_CACHE": str(fresh / "cache")}
+    env = {**os.environ, "CC": str(cc), "SPECVOCAB_CACHE": str(fresh / "cache"), "TMPDIR": str(fresh / "tmp")}
     go = fresh / "go"
     procs = [subprocess.Popen([sys.executable, "-c", _PROCESS.format(flags=TINY_FLAGS), str(fresh / f"ready{i}"),
                                str(go), str(src)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
@@ -188,6 +187,27 @@ def test_a_cache_that_cannot_be_written_falls_back_to_a_private_dir_and_says_why
 
 
 @needs_cc
+@pytest.mark.parametrize("planted", ["symlink", "0777"])
+def test_a_private_dir_planted_by_someone_else_is_refused(fresh, monkeypatch, planted):
+    """The private dir's name is known in a shared temp dir: one made in advance as a symlink, or writable by
+    others, is not built in (and, the cache being unwritable too, one error line says both)."""
+    (fresh / "file").write_text("")
+    monkeypatch.setenv("SPECVOCAB_CACHE", str(fresh / "file" / "cache"))
+    theirs = fresh / "theirs"
+    theirs.mkdir(mode=0o700)
+    if planted == "symlink":
+        cpu.private_dir().symlink_to(theirs)
+        expect = f"{cpu.private_dir()} is not a directory (a symlink)"
+    else:
+        cpu.private_dir().mkdir()
+        cpu.private_dir().chmod(0o777)
+        expect = f"{cpu.private_dir()} is writable by others (mode 777)"
+    with pytest.raises(cpu.CpuKernelError, match="no directory to build the CPU kernels in") as e:
+        cpu._library(_probe(fresh), TINY_FLAGS, includes=())
+    assert expect in str(e.value) and _sos(theirs) == [] and _sos(cpu.private_dir()) == []
+
+
+@needs_cc
 @pytest.mark.parametrize("mode,who", [(0o777, "others"), (0o775, "its group")])
 def test_a_cache_dir_others_can_write_is_refused_for_the_private_dir(fresh, capsys, mode, who):
     """A shared library is loaded only from a directory this user owns and nobody else may write (root reads
@@ -216,7 +236,7 @@ def test_a_build_file_others_could_write_or_that_another_user_owns_is_built_agai
     if os.geteuid() == 0:                                  # only root can give a file to another user
         os.chown(so, 4242, -1)
         cpu._library(src, TINY_FLAGS, includes=())
-        assert _compiles(log) == 3 and so.stat().st_uid == 0
+        assert _compiles(log) == 3 and so.stat().st_uid == os.geteuid()
         assert "belongs to uid 4242" in capsys.readouterr().err
 
 
@@ -283,7 +303,8 @@ def test_a_new_build_removes_stale_builds_of_its_source_under_the_file_lock(fres
     d = fresh / "cache" / "kernels"
     d.mkdir(parents=True, mode=0o755)
     old = time.time() - cpu.STALE_S - 3600
-    stale, recent, other = d / "probe-0123456789abcdef.so", d / "probe-fedcba9876543210.so", d / "cpu-0123456789abcdef.so"
+    stale, recent = d / "probe-0123456789abcdef.so", d / "probe-fedcba9876543210.so"
+    other = d / "cpu-0123456789abcdef.so"                  # another source's build
     partial = d / ".probe-0123456789abcdef.so.x1y2.tmp"
     for p in (stale, recent, other, partial):
         p.write_bytes(b"")
@@ -293,10 +314,13 @@ def test_a_new_build_removes_stale_builds_of_its_source_under_the_file_lock(fres
     real = cpu._remove_stale
 
     def check_lock(d_, stem, keep):                        # no other process may be loading one meanwhile
+        probe = filelock.FileLock(str(d_ / f"{stem}.lock"), timeout=0)
         try:
-            filelock.FileLock(str(d_ / f"{stem}.lock"), timeout=0).acquire()
+            probe.acquire()
         except filelock.Timeout:
             held.append(stem)
+        else:
+            probe.release()
         real(d_, stem, keep)
 
     monkeypatch.setattr(cpu, "_remove_stale", check_lock)
@@ -349,7 +373,7 @@ def test_the_test_hook_fails_a_kernel_skip_over_a_failed_build_under_require(fre
     _needs_avx2()
     (fresh / "test_skips.py").write_text(_SKIPS)
     env = {**os.environ, "CC": str(fresh / "no-such-cc"), "SPECVOCAB_CACHE": str(fresh / "cache"),
-           cpu.REQUIRE_ENV: "1"}
+           "TMPDIR": str(fresh / "tmp"), cpu.REQUIRE_ENV: "1"}
     env.pop(cpu.ISA_ENV, None)
     run = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-rfs",
                           "-q", "--rootdir", str(fresh), str(fresh / "test_skips.py")],

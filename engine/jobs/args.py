@@ -78,8 +78,8 @@ def split_csv(v):
 
 def config_main(argv, *, prog: str, description: str, cls, run, skip):
     """`main(argv)` of a job that is one config dataclass and one function: `--model` plus a flag per field of
-    `cls` (not in `skip`), `--no-progress` and `--debug`; the model name, an `out` folder and the config's own
-    `validate()` (where it has one) are checked before `run(cls(...))` loads anything; its result is returned."""
+    `cls` (not in `skip`), `--no-progress` and `--debug`; the model name and an `out` folder are checked before
+    `run(cls(...))` (which checks its config before it loads a model); its result is returned."""
     ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("--model", required=True)
     add_fields(ap, cls, skip)
@@ -90,10 +90,7 @@ def config_main(argv, *, prog: str, description: str, cls, run, skip):
     check_model(args["model"])
     if args.get("out"):
         check_out("--out", args["out"])
-    cfg = cls(**args, progress=progress)
-    if callable(getattr(cfg, "validate", None)):
-        cfg.validate()
-    return run(cfg)
+    return run(cls(**args, progress=progress))
 
 
 # ---- checks that need no model -----------------------------------------------------------------------------------

@@ -103,12 +103,3 @@ def test_cpu_tensor_without_interpreter_names_the_fix(monkeypatch):
 def test_describe_names_device_and_backend():
     line = hardware.describe()
     assert hardware.DEVICE.type in line and ("torch reference" in line) != triton_enabled()
-
-
-def test_transformers_does_not_mistake_us_for_the_kernel_hub():
-    """Our top-level `kernels` shares its name with Hugging Face's kernel hub (shared/FACTS.md)."""
-    from specvocab import kernels
-    from transformers.utils.import_utils import is_kernels_available
-
-    assert kernels.__version__ == "0.1.0"
-    assert not is_kernels_available()

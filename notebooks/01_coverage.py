@@ -18,26 +18,30 @@
 # * **coverage_vs_vocab** — MicroSpec Fig. 1(b): the fraction of generated tokens inside the draft vocabulary
 #   against its size. MicroSpec's window (stars, one per `w_max`, placed at the window's *mean active
 #   vocabulary*) against FR-Spec's static top-K shortlists (dashed), ranked on the **training corpus**,
-#   never on the traces being scored.
+#   never on the traces being scored. A facet row per model, a column per task; a window that never fills
+#   gives the same point at two `w_max`: one star, labelled "3072 = 8192".
 # * **lru_vs_fifo** — the miss ratio of an LRU vocabulary of C tokens against MicroSpec's FIFO window of the
-#   same mean size (`locality.miss_ratio_curves`).
+#   same mean size (`locality.miss_ratio_curves`), a facet row per model.
+#
+# Coverage and miss ratio are token-weighted: generated tokens inside (outside) the vocabulary over all
+# generated tokens of the task, its prompts pooled; each panel names the tokens it rests on.
 #
 # The window's stream is the papers' default (prompt, prefill top-3, verify top-3, MicroSpec §3.2) when the
 # sweep has it. Run with `python -m specvocab.sweeps.render DIR`, or set `results_dir` below.
 
 # %% tags=["parameters"]
-results_dir = "results/quick"
+results_dir = "results/quick"    # relative: under $SPECVOCAB_RESULTS, else the checkout's root
 out_dir = ""                     # default: {results_dir}/figures
 
 # %%
 # %load_ext autoreload
 # %autoreload 2
-import altair as alt
 import polars as pl
 
 from specvocab.sweeps import charts, tables
 
-out_dir = out_dir or f"{results_dir}/figures"
+results_dir = tables.results_path(results_dir, kinds=("coverage",))
+out_dir = str(tables.results_path(out_dir or f"{results_dir}/figures"))
 record = tables.read(results_dir, "record", tables.RECORD_COLUMNS)
 coverage = tables.read(results_dir, "coverage")
 
@@ -46,32 +50,14 @@ coverage = tables.read(results_dir, "coverage")
 
 # %%
 table = tables.coverage_vs_vocab(coverage)
-if table is not None:
-    star = "M0,-1L0.24,-0.33L0.95,-0.31L0.39,0.12L0.59,0.81L0,0.4L-0.59,0.81L-0.39,0.12L-0.95,-0.31L-0.24,-0.33Z"
-    base = alt.Chart(table).encode(
-        x=charts.log2_axis("vocab:Q", "vocabulary size (tokens)"),
-        y=alt.Y("coverage:Q", title="coverage of generated tokens", scale=alt.Scale(domain=[0, 1]),
-                axis=alt.Axis(format="%")),
-        tooltip=["panel", "series", "w_max", "k", alt.Tooltip("vocab:Q", format=".0f"),
-                 alt.Tooltip("coverage:Q", format=".1%"), "tokens"])
-    static = base.transform_filter(alt.datum.series == tables.STATIC).mark_line(
-        strokeDash=[6, 4], color="rgb(85, 85, 85)", point=alt.OverlayMarkDef(color="rgb(85, 85, 85)", size=18)).encode(
-        detail="series:N")
-    window = base.transform_filter(alt.datum.series == tables.WINDOW).mark_point(
-        shape=star, filled=True, size=140, opacity=0.9).encode(
-        color=alt.Color("w_max:O", title="window w_max", scale=alt.Scale(scheme="viridis")))
-    trail = base.transform_filter(alt.datum.series == tables.WINDOW).mark_line(color="#bbb", strokeWidth=1)
-    chart = (alt.layer(static, trail, window).properties(width=170, height=130)
-             .facet(facet=alt.Facet("panel:N", title=None, header=alt.Header(labelFontWeight="bold")), columns=5)
-             .properties(title=charts.title(
-                 "Coverage vs draft vocabulary size, per task (MicroSpec Fig. 1b)", coverage, record,
-                 notes=["stars: MicroSpec's window, one per w_max, at its mean active vocabulary; dashed grey: "
-                        "static top-K shortlists (FR-Spec) ranked on the training corpus"])))
+chart = charts.coverage_vs_vocab(table, coverage, record)
+if chart is not None:
     charts.save_chart(chart, out_dir, "coverage_vs_vocab")
     display(chart)  # noqa: F821 (IPython)
 
 # %% [markdown]
-# Per task: the smallest static shortlist and the smallest window reaching 90 % coverage.
+# Per task: the smallest static shortlist and the smallest window reaching 90 % coverage (coverage
+# token-weighted: generated tokens inside the vocabulary / all generated tokens of the task, its prompts pooled).
 
 # %%
 if table is not None:
@@ -83,26 +69,7 @@ if table is not None:
 
 # %%
 miss = tables.miss_ratios(coverage)
-if miss is not None:
-    lines = alt.Chart(miss).mark_line(point=True).encode(
-        x=charts.log2_axis("mean_active_vocab:Q", "mean active vocabulary (tokens)"),
-        y=alt.Y("miss_ratio:Q", title="miss ratio", axis=alt.Axis(format="%")),
-        color=alt.Color("policy:N", title=None, scale=alt.Scale(domain=[tables.LRU, tables.FIFO],
-                                                                range=["#d62728", "#1f77b4"]),
-                        legend=alt.Legend(orient="top", symbolType="stroke", symbolStrokeWidth=3,
-                                          symbolFillColor="transparent")),
-        strokeDash=alt.StrokeDash("policy:N", title=None, scale=alt.Scale(domain=[tables.LRU, tables.FIFO],
-                                                                          range=[[6, 3], [1, 0]])),
-        tooltip=["panel", "policy", "capacity", "w_max", alt.Tooltip("mean_active_vocab:Q", format=".0f"),
-                 alt.Tooltip("miss_ratio:Q", format=".1%")])
-    # LRU's dashes drawn over FIFO's solid line: where the two coincide both stay visible
-    fifo, lru = (lines.transform_filter(alt.datum.policy == name) for name in (tables.FIFO, tables.LRU))
-    chart = (alt.layer(fifo, lru).properties(width=170, height=130)
-             .facet(facet=alt.Facet("panel:N", title=None, header=alt.Header(labelFontWeight="bold")), columns=5)
-             .properties(title=charts.title(
-                 "Miss ratio per task: LRU vocabulary vs FIFO window at equal mean size", coverage, record,
-                 notes=["LRU: the C most recently used tokens of the candidate stream; FIFO: MicroSpec's window, "
-                        "its w_max chosen to match the LRU's mean active vocabulary; where the curves coincide "
-                        "the red dashes lie on the blue line"])))
+chart = charts.lru_vs_fifo(miss, coverage, record)
+if chart is not None:
     charts.save_chart(chart, out_dir, "lru_vs_fifo")
     display(chart)  # noqa: F821 (IPython)

@@ -43,7 +43,7 @@
 # seeds; tau = new tokens / steps (bonus included, ar = 1.00); speedup = tokens/s over ar's on the same task.
 
 # %% tags=["parameters"]
-results_dir = "results/quick"
+results_dir = "results/quick"    # relative: under $SPECVOCAB_RESULTS, else the checkout's root
 out_dir = ""                     # default: {results_dir}/figures
 dynaspec_choices = ""            # a folder `python -m specvocab.engine.jobs.dynaspec_choices --out` wrote; default:
                                  # {results_dir}/dynaspec_choices (none there: the figure is skipped)
@@ -57,7 +57,8 @@ import polars as pl
 
 from specvocab.sweeps import charts, tables
 
-out_dir = out_dir or f"{results_dir}/figures"
+results_dir = tables.results_path(results_dir, kinds=("bench",))
+out_dir = str(tables.results_path(out_dir or f"{results_dir}/figures"))
 bench = tables.read(results_dir, "bench")
 summary = tables.method_summary(bench)
 
@@ -129,7 +130,7 @@ if phases is not None and not phases.is_empty():
 # (k_max = round(budget * M / V)); the x axis is the mean shortlist per row those budgets gave.
 
 # %%
-choices_dir = dynaspec_choices or f"{results_dir}/dynaspec_choices"
+choices_dir = tables.results_path(dynaspec_choices or f"{results_dir}/dynaspec_choices")
 choices = tables.read_choices(choices_dir)
 shaped = tables.dynaspec_choices(choices)
 if shaped is not None:

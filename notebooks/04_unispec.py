@@ -16,14 +16,16 @@
 #
 # * **acceptance_vs_confidence** — UniSpec Fig. 3: the acceptance rate of draft nodes against their
 #   confidence score (line, left axis) and the sample density, the share of all drafted nodes in each score
-#   bin (bars, right axis), counted in every bench step (`score_bins_proposed`, `score_bins_accepted`).
+#   bin (bars, right axis, one scale in every panel), counted in every bench step (`score_bins_proposed`,
+#   `score_bins_accepted`); a row per model; a bin's rate is drawn from 30 nodes and 0.5% of the panel's up.
 # * **calibration_fits** — UniSpec App. F: the measured tau(g), step time s(g) and tau/s on the calibration
 #   grid (points) with their fits (lines: cubic tau, B-spline s) and g*, the maximiser of tau/s (star).
 # * **g_star_by_device** — UniSpec Fig. 5: the calibrated g* per model, method and device.
-# * **speedup_by_language** — UniSpec Fig. 4: speedup over ar and tau per language (multilingual set).
+# * **speedup_by_language** — UniSpec Fig. 4: speedup over ar and tau per language (multilingual set; not
+#   drawn, with one line saying why, for a sweep without a set split by language).
 
 # %% tags=["parameters"]
-results_dir = "results/quick"
+results_dir = "results/quick"    # relative: under $SPECVOCAB_RESULTS, else the checkout's root
 out_dir = ""                     # default: {results_dir}/figures
 
 # %%
@@ -33,7 +35,8 @@ import altair as alt
 
 from specvocab.sweeps import charts, tables
 
-out_dir = out_dir or f"{results_dir}/figures"
+results_dir = tables.results_path(results_dir, kinds=("bench", "calibrate"))
+out_dir = str(tables.results_path(out_dir or f"{results_dir}/figures"))
 bench = tables.read(results_dir, "bench")
 calibrate = tables.read(results_dir, "calibrate")
 
@@ -42,29 +45,8 @@ calibrate = tables.read(results_dir, "calibrate")
 
 # %%
 conf = tables.confidence_bins(bench)
-if conf is not None:
-    base = alt.Chart(conf).encode(x=alt.X("bin_lo:Q", title="confidence score of the draft node",
-                                          scale=alt.Scale(domain=[0, 1])))
-    tip = ["method", alt.Tooltip("bin_lo:Q", title="score from"), alt.Tooltip("bin_hi:Q", title="score to"),
-           "proposed", "accepted", alt.Tooltip("acceptance_rate:Q", format=".1%"),
-           alt.Tooltip("density:Q", format=".1%")]
-    density = base.mark_bar(color="#bbb", opacity=0.8, binSpacing=1).encode(
-        x2="bin_hi:Q", y=alt.Y("density:Q", title="sample density (bars)",
-                                   axis=alt.Axis(format="%", orient="right", grid=False)),
-        y2=alt.datum(0), tooltip=tip)
-    rate = base.transform_filter(alt.datum.proposed > 0).transform_calculate(
-        mid="(datum.bin_lo + datum.bin_hi) / 2").mark_line(
-        color="#d62728", strokeWidth=2.5, point=alt.OverlayMarkDef(color="#d62728", size=40)).encode(
-        x="mid:Q", y=alt.Y("acceptance_rate:Q", title="acceptance rate (line)", scale=alt.Scale(domain=[0, 1]),
-                           axis=alt.Axis(format="%", titleColor="#d62728")), tooltip=tip)
-    keys = conf.select("model", "method").unique().sort("model", "method").rows()
-    # one panel per model and method: Vega-Lite cannot facet layers with independent y axes
-    chart = alt.hconcat(*[alt.layer(density, rate).transform_filter((alt.datum.model == m) & (alt.datum.method == d))
-                          .resolve_scale(y="independent").properties(width=320, height=220, title=f"{d} · {m}")
-                          for m, d in keys]).properties(title=charts.title(
-        "Acceptance rate against the draft node's confidence score (UniSpec Fig. 3)", bench,
-        notes=["line: accepted / proposed nodes in each score bin; bars: share of all drafted nodes in the bin; "
-               "every bench step of the method"]))
+chart = charts.acceptance_vs_confidence(conf, bench)
+if chart is not None:
     charts.save_chart(chart, out_dir, "acceptance_vs_confidence")
     display(chart)  # noqa: F821 (IPython)
 
@@ -122,7 +104,7 @@ if stars is not None:
 
 # %%
 langs = tables.language_speedup(tables.method_summary(bench))
-if langs is not None:
-    chart = charts.speedup_by_language(langs, bench)
+chart = charts.speedup_by_language(langs, bench)
+if chart is not None:
     charts.save_chart(chart, out_dir, "speedup_by_language")
     display(chart)  # noqa: F821 (IPython)

@@ -24,7 +24,7 @@
 #   vocabulary size beside the static top-K shortlists ranked on the (English-heavy) training corpus.
 
 # %% tags=["parameters"]
-results_dir = "results/quick"
+results_dir = "results/quick"    # relative: under $SPECVOCAB_RESULTS, else the checkout's root
 out_dir = ""                     # default: {results_dir}/figures
 
 # %%
@@ -35,7 +35,8 @@ import polars as pl
 
 from specvocab.sweeps import charts, tables
 
-out_dir = out_dir or f"{results_dir}/figures"
+results_dir = tables.results_path(results_dir, kinds=("coverage",))
+out_dir = str(tables.results_path(out_dir or f"{results_dir}/figures"))
 record = tables.read(results_dir, "record", tables.RECORD_COLUMNS)
 coverage = tables.read(results_dir, "coverage")
 multilingual = tables.languages_only(coverage, "temporal locality across languages")

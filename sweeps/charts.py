@@ -5,10 +5,17 @@ chart; a notebook reads a sweep, calls a table builder and a chart builder, and 
 torch at import (tests/test_layering.py).
 
 A sweep may hold several models (`paper.toml` has three): every chart that draws bench or coverage results
-splits them - one panel, or one facet row, per model (and prompt set), the model named in its title.
+splits them - a facet row (`model_row`), or a row of panels, per model (and prompt set), the model named in its
+header or title; axes are shared within a facet and titled with their units. Each panel names the tokens (or
+drafted nodes) it rests on; each subtitle says how its measure averages (the unweighted mean over tasks, or
+token-weighted: every task's generated tokens pooled); a drawn speed carries ar's reference (its bars, or a
+dotted line); a figure whose split the sweep lacks is not drawn, and one printed line says why (`skip`).
 Colours: tableau10 up to 10 series, category20 up to 20, and above 20 a second channel (the line's dash or
 the point's shape, a bar's outline dash) that tells apart series of one colour (`series_channels`). Every
 quantitative y axis has a title with its unit.
+
+Over 600 lines on purpose: one builder per figure of the five notebooks, each short and independent, beside
+the shared pieces they all use (splitting by notebook would duplicate those pieces or scatter them).
 
 Figures are written as PNG (`vl-convert-python`, offline) and self-contained HTML (`inline=True`: altair's
 default HTML loads JavaScript from a CDN an offline machine cannot reach); `save_chart` prints FIGURE_LINE +
@@ -117,6 +124,40 @@ def keys(frame: pl.DataFrame, *columns: str) -> list[tuple]:
     return frame.select(*columns).unique().sort(*columns).rows()
 
 
+def skip(what: str, why: str) -> None:
+    """Print the one line a notebook shows for a figure it does not draw, and return None."""
+    print(f"skipped {what}: {why}")
+    return None
+
+
+def model_row(models: Sequence[str], labels: bool = True) -> alt.Row:
+    """The facet row of a chart drawn per model: one row per model, labelled with its name (`labels`: off for
+    the second and later facets of an hconcat, whose rows the first one's labels name)."""
+    return alt.Row("model:N", sort=list(models), title=None,
+                   header=alt.Header(labelFontWeight="bold", labelFontSize=13, labelOrient="left", labels=labels))
+
+
+def token_note(n: int | None, what: str = "generated tokens") -> str:
+    """The token count a panel rests on, as drawn in its corner ("12,345 generated tokens")."""
+    return f"{int(n):,} {what}" if n is not None else f"? {what}"
+
+
+def corner_text(width: int | None = None, height: int | None = None) -> alt.Chart:
+    """A text mark pinned to a panel's top-left corner (right: `width`, the panel's width; bottom: `height`,
+    its height) drawing `text` of the rows whose `layer` is "tokens": the token count the panel rests on."""
+    return alt.Chart().transform_filter(alt.datum.layer == "tokens").mark_text(
+        align="right" if width else "left", baseline="bottom" if height else "top", fontSize=10,
+        color="rgb(68, 68, 68)").encode(x=alt.value(width - 4 if width else 4),
+                                        y=alt.value(height - 4 if height else 4), text="text:N")
+
+
+def task_column(frame: pl.DataFrame) -> pl.Expr:
+    """The facet column of a per-task chart: the task, prefixed with the prompt set when there are several."""
+    if frame["prompt_set"].n_unique() > 1:
+        return pl.col("prompt_set") + " · " + pl.col("task")
+    return pl.col("task")
+
+
 def _where(**equal) -> alt.expr.core.Expression:
     """A filter predicate: every column equal to its value (`alt.datum.model == "tiny"` and so on)."""
     pred = None
@@ -124,6 +165,114 @@ def _where(**equal) -> alt.expr.core.Expression:
         p = alt.datum[col] == value
         pred = p if pred is None else pred & p
     return pred
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 01: coverage against vocabulary size (MicroSpec Fig. 1b), LRU against FIFO
+# ----------------------------------------------------------------------------------------------------------
+
+VOCAB_AXIS = "vocabulary (tokens, log)"               # short: a facet repeats it under every column
+COVERAGE_AXIS = "coverage (%)"                          # of generated tokens: the subtitles say how it averages
+TOKEN_WEIGHTED = ("token-weighted: generated tokens inside the vocabulary / all generated tokens of the task, "
+                  "its prompts pooled")
+STAR = "M0,-1L0.24,-0.33L0.95,-0.31L0.39,0.12L0.59,0.81L0,0.4L-0.59,0.81L-0.39,0.12L-0.95,-0.31L-0.24,-0.33Z"
+PANEL_W, PANEL_H = 190, 140                                 # one task's panel in the per-task grids of 01
+
+
+def _panel_tokens(frame: pl.DataFrame, keys: Sequence[str]) -> pl.DataFrame:
+    """One "tokens" row per panel (`keys`): the generated tokens it rests on (the largest `tokens` of its
+    rows: every point of a panel is computed over the same traces) as `text`."""
+    return (frame.group_by(*keys).agg(pl.col("tokens").max())
+            .with_columns(layer=pl.lit("tokens"),
+                          text=pl.col("tokens").map_elements(token_note, return_dtype=pl.String)))
+
+
+def window_points(table: pl.DataFrame) -> pl.DataFrame:
+    """The window's points of `tables.coverage_vs_vocab`, one per distinct (mean active vocabulary,
+    coverage) in each panel: w_max values whose windows never filled give the same point, drawn once and
+    labelled with all of them (`w_max_label` "3072 = 8192", `merged` true)."""
+    win = table.filter(pl.col("series") == tables.WINDOW).with_columns(
+        _v=pl.col("vocab").round(3), _c=pl.col("coverage").round(6))
+    return (win.sort("w_max").group_by("model", "prompt_set", "task", "column", "_v", "_c", maintain_order=True)
+            .agg(pl.col("vocab", "coverage", "tokens", "series").first(), pl.col("w_max").min(),
+                 w_max_label=pl.col("w_max").cast(pl.String).str.join(" = "), merged=pl.len() > 1)
+            .drop("_v", "_c").sort("model", "column", "w_max"))
+
+
+def coverage_vs_vocab(table: pl.DataFrame | None, coverage: pl.DataFrame | None,
+                      record: pl.DataFrame | None = None):
+    """MicroSpec Fig. 1(b) (`tables.coverage_vs_vocab`): coverage of generated tokens against the draft
+    vocabulary size, a facet row per model and a column per task: the window's stars (one per w_max at its
+    mean active vocabulary; w_max values giving the same point drawn once and labelled "3072 = 8192") and
+    the static top-K shortlists (dashed); each panel names the generated tokens it rests on. None when the
+    table is None (`tables.coverage_vs_vocab` printed why)."""
+    if table is None:
+        return None
+    table = table.with_columns(column=task_column(table))
+    models, columns = sorted(table["model"].unique()), sorted(table["column"].unique())
+    stars = window_points(table).with_columns(layer=pl.lit("window"))
+    labels = stars["w_max_label"].unique(maintain_order=True).to_list()
+    data = pl.concat([table.filter(pl.col("series") == tables.STATIC).with_columns(layer=pl.lit("static")), stars,
+                      _panel_tokens(table, ["model", "column"])], how="diagonal_relaxed")
+    x = log2_axis("vocab:Q", VOCAB_AXIS)
+    y = alt.Y("coverage:Q", title=COVERAGE_AXIS, scale=alt.Scale(domain=[0, 1]), axis=alt.Axis(format="%"))
+    tip = ["model", "column", "series", "w_max_label", "k", alt.Tooltip("vocab:Q", format=".0f"),
+           alt.Tooltip("coverage:Q", format=".1%"), "tokens"]
+    static = alt.Chart().transform_filter(alt.datum.layer == "static").mark_line(
+        strokeDash=[6, 4], color="rgb(85, 85, 85)", point=alt.OverlayMarkDef(color="rgb(85, 85, 85)", size=18)
+    ).encode(x=x, y=y, tooltip=tip)
+    window = alt.Chart().transform_filter(alt.datum.layer == "window")
+    trail = window.mark_line(color="#bbb", strokeWidth=1).encode(x=x, y=y, order="w_max:Q")
+    star = window.mark_point(shape=STAR, filled=True, size=140, opacity=0.9).encode(
+        x=x, y=y, tooltip=tip, color=alt.Color("w_max_label:N", sort=labels, title="window w_max (entries)",
+                                               scale=color_scale(len(labels))))
+    label = window.transform_filter(alt.datum.merged).mark_text(
+        align="left", dx=7, dy=-9, fontSize=9, color="rgb(34, 34, 34)").encode(x=x, y=y, text="w_max_label:N")
+    chart = (alt.layer(static, trail, star, label, corner_text(), data=data)
+             .properties(width=PANEL_W, height=PANEL_H)
+             .facet(row=model_row(models),
+                    column=alt.Column("column:N", sort=columns, title=None, header=alt.Header(labelFontWeight="bold"))))
+    return chart.properties(title=title(
+        "Coverage vs draft vocabulary size, per model and task (MicroSpec Fig. 1b)", coverage, record,
+        notes=["stars: MicroSpec's window, one per w_max, at its mean active vocabulary; \"3072 = 8192\": the "
+               "window never filled, both w_max give this point; dashed grey: static top-K shortlists (FR-Spec) "
+               "ranked on the training corpus",
+               f"coverage of generated tokens, {TOKEN_WEIGHTED}; top left: the generated tokens the panel rests on"]))
+
+
+def lru_vs_fifo(miss: pl.DataFrame | None, coverage: pl.DataFrame | None, record: pl.DataFrame | None = None):
+    """The miss ratio of an LRU vocabulary of C tokens against MicroSpec's FIFO window of the same mean size
+    (`tables.miss_ratios`), a facet row per model and a column per task; each panel names the generated
+    tokens it rests on. None when the table is None (`tables.miss_ratios` printed why)."""
+    if miss is None:
+        return None
+    miss = miss.with_columns(column=task_column(miss))
+    models, columns = sorted(miss["model"].unique()), sorted(miss["column"].unique())
+    data = pl.concat([miss.with_columns(layer=pl.lit("curve")), _panel_tokens(miss, ["model", "column"])],
+                     how="diagonal_relaxed")
+    policies = [tables.FIFO, tables.LRU]
+    lines = alt.Chart().transform_filter(alt.datum.layer == "curve").mark_line(point=True).encode(
+        x=log2_axis("mean_active_vocab:Q", "mean active vocab (tokens, log)"),
+        y=alt.Y("miss_ratio:Q", title="miss ratio (%)", axis=alt.Axis(format="%"),
+                scale=alt.Scale(domainMin=0)),
+        color=alt.Color("policy:N", title=None, scale=alt.Scale(domain=policies, range=["#1f77b4", "#d62728"]),
+                        legend=alt.Legend(orient="top", symbolType="stroke", symbolStrokeWidth=3,
+                                          symbolFillColor="transparent")),
+        strokeDash=alt.StrokeDash("policy:N", title=None, scale=alt.Scale(domain=policies, range=[[1, 0], [6, 3]])),
+        tooltip=["model", "column", "policy", "capacity", "w_max", alt.Tooltip("mean_active_vocab:Q", format=".0f"),
+                 alt.Tooltip("miss_ratio:Q", format=".1%"), "tokens"])
+    # LRU's dashes drawn over FIFO's solid line: where the two coincide both stay visible
+    fifo, lru = (lines.transform_filter(alt.datum.policy == name) for name in policies)
+    chart = (alt.layer(fifo, lru, corner_text(PANEL_W), data=data).properties(width=PANEL_W, height=PANEL_H)
+             .facet(row=model_row(models),
+                    column=alt.Column("column:N", sort=columns, title=None, header=alt.Header(labelFontWeight="bold"))))
+    return chart.properties(title=title(
+        "Miss ratio per model and task: LRU vocabulary vs FIFO window at equal mean size", coverage, record,
+        notes=["LRU: the C most recently used tokens of the candidate stream; FIFO: MicroSpec's window, its w_max "
+               "chosen to match the LRU's mean active vocabulary; where the curves coincide the red dashes lie on "
+               "the blue line",
+               "miss ratio: token-weighted, generated tokens outside the vocabulary / all generated tokens of the "
+               "task, its prompts pooled; top right: the generated tokens the panel rests on"]))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -135,59 +284,90 @@ W_MAX_AXIS = "w_max (candidate-stream entries)"
 
 def wmax_sensitivity(window: pl.DataFrame | None, sweep: pl.DataFrame | None, bench: pl.DataFrame | None,
                      coverage: pl.DataFrame | None, record: pl.DataFrame | None = None):
-    """MicroSpec Fig. 5, per model: the window's coverage against w_max (`tables.window_coverage`, with the
-    bench drafts' draft_coverage where `tables.wmax_sweep` has it), then per model, prompt set and drafter
-    tokens/s (left axis) and tau (right axis) of the drafter with MicroSpec's window; None when neither ran."""
-    panels = []
+    """MicroSpec Fig. 5, a facet row per model: the window's coverage against w_max (`tables.window_coverage`,
+    with the bench drafts' draft_coverage where `tables.wmax_sweep` has it; y from 0 to 100%), then
+    tokens/s and tau against w_max of each drafter with MicroSpec's window (solid), the same drafter with the
+    full vocabulary (dashed) and ar (dotted), both y axes from 0. Each panel names the generated tokens it
+    rests on. None (one printed line) when neither the coverage nor the bench sweep ran."""
+    if window is None and sweep is None:
+        return skip("the w_max sensitivity", "neither window coverage cells nor a bench w_max sweep in the results")
+    models = sorted(set(window["model"] if window is not None else []) | set(sweep["model"] if sweep is not None
+                                                                                else []))
+    panels, notes = [], []
+    x = log2_axis("w_max:Q", W_MAX_AXIS, ticks=POW2)
+    size = dict(width=230, height=170)
     if window is not None:
-        cov_long = window.select("model", "prompt_set", "w_max", "coverage", source=pl.lit("traces (coverage cells)"))
+        cov = window.select("model", "prompt_set", "w_max", "coverage", "tokens", source=pl.lit("traces"))
         if sweep is not None:
-            cov_long = pl.concat([cov_long, sweep.select("model", "prompt_set", "w_max",
-                                                         pl.col("draft_coverage").alias("coverage"),
-                                                         source=pl.lit("bench drafts"))], how="vertical_relaxed")
-        line = alt.Chart(cov_long).mark_line(point=True).encode(
-            x=log2_axis("w_max:Q", W_MAX_AXIS, ticks=POW2),
-            y=alt.Y("coverage:Q", title="coverage of generated tokens (%)", axis=alt.Axis(format="%"),
-                    scale=alt.Scale(zero=False)),
-            color=alt.Color("prompt_set:N", title="prompt set",
-                            scale=color_scale(cov_long["prompt_set"].n_unique())),
-            strokeDash=alt.StrokeDash("source:N", title="measured on", scale=alt.Scale(
-                domain=["traces (coverage cells)", "bench drafts"], range=[[1, 0], [6, 4]]), legend=stroke_legend()),
-            tooltip=["model", "prompt_set", "source", "w_max", alt.Tooltip("coverage:Q", format=".1%")])
-        panels += [line.transform_filter(_where(model=m)).properties(width=300, height=220,
-                                                                    title=f"window coverage · {m}")
-                   for (m,) in keys(cov_long, "model")]
+            drafts = sweep.select("model", "prompt_set", "w_max", pl.col("draft_coverage").alias("coverage"),
+                                  pl.col("new_tokens").alias("tokens"), source=pl.lit("bench drafts"))
+            cov = pl.concat([cov, drafts], how="vertical_relaxed")
+        one_set = cov["prompt_set"].n_unique() == 1
+        cov = cov.with_columns(layer=pl.lit("curve"), series=pl.col("source") if one_set
+                               else pl.col("prompt_set") + " · " + pl.col("source"))
+        counts = (cov.group_by("model", "source", "w_max").agg(pl.col("tokens").sum())
+                  .group_by("model", "source").agg(pl.col("tokens").max()).sort("source", descending=True)
+                  .group_by("model", maintain_order=True)
+                  .agg(text=pl.lit("per w_max: ") + pl.format("{} {}", "source", pl.col("tokens").map_elements(
+                      lambda n: f"{n:,}", return_dtype=pl.String)).str.join(", ") + pl.lit(" generated tokens"))
+                  .with_columns(layer=pl.lit("tokens")))
+        series = cov["series"].unique().sort().to_list()
+        line = alt.Chart().transform_filter(alt.datum.layer == "curve").mark_line(point=True).encode(
+            x=x, y=alt.Y("coverage:Q", title=COVERAGE_AXIS, axis=alt.Axis(format="%"), scale=alt.Scale(domain=[0, 1])),
+            color=alt.Color("series:N", sort=series, title="coverage measured on",
+                            scale=color_scale(len(series)), legend=alt.Legend(orient="bottom", direction="vertical")),
+            strokeDash=alt.StrokeDash("source:N", title=None, legend=None, scale=alt.Scale(
+                domain=["traces", "bench drafts"], range=[[1, 0], [6, 4]])),
+            tooltip=["model", "prompt_set", "source", "w_max", alt.Tooltip("coverage:Q", format=".1%"), "tokens"])
+        panels.append(alt.layer(line, corner_text(), data=pl.concat([cov, counts], how="diagonal_relaxed"))
+                      .properties(**size).facet(row=model_row(models)).properties(title="window coverage"))
+        notes.append("coverage: token-weighted, generated tokens inside the window / all generated tokens, every "
+                     "task of the prompt set pooled (traces: the coverage cells; bench drafts: the bench's own "
+                     "turns); the tables' draft_coverage likewise")
     if sweep is not None:
-        base = alt.Chart(sweep).encode(x=log2_axis("w_max:Q", W_MAX_AXIS, ticks=sorted(sweep["w_max"].unique())))
-        tip = ["model", "prompt_set", "drafter", "w_max", alt.Tooltip("tokens_per_s:Q", format=".1f"),
-               alt.Tooltip("tau:Q", format=".2f"), alt.Tooltip("full_tokens_per_s:Q", format=".1f"), "rows"]
-        speed = base.mark_line(color="#2ca02c", strokeWidth=2.5, point=alt.OverlayMarkDef(color="#2ca02c")).encode(
-            y=alt.Y("tokens_per_s:Q", title="tokens/s (solid)", scale=alt.Scale(zero=False),
-                    axis=alt.Axis(titleColor="#2ca02c")), tooltip=tip)
-        best = base.transform_filter(alt.datum.default).mark_point(
-            shape="diamond", size=180, filled=True, color="#2ca02c").encode(y="tokens_per_s:Q", tooltip=tip)
-        full = alt.Chart(sweep).mark_rule(color="#2ca02c", strokeDash=[2, 2], opacity=0.8).encode(
-            y="mean(full_tokens_per_s):Q")
-        tau = base.mark_line(color="#1f77b4", strokeDash=[6, 4], strokeWidth=2.5,
-                             point=alt.OverlayMarkDef(color="#1f77b4")).encode(
-            y=alt.Y("tau:Q", title="tau, tokens per step (dashed)", scale=alt.Scale(domainMin=1),
-                    axis=alt.Axis(titleColor="#1f77b4", orient="right")), tooltip=tip)
-        # one panel per model, prompt set and drafter: Vega-Lite cannot facet layers with independent y axes
-        panels += [alt.layer(alt.layer(speed, full, best), tau)
-                   .transform_filter(_where(model=m, prompt_set=s, drafter=d))
-                   .resolve_scale(y="independent").properties(width=300, height=220, title=f"{d} on {s} · {m}")
-                   for m, s, d in keys(sweep, "model", "prompt_set", "drafter")]
-    if not panels:
-        return None
-    notes = "first: the window's coverage, per model"
-    if sweep is not None:
-        notes += ("; then: tokens/s (solid green, left axis) and tau (dashed blue, right axis) of the drafter with "
-                  "MicroSpec's window; diamond: the paper's default w_max 3072")
-        if sweep["full_tokens_per_s"].is_not_null().any():
-            notes += "; dotted green: the same drafter, full vocabulary"
+        one_set = sweep["prompt_set"].n_unique() == 1
+        name = pl.col("drafter") if one_set else pl.col("drafter") + " · " + pl.col("prompt_set")
+        ar_name = pl.lit("ar") if one_set else pl.lit("ar · ") + pl.col("prompt_set")
+        refs = [tables.WINDOW, "full vocabulary", "ar (no drafter)"]
+        keys = ["model", "prompt_set", "drafter", "w_max", "default", "rows", "new_tokens"]
+        long = pl.concat([
+            sweep.select(*keys, "tokens_per_s", "tau", series=name, reference=pl.lit(refs[0])),
+            sweep.select(*keys, tokens_per_s="full_tokens_per_s", tau="full_tau", series=name,
+                         reference=pl.lit(refs[1])),
+            sweep.select(*keys, tokens_per_s="ar_tokens_per_s", tau=pl.lit(1.0), series=ar_name,
+                         reference=pl.lit(refs[2])).unique(["model", "prompt_set", "w_max"], maintain_order=True),
+        ], how="vertical_relaxed").filter(pl.col("tokens_per_s").is_not_null()).with_columns(layer=pl.lit("curve"))
+        counts = (sweep.group_by("model", "w_max").agg(pl.col("new_tokens").sum()).group_by("model")
+                  .agg(pl.col("new_tokens").max())
+                  .select("model", layer=pl.lit("tokens"), text=pl.col("new_tokens").map_elements(
+                      lambda n: "per w_max: " + token_note(n, "generated tokens (bench)"), return_dtype=pl.String)))
+        data = pl.concat([long, counts], how="diagonal_relaxed")
+        series = long["series"].unique(maintain_order=True).to_list()
+        tip = ["model", "prompt_set", "drafter", "reference", "w_max", alt.Tooltip("tokens_per_s:Q", format=".1f"),
+               alt.Tooltip("tau:Q", format=".2f"), "rows", "new_tokens"]
+        enc = dict(x=x, color=alt.Color("series:N", sort=series, title="drafter", scale=color_scale(len(series)),
+                                        legend=alt.Legend(orient="bottom", direction="vertical")),
+                   strokeDash=alt.StrokeDash("reference:N", title="line", sort=refs, legend=stroke_legend(
+                       orient="bottom", direction="vertical"), scale=alt.Scale(
+                       domain=refs, range=[[1, 0], [6, 4], [2, 2]])), tooltip=tip)
+        curve = alt.Chart().transform_filter(alt.datum.layer == "curve")
+        for field, label in (("tokens_per_s", "tokens/s (new tokens per second)"),
+                             ("tau", "tau (tokens per step)")):
+            y = alt.Y(f"{field}:Q", title=label, scale=alt.Scale(zero=True, nice=True))
+            lines = curve.mark_line(strokeWidth=2).encode(y=y, **enc)
+            points = curve.transform_filter(alt.datum.reference == refs[0]).mark_point(filled=True, size=30).encode(
+                x=x, y=y, color=enc["color"], tooltip=tip)
+            best = curve.transform_filter((alt.datum.reference == refs[0]) & alt.datum.default).mark_point(
+                shape="diamond", size=160, filled=True, color="rgb(34, 34, 34)").encode(x=x, y=y, tooltip=tip)
+            panels.append(alt.layer(lines, points, best, corner_text(size["width"], size["height"]), data=data)
+                          .properties(**size).facet(row=model_row(models, labels=not panels))
+                          .properties(title=label.split(" (")[0]))
+        notes.append("tokens/s: the mean over the bench turns of every task; tau: new tokens / steps, every task "
+                     "pooled; solid: MicroSpec's window; dashed: the same drafter, full vocabulary; dotted: ar "
+                     f"(tau 1); diamond: the paper's default w_max {tables.DEFAULTS.w_max}")
     return alt.hconcat(*panels).resolve_scale(color="independent", strokeDash="independent").properties(
         title=title("Sensitivity to the window size w_max (MicroSpec Fig. 5)",
-                    bench if sweep is not None else coverage, record, notes=[notes]))
+                    bench if sweep is not None else coverage, record, notes=notes))
 
 
 def kpre_kver_sensitivity(grid: pl.DataFrame, coverage: pl.DataFrame, record: pl.DataFrame | None = None):
@@ -217,70 +397,98 @@ def kpre_kver_sensitivity(grid: pl.DataFrame, coverage: pl.DataFrame, record: pl
 # 03: methods (MicroSpec Table 2, Fig. 4) and DynaSpec's choices
 # ----------------------------------------------------------------------------------------------------------
 
-MEASURES = {"tokens_per_s": "tokens/s", "speedup": "speedup over ar (×)", "tau": "tau (tokens per step)"}
+MEASURES = {"tokens_per_s": "tokens/s (new tokens per second)", "speedup": "speedup over ar (×)",
+            "tau": "tau (tokens per step)"}
 RUN_TITLE = "method · vocabulary"
 
 
+ALL_RUNS = "generated tokens, all runs"             # what a bench figure's panel title counts
+
+
+def _bench_tokens(bench: pl.DataFrame, keys: Sequence[str] = ("model", "prompt_set")) -> dict[tuple, int]:
+    """Generated tokens per `keys` in the bench rows (every run), for the panel titles."""
+    return {tuple(r[:-1]): r[-1] for r in bench.group_by(*keys).agg(pl.col("new_tokens").sum()).rows()}
+
+
+def run_labels(summary: pl.DataFrame) -> dict[str, str]:
+    """Each run's legend label: the run and its draft size (`tables.run_extras`: "eagle · full (draft 60)"),
+    the run alone where no row says."""
+    if "draft_size" not in summary.columns:
+        return {r: r for r in tables.run_order(summary)}
+    sizes = dict(summary.group_by("run").agg(pl.col("draft_size").drop_nulls().first()).rows())
+    return {r: f"{r} (draft {sizes[r]})" if sizes.get(r) else r for r in tables.run_order(summary)}
+
+
 def methods_table(summary: pl.DataFrame, bench: pl.DataFrame):
-    """MicroSpec Table 2's layout as a drawn table (`tables.table_cells`), one per model and prompt set: a row
-    per run, tokens/s per task, the average with its speedup over ar and that speedup's 95% interval, the
-    decode phase's speedup and its interval, the average tau; cells coloured by speedup."""
+    """MicroSpec Table 2's layout as a drawn table (`tables.table_cells`), one per model and prompt set (a
+    row of the figure each): a row per run, its draft size, tokens/s per task, the average with its speedup
+    over ar and that speedup's 95% interval, the decode phase's speedup and its interval, the average tau;
+    cells coloured by speedup; each table's title names the generated tokens it rests on."""
     cells = tables.table_cells(summary)
     runs, columns = tables.run_order(summary), [t for t in tables.task_order(summary) if t != AVG]
-    columns += ["avg tokens/s (× ar)", "95% CI (× ar)", "decode × ar", "decode 95% CI", "avg tau"]
+    columns = [tables.DRAFT_SIZE, *columns, "avg tokens/s (× ar)", "95% CI (× ar)", "decode × ar", "decode 95% CI",
+               "avg tau"]
     base = alt.Chart(cells).encode(
         x=alt.X("column:N", sort=columns, title=None, axis=alt.Axis(orient="top", labelAngle=-40)),
         y=alt.Y("run:N", sort=runs, title=RUN_TITLE))
     rect = base.mark_rect().encode(color=alt.Color(
-        "speedup:Q", title="speedup over ar",
+        "speedup:Q", title="speedup over ar (×)",
         scale=alt.Scale(scheme="redyellowgreen", domainMid=1.0), legend=alt.Legend(format=".2f")))
     text = base.mark_text(fontSize=11).encode(text="text:N")
+    tokens = _bench_tokens(bench)
     # one table per model and prompt set (Vega-Lite cannot facet layers with independent axes)
     return (alt.vconcat(*[alt.layer(rect, text).transform_filter(_where(model=m, prompt_set=s))
-                          .properties(width=alt.Step(62), height=alt.Step(22), title=f"{m} · {s}")
+                          .properties(width=alt.Step(62), height=alt.Step(22),
+                                      title=f"{m} · {s} ({token_note(tokens.get((m, s)), ALL_RUNS)})")
                           for m, s in keys(summary, "model", "prompt_set")])
             .properties(title=title(
                 "Tokens/s per task, average speedup over ar and average tau (MicroSpec Table 2's layout)", bench,
-                notes=["cell colour: speedup over ar on that task; avg: the mean over tasks (tokens/s, tau)",
+                notes=["cell colour: speedup over ar on that task; draft size: the nodes (tokens) a step drafts; "
+                       "avg: the unweighted mean over tasks (tokens/s, tau), its speedup over ar's avg",
                        "95% CI: bootstrap over the tasks, each task's turns paired with ar's (the spread of "
                        "this run's timings, not the machine's drift between runs)",
                        "decode × ar: the same without the prefill and the drafter's pass over the prompt"])))
 
 
 def methods_speed(summary: pl.DataFrame, bench: pl.DataFrame):
-    """Table 2 as bars: tokens/s, speedup over ar and tau per task and run, a column of three panels per
-    model and prompt set; the average's speedup bars carry their 95% interval."""
-    long = summary.unpivot(index=["model", "prompt_set", "task", "run"], on=list(MEASURES),
+    """Table 2 as bars: tokens/s, speedup over ar and tau per task and run (ar included: the speed reference),
+    a row of three panels per model and prompt set; runs labelled with their draft size (`run_labels`); the
+    average's speedup bars carry their 95% interval."""
+    labels = run_labels(summary)
+    runs = [labels[r] for r in tables.run_order(summary)]
+    summary = summary.with_columns(series=pl.col("run").replace_strict(labels))
+    long = summary.unpivot(index=["model", "prompt_set", "task", "series"], on=list(MEASURES),
                            variable_name="measure").with_columns(pl.col("measure").replace_strict(MEASURES))
-    runs = tables.run_order(summary)
     bars = alt.Chart(long).mark_bar(**(BAR_OUTLINE if len(runs) > 20 else {})).encode(
         x=alt.X("task:N", sort=tables.task_order(summary), title="task", axis=alt.Axis(labelAngle=-40)),
-        xOffset=alt.XOffset("run:N", sort=runs),
-        **series_channels("run", runs, RUN_TITLE, mark="bar"),
-        tooltip=["model", "prompt_set", "task", "run", "measure", alt.Tooltip("value:Q", format=".2f")])
+        xOffset=alt.XOffset("series:N", sort=runs),
+        **series_channels("series", runs, f"{RUN_TITLE} (draft size)", mark="bar"),
+        tooltip=["model", "prompt_set", "task", "series", "measure", alt.Tooltip("value:Q", format=".2f")])
     one = alt.Chart(pl.DataFrame({"measure": [MEASURES["speedup"], MEASURES["tau"]], "y": [1.0, 1.0]})
-                    ).mark_rule(strokeDash=[4, 3], color="rgb(51, 51, 51)").encode(y="y:Q")
+                    ).mark_rule(strokeDash=[4, 3], color="rgb(51, 51, 51)")
     # the average's 95% interval (engine.metrics speedup_lo / _hi: bootstrap over the tasks) on its speedup bar
     avg = summary.filter((pl.col("task") == AVG) & pl.col("speedup_lo").is_not_null()).select(
-        "model", "prompt_set", "task", "run", "speedup_lo", "speedup_hi", measure=pl.lit(MEASURES["speedup"]))
+        "model", "prompt_set", "task", "series", "speedup_lo", "speedup_hi", measure=pl.lit(MEASURES["speedup"]))
     whiskers = alt.Chart(avg).mark_rule(color="rgb(17, 17, 17)", strokeWidth=1.5).encode(
-        x=alt.X("task:N", sort=tables.task_order(summary)), xOffset=alt.XOffset("run:N", sort=runs),
-        y="speedup_lo:Q", y2="speedup_hi:Q",
-        tooltip=["run", alt.Tooltip("speedup_lo:Q", format=".2f"), alt.Tooltip("speedup_hi:Q", format=".2f")])
-    columns = []
+        x=alt.X("task:N", sort=tables.task_order(summary)), xOffset=alt.XOffset("series:N", sort=runs),
+        y=alt.Y("speedup_lo:Q", title=MEASURES["speedup"]), y2="speedup_hi:Q",
+        tooltip=["series", alt.Tooltip("speedup_lo:Q", format=".2f"), alt.Tooltip("speedup_hi:Q", format=".2f")])
+    tokens = _bench_tokens(bench)
+    rows = []
     for m, s in keys(summary, "model", "prompt_set"):
-        columns.append(alt.vconcat(*[
-            alt.layer(bars.encode(y=alt.Y("value:Q", title=label))
+        rows.append(alt.hconcat(*[
+            alt.layer(bars.encode(y=alt.Y("value:Q", title=label, scale=alt.Scale(zero=True)))
                       .transform_filter(_where(model=m, prompt_set=s, measure=label)),
-                      one.transform_filter(alt.datum.measure == label),
+                      one.encode(y=alt.Y("y:Q", title=label)).transform_filter(alt.datum.measure == label),
                       *([whiskers.transform_filter(_where(model=m, prompt_set=s))]
                         if label == MEASURES["speedup"] and avg.height else []))
-            .properties(width=alt.Step(7), height=150, title=f"{m} · {s}: {label}")
-            for label in MEASURES.values()]))
-    return alt.hconcat(*columns).properties(title=title(
-        "Method comparison per task: tokens/s, speedup over ar, tau", bench,
-        notes=["dashed: 1.0 (ar's speed; one token per step); avg: the mean over tasks, its speedup with the "
-               "95% interval (bootstrap over the tasks)"]))
+            .properties(width=alt.Step(6), height=150, title=label.split(" (")[0])
+            for label in MEASURES.values()]).properties(title=alt.TitleParams(
+                f"{m} · {s}", subtitle=token_note(tokens.get((m, s)), ALL_RUNS), fontSize=14, anchor="start")))
+    return alt.vconcat(*rows).properties(title=title(
+        "Method comparison per task: tokens/s, speedup over ar, tau (a row per model)", bench,
+        notes=["ar: the speed reference (its bars; dashed: 1.0, ar's speedup and tau); avg: the unweighted mean "
+               "over tasks, its speedup with the 95% interval (bootstrap over the tasks)"]))
 
 
 def draft_time_by_phase(phases: pl.DataFrame, bench: pl.DataFrame):
@@ -356,28 +564,85 @@ def dynaspec_choices(shaped: pl.DataFrame):
 # 04: UniSpec's speedup per language (Fig. 4)
 # ----------------------------------------------------------------------------------------------------------
 
-def speedup_by_language(langs: pl.DataFrame, bench: pl.DataFrame):
-    """UniSpec Fig. 4 (`tables.language_speedup`): speedup over ar and tau per language and run, a column per
-    model and prompt set."""
-    runs = tables.run_order(langs)
+def speedup_by_language(langs: pl.DataFrame | None, bench: pl.DataFrame):
+    """UniSpec Fig. 4 (`tables.language_speedup`): speedup over ar and tau per language and run (ar included:
+    1.0), a row per model and prompt set. None when `langs` is None (the sweep has no set split by language;
+    `tables.language_speedup` printed why)."""
+    if langs is None:
+        return None
+    labels = run_labels(langs)
+    runs = [labels[r] for r in tables.run_order(langs)]
+    langs = langs.with_columns(series=pl.col("run").replace_strict(labels))
     base = alt.Chart(langs).mark_bar(**(BAR_OUTLINE if len(runs) > 20 else {})).encode(
-        x=alt.X("task:N", sort=tables.task_order(langs), title="language", axis=alt.Axis(labelAngle=0)),
-        xOffset=alt.XOffset("run:N", sort=runs),
-        **series_channels("run", runs, RUN_TITLE, mark="bar"),
-        tooltip=["model", "prompt_set", "task", "run", alt.Tooltip("speedup:Q", format=".2f"),
+        x=alt.X("task:N", sort=tables.task_order(langs), title="language",
+                axis=alt.Axis(labelAngle=-40, labelLimit=90)),
+        xOffset=alt.XOffset("series:N", sort=runs),
+        **series_channels("series", runs, f"{RUN_TITLE} (draft size)", mark="bar"),
+        tooltip=["model", "prompt_set", "task", "series", alt.Tooltip("speedup:Q", format=".2f"),
                  alt.Tooltip("tau:Q", format=".2f"), alt.Tooltip("tokens_per_s:Q", format=".1f"), "rows"])
-    one = alt.Chart(pl.DataFrame({"y": [1.0]})).mark_rule(strokeDash=[4, 3], color="rgb(51, 51, 51)").encode(y="y:Q")
-    columns = []
+    one = alt.Chart(pl.DataFrame({"y": [1.0]})).mark_rule(strokeDash=[4, 3], color="rgb(51, 51, 51)")
+    tokens = _bench_tokens(bench)
+    rows = []
     for m, s in keys(langs, "model", "prompt_set"):
         part = base.transform_filter(_where(model=m, prompt_set=s))
-        speed = alt.layer(part.encode(y=alt.Y("speedup:Q", title=MEASURES["speedup"])), one)
-        tau = alt.layer(part.encode(y=alt.Y("tau:Q", title=MEASURES["tau"])), one)
-        columns.append(alt.vconcat(speed.properties(width=alt.Step(8), height=200, title=f"{m} · {s}"),
-                                   tau.properties(width=alt.Step(8), height=150)))
-    return alt.hconcat(*columns).properties(title=title(
-        "Speedup over ar and tau per language (UniSpec Fig. 4)",
+        speed, tau = (alt.layer(part.encode(y=alt.Y(f"{field}:Q", title=MEASURES[field], scale=alt.Scale(zero=True))),
+                                one.encode(y=alt.Y("y:Q", title=MEASURES[field]))) for field in ("speedup", "tau"))
+        rows.append(alt.hconcat(speed.properties(width=alt.Step(6), height=170, title="speedup over ar"),
+                                tau.properties(width=alt.Step(6), height=170, title="tau")).properties(
+            title=alt.TitleParams(f"{m} · {s}", subtitle=token_note(tokens.get((m, s)), ALL_RUNS), fontSize=14,
+                                  anchor="start")))
+    return alt.vconcat(*rows).properties(title=title(
+        "Speedup over ar and tau per language (UniSpec Fig. 4; a row per model)",
         bench.filter(pl.col("prompt_set").is_in(langs["prompt_set"].unique().to_list())),
-        notes=["dashed: 1.0 (ar); avg: the mean over languages"]))
+        notes=["dashed: 1.0 (ar's speedup and tau); speedup: a run's mean tokens/s over ar's on the same language; "
+               "avg: the unweighted mean over languages"]))
+
+
+MIN_NODES, MIN_SHARE = 30, 0.005   # a confidence bin's acceptance rate is drawn from this many proposed nodes
+                                    # and this share of its panel's nodes up: rarer bins swing 0 <-> 100%
+
+
+def acceptance_vs_confidence(conf: pl.DataFrame | None, bench: pl.DataFrame, min_nodes: int = MIN_NODES,
+                             min_share: float = MIN_SHARE):
+    """UniSpec Fig. 3 (`tables.confidence_bins`): per model (a row each) and method (a panel each), the
+    acceptance rate of draft nodes against their confidence score (line, left axis, 0-100%) where a bin holds
+    at least `min_nodes` proposed nodes and `min_share` of the panel's, and the share of all drafted nodes per
+    bin (bars, right axis, one domain for every panel); each panel names its drafted nodes. None when `conf`
+    is None."""
+    if conf is None:
+        return None
+    top = float(conf["density"].max() or 1.0)
+    conf = conf.with_columns(shown_rate=pl.when((pl.col("proposed") >= min_nodes) & (pl.col("density") >= min_share))
+                             .then(pl.col("acceptance_rate")))
+    x = alt.X("bin_lo:Q", title="confidence score of the draft node (bin)", scale=alt.Scale(domain=[0, 1]))
+    tip = ["model", "method", alt.Tooltip("bin_lo:Q", title="score from"), alt.Tooltip("bin_hi:Q", title="score to"),
+           "proposed", "accepted", alt.Tooltip("acceptance_rate:Q", format=".1%"),
+           alt.Tooltip("density:Q", format=".1%")]
+    base = alt.Chart(conf)
+    density = base.mark_bar(color="#bbb", opacity=0.8, binSpacing=1).encode(
+        x=x, x2="bin_hi:Q", y=alt.Y("density:Q", title="share of drafted nodes (%, bars)",
+                                    scale=alt.Scale(domain=[0, top], nice=True),
+                                    axis=alt.Axis(format="%", orient="right", grid=False)),
+        y2=alt.datum(0), tooltip=tip)
+    rate = base.transform_filter("isValid(datum.shown_rate)").transform_calculate(
+        mid="(datum.bin_lo + datum.bin_hi) / 2").mark_line(
+        color="#d62728", strokeWidth=2.5, point=alt.OverlayMarkDef(color="#d62728", size=40)).encode(
+        x=alt.X("mid:Q", title="confidence score of the draft node (bin)", scale=alt.Scale(domain=[0, 1])),
+        y=alt.Y("shown_rate:Q", title="acceptance rate (%, line)", scale=alt.Scale(domain=[0, 1]),
+                axis=alt.Axis(format="%", titleColor="#d62728")), tooltip=tip)
+    nodes = {(m, d): n for m, d, n in conf.group_by("model", "method").agg(pl.col("proposed").sum()).rows()}
+    rows = []
+    for (m,) in keys(conf, "model"):
+        # one panel per method: Vega-Lite cannot facet layers with independent y axes
+        rows.append(alt.hconcat(*[
+            alt.layer(density, rate).transform_filter(_where(model=m, method=d)).resolve_scale(y="independent")
+            .properties(width=260, height=180, title=f"{m} · {d} ({token_note(nodes[(m, d)], 'drafted nodes')})")
+            for (d,) in keys(conf.filter(pl.col("model") == m), "method")]))
+    return alt.vconcat(*rows).properties(title=title(
+        "Acceptance rate against the draft node's confidence score (UniSpec Fig. 3; a row per model)", bench,
+        notes=[f"line: accepted / proposed nodes per score bin, every bench step pooled (node-weighted), drawn where "
+               f"a bin holds at least {min_nodes} nodes and {min_share:.1%} of the panel's; bars: the bin's share "
+               f"of the panel's drafted nodes (one scale, 0-{top:.0%}, in every panel)"]))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -32,11 +32,14 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 from urllib.parse import quote
 
 import polars as pl
 
 from specvocab.engine.atomic import atomic_write, fsync_dir
+from specvocab.engine.config import SpecConfig
+from specvocab.engine.metrics import VERDICTS, with_task
 from specvocab.sweeps.cell import Cell, SweepError, canonical_json
 
 MANIFEST = "sweep.json"
@@ -47,6 +50,8 @@ DIAGNOSES = "_diagnoses"       # per model: bench rows that differ from ar's, di
 DIAGNOSIS_KEY = ("cell_id", "prompt_id", "turn", "repeat")
 # engine.jobs.bench.DIAGNOSIS: what `diagnose` measures (named here too: this module loads without torch)
 DIAGNOSIS_COLUMNS = ("verdict", "first_divergence", "ar_margin", "ar_gap", "prompt_differs")
+# a bench row and the ar row its output is compared with share these (`undiagnosed`, `with_exact_verdicts`)
+PAIR = ("model", "prompt_set", "prompt_id", "turn", "repeat", "seed", "max_new_tokens")
 SUPERSEDED = "_superseded"
 LOCK = ".sweep.lock"
 LOCK_OWNER = ".sweep.lock.owner"
@@ -353,6 +358,52 @@ def prepare_output(out: str | Path, sweep, *, extend: bool = False, strict_prove
 # Reading results
 # ----------------------------------------------------------------------------------------------------------
 
+RESULTS_ENV = "SPECVOCAB_RESULTS"     # the folder a relative results_dir is resolved against (`results_path`)
+# what makes each kind's cells, for the line `results_path` prints when a folder lacks one (`sweeps.config`)
+KIND_KEYS = {
+    "record": '[sweep] kinds += "record" (with [[models]], [[prompts]])',
+    "coverage": '[sweep] kinds += "record", "coverage" and a [coverage] table (analyses, w_max, shortlist_k ...)',
+    "bench": '[sweep] kinds += "bench" and a [[bench]] table (methods, policies, vocab_sizes)',
+    "calibrate": '[sweep] kinds += "calibrate" and a [[calibrate]] table (methods, grid)',
+}
+
+
+def results_root() -> Path:
+    """The folder a relative results_dir is resolved against: `$SPECVOCAB_RESULTS` when set, else the
+    repository checkout holding this package (the folder with `pyproject.toml` above `sweeps/`), else (an
+    installed wheel) the working directory."""
+    env = os.environ.get(RESULTS_ENV)
+    if env:
+        return Path(env).expanduser()
+    checkout = Path(__file__).resolve().parents[1]
+    return checkout if (checkout / "pyproject.toml").is_file() else Path.cwd()
+
+
+def results_path(results_dir: str | Path, kinds: Sequence[str] = ()) -> Path:
+    """A sweep's --out folder as an absolute path: `results_dir` itself when absolute, else under
+    `results_root()` - the same folder wherever a notebook's kernel starts (JupyterLab starts it in
+    `notebooks/`, papermill in the caller's folder). Prints one line when the folder lacks results of any of
+    `kinds` (the kinds a notebook draws), naming them and the config keys that make them."""
+    path = Path(results_dir).expanduser()
+    if not path.is_absolute():
+        path = results_root() / path
+    if kinds:
+        missing = [k for k in kinds if not result_files(path, k)]
+        if not path.is_dir():
+            print(f"missing: no folder {path} (results_dir {str(results_dir)!r}; a relative one is resolved "
+                  f"against ${RESULTS_ENV} or the checkout's root); run `python -m specvocab.sweeps.run CONFIG "
+                  f"--out {path}` or set results_dir")
+        elif missing:
+            try:
+                ran = set(json.loads((path / MANIFEST).read_text()).get("kinds", []))
+            except (OSError, json.JSONDecodeError):
+                ran = set()
+            print(f"missing in {path}: " + "; ".join(
+                f"{k} cells (in the sweep's config but none finished: rerun its sweeps.run command)" if k in ran
+                else f"{k} cells ({KIND_KEYS.get(k, k)}, then sweeps.run --extend)" for k in missing))
+    return path
+
+
 def result_files(out: str | Path, kind: str | None = None) -> list[Path]:
     pattern = f"kind={_enc(kind)}/*/*/*.parquet" if kind else "kind=*/*/*/*.parquet"
     return sorted(Path(out).glob(pattern))
@@ -378,13 +429,22 @@ def _union_schema(files: list[Path]) -> tuple[dict, bool]:
     return dict(union), castable
 
 
-def load(out: str | Path, kind: str) -> pl.LazyFrame:
+def load(out: str | Path, kind: str, *, analysis: str | None = None, stream: str | None = None
+         ) -> pl.LazyFrame:
     """All finished cells of one kind (record | coverage | bench | calibrate) as one LazyFrame.
 
     Cells may differ in columns (a method with drafter phases, a newer engine's extra column): the scan
     uses the union of every file's schema, filling a file's missing columns with nulls. The hive columns
     `kind`, `model`, `method` allow pruning: `load(d, "bench").filter(pl.col("model") == "...")` reads only
-    that model's files."""
+    that model's files. Bench rows carry the driver's diagnoses (`with_diagnoses`) and `verdict` "exact"
+    on every greedy row whose output equals ar's (`with_exact_verdicts`).
+
+    Coverage: `load(d, "coverage")` holds the four analyses together, each with its own columns (the
+    others' null). `analysis=` ("window" | "shortlist" | "distances" | "miss_ratio") gives one tidy frame
+    instead (`coverage_analysis`): that analysis's cells and columns only, a `task` column whatever the
+    prompt set's split, `by` as a list; `stream="paper"` keeps the papers' candidate stream
+    (`paper_stream()`), else every (k_pre, k_ver, sources) point is there - group by those columns, or the
+    means pool several streams."""
     out = Path(out)
     if not out.is_dir():
         raise SweepError(f"{out} is not a folder; pass the --out folder of `python -m specvocab.sweeps.run`")
@@ -393,15 +453,83 @@ def load(out: str | Path, kind: str) -> pl.LazyFrame:
         kinds = sorted({p.name.split("=", 1)[1] for p in out.glob("kind=*")})
         raise SweepError(f"no {kind!r} results under {out} (kinds present: {kinds or 'none'}); run the sweep "
                          f"with that kind first")
+    if analysis is not None or stream is not None:
+        if kind != "coverage":
+            raise SweepError(f"analysis= and stream= select coverage rows; load(DIR, {kind!r}) takes neither")
+        return coverage_analysis(out, files, analysis, stream)
+    lazy = _scan(files)
+    return with_exact_verdicts(with_diagnoses(lazy, out)) if kind == "bench" else lazy
+
+
+def _scan(files: list[Path]) -> pl.LazyFrame:
+    """The files as one LazyFrame over the union of their schemas (`load`)."""
     schema, castable = _union_schema(files)
     hive = {k: pl.String for k in HIVE_KEYS}
     if castable:
         casts = pl.ScanCastOptions(integer_cast=["upcast", "allow-float"], float_cast="upcast")
-        lazy = pl.scan_parquet(files, hive_partitioning=True, hive_schema=hive, schema=schema,
+        return pl.scan_parquet(files, hive_partitioning=True, hive_schema=hive, schema=schema,
                                missing_columns="insert", cast_options=casts)
-    else:   # a column changed kind between cells (e.g. int in one, string in another): concatenate per file
-        lazy = pl.concat([pl.scan_parquet(f) for f in files], how="diagonal_relaxed")
-    return with_diagnoses(lazy, out) if kind == "bench" else lazy
+    # a column changed kind between cells (e.g. int in one, string in another): concatenate per file
+    return pl.concat([pl.scan_parquet(f) for f in files], how="diagonal_relaxed")
+
+
+STREAM = ("k_pre", "k_ver", "sources")       # the candidate stream's columns (window, distances, miss_ratio)
+LIST_PARAMS = {"by": pl.List(pl.String), "shortlist_k": pl.List(pl.Int64), "capacities": pl.List(pl.Int64)}
+
+
+def paper_stream() -> pl.Expr:
+    """The papers' candidate stream as a filter: prompt, prefill top-3 and verify top-3 (k_pre = k_ver = 3,
+    sources ctx+ext; MicroSpec §3.2, Eq. 4 - SpecConfig's defaults). `load(d, "coverage",
+    analysis="window").filter(paper_stream())` is `load(d, "coverage", analysis="window", stream="paper")`."""
+    d = SpecConfig()
+    return (pl.col("k_pre") == d.k_pre) & (pl.col("k_ver") == d.k_ver) & (pl.col("sources") == d.sources)
+
+
+def _analysis_of(path: Path) -> str | None:
+    first = pl.scan_parquet(path, hive_partitioning=False).select("analysis").head(1).collect()
+    return first["analysis"][0] if first.height else None
+
+
+def coverage_analysis(out: str | Path, files: Sequence[Path], analysis: str | None,
+                      stream: str | None = None) -> pl.LazyFrame:
+    """One coverage analysis of a sweep as a tidy frame (`load(out, "coverage", analysis=..., stream=...)`):
+    the rows and columns of that analysis's cells only (`files`: the coverage result files), `model`,
+    `prompt_set` and `task` first (`engine.metrics.with_task`: the category, or the language in a set split by
+    language), the list-valued cell parameters (`by`, `shortlist_k`, `capacities`) as lists. stream: None
+    (every (k_pre, k_ver, sources) point of the grid) or "paper" (`paper_stream()`; shortlist rows have no
+    stream and are all kept). SweepError when the sweep ran no such analysis, or no row is at the paper's
+    stream."""
+    from specvocab.sweeps.schema import ANALYSES
+
+    if analysis not in ANALYSES:
+        raise SweepError(f"analysis={analysis!r}: choose one of {list(ANALYSES)} (load(DIR, 'coverage') without "
+                         f"analysis= holds them all)")
+    if stream not in (None, "paper"):
+        raise SweepError(f"stream={stream!r}: pass stream='paper' (k_pre = k_ver = 3, sources ctx+ext) or None "
+                         f"(every point; filter k_pre, k_ver, sources yourself)")
+    by_analysis: dict[str, list[Path]] = {}
+    for f in files:
+        by_analysis.setdefault(_analysis_of(f), []).append(f)
+    mine = by_analysis.get(analysis, [])
+    if not mine:
+        raise SweepError(f"no {analysis!r} coverage cells under {out} (analyses present: "
+                         f"{sorted(a for a in by_analysis if a)}); add it to [coverage] analyses and rerun with "
+                         f"--extend")
+    frame = _scan(mine).filter(pl.col("analysis") == analysis).collect()
+    frame = frame.with_columns(pl.col(c).str.json_decode(dtype) for c, dtype in LIST_PARAMS.items()
+                               if frame.schema.get(c) == pl.String)
+    if stream == "paper" and all(c in frame.columns for c in STREAM):
+        at = frame.filter(paper_stream())
+        if at.is_empty():
+            have = frame.select(*STREAM).unique().sort(*STREAM).rows()
+            d = SpecConfig()
+            raise SweepError(f"no {analysis!r} rows at the papers' stream ((k_pre, k_ver, sources) = "
+                             f"{(d.k_pre, d.k_ver, d.sources)}); this sweep has {have}: pass stream=None and "
+                             f"filter those columns")
+        frame = at
+    frame = with_task(frame).drop("panel")
+    first = ["model", "prompt_set", "task"]
+    return frame.select(*first, pl.exclude(first)).lazy()
 
 
 def with_diagnoses(bench: pl.LazyFrame, out: str | Path) -> pl.LazyFrame:
@@ -422,6 +550,27 @@ def with_diagnoses(bench: pl.LazyFrame, out: str | Path) -> pl.LazyFrame:
             .drop([f"{c}__diagnosed" for c in DIAGNOSIS_COLUMNS]))
 
 
+def with_exact_verdicts(bench: pl.LazyFrame) -> pl.LazyFrame:
+    """Bench rows with `verdict` "exact" (`engine.divergence`'s verdict for equal tokens) on every greedy row
+    without one whose output equals ar's for the same model, prompt set, prompt, turn, repeat, seed and
+    max_new_tokens - ar runs in a cell of its own, so a method's cell cannot say so itself, and the driver
+    diagnoses only the rows that differ. A verdict a row has (its cell's, or the driver's diagnosis joined by
+    `with_diagnoses` first: a later turn whose prompt already differed keeps that turn's) stays, as
+    `engine.metrics.row_verdicts` - the tables' verdicts - counts them."""
+    have = bench.collect_schema()
+    need = {*PAIR, "method", "temperature", "output_ids", "verdict"}
+    if not need <= set(have):
+        return bench
+    ar = (bench.filter((pl.col("method") == "ar") & (pl.col("temperature") == 0))
+          .unique(list(PAIR), keep="first", maintain_order=True)
+          .select(*PAIR, pl.col("output_ids").alias("output_ids__ar")))
+    equal = (pl.col("verdict").is_null() & (pl.col("temperature") == 0)
+             & (pl.col("output_ids") == pl.col("output_ids__ar")).fill_null(False))
+    return (bench.join(ar, on=list(PAIR), how="left", maintain_order="left", nulls_equal=True)
+            .with_columns(pl.when(equal).then(pl.lit(VERDICTS[0])).otherwise(pl.col("verdict")).alias("verdict"))
+            .drop("output_ids__ar"))
+
+
 def undiagnosed(bench: pl.DataFrame) -> list[tuple[str, pl.DataFrame]]:
     """(cell id, rows to diagnose) per bench cell that holds greedy rows whose output differs from ar's and
     that carry no verdict: the cell's rows of those prompts with the ar rows they are compared with (same
@@ -431,7 +580,7 @@ def undiagnosed(bench: pl.DataFrame) -> list[tuple[str, pl.DataFrame]]:
             "temperature", "output_ids", "verdict"}
     if not need <= set(bench.columns):
         return []
-    pair = ["model", "prompt_set", "prompt_id", "turn", "repeat", "seed", "max_new_tokens"]
+    pair = list(PAIR)
     greedy = bench.filter(pl.col("temperature") == 0)
     ar = greedy.filter(pl.col("method") == "ar").unique(pair, keep="first").select(*pair, ar_output="output_ids")
     rows = greedy.filter(pl.col("method") != "ar").join(ar, on=pair, how="inner")

@@ -39,9 +39,10 @@ from specvocab.engine.config import SpecConfig
 from specvocab.engine.metrics import (AVG, DRAFTERS, PHASE_MS, PHASES, compare_vocabs, comparison_lines, draft_coverage,
                             summarize, table2_summary, tau, tokens_per_s, with_task)
 from specvocab.sweeps.cell import KINDS, SweepError
-from specvocab.sweeps.results import load
+from specvocab.sweeps.results import load, paper_stream, results_path
 
-__all__ = ["AVG", "PHASES", "with_task"]      # re-exported for the notebooks (defined in engine.metrics)
+# re-exported for the notebooks and for analysis by hand (defined in engine.metrics, sweeps.results)
+__all__ = ["AVG", "PHASES", "with_task", "results_path", "paper_stream"]
 
 # a record cell's scalar columns: enough to say what was recorded without reading the traces' token lists
 RECORD_COLUMNS = ("model", "model_name", "prompt_set", "category", "language", "prompt_id", "turn",
@@ -353,16 +354,38 @@ def method_summary(bench: pl.DataFrame | None) -> pl.DataFrame | None:
         return None
     if bench.filter(pl.col("method") == "ar").is_empty():
         print("note: no ar runs in this sweep: speedup is not defined (add \"ar\" to a [[bench]] entry)")
-    return table2_summary(with_run(bench))
+    return table2_summary(with_run(bench)).join(run_extras(bench), on=["model", "prompt_set", "run"], how="left")
+
+
+def run_extras(bench: pl.DataFrame) -> pl.DataFrame:
+    """Per (model, prompt set, run): `draft_size`, the draft size the run's rows drafted with as text ("60",
+    "48-60" where cells differ, "60 (calibrated)" with the rows' `draft_size_source`; null where no row says,
+    e.g. ar or a bench from before the column), and `languages`, the distinct languages of the prompt set's
+    rows (a set split by language has several: its tasks are languages)."""
+    frame = with_run(bench)
+    size = (pl.col("draft_size").cast(pl.Int64) if "draft_size" in frame.columns else pl.lit(None, pl.Int64))
+    source = (pl.col("draft_size_source").cast(pl.String) if "draft_size_source" in frame.columns
+              else pl.lit(None, pl.String))
+    lang = pl.col("language") if "language" in frame.columns else pl.lit(None, pl.String)
+    frame = frame.with_columns(_size=size, _source=source, _lang=lang)
+    per = frame.group_by("model", "prompt_set", "run").agg(
+        lo=pl.col("_size").min(), hi=pl.col("_size").max(),
+        source=pl.col("_source").drop_nulls().unique().sort().str.join("/"))
+    text = (pl.when(pl.col("lo") == pl.col("hi")).then(pl.col("lo").cast(pl.String))
+            .otherwise(pl.format("{}-{}", "lo", "hi")))
+    text = pl.when(pl.col("source") != "").then(pl.format("{} ({})", text, "source")).otherwise(text)
+    langs = frame.group_by("model", "prompt_set").agg(languages=pl.col("_lang").drop_nulls().n_unique())
+    return (per.select("model", "prompt_set", "run", draft_size=pl.when(pl.col("lo").is_not_null()).then(text))
+            .join(langs, on=["model", "prompt_set"], how="left"))
 
 
 def one_head_tables(bench: pl.DataFrame | None) -> list[tuple[str, pl.DataFrame, list[str]]]:
     """Table 2 on one head: per model, prompt set and drafter (DRAFTERS) benched with two or more vocabulary
     policies, `engine.metrics.summarize` of its runs and ar's over every row (the ALL rows: run, policy,
-    vocab_size, rows, tokens_per_s, speedup, tau, mean_active_vocab, draft_ms, the phases some run spent time
-    in, lossless) and `comparison_lines` (draft-time, tau and tokens/s ratios against full; microspec against
-    frspec and dynaspec; dynaspec against frspec). A list of ("model · prompt set · drafter", table with model
-    and prompt_set first, lines); empty (printed) when no drafter ran two policies."""
+    vocab_size, draft_size (`run_extras`), rows, tokens_per_s, speedup, tau, mean_active_vocab, draft_ms, the
+    phases some run spent time in, lossless) and `comparison_lines` (draft-time, tau and tokens/s ratios against
+    full; microspec against frspec and dynaspec; dynaspec against frspec). A list of ("model · prompt set ·
+    drafter", table with model and prompt_set first, lines); empty (printed) when no drafter ran two policies."""
     out = []
     if bench is not None and {"policy", "vocab_size"} <= set(bench.columns):
         runs = with_run(bench)
@@ -374,9 +397,11 @@ def one_head_tables(bench: pl.DataFrame | None) -> list[tuple[str, pl.DataFrame,
                                & pl.col("method").is_in(["ar", method]))
             table = summarize(rows).filter(pl.col("task") == "all")
             phases = [c for c in PHASE_MS if (table[c].fill_null(0.0) > 0).any()]
-            shown = table.select(pl.lit(model).alias("model"), pl.lit(prompt_set).alias("prompt_set"), "run",
-                                 "policy", "vocab_size", "rows", "tokens_per_s", "speedup", "tau",
-                                 "mean_active_vocab", "draft_ms", *phases, "lossless")
+            sizes = run_extras(rows).select("run", "draft_size")
+            shown = table.join(sizes, on="run", how="left").select(
+                pl.lit(model).alias("model"), pl.lit(prompt_set).alias("prompt_set"), "run", "policy", "vocab_size",
+                "draft_size", "rows", "tokens_per_s", "speedup", "tau", "mean_active_vocab", "draft_ms", *phases,
+                "lossless")
             out.append((f"{model} · {prompt_set} · {method}", shown, comparison_lines(compare_vocabs(table, rows))))
     if not out:
         print("skipped Table 2 on one head: no drafter was benched with two or more vocabulary policies")
@@ -394,16 +419,22 @@ def task_order(summary: pl.DataFrame) -> list[str]:
     return tasks + ([AVG] if AVG in set(summary["task"].to_list()) else [])
 
 
+DRAFT_SIZE = "draft size"          # the column of `methods_wide` / `table_cells` naming each run's draft size
+
+
 def methods_wide(summary: pl.DataFrame) -> pl.DataFrame:
-    """MicroSpec Table 2's layout: one row per (model, prompt set, run), tokens/s per task, then the average
-    tokens/s, its speedup over ar with its 95% bootstrap interval over the tasks (lo, hi), the decode phase's
-    speedup (`engine.metrics`: the prefill and the drafter's pass over the prompt left out) with its interval,
-    and the average tau."""
+    """MicroSpec Table 2's layout: one row per (model, prompt set, run), its draft size (`run_extras`),
+    tokens/s per task, then the average - the unweighted mean over tasks - of tokens/s, its speedup over ar
+    with its 95% bootstrap interval over the tasks (lo, hi), the decode phase's speedup (`engine.metrics`: the
+    prefill and the drafter's pass over the prompt left out) with its interval, and the average tau."""
     tasks = [t for t in task_order(summary) if t != AVG]
     keys = ["model", "prompt_set", "run"]
     wide = (summary.filter(pl.col("task") != AVG).pivot("task", index=keys, values="tokens_per_s",
                                                         aggregate_function="first")
             .select(*keys, *[pl.col(t).round(1) for t in tasks if t in summary["task"].to_list()]))
+    if "draft_size" in summary.columns:
+        sizes = summary.group_by(keys).agg(pl.col("draft_size").first().alias(DRAFT_SIZE))
+        wide = sizes.join(wide, on=keys, how="right").select(*keys, DRAFT_SIZE, pl.exclude(*keys, DRAFT_SIZE))
     avg = summary.filter(pl.col("task") == AVG).select(
         *keys, pl.col("tokens_per_s").round(1).alias("avg tokens/s"), pl.col("speedup").round(2),
         pl.col("speedup_lo").round(2).alias("speedup lo"), pl.col("speedup_hi").round(2).alias("speedup hi"),
@@ -415,10 +446,10 @@ def methods_wide(summary: pl.DataFrame) -> pl.DataFrame:
 
 
 def table_cells(summary: pl.DataFrame) -> pl.DataFrame:
-    """`methods_wide` as long cells for a drawn table: column ("<task>" tokens/s, "avg tokens/s (× ar)",
-    "95% CI (× ar)", "decode × ar", "decode 95% CI", "avg tau"), text and the speedup that colours the cell (the
-    decode phase's for its columns, null for tau). The intervals are `engine.metrics`' speedup_lo / _hi:
-    bootstrap over the tasks."""
+    """`methods_wide` as long cells for a drawn table: column ("draft size", "<task>" tokens/s, "avg tokens/s
+    (× ar)", "95% CI (× ar)", "decode × ar", "decode 95% CI", "avg tau"), text and the speedup that colours
+    the cell (the decode phase's for its columns, null for draft size and tau). The intervals are
+    `engine.metrics`' speedup_lo / _hi: bootstrap over the tasks."""
     cells = summary.select(
         "model", "prompt_set", "run", "task", "speedup",
         column=pl.when(pl.col("task") == AVG).then(pl.lit("avg tokens/s (× ar)")).otherwise(pl.col("task")),
@@ -439,7 +470,11 @@ def table_cells(summary: pl.DataFrame) -> pl.DataFrame:
                   .fill_null("-") for e in ("lo", "hi"))
         return avg.select("model", "prompt_set", "run", task=pl.lit(name), speedup=pl.col(measure),
                           column=pl.lit(column), text=pl.format("{}-{}", lo, hi))
-    return pl.concat([cells, interval("ci", "95% CI (× ar)", "speedup"), decode,
+    size = avg.select("model", "prompt_set", "run", task=pl.lit(DRAFT_SIZE), speedup=pl.lit(None, pl.Float64),
+                      column=pl.lit(DRAFT_SIZE),
+                      text=(pl.col("draft_size") if "draft_size" in avg.columns else pl.lit(None, pl.String))
+                      .fill_null("-"))
+    return pl.concat([size, cells, interval("ci", "95% CI (× ar)", "speedup"), decode,
                       interval("decode ci", "decode 95% CI", "decode_speedup"), tau], how="vertical_relaxed")
 
 
@@ -461,16 +496,19 @@ def phase_times(summary: pl.DataFrame | None) -> pl.DataFrame | None:
 
 def wmax_sweep(bench: pl.DataFrame | None) -> pl.DataFrame | None:
     """MicroSpec Fig. 5: per model, prompt set and drafter (method and its grid fields), the microspec runs
-    at every w_max (`vocab_size`): tokens_per_s (mean), tau, draft_coverage, with the same drafter's
-    full-vocabulary tokens_per_s and tau as `full_tokens_per_s`, `full_tau` (null when not benched). Only
-    where at least two w_max values ran."""
+    at every w_max (`vocab_size`): tokens_per_s (the mean over rows), tau, draft_coverage (token-weighted: the
+    share of all generated tokens, every task pooled, inside the draft vocabulary), rows and new_tokens (their
+    sum), with the same drafter's full-vocabulary tokens_per_s and tau as `full_tokens_per_s`, `full_tau` and
+    ar's on the same model and prompt set as `ar_tokens_per_s` (null when not benched). Only where at least
+    two w_max values ran."""
     if not _present(bench, "the w_max sweep", "policy", "vocab_size"):
         return None
     frame = with_run(bench)
     drafter = pl.col("method") + pl.col("run").str.extract(r"(\(.*\))$").fill_null("")
     frame = frame.with_columns(drafter=drafter)
     keys = ["model", "prompt_set", "drafter"]
-    per = (lambda f: f.agg(tokens_per_s=tokens_per_s(), tau=tau(), draft_coverage=draft_coverage(), rows=pl.len()))
+    per = (lambda f: f.agg(tokens_per_s=tokens_per_s(), tau=tau(), draft_coverage=draft_coverage(), rows=pl.len(),
+                           new_tokens=pl.col("new_tokens").sum()))
     micro = per(frame.filter(pl.col("policy") == "microspec").group_by(*keys, "vocab_size"))
     micro = micro.filter(pl.col("vocab_size").n_unique().over(keys) >= 2)
     if micro.is_empty():
@@ -479,7 +517,9 @@ def wmax_sweep(bench: pl.DataFrame | None) -> pl.DataFrame | None:
         return None
     full = per(frame.filter(pl.col("policy") == "full").group_by(*keys)).select(
         *keys, full_tokens_per_s="tokens_per_s", full_tau="tau")
-    return (micro.join(full, on=keys, how="left").rename({"vocab_size": "w_max"})
+    ar = frame.filter(pl.col("method") == "ar").group_by("model", "prompt_set").agg(ar_tokens_per_s=tokens_per_s())
+    return (micro.join(full, on=keys, how="left").join(ar, on=["model", "prompt_set"], how="left")
+            .rename({"vocab_size": "w_max"})
             .with_columns(default=pl.col("w_max") == DEFAULTS.w_max).sort(*keys, "w_max"))
 
 
@@ -506,16 +546,20 @@ def k_sweep(bench: pl.DataFrame | None) -> pl.DataFrame | None:
 def language_speedup(summary: pl.DataFrame | None) -> pl.DataFrame | None:
     """UniSpec Fig. 4: `method_summary`'s rows of the prompt sets with several languages (task = the
     language), speedup over ar and tau per run, the AVG rows included; a vocabulary policy benched at several
-    sizes shows its default size only (the paper's w_max 3072, FR-Spec's K 32768) when that ran."""
+    sizes shows its default size only (the paper's w_max 3072, FR-Spec's K 32768) when that ran. None (one
+    printed line) when no prompt set holds several languages (`run_extras`' `languages`; the tasks of a
+    Spec-Bench set are categories)."""
     if summary is None:
         return None
-    langs = summary.filter(pl.col("task") != AVG).group_by("prompt_set").agg(n=pl.col("task").n_unique())
+    many = pl.col("languages").fill_null(0) > 1 if "languages" in summary.columns else pl.lit(True)
+    langs = summary.filter((pl.col("task") != AVG) & many).group_by("prompt_set").agg(n=pl.col("task").n_unique())
     bench_sets = [s for s in langs.filter(pl.col("n") > 1)["prompt_set"].to_list()]
     rows = summary.filter(pl.col("prompt_set").is_in(bench_sets))
     if "multilingual" in bench_sets:
         rows = rows.filter(pl.col("prompt_set") == "multilingual")
     if rows.is_empty():
-        print("skipped speedup per language: no bench cells on a prompt set with several languages")
+        print("skipped speedup per language: no bench cells on a prompt set with several languages (add the "
+              "multilingual set, split = \"language\")")
         return None
     # a policy benched at several sizes (the w_max sweep, drawn in 02): only its default size, if it ran
     default = pl.col("policy").replace_strict({"frspec": DEFAULTS.frspec_k, "microspec": DEFAULTS.w_max,

@@ -163,6 +163,7 @@ def test_the_exported_gemma_head_loads_back_to_the_trained_weights_bit_for_bit(t
     that folds in fp16 (each fails the digest)."""
     head = load_eagle_head("specvocab:gemma-3-270m")
     assert head.stored_dtype == "float16" and _digest(head) == TRAINED_GEMMA_HEAD
+    assert torch.equal(head.fc.weight, head.fc.weight.half().float())     # fp16 values, not near them
     model, _, _ = load_model("random-gemma3", seed=0)        # the target only names itself in the config
     again = save_eagle_head(head, tmp_path / "again", target_name="gemma-3-270m",
                             target_weight=model.get_output_embeddings().weight, dtype=torch.float16)
@@ -191,8 +192,8 @@ def test_the_exported_gemma_head_drafts_what_the_unfolded_head_drafts(dtype, tmp
     """The shipped Gemma head in its exported layout (fc folded, scale recorded) and the same weights in the
     unfolded layout (scale taken from the target) draft the same trees and output, both computed here. With
     the digest test above (the exported head is the trained one bit for bit), the shipped head drafts what the
-    trained head drafts. Mutants checked: the unfolded layout's head embedding with the raw table (embed_scale
-    None read as 1), the folded head with the scale left in fc (each changes the trees)."""
+    trained head drafts. Mutant checked: the unfolded layout's head embedded with the raw table (embed_scale
+    None read as 1) changes the trees. (A load that leaves the scale in fc fails the digest test.)"""
     from specvocab.engine.prompts import encode_prompt, load_prompts
     model, tok, info = load_model("gemma-3-270m", dtype=dtype)
     shipped = load_eagle_head("specvocab:gemma-3-270m")
@@ -200,12 +201,12 @@ def test_the_exported_gemma_head_drafts_what_the_unfolded_head_drafts(dtype, tmp
     assert load_eagle_head(str(old)).embed_scale is None and shipped.embed_scale == embed_scale(model)
     p = load_prompts("spec_bench", categories=["summarization"], per_category=1)[0]
     ids = torch.as_tensor(encode_prompt(tok, info, p.turns[:1], [], max_new_tokens=16))
-    runs = [generate(model, ids, method="eagle", max_new_tokens=16, tokenizer=tok, info=info, record=True,
+    runs = [generate(model, ids, method="eagle", max_new_tokens=8, tokenizer=tok, info=info, record=True,
                      draft_size=59, eagle_head=source) for source in ("specvocab:gemma-3-270m", str(old))]
     assert runs[0].output_ids.tolist() == runs[1].output_ids.tolist()
     assert [[r.tree_tokens, r.tree_parents] for r in runs[0].records] == \
         [[r.tree_tokens, r.tree_parents] for r in runs[1].records]
-    assert max(len(r.tree_tokens) for r in runs[0].records) > 32 and runs[0].tau > 1.5      # trees that draft
+    assert max(len(r.tree_tokens) for r in runs[0].records) > 32 and runs[0].tau > 1        # trees that hit
 
 
 def test_the_recipe_is_stated_as_eagles_code_has_it():

@@ -332,3 +332,40 @@ def test_the_sweeps_bench_cells_become_spec_bench_answer_files(results, tmp_path
             assert sum(c["accept_lengths"]) == sum(c["new_tokens"]) and len(c["accept_lengths"]) == sum(c["decoding_steps"])
         if path.stem == "ar":
             assert all(set(a["choices"][0]["accept_lengths"]) == {1} for a in answers)
+
+
+def _run_as_jupyterlab_does(notebook: Path) -> str:
+    """Execute `notebook` unchanged (its own parameters cell, no papermill injection) in a kernel started in
+    the notebooks folder, as JupyterLab's Run All does; returns everything its cells printed."""
+    import jupytext
+    from nbclient import NotebookClient
+
+    nb = jupytext.read(notebook)
+    NotebookClient(nb, kernel_name="python3", timeout=240,
+                   resources={"metadata": {"path": str(notebook.parent)}}).execute()
+    return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                   if o.get("output_type") == "stream")
+
+
+@pytest.mark.timeout(600)
+def test_run_all_from_the_notebooks_folder_finds_the_results(tmp_path, monkeypatch):
+    """A notebook's default `results_dir = "results/quick"` is found under $SPECVOCAB_RESULTS (else the
+    checkout's root) though the kernel starts in notebooks/: 01 draws its figures into results/quick/figures
+    there, and 02, whose bench panels have no bench cells here, says in one line which kind is missing and
+    which config keys make it. Coverage cells written without Ray (`tests.load_testing`)."""
+    from tests.load_testing import write_coverage_sweep
+
+    quick = tmp_path / "results" / "quick"
+    write_coverage_sweep(tmp_path, quick)
+    monkeypatch.setenv("SPECVOCAB_RESULTS", str(tmp_path))          # the kernel inherits this environment
+    by_stem = {p.stem: p for p in notebooks()}
+    printed = _run_as_jupyterlab_does(by_stem["01_coverage"])
+    for name in FIGURES["01_coverage"]:
+        assert (quick / "figures" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (by_stem["01_coverage"].parent / "results").exists()       # nothing written beside the notebook
+    assert "missing in" not in printed
+    printed = _run_as_jupyterlab_does(by_stem["02_sensitivity"])
+    (line,) = [s for s in printed.splitlines() if s.startswith(f"missing in {quick}")]
+    assert "bench cells" in line and "[[bench]]" in line and "coverage cells" not in line
+    assert {p.stem for p in (quick / "figures").glob("*.png")} == {*FIGURES["01_coverage"], "wmax_sensitivity",
+                                                                    "kpre_kver_sensitivity"}

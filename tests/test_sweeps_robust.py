@@ -522,7 +522,7 @@ def test_a_bench_row_that_differs_from_ar_in_another_cell_is_diagnosed(local_ray
     """ar runs in a cell of its own, so a method's cell cannot diagnose its rows as it goes. The driver does it
     after the model's cells (and on a rerun, for rows an earlier run left): a pld row made to differ from ar's
     at its third token gets, through `sweeps.load`, first_divergence 2, ar's margin there and a verdict - the
-    tampered token is not ar's top-2 near-tie, so "mismatch" - while the rows equal to ar's keep none."""
+    tampered token is not ar's top-2 near-tie, so "mismatch" - while the rows equal to ar's read "exact"."""
     from specvocab.engine.divergence import VERDICTS
     from specvocab.sweeps.results import diagnosis_path, load
 
@@ -537,7 +537,11 @@ def test_a_bench_row_that_differs_from_ar_in_another_cell_is_diagnosed(local_ray
     ids = frame["output_ids"].to_list()
     ids[i] = ids[i][:2] + [(ids[i][2] + 1) % 256] + ids[i][3:]       # another byte at the third token
     frame.with_columns(pl.Series("output_ids", ids, dtype=frame.schema["output_ids"])).write_parquet(path)
-    assert load(out, "bench").filter(pl.col("method") == "pld", pl.col("verdict").is_not_null()).collect().height == 0
+    before = load(out, "bench").filter(pl.col("method") == "pld").collect()
+    tampered = ((pl.col("prompt_id") == frame["prompt_id"][i]) & (pl.col("turn") == frame["turn"][i])
+                & (pl.col("repeat") == frame["repeat"][i]))
+    assert before.filter(tampered)["verdict"].to_list() == [None]                   # differs, not diagnosed yet
+    assert set(before.filter(~tampered)["verdict"]) == {"exact"}                    # equal to ar's (sweeps.load)
 
     second = run_sweep(sweep, out, progress=False, show=False)
     assert second.ok and second.diagnosed >= 1 and sum(second.ran.values()) == 0      # nothing re-ran
@@ -546,7 +550,7 @@ def test_a_bench_row_that_differs_from_ar_in_another_cell_is_diagnosed(local_ray
                       pl.col("repeat") == frame["repeat"][i])
     assert hit["first_divergence"].to_list() == [2] and hit["verdict"].to_list() == ["mismatch"]
     assert hit["ar_margin"][0] >= 0 and hit["ar_gap"][0] > 0 and hit["verdict"][0] in VERDICTS
-    judged = rows.filter(pl.col("verdict").is_not_null())             # the tampered row, and later turns of its
+    judged = rows.filter(pl.col("verdict") != "exact")                # the tampered row, and later turns of its
     assert set(judged["prompt_id"]) == {frame["prompt_id"][i]}        # conversation (their prompt differs), only
     assert set(judged["turn"]) <= set(range(frame["turn"][i], 10)) and set(judged["repeat"]) == {frame["repeat"][i]}
     assert "diagnosed" in "\n".join(second.lines())

@@ -24,6 +24,9 @@ Two pipelines (`PIPELINES`):
   forward-only s assumes drafting is free, which a CPU does not grant), the better of floor/ceil of the
   optimum, and a fall-back to the grid when the spline dips far below every measurement.
 
+Over 600 lines on purpose: the fits, the cache's keys and records, and the one resolution of a run's draft
+size and its source read and write one record format, kept in one place.
+
 Every drafting method (`DRAFTING_METHODS`) is calibrated the same way: each reads its draft size from the
 one field `draft_size`, so the same grid measurement, fits and argmax give its g* (UniSpec §3 states Eq. 1-4
 for any tree drafter; App. F's pipeline is the method-independent part). What g is, per method:
@@ -447,6 +450,40 @@ def calibrate_command(cfg: SpecConfig, model) -> str:
 _warned: set[tuple] = set()
 
 
+@dataclass(frozen=True)
+class CalibrationSource:
+    """Where a run's draft size is looked up when its config has none: `records` ({key: calibration record},
+    as `load_calibrations` returns) and the `label` its rows carry as `draft_size_source` -
+    "calibration-cache:<sha8>" (this machine's cache), "calibration-file:<sha8>" (a file a sweep names;
+    sha8: the first 8 hex digits of the file's SHA-256) or "default" (no records: the method's uncalibrated
+    default, whatever the machine's cache holds). `path`: the file read, for messages."""
+
+    records: dict
+    label: str
+    path: str | None = None
+
+
+NO_CALIBRATION = CalibrationSource({}, "default")
+
+
+def file_sha(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes, hex."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def calibration_source(path: str | Path | None = None) -> CalibrationSource:
+    """The records of a calibration file (`path`, labelled "calibration-file:<sha8>") or of this machine's
+    cache (None: `cache_file()`, "calibration-cache:<sha8>"; an absent cache reads as no records)."""
+    file = cache_file() if path is None else Path(path)
+    kind = "calibration-cache" if path is None else "calibration-file"
+    if not file.is_file():
+        if path is not None:
+            raise CalibrationError(f"calibration file {file} does not exist; give the calibration.json a "
+                                   f"calibrate run wrote (`python -m specvocab.engine.jobs.calibrate`)")
+        return CalibrationSource({}, f"{kind}:none", str(file))
+    return CalibrationSource(load_calibrations(file), f"{kind}:{file_sha(file)[:8]}", str(file))
+
+
 def resolve_draft_size(cfg: SpecConfig, model, *, on_missing: str = "fallback", fallback: int | None = None) -> int:
     """`cfg.draft_size` if set, else the cached g* of (model, device, dtype, cfg.method, cfg's calibration
     fields) - for every method in `DRAFTING_METHODS` (UniSpec §3, App. F; what g means per method: the
@@ -454,10 +491,18 @@ def resolve_draft_size(cfg: SpecConfig, model, *, on_missing: str = "fallback", 
     command that calibrates it (`calibrate_command`): `fallback` when given (the harness passes each
     method's: `engine.config.DEFAULT_DRAFT_SIZE`, recycling's whole template), else unispec's
     FALLBACK_DRAFT_SIZE for the device type. `on_missing="error"` raises a CalibrationError instead."""
+    return resolve_draft_size_source(cfg, model, on_missing=on_missing, fallback=fallback)[0]
+
+
+def resolve_draft_size_source(cfg: SpecConfig, model, *, on_missing: str = "fallback", fallback: int | None = None,
+                              source: CalibrationSource | None = None) -> tuple[int, str]:
+    """`resolve_draft_size` and where its g came from: "config" (`cfg.draft_size`), `source.label` (a record
+    of `source`, default this machine's cache: `calibration_source()`) or "default" (the uncalibrated
+    fallback). With `source` given, only its records are read, never the machine's cache."""
     if on_missing not in ("fallback", "error"):
         raise CalibrationError(f"on_missing must be 'fallback' or 'error', got {on_missing!r}")
     if cfg.draft_size is not None:
-        return int(cfg.draft_size)
+        return int(cfg.draft_size), "config"
     if cfg.method not in DRAFTING_METHODS:
         raise CalibrationError(f"method {cfg.method!r} drafts nothing, so it has no draft size to resolve; the "
                                f"drafting methods are {list(DRAFTING_METHODS)}")
@@ -465,30 +510,32 @@ def resolve_draft_size(cfg: SpecConfig, model, *, on_missing: str = "fallback", 
         raise CalibrationError("resolve_draft_size needs the target model (for its device and dtype) when "
                                "cfg.draft_size is None; pass the model or set draft_size")
     key = model_key(model, cfg)
-    rec = load_calibrations().get(key)
+    source = calibration_source() if source is None else source
+    where = source.path or "no calibration file (this run reads none, not even this machine's cache)"
+    rec = source.records.get(key)
     if rec is not None:
         g, code = int(rec["g_star"]), rec.get("code")
-        if code != code_stamp() and (cache_file(), key, "stale") not in _warned:     # once per cache and key
-            _warned.add((cache_file(), key, "stale"))
+        if code != code_stamp() and (where, key, "stale") not in _warned:     # once per file and key
+            _warned.add((where, key, "stale"))
             made = f"code stamp {code}" if code else "no code stamp (an older version)"
             warnings.warn(f"the calibrated draft size g = {g} for {cfg.method} ({key}) was measured by other code "
                           f"({made}; this decoder's is {code_stamp()}): using it, but a kernel or drafter change "
                           f"moves g*; re-measure with `{calibrate_command(cfg, model)}`", stacklevel=2)
-        return g
+        return g, source.label
     dev_type = next(model.parameters()).device.type
     if fallback is None:
         fallback, what = FALLBACK_DRAFT_SIZE.get(dev_type, FALLBACK_DRAFT_SIZE["cuda"]), f"the {dev_type} default"
     else:
         what = f"{cfg.method}'s uncalibrated default"
     msg = (f"no calibrated draft size for {cfg.method} on this model, device, dtype and config ({key}) in "
-           f"{cache_file()}; make one with `{calibrate_command(cfg, model)}` (a few minutes; UniSpec App. F), "
+           f"{where}; make one with `{calibrate_command(cfg, model)}` (a few minutes; UniSpec App. F), "
            f"or pass draft_size=")
     if on_missing == "error":
         raise CalibrationError(msg)
-    if (cache_file(), key) not in _warned:                  # once per cache and key
-        _warned.add((cache_file(), key))
+    if (where, key) not in _warned:                         # once per file and key
+        _warned.add((where, key))
         warnings.warn(f"{msg}; using {what} g = {fallback}", stacklevel=2)
-    return int(fallback)
+    return int(fallback), "default"
 
 
 # ---- records ---------------------------------------------------------------------------------------------

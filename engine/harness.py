@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specvocab.engine.calibration import resolve_draft_size
+from specvocab.engine.calibration import CalibrationSource, resolve_draft_size_source
 from specvocab.engine.config import DEFAULT_DRAFT_SIZE, DRAFTING_METHODS, HF_METHODS, SpecConfig
 from specvocab.engine.drafters import make_drafter
 from specvocab.engine.drafters.recycling import TEMPLATES, template_size
@@ -152,14 +152,16 @@ def _clock(device: torch.device) -> float:
 
 
 def resolve_config(cfg: SpecConfig | None, method: str | None = None, overrides: dict | None = None,
-                   model=None) -> SpecConfig:
+                   model=None, *, calibration: CalibrationSource | None = None,
+                   with_source: bool = False) -> SpecConfig | tuple[SpecConfig, str | None]:
     """The run's config: cfg (default `SpecConfig.preset(method or "ar")`) with `method` and `overrides`
     applied, validated; with `model`, `draft_size=None` is replaced by the method's calibrated size
-    (`default_draft_size`: the cached g* of this model, device, dtype and config, else the uncalibrated
-    default with a warning) and, for `eagle` / `eagle3`, `eagle_head=None` / `eagle3_head=None` by the head
-    shipped for this model (`engine.shipped.default_eagle_head` / `default_eagle3_head`, left None when none
-    ships). The one place a run's draft size
-    and head are decided."""
+    (`default_draft_size`: the g* of this model, device, dtype and config in `calibration` - default this
+    machine's cache - else the uncalibrated default with a warning) and, for `eagle` / `eagle3`,
+    `eagle_head=None` / `eagle3_head=None` by the head shipped for this model (`engine.shipped.default_eagle_head`
+    / `default_eagle3_head`, left None when none ships). The one place a run's draft size and head are decided.
+    with_source: return (cfg, where its draft size came from: "config", the calibration's label - e.g.
+    "calibration-cache:<sha8>" - or "default"; None for a method that drafts nothing)."""
     overrides = dict(overrides or {})
     if cfg is None:
         cfg = SpecConfig.preset(method or "ar", **overrides)
@@ -167,8 +169,9 @@ def resolve_config(cfg: SpecConfig | None, method: str | None = None, overrides:
         if method is not None:
             overrides = {"method": method, **overrides}
         cfg = cfg.replace(**overrides) if overrides else cfg.validate()
+    source = "config" if cfg.draft_size is not None and cfg.method in DRAFTING_METHODS else None
     if model is not None and cfg.draft_size is None:
-        g = default_draft_size(cfg, model)
+        g, source = default_draft_size(cfg, model, calibration=calibration, with_source=True)
         if g is not None:
             cfg = cfg.replace(draft_size=g)
     if model is not None and cfg.method == "eagle" and cfg.eagle_head is None:
@@ -179,7 +182,7 @@ def resolve_config(cfg: SpecConfig | None, method: str | None = None, overrides:
         head = default_eagle3_head(model)
         if head is not None:
             cfg = cfg.replace(eagle3_head=head)
-    return cfg
+    return (cfg, source) if with_source else cfg
 
 
 def max_draft_size(cfg: SpecConfig, model=None) -> int | None:
@@ -225,7 +228,8 @@ def bucket_edge(cfg: SpecConfig, model, g: int) -> int:
     return max(g, edge if cap is None else min(edge, cap))
 
 
-def default_draft_size(cfg: SpecConfig, model) -> int | None:
+def default_draft_size(cfg: SpecConfig, model, *, calibration: CalibrationSource | None = None,
+                       with_source: bool = False) -> int | None | tuple[int | None, str | None]:
     """The draft size of cfg.method when `draft_size` is None: for every drafting method
     (`engine.config.DRAFTING_METHODS`: unispec, recycling, layerskip, eagle, pld, hf-prompt-lookup) the
     calibrated size of this model, device, dtype and config (UniSpec §3, App. F; `resolve_draft_size`),
@@ -233,19 +237,20 @@ def default_draft_size(cfg: SpecConfig, model) -> int | None:
     unispec a per-device FALLBACK_DRAFT_SIZE, recycling its whole static template, the others
     `DEFAULT_DRAFT_SIZE` (engine.config); either at most the draft nodes one fixed-shape forward holds
     (`engine.target.max_tree_nodes`), then raised to its bucket's edge (`bucket_edge`). None for methods
-    that draft nothing (ar)."""
+    that draft nothing (ar). calibration: the records looked up (default this machine's cache,
+    `engine.calibration.calibration_source`); with_source: return (g, its source as `resolve_config` names it)."""
     if cfg.method not in DRAFTING_METHODS:
-        return None
-    if cfg.method == "unispec":
-        g = resolve_draft_size(cfg, model)              # uncalibrated: FALLBACK_DRAFT_SIZE[device type]
+        return (None, None) if with_source else None
+    if cfg.method == "unispec":                         # uncalibrated: FALLBACK_DRAFT_SIZE[device type]
+        g, source = resolve_draft_size_source(cfg, model, source=calibration)
     else:
         fallback = template_size(cfg.recycling_tree) if cfg.method == "recycling" else DEFAULT_DRAFT_SIZE[cfg.method]
-        g = resolve_draft_size(cfg, model, fallback=fallback)
-    if model is None or g is None:
-        return g
-    cap = max_tree_nodes(model, cfg.backend, cfg.fixed_shape, cfg.verify_rows)
-    g = g if cap is None else min(g, cap)                       # the rows a fixed-shape forward has
-    return bucket_edge(cfg, model, g)                           # the largest tree at that forward's cost
+        g, source = resolve_draft_size_source(cfg, model, fallback=fallback, source=calibration)
+    if model is not None and g is not None:
+        cap = max_tree_nodes(model, cfg.backend, cfg.fixed_shape, cfg.verify_rows)
+        g = g if cap is None else min(g, cap)                   # the rows a fixed-shape forward has
+        g = bucket_edge(cfg, model, g)                          # the largest tree at that forward's cost
+    return (g, source) if with_source else g
 
 
 def max_context(model, info=None) -> int:

@@ -73,7 +73,7 @@ PHASES = ("backbone", "router", "gather", "lm_head", "tree")   # drafter phases 
 ROW_SCHEMA = {
     "model": pl.String, "device": pl.String, "dtype": pl.String, "backend": pl.String, "method": pl.String, "run": pl.String,
     "policy": pl.String, "vocab_size": pl.Int64, "dynaspec_k_max": pl.Int64, "draft_head": pl.String,
-    "vocab_file": pl.String, "draft_size": pl.Int64, "max_new_tokens": pl.Int64, "prompt_set": pl.String,
+    "vocab_file": pl.String, "draft_size": pl.Int64, "draft_size_source": pl.String, "max_new_tokens": pl.Int64, "prompt_set": pl.String,
     "prompt_id": pl.String,
     "category": pl.String, "language": pl.String, "turn": pl.Int32,
     "repeat": pl.Int32, "prompt_tokens": pl.Int64, "new_tokens": pl.Int64, "steps": pl.Int64,

@@ -18,6 +18,11 @@ the one check that needs tokenizers (below), which `sweeps.run` makes before any
                                          # `generate` finds unispec's default draft size; false: results only;
                                          # a folder: its calibration.json instead. Default: true on a local
                                          # Ray, false under --address (a cluster's workers are not your machine)
+    # calibration = "cal.json"           # bench cells of methods no [[calibrate]] entry covers take g* from this
+                                         # calibration file (hashed in sweep.json); without it, the method's
+                                         # uncalibrated default. The machine's own cache is never read.
+    # draft_sizes = "calibrate"          # instead of that default: a calibrate cell per bench point that needs
+                                         # one (default grid), its g* for the point's bench cells
     max_crashes = 3                      # actor deaths per model (after Ray's own restarts) before the sweep
                                          # stops that model: its remaining cells fail, naming the count
     timing = "exclusive"                 # on CPUs, the timed cells (calibrate, bench) run one at a time per
@@ -85,8 +90,10 @@ for its model, runs at the g* of the calibrate cell with the same calibration se
 target's backend, ...); its parameters name that cell (`calibrate_cell`), and it fails, naming it, if that
 cell has no result (`sweeps.model_cells.bench_cell`), rather than run at another size. A bench point of a
 calibrated method that no calibrate cell matches is a config error naming the settings that differ. Bench
-cells of methods the sweep does not calibrate take the engine's default (`engine.harness.resolve_config`:
-a calibration cached on the machine, else the method's uncalibrated default with a warning).
+cells of methods the sweep does not calibrate take their g* from the calibration file `[sweep] calibration`
+names (hashed in `sweep.json`; a cell whose key it lacks fails, naming the key), else the method's
+uncalibrated default - never from the machine's calibration cache (`sweeps.plan.draft_size_source`; the
+dry-run and the summary list each cell's source, its rows carry it as `draft_size_source`).
 
 Run-time settings - `[timeouts]`, `[sweep] max_crashes` and `timing`, a model's `memory` and `num_cpus` - change how cells
 are run, not what they compute: they are left out of the config hash (`sweep.json`), so an output folder
@@ -286,6 +293,16 @@ def parse_sweep(config: dict, default_name: str = "sweep") -> Sweep:
         raise SweepError(f"[sweep].calibration_cache: {cal_cache!r} is not true (the calibration cache of the "
                          f"machine a calibrate cell runs on), false (results only) or a folder")
 
+    calibration = top.get("calibration")
+    if calibration is not None:
+        if not isinstance(calibration, str) or not calibration:
+            raise SweepError(f"[sweep].calibration: {calibration!r} is not a path; give the calibration.json a "
+                             f"calibrate run wrote (its records give the bench cells' draft sizes)")
+        calibration = str(Path(calibration).expanduser().resolve())
+        if not Path(calibration).is_file():
+            raise SweepError(f"[sweep].calibration: {calibration} does not exist; give the calibration.json a "
+                             f"calibrate run wrote, or leave the key out")
+
     model_specs = config.get("models")
     if not isinstance(model_specs, list) or not model_specs:
         raise SweepError("the sweep needs at least one [[models]] entry with a `name`")
@@ -312,11 +329,16 @@ def parse_sweep(config: dict, default_name: str = "sweep") -> Sweep:
     if isinstance(delay_s, bool) or not isinstance(delay_s, (int, float)) or delay_s < 0:
         raise SweepError(f"[testing].delay_s must be a number of seconds >= 0, got {delay_s!r}")
 
+    draft_sizes = top.get("draft_sizes", "default")
+    if draft_sizes not in ("default", "calibrate"):
+        raise SweepError(f"[sweep].draft_sizes: {draft_sizes!r} is not \"default\" (a method no [[calibrate]] entry, "
+                         f"calibration file or draft_size covers runs at its uncalibrated default) or \"calibrate\" "
+                         f"(the sweep adds a calibrate cell for it)")
     cells = expand_cells(config, kinds, models, entries, max_new=max_new, repeats=repeats, warmup=warmup,
-                         seeds=seeds, dtype=dtype)
+                         seeds=seeds, dtype=dtype, draft_sizes=draft_sizes)
     return Sweep(name=name, config=config, config_hash=digest(config_identity(config)), kinds=tuple(kinds),
                  models=tuple(models), cells=tuple(cells), dtype=dtype, calibration_cache=cal_cache,
                  crash_once=crash_once, delay_s=float(delay_s), timeouts=timeouts, max_crashes=max_crashes,
                  timing=timing,
                  calibration_cache_set="calibration_cache" in top, crash=bool(crash), hang=hang,
-                 prompt_entries=tuple(entries))
+                 calibration=calibration, prompt_entries=tuple(entries))

@@ -20,7 +20,9 @@ and returns a polars frame; writing it is the driver's job.
   row per prompt, turn and repeat. Its untimed warm-up runs once per actor process and configuration. A cell
   that names a `calibrate_cell` (`sweeps.plan`: a method the sweep calibrates, no draft_size of its own)
   runs at that cell's g*, which the driver passes in its config (`sweeps.run`); without it the cell fails,
-  naming the calibrate cell, rather than run at another size.
+  naming the calibrate cell, rather than run at another size. Other bench cells of drafting methods take g*
+  from the calibration file the driver sends (`CALIBRATION`; a key it lacks fails the cell, naming it) or the
+  method's uncalibrated default: never from this machine's calibration cache.
 - calibrate: `engine.jobs.calibrate.calibrate` (UniSpec §3, App. F) for any drafting method (and vocabulary
   policy) -> the measured tau(g), s(g), the fitted curves and g* (`engine.calibration.calibration_curves`),
   with g*, the device and dtype on every row; the record also goes into the calibration cache of the machine
@@ -35,6 +37,7 @@ import json
 import os
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import polars as pl
@@ -42,8 +45,9 @@ import torch
 
 from specvocab.engine.jobs.bench import diagnose, run_bench
 from specvocab.engine.jobs.calibrate import calibrate, calibration_prompts
-from specvocab.engine.calibration import cache_file, calibration_curves, save_calibration
-from specvocab.engine.config import REQUESTED_SIZE, SpecConfig
+from specvocab.engine.calibration import (NO_CALIBRATION, CalibrationSource, cache_file, calibration_curves,
+                                         model_key, save_calibration)
+from specvocab.engine.config import DRAFTING_METHODS, REQUESTED_SIZE, SpecConfig
 from specvocab.engine.jobs.frequency import default_frequency_file
 from specvocab.engine.atomic import atomic_dir
 from specvocab.engine.models import cache_root, eos_token_ids, load_model
@@ -63,6 +67,10 @@ _LOADS = 0          # models loaded by this process (one per actor process: test
 
 
 SHIPPED = "shipped_prompts"     # a run-time key of a cell's params: the driver's prompts (never in its id)
+# a run-time key of a bench cell's params: {"records", "label", "path"} of the calibration file `[sweep]
+# calibration` names, sent by the driver; without it a cell takes the method's uncalibrated default. Either
+# way the worker's own calibration cache is never read (`engine.calibration.CalibrationSource`)
+CALIBRATION = "calibration_records"
 # the data root files that cells read on the worker beyond their own prompts (see the module docstring)
 WORKER_DATA = (("train_corpus", "prompts.jsonl"),)
 
@@ -165,6 +173,17 @@ def bench_cell(p: dict, loaded, method: str, threads: int | None, warmup: int | 
                          f"summary names its error) and run the same command again - finished cells are skipped - "
                          f"or set params.draft_size in the [[bench]] entry for a hand-set size")
     args = {k: config.pop(k) for k in _BENCH_ARGS if k in config}
+    source = NO_CALIBRATION
+    if p.get(CALIBRATION) is not None:
+        source = CalibrationSource(**p[CALIBRATION])
+        if config.get("draft_size") is None and method in DRAFTING_METHODS:
+            key = model_key(loaded[0], SpecConfig.preset(method, **config))
+            if key not in source.records:
+                near = sorted(k for k in source.records if k.split("|")[3:4] == [method])
+                raise SweepError(f"the calibration file {source.path} ({source.label}, [sweep] calibration) has no "
+                                 f"g* for {key}: it was calibrated for another model, device, dtype or config "
+                                 f"({len(near)} {method} records: {near[:2]}); calibrate here (a [[calibrate]] "
+                                 f"entry), give a file made on this machine, or set params.draft_size")
     with tempfile.TemporaryDirectory(prefix="sweep-prompts-") as tmp:
         # the driver's prompts, as a prompt file run_bench reads (else the set by name, from this machine)
         path = _prompt_file(select_prompts(p), Path(tmp)) if p.get(SHIPPED) is not None else None
@@ -173,7 +192,8 @@ def bench_cell(p: dict, loaded, method: str, threads: int | None, warmup: int | 
                   "languages": p["languages"]})
         return run_bench(model=p["model_name"], methods=[method], **where, max_new_tokens=p["max_new_tokens"],
                          repeats=p["repeats"], warmup=p["warmup"] if warmup is None else warmup, seed=p["seed"],
-                         threads=threads, config=config, loaded=loaded, progress=False, show=False, **args)
+                         threads=threads, config=config, loaded=loaded, progress=False, show=False,
+                         calibration=source, **args)
 
 
 def calibration_file(cache: bool | str | None) -> Path | None:
@@ -270,6 +290,15 @@ class ModelWorker:
         os._exit(1)                    # a hard death, as a segfault or the OOM killer would cause
 
     def run(self, kind: str, method: str, params: dict) -> tuple[pl.DataFrame, dict]:
+        """One cell -> (its frame, stats); stats["warnings"]: the distinct warnings the cell raised, one line
+        each, for the driver to print (a Ray worker's own stderr does not reach the driver's console)."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            frame, stats = self._run(kind, method, params)
+        seen = dict.fromkeys(f"{w.category.__name__}: {w.message}" for w in caught)
+        return frame, {**stats, "warnings": list(seen)}
+
+    def _run(self, kind: str, method: str, params: dict) -> tuple[pl.DataFrame, dict]:
         began = time.time()
         self._maybe_crash()
         time.sleep(self.delay_s)

@@ -10,7 +10,9 @@ calibration key are read from `engine.catalog` and `engine.config`.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+from pathlib import Path
 
 from specvocab.engine.catalog import known_methods, shipped_eagle3_heads, shipped_heads
 from specvocab.engine.config import DRAFTING_METHODS, POLICIES, REQUESTED_SIZE, SpecConfig, calibration_fields
@@ -23,10 +25,13 @@ from specvocab.sweeps.schema import (ANALYSES, BY, COVERAGE_DEFAULTS, SECTION_KE
 
 
 def expand_cells(config: dict, kinds: list[str], models: list[ModelSpec], entries: list[PromptEntry], *,
-                 max_new: int, repeats: int, warmup: int, seeds: list, dtype: str | None) -> list[Cell]:
+                 max_new: int, repeats: int, warmup: int, seeds: list, dtype: str | None,
+                 draft_sizes: str = "default") -> list[Cell]:
     """Every cell of the sweep, in a fixed order: per model its record cells (prompt entry x split value),
     calibrate cells and bench cells; then the coverage cells. A SweepError names the first problem of a grid
-    section, or cells the grid repeats."""
+    section, or cells the grid repeats. draft_sizes ("default" | "calibrate", `[sweep] draft_sizes`): what a
+    bench point of a drafting method runs at when no draft_size, calibrate cell or calibration file gives one -
+    the method's uncalibrated default, or the g* of a calibrate cell added here for it (`_bench_cells`)."""
     common = {"dtype": dtype}
     rec = config.get("record", {})
     check_keys(rec, SECTION_KEYS["record"], "[record]")
@@ -46,7 +51,11 @@ def expand_cells(config: dict, kinds: list[str], models: list[ModelSpec], entrie
         calibrations = _calibrate_cells(config, m, base, max_new) if "calibrate" in kinds else []
         cells += calibrations
         if "bench" in kinds:
-            cells += _bench_cells(config, m, base, entries, max_new, repeats, warmup, seeds, calibrations)
+            added: list[Cell] = []
+            bench = _bench_cells(config, m, base, entries, max_new, repeats, warmup, seeds, calibrations,
+                                 added if draft_sizes == "calibrate" and not config.get("sweep", {}).get("calibration")
+                                 else None)
+            cells += added + bench
     if "coverage" in kinds:
         cells += _coverage_cells(config, models, entries, record_ids, record_topk)
 
@@ -132,7 +141,10 @@ def _calibrated_by(method: str, cfg: SpecConfig, calibrations: list[Cell], where
 
 
 def _bench_cells(config, m: ModelSpec, base: dict, entries, max_new, repeats, warmup, seeds,
-                 calibrations: list[Cell] = ()) -> list[Cell]:
+                 calibrations: list[Cell] = (), added: list[Cell] | None = None) -> list[Cell]:
+    """The bench cells of model `m`. added: when a list, a bench point of a drafting method that no calibrate
+    cell covers (and with no draft_size) gets one of its own, appended there (default grid, 5 prompts, 2
+    warm-up), and runs at its g* - calibrating on the spot."""
     benches = config.get("bench", [])
     if not isinstance(benches, list) or not benches:
         raise SweepError("[sweep].kinds lists 'bench' but there is no [[bench]] entry; add one with `methods`")
@@ -154,7 +166,21 @@ def _bench_cells(config, m: ModelSpec, base: dict, entries, max_new, repeats, wa
             vocab_size = None if size_field is None else int(getattr(cfg, size_field))
             link = {}
             if method in DRAFTING_METHODS and point.get("draft_size") is None:
-                source = _calibrated_by(method, cfg, list(calibrations), where)
+                if added is None:
+                    source = _calibrated_by(method, cfg, list(calibrations), where)
+                else:
+                    try:
+                        source = _calibrated_by(method, cfg, [*calibrations, *added], where)
+                    except SweepError:                      # calibrated under other settings: add these
+                        source = None
+                    if source is None:
+                        fields_cal = {**point, **({"vocab": policy} if policy != "full" else {}),
+                                      **({size_field: size} if size is not None else {})}
+                        cal = Cell("calibrate", m.label, method, {**base, "grid": None, "prompts": 5, "warmup": 2,
+                                                                  "max_new_tokens": new, "policy": policy,
+                                                                  "vocab_size": vocab_size, "config": fields_cal})
+                        added.append(cal)
+                        source = cal.id
                 link = {} if source is None else {"calibrate_cell": source}
             for seed in seeds:
                 for e in (e for e in entries if e.set in sets):
@@ -235,10 +261,59 @@ def _coverage_cells(config, models, entries, record_ids, record_topk) -> list[Ce
     return cells
 
 
+def calibration_sha(sweep: Sweep) -> str | None:
+    """The SHA-256 (hex) of the calibration file `[sweep] calibration` names; None without one."""
+    if sweep.calibration is None:
+        return None
+    return hashlib.sha256(Path(sweep.calibration).read_bytes()).hexdigest()
+
+
+def draft_size_source(cell: Cell, sha: str | None = None) -> str | None:
+    """Where a bench cell's draft size comes from, decided before it runs: "config" (params.draft_size),
+    "calibrate-cell" (the g* of the sweep's calibrate cell it names, `calibrate_cell`),
+    "calibration-file:<sha8>" (a record of `[sweep] calibration`, whose SHA-256 is `sha`) or "default" (the
+    method's uncalibrated default); None for cells that draft nothing (record, calibrate, coverage, ar).
+    The machine's calibration cache is none of these: a sweep never reads it."""
+    if cell.kind != "bench" or cell.method not in DRAFTING_METHODS:
+        return None
+    if cell.params["config"].get("draft_size") is not None:
+        return "config"
+    if cell.params.get("calibrate_cell"):
+        return "calibrate-cell"
+    return f"calibration-file:{sha[:8]}" if sha else "default"
+
+
+def draft_size_sources(sweep: Sweep) -> dict[str, str | None]:
+    """{cell id: `draft_size_source`} of every cell of the sweep."""
+    sha = calibration_sha(sweep)
+    return {c.id: draft_size_source(c, sha) for c in sweep.cells}
+
+
+def mixed_sources(sweep: Sweep, sources: dict[str, str | None] | None = None) -> list[str]:
+    """One line per drafting method whose bench cells take their draft sizes from different kinds of source
+    on different models ("eagle: draft sizes from calibrate-cell (smollm2), default (gemma)"): their speedups
+    compare a measured g* with a guess. [] when every method's models agree."""
+    sources = draft_size_sources(sweep) if sources is None else sources
+    per: dict[str, dict[str, set]] = {}
+    for c in sweep.cells:
+        src = sources.get(c.id)
+        if src is not None:
+            per.setdefault(c.method, {}).setdefault(src.split(":")[0], set()).add(c.model)
+    lines = []
+    for method, kinds in per.items():
+        models = {m for ms in kinds.values() for m in ms}
+        if len(kinds) > 1 and len(models) > 1:
+            what = ", ".join(f"{k} ({', '.join(sorted(ms))})" for k, ms in sorted(kinds.items()))
+            lines.append(f"{method}: draft sizes from {what}")
+    return lines
+
+
 def plan(sweep: Sweep) -> list[dict]:
-    """Per cell: kind, model, method, id, prompt turns and the most tokens it can generate (turns x
+    """Per cell: kind, model, method, id, its draft size's source (`draft_size_source`), prompt turns and the
+    most tokens it can generate (turns x
     max_new_tokens x repeats; calibrate: prompts x grid points; coverage: 0) - for `sweeps.run --dry-run`."""
     turns: dict[str, int] = {}
+    sources = draft_size_sources(sweep)
     rows = []
     for c in sweep.cells:
         p = c.params
@@ -254,6 +329,6 @@ def plan(sweep: Sweep) -> list[dict]:
         elif c.kind == "calibrate":
             n_turns = p["prompts"] + p["warmup"]
             tokens = p["prompts"] * p["max_new_tokens"] * (len(p["grid"]) if p["grid"] else 10)
-        rows.append({"kind": c.kind, "model": c.model, "method": c.method, "cell_id": c.id, "turns": n_turns,
-                     "tokens": tokens})
+        rows.append({"kind": c.kind, "model": c.model, "method": c.method, "cell_id": c.id,
+                     "draft_size_source": sources[c.id], "turns": n_turns, "tokens": tokens})
     return rows

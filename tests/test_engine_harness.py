@@ -353,7 +353,8 @@ def test_unispec_draft_size_comes_from_the_harness_not_the_drafter(small, monkey
     """g* is looked up once per generate, where the config is resolved; the drafter only reads draft_size."""
     model, info = small
     calls = []
-    monkeypatch.setattr(harness, "resolve_draft_size", lambda cfg, m: calls.append(cfg.method) or 3)
+    monkeypatch.setattr(harness, "resolve_draft_size_source",
+                        lambda cfg, m, **kw: calls.append(cfg.method) or (3, "calibration-cache:test"))
     out = generate(model, list(range(30, 60)), method="unispec", info=info, max_new_tokens=12, eos_ids=[])
     assert calls == ["unispec"]
     assert out.draft_tokens <= 3 * (out.steps - 1) and out.draft_tokens > 0

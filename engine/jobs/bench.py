@@ -28,8 +28,10 @@ round(k_max * V / M); null for full) and `run`, the `--vocab` label as given (`f
 of one policy bench side by side. `dynaspec_k_max` is the k_max a dynaspec run used (null otherwise),
 `vocab_file` the frspec ranking or fitted DynaSpec it read, `draft_head` the drafter's head (eagle: the head's
 source - `drafter.head_source` where the drafter resolves one, else `eagle_head`; layerskip: `drafter_layers`).
-`draft_size` is the run's resolved draft size (`engine.harness.resolve_config`), `g` the mean draft tokens
-per step it actually proposed. `frspec` without `--set frequency_file=...` counts a default ranking on
+`draft_size` is the run's resolved draft size (`engine.harness.resolve_config`), `draft_size_source` where it
+came from ("config": `--set draft_size=N`; "calibration-cache:<sha8>": this machine's calibration cache,
+sha8 the first 8 hex digits of its file's SHA-256; "default": the method's uncalibrated default; in a sweep
+also "calibrate-cell" and "calibration-file:<sha8>"), `g` the mean draft tokens per step it actually proposed. `frspec` without `--set frequency_file=...` counts a default ranking on
 the training corpus (`engine.jobs.frequency.default_frequency_file`, cached) and says which; `dynaspec` without
 `--set dynaspec_file=...` takes the newest fit for this head and drafter (`engine.vocab.dynaspec.find_fitted`).
 
@@ -95,6 +97,7 @@ from specvocab.engine.config import POLICIES, REQUESTED_SIZE, ConfigError, SpecC
 from specvocab.engine.divergence import diagnose_rows, next_logits
 from specvocab.engine.drafters import available_methods, make_drafter
 from specvocab.engine.vocab.dynaspec import find_fitted, fitted_sizes, k_max_for_tokens, tokens_for_k_max
+from specvocab.engine.calibration import CalibrationSource
 from specvocab.engine.harness import generate, resolve_config
 from specvocab.engine.models import eos_token_ids, load_model
 from specvocab.engine.prompts import Prompt, decode_answer, encode_prompt, load_prompts
@@ -130,6 +133,7 @@ class Run:
     cfg: SpecConfig
     size: int | None = None
     draft_head: str | None = None
+    draft_size_source: str | None = None    # where draft_size came from (`engine.harness.resolve_config`)
 
     @property
     def policy(self) -> str:
@@ -296,7 +300,7 @@ def run_bench(model: str = "smollm2-135m-instruct", methods: str | Sequence[str]
               warmup: int = 1, out: str | Path | None = None, temperature: float = 0.0, top_p: float = 1.0,
               seed: int = 0, device: str | None = None, dtype=None, threads: int | None = None,
               config: dict | None = None, loaded=None, resume: bool = False, progress: bool = True,
-              show: bool = True) -> pl.DataFrame:
+              show: bool = True, calibration: CalibrationSource | None = None) -> pl.DataFrame:
     """Run every run (see `plan_runs`) on every prompt `repeats` times; returns (and writes) one row per run,
     prompt, turn and repeat.
 
@@ -308,6 +312,9 @@ def run_bench(model: str = "smollm2-135m-instruct", methods: str | Sequence[str]
     threads: torch.set_num_threads for the bench (restored afterwards); recorded per row.
     device / dtype: for `load_model` (None: `kernels.hardware`'s defaults; strings as `--dtype`).
     config: further SpecConfig fields for every run (e.g. {"draft_size": 5, "drafter_layers": "first:4"}).
+    calibration: where a run without draft_size looks up its g* (default this machine's calibration cache;
+    `engine.calibration.NO_CALIBRATION`: the method's uncalibrated default); every row's `draft_size_source`
+    says which ("config", "calibration-cache:<sha8>", "calibration-file:<sha8>", "default").
     """
     if repeats < 1 or warmup < 0:
         raise BenchError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
@@ -322,13 +329,14 @@ def run_bench(model: str = "smollm2-135m-instruct", methods: str | Sequence[str]
     try:
         return _bench(runs, model, prompts, per_category=per_category, categories=categories, languages=languages,
                       max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup, out=out, device=device,
-                      dtype=dtype, loaded=loaded, resume=resume, progress=progress, show=show)
+                      dtype=dtype, loaded=loaded, resume=resume, progress=progress, show=show,
+                      calibration=calibration)
     finally:
         torch.set_num_threads(old_threads)
 
 
 def _bench(runs: list[Run], model, prompts, *, per_category, categories, languages, max_new_tokens, repeats,
-           warmup, out, device, dtype, loaded, resume, progress, show) -> pl.DataFrame:
+           warmup, out, device, dtype, loaded, resume, progress, show, calibration=None) -> pl.DataFrame:
     # the prompts first: an unknown set, a bad filter or a missing data root stops the bench before a model loads
     prompt_list = load_prompts(prompts, per_category=per_category, categories=categories, languages=languages)
     if not prompt_list:
@@ -341,7 +349,8 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
         loaded = load_model(model, device=device, dtype=dtype)
     target, tokenizer, info = loaded
     # each run's draft size decided once, here (unispec: its calibrated g*; see engine.harness)
-    runs = [replace(r, cfg=resolve_config(r.cfg, model=target)) for r in runs]
+    resolved = [resolve_config(r.cfg, model=target, calibration=calibration, with_source=True) for r in runs]
+    runs = [replace(r, cfg=cfg, draft_size_source=source) for r, (cfg, source) in zip(runs, resolved)]
     param = next(target.parameters())
     dev, dtype_name = str(param.device), str(param.dtype).removeprefix("torch.")
     eos = eos_token_ids(target, tokenizer)
@@ -380,6 +389,7 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
                 "policy": run.policy, "vocab_size": run.vocab_size,
                 "dynaspec_k_max": cfg.dynaspec_k_max if run.policy == "dynaspec" else None,
                 "draft_head": run.draft_head, "vocab_file": run.vocab_file, "draft_size": cfg.draft_size,
+                "draft_size_source": run.draft_size_source,
                 "max_new_tokens": cfg.max_new_tokens, "prompt_set": p.prompt_set, "prompt_id": str(p.prompt_id),
                 "category": p.category, "language": p.language, "turn": turn, "repeat": repeat,
                 "prompt_tokens": len(ids),

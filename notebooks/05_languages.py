@@ -30,7 +30,6 @@ out_dir = ""                     # default: {results_dir}/figures
 # %%
 # %load_ext autoreload
 # %autoreload 2
-import altair as alt
 import polars as pl
 
 from specvocab.sweeps import charts, tables
@@ -46,32 +45,13 @@ multilingual = tables.languages_only(coverage, "temporal locality across languag
 
 # %%
 dist = tables.distances(multilingual)
-if dist is not None:
-    reuse = dist.filter(pl.col("metric") == "reuse_distance").with_columns(
-        stream=pl.col("stream").replace({"generated": "generated tokens only",
-                                         "candidate": "MicroSpec candidate stream"}))
-    langs = reuse["panel"].unique().sort().to_list()
-    enc = dict(x=charts.log2_axis("bin_hi:Q", "reuse distance (stream entries; bin upper edge)", ticks=charts.POW2),
-               color=alt.Color("panel:N", title="language", sort=langs, scale=charts.color_scale(len(langs))),
-               tooltip=["panel", "stream", "bin_lo", "bin_hi", "count", alt.Tooltip("fraction:Q", format=".1%"),
-                        alt.Tooltip("cum_fraction:Q", format=".1%"),
-                        alt.Tooltip("new_fraction:Q", format=".1%", title="never seen before")])
-    column = alt.Column("stream:N", title=None, header=alt.Header(labelFontWeight="bold", labelFontSize=13))
-    share = alt.Chart(reuse).mark_line(point=True).encode(
-        y=alt.Y("fraction:Q", title="share of generated tokens", axis=alt.Axis(format="%")), **enc
-    ).properties(width=330, height=190).facet(column=column)
-    cdf = alt.Chart(reuse).mark_line(point=True, interpolate="step-after").encode(
-        y=alt.Y("cum_fraction:Q", title="cumulative share (= FIFO window coverage)", axis=alt.Axis(format="%"),
-                scale=alt.Scale(domain=[0, 1])), **enc
-    ).properties(width=330, height=190).facet(column=column)
-    chart = alt.vconcat(share, cdf).properties(title=charts.title(
-        "Reuse-distance distributions of generated tokens, per language", multilingual, record,
-        notes=["reuse distance: stream entries since the token's last occurrence; top: share per power-of-two "
-               "bin; bottom: cumulative (never-seen tokens keep it below 100 %)"]))
+chart = charts.reuse_distance_by_language(dist, multilingual, record)
+if chart is not None:
     charts.save_chart(chart, out_dir, "reuse_distance_by_language")
     display(chart)  # noqa: F821 (IPython)
-    never = reuse.group_by("panel", "stream").agg(pl.col("new_fraction").first().alias("never seen before"))
-    display(never.sort("stream", "panel"))  # noqa: F821 (IPython)
+    reuse = dist.filter(pl.col("metric") == "reuse_distance")
+    display(reuse.group_by("panel", "stream").agg(pl.col("new_fraction").first().alias("never seen before"))
+            .sort("stream", "panel"))  # noqa: F821 (IPython)
 
 # %% [markdown]
 # ## Coverage per language: against w_max, and against vocabulary size beside static shortlists

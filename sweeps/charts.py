@@ -370,27 +370,49 @@ def wmax_sensitivity(window: pl.DataFrame | None, sweep: pl.DataFrame | None, be
                     bench if sweep is not None else coverage, record, notes=notes))
 
 
-def kpre_kver_sensitivity(grid: pl.DataFrame, coverage: pl.DataFrame, record: pl.DataFrame | None = None):
+def _counts_text(frame: pl.DataFrame, keys: Sequence[str], prefix: str, what: str = "generated tokens",
+                 tokens: str = "tokens") -> pl.DataFrame:
+    """One "tokens" row per panel (`keys`): `prefix` and the largest `tokens` of its rows (every point of
+    the panel is computed over the same traces) as `text`."""
+    return (frame.group_by(*keys).agg(pl.col(tokens).max().alias("_n"))
+            .select(*keys, layer=pl.lit("tokens"), text=pl.col("_n").map_elements(
+                lambda n: prefix + token_note(n, what), return_dtype=pl.String)))
+
+
+def kpre_kver_sensitivity(grid: pl.DataFrame | None, coverage: pl.DataFrame | None,
+                          record: pl.DataFrame | None = None):
     """The window's coverage and mean active vocabulary against w_max for each (k_pre, k_ver)
-    (`tables.window_coverage(..., at_default=False)`): a facet row per model, a column per prompt set."""
-    enc = dict(x=log2_axis("w_max:Q", W_MAX_AXIS, ticks=POW2),
-               color=alt.Color("k_pre:O", title="k_pre", scale=alt.Scale(scheme="dark2")),
+    (`tables.window_coverage(..., at_default=False)`): a facet row per model, a column per prompt set; each
+    panel names the generated tokens each point rests on. None when `grid` is None (`tables.window_coverage`
+    printed why)."""
+    if grid is None:
+        return None
+    models = sorted(grid["model"].unique())
+    x = log2_axis("w_max:Q", W_MAX_AXIS, ticks=POW2)
+    enc = dict(x=x, color=alt.Color("k_pre:O", title="k_pre", scale=alt.Scale(scheme="dark2")),
                strokeDash=alt.StrokeDash("k_ver:O", title="k_ver", legend=stroke_legend()),
                detail="stream:N",
                tooltip=["model", "prompt_set", "stream", "w_max", alt.Tooltip("coverage:Q", format=".1%"),
-                        alt.Tooltip("mean_active_vocab:Q", format=".0f")])
-    facet = dict(row=alt.Row("model:N", title=None, header=alt.Header(labelFontWeight="bold")),
+                        alt.Tooltip("mean_active_vocab:Q", format=".0f"), "tokens"])
+    data = pl.concat([grid.with_columns(layer=pl.lit("curve")),
+                      _counts_text(grid, ["model", "prompt_set"], "per point: ")], how="diagonal_relaxed")
+    curve = alt.Chart().transform_filter(alt.datum.layer == "curve").mark_line(point=True)
+    size = dict(width=260, height=200)
+    facet = dict(row=model_row(models),
                  column=alt.Column("prompt_set:N", title=None, header=alt.Header(labelFontWeight="bold")))
-    cov_chart = alt.Chart(grid).mark_line(point=True).encode(
-        y=alt.Y("coverage:Q", title="coverage of generated tokens (%)", axis=alt.Axis(format="%"),
-                scale=alt.Scale(zero=False)), **enc).properties(width=260, height=200).facet(**facet)
-    vocab_chart = alt.Chart(grid).mark_line(point=True).encode(
-        y=alt.Y("mean_active_vocab:Q", title="mean active vocabulary (tokens)", scale=alt.Scale(type="log")),
-        **enc).properties(width=260, height=200).facet(**facet)
+    cov_chart = alt.layer(curve.encode(
+        y=alt.Y("coverage:Q", title=COVERAGE_AXIS, axis=alt.Axis(format="%"), scale=alt.Scale(zero=False)), **enc),
+        corner_text(size["width"], size["height"]), data=data).properties(**size).facet(**facet)
+    vocab_chart = alt.layer(curve.encode(
+        y=alt.Y("mean_active_vocab:Q", title="mean active vocabulary (tokens, log)", scale=alt.Scale(type="log")),
+        **enc), corner_text(), data=data).properties(**size).facet(**facet)
     return alt.vconcat(cov_chart, vocab_chart).properties(title=title(
-        "Window coverage and size for each k_pre, k_ver", coverage, record,
+        "Window coverage and size for each k_pre, k_ver (a row per model)", coverage, record,
         notes=["k_pre: top-k rows of the prefill that enter the stream; k_ver: top-k rows of each verify step "
-               "(MicroSpec §3.2)"]))
+               "(MicroSpec §3.2)",
+               "coverage: token-weighted, generated tokens inside the window / all generated tokens, every task "
+               "of the prompt set pooled; mean active vocabulary: its token-weighted mean likewise; corner: the "
+               "generated tokens each point rests on"]))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -491,38 +513,58 @@ def methods_speed(summary: pl.DataFrame, bench: pl.DataFrame):
                "over tasks, its speedup with the 95% interval (bootstrap over the tasks)"]))
 
 
-def draft_time_by_phase(phases: pl.DataFrame, bench: pl.DataFrame):
+def draft_time_by_phase(phases: pl.DataFrame | None, bench: pl.DataFrame):
     """MicroSpec Fig. 4: draft ms per drafted step, stacked by phase (`tables.phase_times`, the phases some
-    run spent time in), per task; a facet row per run, a column per model and prompt set."""
-    runs = phases["run"].unique(maintain_order=True).to_list()
-    bars = alt.Chart(phases).mark_bar().encode(
+    run spent time in), per task: a row of panels per model and prompt set, a panel per run, each naming the
+    generated tokens of its run's turns. None when `phases` is None (`tables.phase_times` printed why)."""
+    if phases is None:
+        return None
+    runs = tables.run_order(phases)
+    tokens = tables.with_run(bench).group_by("model", "prompt_set", "run").agg(pl.col("new_tokens").sum())
+    # each panel's header: its run and the generated tokens of that run's turns
+    data = phases.join(tokens, on=["model", "prompt_set", "run"], how="left").with_columns(
+        head=pl.col("run") + "|" + pl.col("new_tokens").map_elements(token_note, return_dtype=pl.String))
+    bars = alt.Chart(data).transform_calculate(
+        phase_order=f"indexof({list(PHASES)}, datum.phase)").mark_bar().encode(
         x=alt.X("task:N", sort=tables.task_order(phases), title=None, axis=alt.Axis(labelAngle=-40)),
-        y=alt.Y("ms:Q", title="ms per drafted step", stack=True),
+        y=alt.Y("ms:Q", title="draft time (ms per drafted step)", stack=True),
         color=alt.Color("phase:N", sort=list(PHASES), title="phase", scale=alt.Scale(scheme="set2")),
         order=alt.Order("phase_order:Q"),
         tooltip=["model", "prompt_set", "task", "run", "phase", alt.Tooltip("ms:Q", format=".2f"),
-                 alt.Tooltip("draft_ms:Q", format=".2f", title="draft ms (all)")])
-    bars = bars.transform_calculate(phase_order=f"indexof({list(PHASES)}, datum.phase)")
-    return (alt.hconcat(*[
-        bars.transform_filter(_where(model=m, prompt_set=s)).properties(width=alt.Step(18), height=110)
-        .facet(row=alt.Row("run:N", sort=runs, title=None,
-                           header=alt.Header(labelFontWeight="bold", labelAngle=0, labelAlign="left")))
-        .properties(title=f"{m} · {s}") for m, s in keys(phases, "model", "prompt_set")])
-            .properties(title=title(
-                "Draft time per drafted step by drafter phase, per task (MicroSpec Fig. 4)", bench,
-                notes=["backbone: the drafter's layers; router: DynaSpec's cluster router (dynaspec runs); gather: "
-                       "copying the window's LM-head rows; lm_head: the (restricted) head; tree: building the draft "
-                       "tree"])))
+                 alt.Tooltip("draft_ms:Q", format=".2f", title="draft ms (all)"), "new_tokens"])
+    rows = []
+    for m, s in keys(phases, "model", "prompt_set"):
+        heads = dict(data.filter(_model_set(m, s)).select("run", "head").unique().rows())
+        rows.append(bars.transform_filter(_where(model=m, prompt_set=s))
+                    .properties(width=alt.Step(24), height=130)
+                    .facet(column=alt.Column("head:N", sort=[heads[r] for r in runs if r in heads], title=None,
+                                             header=alt.Header(labelFontWeight="bold",
+                                                               labelExpr="split(datum.value, '|')")))
+                    .properties(title=alt.TitleParams(f"{m} · {s}", fontSize=14, anchor="start")))
+    return alt.vconcat(*rows).properties(title=title(
+        "Draft time per drafted step by drafter phase, per task (MicroSpec Fig. 4; a row per model)", bench,
+        notes=["backbone: the drafter's layers; router: DynaSpec's cluster router (dynaspec runs); gather: copying "
+               "the window's LM-head rows; lm_head: the (restricted) head; tree: building the draft tree",
+               "ms per drafted step: the phase's seconds / the drafted steps (steps - 1), every turn of the task "
+               "pooled (step-weighted); avg: the unweighted mean over tasks; under each run: the generated tokens "
+               "of its turns"]))
+
+
+def _model_set(model: str, prompt_set: str) -> pl.Expr:
+    return (pl.col("model") == model) & (pl.col("prompt_set") == prompt_set)
 
 
 def dynaspec_choices(shaped: pl.DataFrame):
     """DynaSpec's unstated choices (`tables.dynaspec_choices`): per fit a row of three panels (M, router width,
     L varied alone around the centre, drawn black in each): held-out token recall against the mean shortlist
-    per row, a point per token budget, DynaSpec-PA; dashed grey: the static baseline at the centre's M."""
+    per row, a point per token budget, DynaSpec-PA; dashed grey: the static baseline at the centre's M. A
+    row per fit (the model named in its panels' titles when there are several), each panel naming the
+    held-out draft rows it rests on."""
     lo, hi = shaped["mean_row_vocab"].min(), shaped["mean_row_vocab"].max()
     x = log2_axis("mean_row_vocab:Q", "mean shortlist per row (tokens, log)",
                   POW2 if hi / max(lo, 1.0) <= 2 ** 7 else POW4)
-    y = alt.Y("token_recall:Q", title="held-out token recall (share)", scale=alt.Scale(domain=[0, 1]))
+    y = alt.Y("token_recall:Q", title="held-out token recall (%)", scale=alt.Scale(domain=[0, 1]),
+              axis=alt.Axis(format="%"))
     tips = ["setting:N", "budget_tokens:Q", "k_max:Q", alt.Tooltip("mean_row_vocab:Q", format=".0f"),
             alt.Tooltip("token_recall:Q", format=".3f"), alt.Tooltip("top1_hit:Q", format=".3f")]
     short = {"num_clusters": "M", "router_width": "width", "top_l": "L"}
@@ -546,9 +588,11 @@ def dynaspec_choices(shaped: pl.DataFrame):
                 color="rgb(136, 136, 136)", strokeDash=[5, 4], point=alt.OverlayMarkDef(color="rgb(136, 136, 136)", size=20)).encode(
                 x=x, y=y, tooltip=tips)
             fixed = ", ".join(f"{short[k]} {c[k]}" for k, name in tables.CHOICE_FACTORS.items() if name != factor)
+            # every setting is scored on the fit's held-out rows: the panel rests on the most any point used
+            held = token_note(panel["rows"].max() if "rows" in panel.columns else None, "held-out draft rows")
             panels.append(alt.layer(static, lines).properties(
                 width=260, height=220, title=alt.TitleParams(
-                    factor + (f" · {fit_name}" if len(fits) > 1 else ""), subtitle=f"{fixed} fixed")))
+                    factor + (f" · {fit_name}" if len(fits) > 1 else ""), subtitle=f"{fixed} fixed · {held}")))
         rows.append(alt.hconcat(*panels).resolve_scale(color="independent"))
     drafters = ", ".join(shaped["drafter"].unique(maintain_order=True).to_list())
     return alt.vconcat(*rows).properties(title=title(
@@ -557,7 +601,10 @@ def dynaspec_choices(shaped: pl.DataFrame):
         shaped, notes=[
             f"centre (black in every panel): {'; '.join(centres)}; lines: DynaSpec-PA, a point per token budget "
             f"({', '.join(map(str, sorted(shaped['budget_tokens'].unique().to_list())))} tokens at draft steps 0-1)",
-            "dashed grey: the static baseline at the centre M (clusters ranked by their training-label frequency)"]))
+            "dashed grey: the static baseline at the centre M (clusters ranked by their training-label frequency)",
+            "token recall: per held-out draft row, the share of the full head's top-L tokens inside its shortlist, "
+            "averaged over the rows (row-weighted, every held-out prompt pooled); shortlist: its mean over the "
+            "rows"]))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -596,6 +643,103 @@ def speedup_by_language(langs: pl.DataFrame | None, bench: pl.DataFrame):
         bench.filter(pl.col("prompt_set").is_in(langs["prompt_set"].unique().to_list())),
         notes=["dashed: 1.0 (ar's speedup and tau); speedup: a run's mean tokens/s over ar's on the same language; "
                "avg: the unweighted mean over languages"]))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 04: UniSpec's calibration (App. F) and g* per device (Fig. 5)
+# ----------------------------------------------------------------------------------------------------------
+
+CAL_AXES = {"tau": "tau(g) (tokens per step)", "s_step_ms": "s(g) (ms per step)",
+            "tokens_per_s": "tau/s (tokens per second)"}                 # the y title of each quantity's panel
+CAL_NOTE = ("tau(g): generated tokens / steps, the calibration prompts pooled (token-weighted); s(g): the median "
+            "over the prompts of each prompt's seconds per step; tau/s: their ratio")
+
+
+def _calibration_tokens(calibrate: pl.DataFrame) -> dict[str, int]:
+    """Per model: the generated tokens of the calibration's measured points (`measured_new_tokens`, summed
+    over every setting and g), None where the cells do not say."""
+    if "measured_new_tokens" not in calibrate.columns:
+        return {}
+    rows = calibrate.filter(pl.col("curve") == "measured")
+    return dict(rows.group_by("model").agg(pl.col("measured_new_tokens").sum()).rows())
+
+
+def calibration_fits(curves: pl.DataFrame | None, calibrate: pl.DataFrame, bench: pl.DataFrame | None = None):
+    """UniSpec App. F (`tables.calibration_curves`): per model a row of three panels, the measured tau(g),
+    s(g) and tau/s (points), their fits (lines) and g* (diamond), a colour per method and device; the row's
+    title names the calibration's generated tokens; ar's reference where the bench ran it on the model: its
+    mean tokens/s (dotted, tau/s panel) and tau 1 (dotted). None when `curves` is None
+    (`tables.calibration_curves` printed why)."""
+    if curves is None:
+        return None
+    tokens = _calibration_tokens(calibrate)
+    ar = ({} if bench is None or "method" not in bench.columns else
+          dict(bench.filter(pl.col("method") == "ar").group_by("model").agg(pl.col("tokens_per_s").mean()).rows()))
+    refs = pl.DataFrame([{"model": m, "quantity": tables.QUANTITIES[q], "y": v}
+                         for m in curves["model"].unique().to_list()
+                         for q, v in (("tau", 1.0), ("tokens_per_s", ar.get(m))) if v is not None],
+                        schema={"model": pl.String, "quantity": pl.String, "y": pl.Float64})
+    rows = []
+    for (m,) in keys(curves, "model"):
+        part = curves.filter(pl.col("model") == m)
+        settings = part["setting"].unique(maintain_order=True).to_list()
+        series = series_channels("setting", settings, "model · method · device", orient="bottom",
+                                 direction="vertical", labelLimit=600)
+        base = alt.Chart(part).encode(x=alt.X("g:Q", title="draft size g (nodes per step, root excluded)"),
+                                      color=series.pop("color"))
+        tip = ["setting", "curve", alt.Tooltip("g:Q", format=".1f"), alt.Tooltip("value:Q", format=".3f"), "g_star"]
+        panels = []
+        for q, label in tables.QUANTITIES.items():
+            y = alt.Y("value:Q", title=CAL_AXES[q], scale=alt.Scale(zero=q != "s_step_ms"))
+            mine = base.transform_filter(alt.datum.quantity == label)
+            fit = mine.transform_filter(alt.datum.curve == "fit").mark_line(strokeWidth=2).encode(
+                y=y, detail="setting:N", **series)
+            measured = mine.transform_filter(alt.datum.curve == "measured").mark_point(size=60, filled=True).encode(
+                y=y, tooltip=tip)
+            star = mine.transform_filter(alt.datum.curve == "g_star").mark_point(
+                shape="diamond", size=220, filled=True, stroke="black", strokeWidth=1).encode(y=y, tooltip=tip)
+            ref = alt.Chart(refs.filter((pl.col("model") == m) & (pl.col("quantity") == label))).mark_rule(
+                strokeDash=[2, 2], color="rgb(51, 51, 51)").encode(y=alt.Y("y:Q", title=CAL_AXES[q]))
+            panels.append(alt.layer(fit, measured, star, ref).properties(width=240, height=190,
+                                                                         title=label.split(": ")[0]))
+        rows.append(alt.hconcat(*panels).properties(title=alt.TitleParams(
+            m, subtitle=token_note(tokens.get(m), "generated tokens (calibration, every setting and g)"),
+            fontSize=14, anchor="start")))
+    return alt.vconcat(*rows).properties(title=title(
+        "Device-aware calibration: measured and fitted tau(g), s(g), tau/s; g* maximises tau/s (UniSpec App. F; "
+        "a row per model)", calibrate,
+        notes=["points: measured on the calibration prompts; lines: the fits; diamond: g* as it runs (on a CPU: at "
+               "its row bucket's largest tree); dotted: ar (tau 1; its mean tokens/s over the bench turns on the "
+               "model, where the bench ran ar)", CAL_NOTE]))
+
+
+def g_star_by_device(stars: pl.DataFrame | None, calibrate: pl.DataFrame):
+    """UniSpec Fig. 5 (`tables.g_stars`): the calibrated g* per device and setting (a bar each, g* written on
+    it), a facet row per model naming the calibration's generated tokens. None when `stars` is None
+    (`tables.g_stars` printed why)."""
+    if stars is None:
+        return None
+    tokens = _calibration_tokens(calibrate)
+    settings = stars["setting"].unique(maintain_order=True).to_list()
+    heads = {m: f"{m}|{token_note(tokens.get(m), 'generated tokens (calibration)')}" for m in stars["model"].unique()}
+    data = stars.with_columns(head=pl.col("model").replace_strict(heads))
+    base = alt.Chart(data).encode(
+        x=alt.X("device:N", title="device (torch threads in the name on CPUs)",
+                axis=alt.Axis(labelAngle=0, labelLimit=300)),
+        xOffset=alt.XOffset("setting:N", sort=settings), y=alt.Y("g_star:Q", title="g* (draft nodes per step)"),
+        **series_channels("setting", settings, "model · method · device", mark="bar", orient="bottom",
+                          direction="vertical", labelLimit=600),
+        tooltip=["setting", "g_star", *[c for c in ("g_continuous", "predicted_tokens_per_s") if c in stars.columns]])
+    chart = alt.layer(base.mark_bar(**(BAR_OUTLINE if len(settings) > 20 else {})),
+                      base.mark_text(dy=-8, fontSize=13).encode(text="g_star:Q")).properties(
+        width=alt.Step(60), height=200).facet(row=alt.Row(
+            "head:N", sort=[heads[m] for m in sorted(heads)], title=None,
+            header=alt.Header(labelFontWeight="bold", labelFontSize=13, labelOrient="left",
+                              labelExpr="split(datum.value, '|')"))).resolve_scale(xOffset="independent")
+    return chart.properties(title=title(
+        "Calibrated optimal draft size g* per device (UniSpec Fig. 5; a row per model)", calibrate,
+        notes=["g*: the draft size of the largest fitted tau/s, " + CAL_NOTE.replace("tau(g)", "tau")
+               + "; each row names the calibration's generated tokens"]))
 
 
 MIN_NODES, MIN_SHARE = 30, 0.005   # a confidence bin's acceptance rate is drawn from this many proposed nodes
@@ -649,33 +793,88 @@ def acceptance_vs_confidence(conf: pl.DataFrame | None, bench: pl.DataFrame, min
 # 05: languages
 # ----------------------------------------------------------------------------------------------------------
 
-def coverage_by_language(by_lang: pl.DataFrame, vocab: pl.DataFrame, multilingual: pl.DataFrame,
+def reuse_distance_by_language(dist: pl.DataFrame | None, multilingual: pl.DataFrame,
+                               record: pl.DataFrame | None = None):
+    """The reuse-distance distribution per language (`tables.distances`, metric reuse_distance): the share of
+    generated tokens per power-of-two bin (top) and its cumulative share (bottom, = the coverage of a FIFO
+    window that long), a facet row per model and a column per stream; each panel names the generated tokens
+    it rests on. None when `dist` is None (`tables.distances` printed why)."""
+    if dist is None:
+        return None
+    reuse = dist.filter(pl.col("metric") == "reuse_distance").with_columns(
+        stream=pl.col("stream").replace({"generated": "generated tokens only",
+                                         "candidate": "MicroSpec candidate stream"}))
+    if reuse.is_empty():
+        return skip("reuse distances per language", "the distances cells hold no reuse_distance metric")
+    models, langs = sorted(reuse["model"].unique()), reuse["task"].unique().sort().to_list()
+    counts = (reuse.group_by("model", "stream", "task").agg(pl.col("tokens").first())
+              .group_by("model", "stream").agg(pl.col("tokens").sum())
+              .select("model", "stream", layer=pl.lit("tokens"),
+                      text=pl.col("tokens").map_elements(token_note, return_dtype=pl.String)))
+    data = pl.concat([reuse.with_columns(layer=pl.lit("curve")), counts], how="diagonal_relaxed")
+    enc = dict(x=log2_axis("bin_hi:Q", "reuse distance (stream entries, log; bin upper edge)", ticks=POW2),
+               **series_channels("task", langs, "language"),
+               tooltip=["model", "task", "stream", "bin_lo", "bin_hi", "count", "tokens",
+                        alt.Tooltip("fraction:Q", format=".1%"), alt.Tooltip("cum_fraction:Q", format=".1%"),
+                        alt.Tooltip("new_fraction:Q", format=".1%", title="never seen before")])
+    facet = dict(row=model_row(models), column=alt.Column("stream:N", title=None, header=alt.Header(
+        labelFontWeight="bold", labelFontSize=13)))
+    curve = alt.Chart().transform_filter(alt.datum.layer == "curve")
+    size = dict(width=300, height=180)
+    share = alt.layer(curve.mark_line(point=True).encode(
+        y=alt.Y("fraction:Q", title="share of generated tokens (%)", axis=alt.Axis(format="%")), **enc),
+        corner_text(size["width"], size["height"]), data=data).properties(**size).facet(**facet)
+    cdf = alt.layer(curve.mark_line(point=True, interpolate="step-after").encode(
+        y=alt.Y("cum_fraction:Q", title="cumulative share (%)", axis=alt.Axis(format="%"),
+                scale=alt.Scale(domain=[0, 1])), **enc),
+        corner_text(size["width"], size["height"]), data=data).properties(**size).facet(**facet)
+    return alt.vconcat(share, cdf).properties(title=title(
+        "Reuse-distance distributions of generated tokens, per language (a row per model)", multilingual, record,
+        notes=["reuse distance: stream entries since the token's last occurrence; top: share per power-of-two bin; "
+               "bottom: cumulative, = the coverage of a FIFO window that long (never-seen tokens keep it below 100%)",
+               "shares: token-weighted, every prompt of the language pooled; corner: the generated tokens of the "
+               "panel's languages"]))
+
+
+def coverage_by_language(by_lang: pl.DataFrame | None, vocab: pl.DataFrame | None, multilingual: pl.DataFrame,
                          record: pl.DataFrame | None = None):
     """Coverage of generated tokens per language, a row per model: against w_max (`tables.window_coverage`
-    by task), and against vocabulary size beside the static shortlists (`tables.coverage_vs_vocab`)."""
+    by task), and against vocabulary size beside the static shortlists (`tables.coverage_vs_vocab`); each
+    panel names the generated tokens each of its points rests on. None when either table is None (its
+    builder printed why)."""
+    if by_lang is None or vocab is None:
+        return None
     langs = by_lang["task"].unique().sort().to_list()
     series = series_channels("task", langs, "language")
-    left = alt.Chart(by_lang).mark_line(point=True).encode(
-        x=log2_axis("w_max:Q", W_MAX_AXIS, ticks=POW2),
-        y=alt.Y("coverage:Q", title="coverage of generated tokens (%)", axis=alt.Axis(format="%"),
-                scale=alt.Scale(zero=False)),
+    y = alt.Y("coverage:Q", title=COVERAGE_AXIS, axis=alt.Axis(format="%"), scale=alt.Scale(domain=[0, 1]))
+    size = dict(width=330, height=240)
+    left_data = pl.concat([by_lang.with_columns(layer=pl.lit("curve")),
+                           _counts_text(by_lang.group_by("model", "w_max").agg(pl.col("tokens").sum()), ["model"],
+                                        "per w_max: ")], how="diagonal_relaxed")
+    right_data = pl.concat([vocab.with_columns(layer=pl.lit("curve")),
+                            _counts_text(vocab.group_by("model", "series", "vocab").agg(pl.col("tokens").sum()),
+                                         ["model"], "per point: ")], how="diagonal_relaxed")
+    curve = alt.Chart().transform_filter(alt.datum.layer == "curve")
+    left = curve.mark_line(point=True).encode(
+        x=log2_axis("w_max:Q", W_MAX_AXIS, ticks=POW2), y=y,
         **series, tooltip=["model", "task", "w_max", alt.Tooltip("coverage:Q", format=".1%"),
                            alt.Tooltip("mean_active_vocab:Q", format=".0f"), "tokens"])
-    right = alt.Chart(vocab).mark_line(point=True).encode(
-        x=log2_axis("vocab:Q", "vocabulary size (tokens; window: mean active)"),
-        y=alt.Y("coverage:Q", title="coverage of generated tokens (%)", axis=alt.Axis(format="%"),
-                scale=alt.Scale(domain=[0, 1])),
+    right = curve.mark_line(point=True).encode(
+        x=log2_axis("vocab:Q", "vocabulary size (tokens, log; window: mean active)"), y=y,
         color=series["color"],
         strokeDash=alt.StrokeDash("series:N", title=None, legend=stroke_legend(),
                                   scale=alt.Scale(domain=[tables.WINDOW, tables.STATIC], range=[[1, 0], [6, 4]])),
         detail="series:N",
         tooltip=["model", "task", "series", "w_max", "k", alt.Tooltip("vocab:Q", format=".0f"),
-                 alt.Tooltip("coverage:Q", format=".1%")])
+                 alt.Tooltip("coverage:Q", format=".1%"), "tokens"])
     rows = [alt.hconcat(
-        left.transform_filter(_where(model=m)).properties(width=330, height=240,
-                                                          title=f"MicroSpec window vs w_max · {m}"),
-        right.transform_filter(_where(model=m)).properties(
-            width=330, height=240, title=f"window (solid) vs static top-K of the training corpus (dashed) · {m}"))
+        alt.layer(left, corner_text(size["width"], size["height"]), data=left_data)
+        .transform_filter(_where(model=m)).properties(**size, title=f"MicroSpec window vs w_max · {m}"),
+        alt.layer(right, corner_text(size["width"], size["height"]), data=right_data)
+        .transform_filter(_where(model=m)).properties(
+            **size, title=f"window (solid) vs static top-K of the training corpus (dashed) · {m}"))
         for (m,) in keys(by_lang, "model")]
-    return alt.vconcat(*rows).properties(title=title("Coverage of generated tokens per language", multilingual,
-                                                     record))
+    return alt.vconcat(*rows).properties(title=title(
+        "Coverage of generated tokens per language (a row per model)", multilingual, record,
+        notes=[f"coverage: {TOKEN_WEIGHTED.replace('the task', 'the language')}; corner: the generated tokens "
+               "each point rests on (every language of the model)"]))

@@ -283,7 +283,8 @@ def distances(cov: pl.DataFrame | None, multilingual: bool = True) -> pl.DataFra
     """Reuse / stack distance histograms (`locality.distance_histograms`, power-of-two bins) per task,
     counts summed over cells and re-normalised; `new_fraction` = tokens never seen before (no bin).
     `multilingual`: only the prompt sets with several languages. Columns: model, prompt_set, task, panel,
-    stream, metric, bin_lo, bin_hi, count, fraction, cum_fraction, new_fraction."""
+    stream, metric, bin_lo, bin_hi, count, fraction, cum_fraction, new_fraction, tokens (the generated
+    tokens of the task's cells: every bin's count and the never-seen ones)."""
     rows = _analysis(cov, "distances", "reuse distances", "metric", "stream", "bin_lo", "count")
     if rows is None:
         return None
@@ -300,7 +301,7 @@ def distances(cov: pl.DataFrame | None, multilingual: bool = True) -> pl.DataFra
             .with_columns(fraction=pl.col("count") / pl.col("total"))
             .with_columns(cum_fraction=pl.col("fraction").cum_sum().over(keys)))
     return (seen.join(new, on=keys, how="left").with_columns(pl.col("new_fraction").fill_null(0.0))
-            .drop("total"))
+            .rename({"total": "tokens"}))
 
 
 # ----------------------------------------------------------------------------------------------------------

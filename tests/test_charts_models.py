@@ -15,7 +15,7 @@ pytest.importorskip("altair", reason="the notebooks extra (pip install -e '.[not
 
 from specvocab.sweeps import charts, tables  # noqa: E402
 from tests.charts_testing import (DRAFT_SIZE, LANGUAGES, MODELS, NEVER_FILLS, W_MAX, bench_rows,  # noqa: E402
-                                  coverage_rows)
+                                  calibrate_rows, choices_rows, coverage_rows, grid_rows, language_rows)
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +134,26 @@ def test_wmax_sensitivity_draws_ar_and_full_references_from_zero(bench, coverage
             "per w_max: " + charts.token_note(bench_n[0], "generated tokens (bench)")])
 
 
+# ----------------------------------------------------------------------------------------------------------
+# The figures of 02 (k_pre, k_ver), 03 (phases, DynaSpec's choices), 04 (calibration, g*) and 05 (languages)
+# ----------------------------------------------------------------------------------------------------------
+
+def notebook_figures(bench, summary) -> dict:
+    """The figures of 02 (k_pre, k_ver), 03 (phases, choices), 04 (calibration, g*) and 05 (languages), built
+    from the synthetic rows (`tests/charts_testing.py`)."""
+    grid, cal, langs = grid_rows(), calibrate_rows(), tables.languages_only(language_rows(), "languages")
+    return {
+        "kpre_kver_sensitivity": charts.kpre_kver_sensitivity(tables.window_coverage(grid, at_default=False), grid),
+        "draft_time_by_phase": charts.draft_time_by_phase(tables.phase_times(summary), bench),
+        "dynaspec_choices": charts.dynaspec_choices(tables.dynaspec_choices(choices_rows())),
+        "calibration_fits": charts.calibration_fits(tables.calibration_curves(cal), cal, bench),
+        "g_star_by_device": charts.g_star_by_device(tables.g_stars(cal), cal),
+        "reuse_distance_by_language": charts.reuse_distance_by_language(tables.distances(langs), langs),
+        "coverage_by_language": charts.coverage_by_language(tables.window_coverage(langs, by=("task",)),
+                                                            tables.coverage_vs_vocab(langs), langs),
+    }
+
+
 def test_every_axis_has_a_title_with_its_unit(bench, coverage, summary):
     langs = tables.method_summary(bench_rows(languages=True))
     built = {
@@ -144,7 +164,9 @@ def test_every_axis_has_a_title_with_its_unit(bench, coverage, summary):
         "methods_speed": charts.methods_speed(summary, bench),
         "acceptance_vs_confidence": charts.acceptance_vs_confidence(tables.confidence_bins(bench), bench),
         "speedup_by_language": charts.speedup_by_language(tables.language_speedup(langs), bench),
+        **notebook_figures(bench, summary),
     }
+    assert all(chart is not None for chart in built.values())
     for name, chart in built.items():
         found = axes(chart.to_dict())
         assert found, name
@@ -221,3 +243,97 @@ def test_acceptance_vs_confidence_shares_its_density_axis_and_hides_sparse_bins(
     assert sparse and all(r["shown_rate"] is None for r in sparse)
     assert dense and all(r["shown_rate"] == pytest.approx(r["accepted"] / r["proposed"]) for r in dense)
     assert all(e["field"] != "acceptance_rate" for e in axes(spec))        # the line draws shown_rate only
+
+
+
+def test_the_notebook_figures_have_a_row_per_model_and_say_how_they_average(bench, summary):
+    """A facet row on `model` (or a row of panels titled with each model, in order); the subtitle says how
+    the drawn measure averages (token-, step- or row-weighted, or pooled)."""
+    for name, chart in notebook_figures(bench, summary).items():
+        spec = chart.to_dict()
+        notes = " ".join(spec["title"]["subtitle"])
+        assert any(w in notes for w in ("token-weighted", "step-weighted", "row-weighted")), name
+        titled = [r.get("title") for r in spec.get("vconcat", [])]
+        if titled and not any(titled) and all("hconcat" in r for r in spec["vconcat"]):
+            # a row of panels per model (or per fit), each panel titled with its model
+            named = [{m for m in MODELS for p in r["hconcat"] if m in str(p["title"])} for r in spec["vconcat"]]
+            assert named == [{m} for m in sorted(MODELS)], name
+            assert all(any(m in str(p["title"]) for m in MODELS) for r in spec["vconcat"] for p in r["hconcat"])
+        elif titled and all(titled):                    # a row of panels per model, titled "model · ..."
+            text = [t["text"] if isinstance(t, dict) else t for t in titled]
+            assert [t.split(" · ")[0] for t in text] == sorted(MODELS), name
+        else:
+            facets = [spec] if "facet" in spec else spec.get("vconcat", []) + spec.get("hconcat", [])
+            assert facets, name
+            for f in facets:
+                row = f["facet"]["row"]
+                assert row["field"] in ("model", "head") and f["facet"].get("column", {}).get("field") != "model"
+                labels = row["sort"] if row["field"] == "model" else [h.split("|")[0] for h in row["sort"]]
+                assert labels == sorted(MODELS), name
+
+
+def test_the_notebook_figures_name_the_tokens_each_panel_rests_on(bench, summary):
+    """Every panel's count computed here from the synthetic rows: the generated tokens of one point of
+    the (k_pre, k_ver) grid, of a run's turns, of one w_max per language figure, of the calibration's
+    measured points; the held-out rows DynaSpec's choices were scored on."""
+    built = {name: chart.to_dict() for name, chart in notebook_figures(bench, summary).items()}
+    grid = grid_rows()
+    per_point = grid.group_by("model", "k_pre", "k_ver", "w_max").agg(pl.col("tokens").sum())
+    assert per_point.group_by("model").agg(pl.col("tokens").n_unique())["tokens"].to_list() == [1, 1]
+    for model in MODELS:
+        n = per_point.filter(pl.col("model") == model)["tokens"][0]
+        got = {r["text"] for r in rows(built["kpre_kver_sensitivity"], model=model, layer="tokens")}
+        assert got == {"per point: " + charts.token_note(n)}
+    # draft time: each run's panel header names the generated tokens of that run's turns
+    runs = tables.with_run(bench).group_by("model", "run").agg(pl.col("new_tokens").sum())
+    for row, model in zip(built["draft_time_by_phase"]["vconcat"], sorted(MODELS)):
+        want = [f"{r}|{charts.token_note(n)}" for r, n in runs.filter(pl.col("model") == model)
+                .select("run", "new_tokens").rows() if r.startswith("eagle")]
+        assert sorted(row["facet"]["column"]["sort"]) == sorted(want)
+    # DynaSpec's choices: the held-out rows of the fit, in every panel's subtitle
+    held = dict(choices_rows().group_by("model").agg(pl.col("rows").max()).rows())
+    for row in built["dynaspec_choices"]["vconcat"]:
+        for panel in row["hconcat"]:
+            model = panel["title"]["text"].split(" · ")[1]
+            assert panel["title"]["subtitle"].endswith(charts.token_note(held[model], "held-out draft rows"))
+    # calibration and g*: the generated tokens of the measured points
+    cal = calibrate_rows().filter(pl.col("curve") == "measured").group_by("model").agg(
+        pl.col("measured_new_tokens").sum())
+    for (model, n), row in zip(cal.sort("model").rows(), built["calibration_fits"]["vconcat"]):
+        assert row["title"]["text"] == model and row["title"]["subtitle"].startswith(charts.token_note(n))
+    assert built["g_star_by_device"]["facet"]["row"]["sort"] == [
+        f"{m}|{charts.token_note(n, 'generated tokens (calibration)')}" for m, n in cal.sort("model").rows()]
+    # the language figures: every prompt of every language, once (not once per bin, stream or w_max)
+    prompts = language_rows().unique(["model", "prompt_id"]).group_by("model").agg(pl.col("tokens").sum())
+    for model, n in prompts.rows():
+        assert {r["text"] for r in rows(built["reuse_distance_by_language"], model=model, layer="tokens")} \
+            == {charts.token_note(n)}
+        assert {r["text"] for r in rows(built["coverage_by_language"], model=model, layer="tokens")} \
+            == {"per w_max: " + charts.token_note(n), "per point: " + charts.token_note(n)}
+
+
+def test_the_calibration_draws_ar_where_it_draws_a_speed(bench):
+    """tau/s (a speed) carries ar's mean tokens/s over the bench turns on the model, tau carries ar's 1."""
+    cal = calibrate_rows()
+    spec = charts.calibration_fits(tables.calibration_curves(cal), cal, bench).to_dict()
+    for model in MODELS:
+        ar = bench.filter((pl.col("model") == model) & (pl.col("method") == "ar"))["tokens_per_s"].mean()
+        refs = {r["quantity"]: r["y"] for r in rows(spec, model=model) if "y" in r}
+        assert refs == {tables.QUANTITIES["tau"]: 1.0, tables.QUANTITIES["tokens_per_s"]: pytest.approx(ar)}
+
+
+def test_the_notebook_figures_skip_an_absent_split_with_one_line(bench, capsys):
+    """A table builder that printed why returns None, and the chart then draws nothing and prints nothing
+    more; distances without the reuse metric print one line."""
+    capsys.readouterr()
+    assert tables.distances(coverage_rows()) is None                # no distances cells: one printed line
+    for chart in (charts.kpre_kver_sensitivity(None, None), charts.draft_time_by_phase(None, bench),
+                  charts.calibration_fits(None, calibrate_rows()), charts.g_star_by_device(None, calibrate_rows()),
+                  charts.reuse_distance_by_language(None, None), charts.coverage_by_language(None, None, None)):
+        assert chart is None
+    assert len(capsys.readouterr().out.strip().splitlines()) == 1
+    langs = tables.languages_only(language_rows(), "languages")
+    stack = tables.distances(langs).with_columns(metric=pl.lit("stack_distance"))
+    assert charts.reuse_distance_by_language(stack, langs) is None
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("skipped reuse distances per language: ")

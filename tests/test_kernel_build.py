@@ -380,7 +380,7 @@ def test_the_test_hook_fails_a_kernel_skip_over_a_failed_build_under_require(fre
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert "1 failed, 1 skipped" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
     failed = [ln for ln in run.stdout.splitlines() if ln.startswith("FAILED")]
-    assert len(failed) == 1 and failed[0].endswith("test_skips.py::test_skips_over_a_failed_build")
+    assert len(failed) == 1 and failed[0].split(" - ")[0].endswith("test_skips.py::test_skips_over_a_failed_build")
     assert f"{cpu.REQUIRE_ENV}=1: this CPU" in run.stdout
 
     from tests import conftest                             # the same skip without the variable: a skip

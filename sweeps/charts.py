@@ -484,7 +484,7 @@ def methods_speed(summary: pl.DataFrame, bench: pl.DataFrame):
     bars = alt.Chart(long).mark_bar(**(BAR_OUTLINE if len(runs) > 20 else {})).encode(
         x=alt.X("task:N", sort=tables.task_order(summary), title="task", axis=alt.Axis(labelAngle=-40)),
         xOffset=alt.XOffset("series:N", sort=runs),
-        **series_channels("series", runs, f"{RUN_TITLE} (draft size)", mark="bar"),
+        **series_channels("series", runs, f"{RUN_TITLE} (draft size)", mark="bar", labelLimit=400),
         tooltip=["model", "prompt_set", "task", "series", "measure", alt.Tooltip("value:Q", format=".2f")])
     one = alt.Chart(pl.DataFrame({"measure": [MEASURES["speedup"], MEASURES["tau"]], "y": [1.0, 1.0]})
                     ).mark_rule(strokeDash=[4, 3], color="rgb(51, 51, 51)")
@@ -624,7 +624,7 @@ def speedup_by_language(langs: pl.DataFrame | None, bench: pl.DataFrame):
         x=alt.X("task:N", sort=tables.task_order(langs), title="language",
                 axis=alt.Axis(labelAngle=-40, labelLimit=90)),
         xOffset=alt.XOffset("series:N", sort=runs),
-        **series_channels("series", runs, f"{RUN_TITLE} (draft size)", mark="bar"),
+        **series_channels("series", runs, f"{RUN_TITLE} (draft size)", mark="bar", labelLimit=400),
         tooltip=["model", "prompt_set", "task", "series", alt.Tooltip("speedup:Q", format=".2f"),
                  alt.Tooltip("tau:Q", format=".2f"), alt.Tooltip("tokens_per_s:Q", format=".1f"), "rows"])
     one = alt.Chart(pl.DataFrame({"y": [1.0]})).mark_rule(strokeDash=[4, 3], color="rgb(51, 51, 51)")

@@ -360,7 +360,7 @@ def method_summary(bench: pl.DataFrame | None) -> pl.DataFrame | None:
 
 def run_extras(bench: pl.DataFrame) -> pl.DataFrame:
     """Per (model, prompt set, run): `draft_size`, the draft size the run's rows drafted with as text ("60",
-    "48-60" where cells differ, "60 (calibrated)" with the rows' `draft_size_source`; null where no row says,
+    "48-60" where cells differ, "60, config" with the rows' `draft_size_source`; null where no row says,
     e.g. ar or a bench from before the column), and `languages`, the distinct languages of the prompt set's
     rows (a set split by language has several: its tasks are languages)."""
     frame = with_run(bench)
@@ -374,7 +374,7 @@ def run_extras(bench: pl.DataFrame) -> pl.DataFrame:
         source=pl.col("_source").drop_nulls().unique().sort().str.join("/"))
     text = (pl.when(pl.col("lo") == pl.col("hi")).then(pl.col("lo").cast(pl.String))
             .otherwise(pl.format("{}-{}", "lo", "hi")))
-    text = pl.when(pl.col("source") != "").then(pl.format("{} ({})", text, "source")).otherwise(text)
+    text = pl.when(pl.col("source") != "").then(pl.format("{}, {}", text, "source")).otherwise(text)
     langs = frame.group_by("model", "prompt_set").agg(languages=pl.col("_lang").drop_nulls().n_unique())
     return (per.select("model", "prompt_set", "run", draft_size=pl.when(pl.col("lo").is_not_null()).then(text))
             .join(langs, on=["model", "prompt_set"], how="left"))

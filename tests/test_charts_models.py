@@ -201,7 +201,7 @@ def test_the_draft_size_is_optional_and_names_its_source(bench):
     charts.methods_table(bare, bench).to_dict()                   # builds without the column
     sourced = bench.with_columns(draft_size_source=pl.when(pl.col("method") == "eagle").then(pl.lit("calibrated")))
     wide = tables.methods_wide(tables.method_summary(sourced))
-    assert set(wide.filter(pl.col("run") == "eagle · full")[tables.DRAFT_SIZE]) == {f"{DRAFT_SIZE} (calibrated)"}
+    assert set(wide.filter(pl.col("run") == "eagle · full")[tables.DRAFT_SIZE]) == {f"{DRAFT_SIZE}, calibrated"}
     assert set(wide.filter(pl.col("run") == "pld")[tables.DRAFT_SIZE]) == {"10"}
 
 

@@ -137,6 +137,14 @@ def model_row(models: Sequence[str], labels: bool = True) -> alt.Row:
                    header=alt.Header(labelFontWeight="bold", labelFontSize=13, labelOrient="left", labels=labels))
 
 
+def model_task_grid(chart: alt.LayerChart, models: Sequence[str], columns: Sequence[str]) -> alt.FacetChart:
+    """A layered panel of the standard size as a grid: a facet row per model (`model_row`), a column per task
+    (the `column` field, `task_column`)."""
+    return chart.properties(width=PANEL_W, height=PANEL_H).facet(
+        row=model_row(models),
+        column=alt.Column("column:N", sort=list(columns), title=None, header=alt.Header(labelFontWeight="bold")))
+
+
 def token_note(n: int | None, what: str = "generated tokens") -> str:
     """The token count a panel rests on, as drawn in its corner ("12,345 generated tokens")."""
     return f"{int(n):,} {what}" if n is not None else f"? {what}"
@@ -228,10 +236,7 @@ def coverage_vs_vocab(table: pl.DataFrame | None, coverage: pl.DataFrame | None,
                                                scale=color_scale(len(labels))))
     label = window.transform_filter(alt.datum.merged).mark_text(
         align="left", dx=7, dy=-9, fontSize=9, color="rgb(34, 34, 34)").encode(x=x, y=y, text="w_max_label:N")
-    chart = (alt.layer(static, trail, star, label, corner_text(), data=data)
-             .properties(width=PANEL_W, height=PANEL_H)
-             .facet(row=model_row(models),
-                    column=alt.Column("column:N", sort=columns, title=None, header=alt.Header(labelFontWeight="bold"))))
+    chart = model_task_grid(alt.layer(static, trail, star, label, corner_text(), data=data), models, columns)
     return chart.properties(title=title(
         "Coverage vs draft vocabulary size, per model and task (MicroSpec Fig. 1b)", coverage, record,
         notes=["stars: MicroSpec's window, one per w_max, at its mean active vocabulary; \"3072 = 8192\": the "
@@ -263,9 +268,7 @@ def lru_vs_fifo(miss: pl.DataFrame | None, coverage: pl.DataFrame | None, record
                  alt.Tooltip("miss_ratio:Q", format=".1%"), "tokens"])
     # LRU's dashes drawn over FIFO's solid line: where the two coincide both stay visible
     fifo, lru = (lines.transform_filter(alt.datum.policy == name) for name in policies)
-    chart = (alt.layer(fifo, lru, corner_text(PANEL_W), data=data).properties(width=PANEL_W, height=PANEL_H)
-             .facet(row=model_row(models),
-                    column=alt.Column("column:N", sort=columns, title=None, header=alt.Header(labelFontWeight="bold"))))
+    chart = model_task_grid(alt.layer(fifo, lru, corner_text(PANEL_W), data=data), models, columns)
     return chart.properties(title=title(
         "Miss ratio per model and task: LRU vocabulary vs FIFO window at equal mean size", coverage, record,
         notes=["LRU: the C most recently used tokens of the candidate stream; FIFO: MicroSpec's window, its w_max "

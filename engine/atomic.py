@@ -1,4 +1,5 @@
-"""Writing a file by one rule, with no torch: `atomic_write`, `atomic_dir` and `sidecar_path`.
+"""Writing a file by one rule, with no torch: `atomic_write`, `atomic_dir` and `sidecar_path`; and naming one
+(`safe_filename`: a model, tokenizer or run name as one file or folder name).
 
 The rule (temporary file beside the target, fsync, `os.replace`, fsync the folder) is described in
 `engine.artifacts`, which re-exports these three and adds the writers that need torch (`save_safetensors`,
@@ -17,6 +18,20 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
+
+SAFE_FILENAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.")
+
+
+def safe_filename(name: object, fill: str = "_") -> str:
+    """`name` (its `str`) as one file or folder name, the same on every file system: each character outside
+    SAFE_FILENAME_CHARS (ASCII letters and digits, '-', '_', '.') becomes `fill`, so a path separator never
+    survives ("HuggingFaceTB/SmolLM2-135M-Instruct" -> "HuggingFaceTB_SmolLM2-135M-Instruct"). A name that
+    would leave nothing or only dots ("", ".", "..") - no name, or the folder itself or its parent - is
+    `fill` per character instead (at least one)."""
+    text = str(name)
+    out = "".join(ch if ch in SAFE_FILENAME_CHARS else fill for ch in text)
+    return out if out.strip(".") else fill * max(1, len(text))
+
 
 def sidecar_path(path: str | Path) -> Path:
     """The JSON sidecar of a file: `<path>.json`."""

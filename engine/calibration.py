@@ -52,18 +52,22 @@ This module is pure apart from the cache (arrays in, g* out; no model is run her
 `engine.jobs.calibrate`, which runs `engine.harness.generate`; the harness imports this module to resolve a
 run's draft size, so nothing here imports the harness.
 
-The cache: `$SPECVOCAB_CACHE/calibration.json` (default `~/.cache/specvocab`), one record per key
-`model|device|dtype|method|fingerprint`. The fingerprint is a short hash of every config field that changes
+The cache: `$SPECVOCAB_CACHE/calibration.json` (default `~/.cache/specvocab`; `$SPECVOCAB_CALIBRATION` names another file), one record per key
+`model|device|dtype|method|fingerprint|build`. `build` is the kernel build that decodes (`kernel_build`: the C
+kernels' ISA build on a CPU - so a machine with matrix units and one without, or one CPU under
+`$SPECVOCAB_CPU_ISA=avx2`, keep their own g* - "torch" where they do not run, the device type elsewhere). The
+fingerprint is a short hash of every config field that changes
 tau(g) or s(g) for that method (`calibration_fields`, defined in engine.config without torch: r, k, depth,
 confidence, the store's persistence, the drafter's layers, the vocabulary policy and its size, ...); the
 fields themselves are stored in the record. A record also carries the `code_stamp` of the decoder that measured
 it (a hash of engine/ and kernels/ sources and torch's version): s(g) is a property of that code as much as of
 the device, so a g* measured before a kernel changed is stale. `resolve_draft_size` still takes a stale g* (a
 better guess than the fallback) and warns once per key, naming the command that re-measures it. It never
-calibrates silently: with no cached g*
-it warns once per key, naming the command that makes one (`calibrate_command`), and falls back to the method's
-uncalibrated default - `FALLBACK_DRAFT_SIZE[device type]` for unispec, what the harness passes for the others
-(`engine.config.DEFAULT_DRAFT_SIZE`, recycling's whole template) - or raises with `on_missing="error"`.
+calibrates itself: with no cached g* it warns once per key, naming the command that makes one
+(`calibrate_command`), and falls back to the method's uncalibrated default - `FALLBACK_DRAFT_SIZE[device type]`
+for unispec, what the harness passes for the others (`engine.config.DEFAULT_DRAFT_SIZE`, recycling's whole
+template) - or raises with `on_missing="error"`. A run's resolution (`engine.resolve.resolve_run`) reading this
+machine's cache calibrates on the spot instead, in seconds, and caches the record.
 
 EAGLE's `total_token=-1` heuristic (`eagle_total_token`): EAGLE times 20 forwards of n random tokens
 without a KV cache for n in {40, 48, 50, 56, 60}, divides each time by a fixed prior of the acceptance
@@ -73,6 +77,8 @@ measuring it; `python -m specvocab.engine.jobs.calibrate` reports its choice nex
 """
 
 from __future__ import annotations
+
+import os
 
 import dataclasses
 import fcntl
@@ -94,6 +100,8 @@ from scipy.interpolate import BSpline
 from scipy.optimize import differential_evolution
 
 from specvocab.engine.atomic import atomic_write
+from specvocab.engine.target import cpu_kernels_run
+from specvocab.kernels import cpu
 from specvocab.kernels.hardware import isa_env
 # The calibration key and the drafting methods are defined in engine.config (no torch); re-exported here, where
 # users and tests have always read them (engine.calibration.calibration_fields, ...).
@@ -356,20 +364,45 @@ def model_id(model) -> str:
             f"-d{getattr(text, 'hidden_size', '?')}-L{getattr(text, 'num_hidden_layers', '?')}")
 
 
-def calibration_key(model_name: str, device: str, dtype, method: str, fingerprint: str) -> str:
-    return f"{model_name}|{device}|{str(dtype).replace('torch.', '')}|{method}|{fingerprint}"
+def calibration_key(model_name: str, device: str, dtype, method: str, fingerprint: str, build: str) -> str:
+    return f"{model_name}|{device}|{str(dtype).replace('torch.', '')}|{method}|{fingerprint}|{build}"
+
+
+def kernel_build(model, cfg: SpecConfig) -> str:
+    """The build that decodes cfg on model, as the calibration key names it: on a CPU, where the C kernels run
+    (`engine.target.cpu_kernels_run`), the build of the chain that runs the model's linear (`kernels.cpu.provider`
+    of "linear_bf16" or "linear_f32": "amx-bf16", "avx512-bf16", "avx512", "avx2"), else "torch"; on another
+    device its type ("cuda"). s(g) is a property of the build as much as of the device."""
+    p = next(model.parameters())
+    if p.device.type != "cpu":
+        return p.device.type
+    if not cpu_kernels_run(model, cfg.backend, cfg.cpu_kernels):
+        return "torch"
+    build = cpu.provider("linear_bf16" if p.dtype == torch.bfloat16 else "linear_f32")
+    return "torch" if build is None else build.name
+
+
+def kernel_build_source() -> str:
+    """Where the kernel build came from: "given" (`$SPECVOCAB_CPU_ISA` names one) or "default" (what the CPU has)."""
+    return "default" if isa_env() == "auto" else "given"
 
 
 def model_key(model, cfg: SpecConfig) -> str:
-    """The cache key of (model, device, dtype, cfg.method, the fields of cfg that change tau or s)."""
+    """The cache key of (model, device, dtype, cfg.method, the fields of cfg that change tau or s, the kernel
+    build that decodes: `kernel_build`)."""
     p = next(model.parameters())
-    return calibration_key(model_id(model), device_name(p.device), p.dtype, cfg.method, config_fingerprint(cfg))
+    return calibration_key(model_id(model), device_name(p.device), p.dtype, cfg.method, config_fingerprint(cfg),
+                           kernel_build(model, cfg))
 
 
 # ---- the cache -------------------------------------------------------------------------------------------
 
 def cache_file() -> Path:
-    return cache_root() / "calibration.json"
+    """This machine's calibration cache: `$SPECVOCAB_CALIBRATION` when set (a file path; the test suite points
+    it at a fresh file so that no test reads or writes the user's records), else
+    `$SPECVOCAB_CACHE/calibration.json`."""
+    override = os.environ.get("SPECVOCAB_CALIBRATION")
+    return Path(override).expanduser() if override else cache_root() / "calibration.json"
 
 
 def load_calibrations(path: str | Path | None = None) -> dict:
@@ -456,11 +489,27 @@ class CalibrationSource:
     as `load_calibrations` returns) and the `label` its rows carry as `draft_size_source` -
     "calibration-cache:<sha8>" (this machine's cache), "calibration-file:<sha8>" (a file a sweep names;
     sha8: the first 8 hex digits of the file's SHA-256) or "default" (no records: the method's uncalibrated
-    default, whatever the machine's cache holds). `path`: the file read, for messages."""
+    default, whatever the machine's cache holds). `path`: the file read, for messages. `required`: a key the
+    records lack is an error (`MissingCalibration`), not the uncalibrated default (a sweep's calibration file)."""
 
     records: dict
     label: str
     path: str | None = None
+    required: bool = False
+
+
+class MissingCalibration(CalibrationError):
+    """A calibration file that must hold the run's key (`CalibrationSource.required`) lacks it; the message names
+    the key and the records it has for the method."""
+
+
+def require_record(source: CalibrationSource, key: str, method: str) -> None:
+    """MissingCalibration unless `source` holds `key` (or does not require one)."""
+    if source.required and key not in source.records:
+        near = sorted(k for k in source.records if k.split("|")[3:4] == [method])
+        raise MissingCalibration(f"the calibration file {source.path} ({source.label}) has no g* for {key}: it was "
+                                 f"calibrated for another model, device, dtype, config or kernel build ({len(near)} "
+                                 f"{method} records: {near[:2]})")
 
 
 NO_CALIBRATION = CalibrationSource({}, "default")

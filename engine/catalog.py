@@ -125,9 +125,9 @@ DRAFTERS_FOLDER = Path(__file__).resolve().parent / "drafters"    # engine/draft
 
 
 def known_methods() -> list[str]:
-    """The methods whose code ships with the package: those of `engine.config.METHODS` with a drafter module
-    `engine/drafters/<method>.py` ('-' as '_'), found by listing the folder (importing `engine.drafters` would
-    load torch), and the ones transformers runs (`HF_METHODS`). `engine.drafters.available_methods` adds the
+    """The methods whose code ships with the package: those described (`engine.config.METHODS`, read from
+    `engine.methods`) with a drafter module `engine/drafters/<method>.py` ('-' as '_'), found by listing the
+    folder (importing `engine.drafters` would load torch), and the ones transformers runs (`HF_METHODS`). `engine.drafters.available_methods` adds the
     drafters registered at run time in this process."""
     modules = {m.name for m in pkgutil.iter_modules([str(DRAFTERS_FOLDER)])}
     return sorted(set(HF_METHODS) | {m for m in METHODS if m.replace("-", "_") in modules})

@@ -4,22 +4,23 @@ Every knob of every method lives here once, with the section of the paper that f
 `engine.generate(..., **overrides)`, the bench CLI and a Ray sweep cell all build a `SpecConfig` the same
 way: `SpecConfig.preset(name).replace(**overrides)`.
 
-Each set of allowed values is defined once, as the `Literal` type of its field; `METHODS` and
-`POLICIES` are read from those types, and `validate()` checks every `Literal` field against its own
-arguments.
+Each set of allowed values is defined once, as the `Literal` type of its field (`POLICIES` is read from its
+type), and `validate()` checks every `Literal` field against its own arguments; the methods are those
+`engine.methods` describes (`METHODS`, read at each use, so a method registered at run time validates too).
 
 Draft size: one field, `draft_size` = g, the draft tokens per step (root excluded), for every method.
 `None` means the calibrated size of every drafter on this model, device, dtype and config (UniSpec §3,
 App. F: `engine.calibration.resolve_draft_size`, made by `python -m specvocab.engine.jobs.calibrate --method <method>`), resolved
 once where a run's config is resolved (`engine.harness.resolve_config`), never inside a drafter. With no
-calibration cached, the method's uncalibrated default, with one warning naming the command: unispec a
-per-device g, recycling its whole static template, pld and the EAGLE-style drafters `DEFAULT_DRAFT_SIZE`.
+calibration cached, the method's uncalibrated default (`engine.methods.MethodSpec.default_draft_size`), with one
+warning naming the command: unispec a per-device g, recycling its whole static template, pld and the
+EAGLE-style drafters `DEFAULT_DRAFT_SIZE`.
 
 Also here, without torch, so that a sweep's config is parsed and expanded into cells in a process that never
 loads it: what the methods and policies are in the config's terms - `DRAFTING_METHODS`,
-`HF_METHODS`, each policy's size field `REQUESTED_SIZE` - and the calibration key: the fields that change a
-method's tau(g) or s(g) (`calibration_fields`, `config_fingerprint`), under which `engine.calibration`
-caches g* and a sweep links a bench cell to its calibrate cell.
+`HF_METHODS` (views of `engine.methods`' descriptions), each policy's size field `REQUESTED_SIZE` - and the
+calibration key: the fields that change a method's tau(g) or s(g) (`calibration_fields`, `config_fingerprint`),
+under which `engine.calibration` caches g* and a sweep links a bench cell to its calibrate cell.
 """
 
 from __future__ import annotations
@@ -31,26 +32,25 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
-Method = Literal["ar", "pld", "hf-prompt-lookup", "recycling", "unispec", "layerskip", "eagle", "eagle3"]
+from specvocab.engine.methods import (MERGE_HEADS, MERGE_SOURCES, MethodNames, MethodTable,  # noqa: F401
+                                      UnknownMethodError, method_spec)
+
 Backend = Literal["auto", "native", "hf"]   # how the target runs (engine.target)
 Policy = Literal["full", "frspec", "microspec", "oracle", "dynaspec"]     # draft vocabulary policies (engine.vocab)
 
-METHODS: tuple[str, ...] = typing.get_args(Method)
 POLICIES: tuple[str, ...] = typing.get_args(Policy)
-# The methods with a draft size to calibrate (every method but `ar`, which drafts nothing).
-DRAFTING_METHODS = ("unispec", "recycling", "layerskip", "eagle", "eagle3", "pld", "hf-prompt-lookup")
-HF_METHODS = ("hf-prompt-lookup",)          # run by transformers' generate, not through a drafter
+# Views of the method descriptions (engine.methods), in display order, read at each use
+METHODS = MethodNames(doc="every method")
+DRAFTING_METHODS = MethodNames(lambda s: s.drafts, "the methods with a draft size to calibrate (all but ar)")
+HF_METHODS = MethodNames(lambda s: s.runner == "hf", "run by transformers' generate, not through a drafter")
 # the SpecConfig field that is a policy's size, read into a bench's vocab_size column (and set by a sweep's
 # `vocab_sizes`); dynaspec's size is a token budget with no field of its own (engine.jobs.bench)
 REQUESTED_SIZE = {"frspec": "frspec_k", "microspec": "w_max", "oracle": "w_max"}
 
 # The draft size a method uses when `draft_size` is None and no calibration is cached for it, where it is a
-# fixed number (a calibrated size always wins: engine.calibration.resolve_draft_size):
-#   pld / hf-prompt-lookup: 10 = transformers' `prompt_lookup_num_tokens` (Saxena 2023's reference setting);
-#   layerskip / eagle: 59 = EAGLE-2's 60 draft tokens (MicroSpec §4.1, FR-Spec §4.1) minus the root.
-# Uncalibrated, recycling uses its whole static template (Token Recycling's Figure 5 tree: 80 nodes) and
-# unispec a per-device g (engine.calibration.FALLBACK_DRAFT_SIZE); resolved in engine.harness.resolve_config.
-DEFAULT_DRAFT_SIZE: dict[str, int] = {"pld": 10, "hf-prompt-lookup": 10, "layerskip": 59, "eagle": 59, "eagle3": 59}
+# fixed number (`engine.methods.SHIPPED` gives each its source; recycling's whole template and unispec's
+# per-device g are resolved in engine.harness.resolve_config)
+DEFAULT_DRAFT_SIZE = MethodTable(lambda s: s.default_draft_size if isinstance(s.default_draft_size, int) else None)
 
 _LABELS = {"method": "method", "vocab": "vocab policy"}      # how error messages name a field's values
 
@@ -62,7 +62,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class SpecConfig:
     # --- decoding -------------------------------------------------------------------------------------
-    method: Method = "ar"
+    method: str = "ar"                # a method `engine.methods` describes (METHODS)
     max_new_tokens: int = 128
     temperature: float = 0.0          # 0 = greedy (all papers' main setting)
     top_p: float = 1.0
@@ -142,6 +142,9 @@ class SpecConfig:
                                       # floor(k_max / (2 (t + 1))) (§4.2, Alg. 1 l.7); fixed = DynaSpec-F (Fig. 2)
     dynaspec_k_min: int = 1           # floor of the decayed budget; the paper names k_min but never sets it
 
+    # --- merged: one tree from several drafters (engine.drafters.merged) -----------------------------------
+    merge_sources: str = "eagle3+pld+unispec"   # '+'-joined MERGE_SOURCES: at most one head (eagle3 or eagle)
+
     def replace(self, **overrides) -> "SpecConfig":
         unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
         if unknown:
@@ -151,11 +154,16 @@ class SpecConfig:
 
     @classmethod
     def preset(cls, name: str = "ar", **overrides) -> "SpecConfig":
-        if name not in PRESETS:
-            raise ConfigError(f"unknown method/preset {name!r}; choose one of {sorted(PRESETS)}")
-        return PRESETS[name].replace(**overrides)
+        if name in PRESETS:
+            return PRESETS[name].replace(**overrides)
+        if name in METHODS:                                  # a method registered after PRESETS was built
+            return cls(method=name).replace(**overrides)
+        raise ConfigError(f"unknown method/preset {name!r}; choose one of {sorted({*PRESETS, *METHODS})}")
 
     def validate(self) -> "SpecConfig":
+        if self.method not in METHODS:
+            raise ConfigError(f"unknown {_LABELS['method']} {self.method!r}; choose one of {list(METHODS)} "
+                              f"(field method; a new method is described with engine.methods.register_method)")
         for name, choices in LITERAL_FIELDS.items():
             value = getattr(self, name)
             if value not in choices:
@@ -226,14 +234,7 @@ def parse_overrides(items: list[str]) -> dict:
 
 
 PRESETS: dict[str, SpecConfig] = {
-    "ar": SpecConfig(method="ar"),
-    "pld": SpecConfig(method="pld"),
-    "hf-prompt-lookup": SpecConfig(method="hf-prompt-lookup"),
-    "recycling": SpecConfig(method="recycling"),
-    "unispec": SpecConfig(method="unispec"),
-    "layerskip": SpecConfig(method="layerskip"),
-    "eagle": SpecConfig(method="eagle"),
-    "eagle3": SpecConfig(method="eagle3"),
+    **{m: SpecConfig(method=m) for m in METHODS},
     "microspec": SpecConfig(method="layerskip", vocab="microspec"),
     "frspec": SpecConfig(method="layerskip", vocab="frspec"),
 }
@@ -241,23 +242,9 @@ PRESETS: dict[str, SpecConfig] = {
 
 # ---- the calibration key (engine.calibration caches g* under it) ------------------------------------------
 
-_SAMPLING = ("temperature", "top_p")
-_STORE = ("store_k", "store_persistence")
-_TREE = ("eagle_depth", "eagle_topk")
-_TARGET = ("backend", "fixed_shape", "verify_rows", "compile", "cuda_graphs", "cpu_kernels")   # how the target runs changes s(g) (engine.target)
-# Config fields that change tau(g) or s(g), per method; the vocabulary policy's own fields follow
-# `POLICY_FIELDS` of the policy in use.
-CALIBRATION_FIELDS: dict[str, tuple[str, ...]] = {
-    "ar": (*_SAMPLING, *_TARGET),
-    "pld": (*_SAMPLING, *_TARGET, "pld_max_ngram", "pld_min_ngram"),
-    "hf-prompt-lookup": (*_SAMPLING, "pld_max_ngram", "pld_min_ngram"),
-    "recycling": (*_SAMPLING, *_TARGET, *_STORE, "recycling_tree"),
-    "unispec": (*_SAMPLING, *_TARGET, *_STORE, "tree_depth", "threshold_r", "confidence", "broaden_first_level",
-                "threshold_scope", "cache_exclude_root"),
-    "layerskip": (*_SAMPLING, *_TARGET, *_TREE, "drafter_layers", "vocab"),
-    "eagle": (*_SAMPLING, *_TARGET, *_TREE, "eagle_head", "vocab"),
-    "eagle3": (*_SAMPLING, *_TARGET, *_TREE, "eagle3_head", "vocab"),
-}
+# Config fields that change tau(g) or s(g), per method (`engine.methods.MethodSpec.calibration_fields`, a view
+# read at each use); the vocabulary policy's own fields follow `POLICY_FIELDS` of the policy in use.
+CALIBRATION_FIELDS = MethodTable(lambda s: s.calibration_fields)
 POLICY_FIELDS: dict[str, tuple[str, ...]] = {
     "full": (),
     "frspec": ("frspec_k", "frequency_file", "frspec_budget"),
@@ -273,8 +260,11 @@ NOT_CALIBRATION_FIELDS = ("method", "draft_size", "max_new_tokens", "seed", "rec
 
 def calibration_fields(cfg: SpecConfig) -> dict:
     """{field: value} of every config field that changes tau(g) or s(g) of cfg.method (every field but
-    `NOT_CALIBRATION_FIELDS` for a method this table does not know)."""
-    names = CALIBRATION_FIELDS.get(cfg.method)
+    `NOT_CALIBRATION_FIELDS` for a method whose description lists none)."""
+    try:
+        names = method_spec(cfg.method).calibration_fields
+    except UnknownMethodError as e:
+        raise ConfigError(str(e)) from None
     if names is None:
         names = tuple(f.name for f in dataclasses.fields(cfg) if f.name not in NOT_CALIBRATION_FIELDS)
     elif "vocab" in names:

@@ -36,14 +36,14 @@ import numpy as np
 import torch
 
 from specvocab.engine.calibration import CalibrationSource, resolve_draft_size_source
-from specvocab.engine.config import DEFAULT_DRAFT_SIZE, DRAFTING_METHODS, HF_METHODS, SpecConfig
+from specvocab.engine.config import DRAFTING_METHODS, HF_METHODS, SpecConfig
 from specvocab.engine.drafters import make_drafter
-from specvocab.engine.drafters.recycling import TEMPLATES, template_size
+from specvocab.engine.methods import method_spec
 from specvocab.engine.models import eos_token_ids
 from specvocab.engine.shipped import default_eagle3_head, default_eagle_head
-from specvocab.engine.native import BLOCK, bucket_rows
-from specvocab.engine.target import (forward_tree, head_topk, lm_logits, make_target, max_tree_nodes,  # noqa: F401
-                           native_model, pads_rows, prefill, resolve_backend)
+from specvocab.engine.native import bucket_rows
+from specvocab.engine.target import (BackendError, forward_tree, head_topk, lm_logits, make_target,  # noqa: F401
+                           max_tree_nodes, native_model, pads_rows, prefill, resolve_backend, rows_error)
 from specvocab.engine.tree import DraftTree, Drafter, PrefillTopK, StepResult
 from specvocab.engine.verify import sample_token, tree_layout, verify_greedy, verify_sampling, warp_probs
 from specvocab.locality.trace import Trace
@@ -157,9 +157,11 @@ def resolve_config(cfg: SpecConfig | None, method: str | None = None, overrides:
     """The run's config: cfg (default `SpecConfig.preset(method or "ar")`) with `method` and `overrides`
     applied, validated; with `model`, `draft_size=None` is replaced by the method's calibrated size
     (`default_draft_size`: the g* of this model, device, dtype and config in `calibration` - default this
-    machine's cache - else the uncalibrated default with a warning) and, for `eagle` / `eagle3`,
+    machine's cache - else the uncalibrated default with a warning) and, first, for `eagle` / `eagle3`,
     `eagle_head=None` / `eagle3_head=None` by the head shipped for this model (`engine.shipped.default_eagle_head`
-    / `default_eagle3_head`, left None when none ships). The one place a run's draft size and head are decided.
+    / `default_eagle3_head`, left None when none ships), so the size is the calibration of the head that runs.
+    What `generate` does with a config left open; a run's whole resolution (its vocabulary list or fit, an
+    on-the-spot calibration, the provenance of each value) is `engine.resolve.resolve_run`.
     with_source: return (cfg, where its draft size came from: "config", the calibration's label - e.g.
     "calibration-cache:<sha8>" - or "default"; None for a method that drafts nothing)."""
     overrides = dict(overrides or {})
@@ -170,10 +172,8 @@ def resolve_config(cfg: SpecConfig | None, method: str | None = None, overrides:
             overrides = {"method": method, **overrides}
         cfg = cfg.replace(**overrides) if overrides else cfg.validate()
     source = "config" if cfg.draft_size is not None and cfg.method in DRAFTING_METHODS else None
-    if model is not None and cfg.draft_size is None:
-        g, source = default_draft_size(cfg, model, calibration=calibration, with_source=True)
-        if g is not None:
-            cfg = cfg.replace(draft_size=g)
+    # the head first: it is part of the calibration key (`eagle_head`, `eagle3_head`), so the size is looked up
+    # under the head that runs, as a calibration of that head keyed it
     if model is not None and cfg.method == "eagle" and cfg.eagle_head is None:
         head = default_eagle_head(model)
         if head is not None:
@@ -182,31 +182,28 @@ def resolve_config(cfg: SpecConfig | None, method: str | None = None, overrides:
         head = default_eagle3_head(model)
         if head is not None:
             cfg = cfg.replace(eagle3_head=head)
+    if model is not None and cfg.draft_size is None:
+        g, source = default_draft_size(cfg, model, calibration=calibration, with_source=True)
+        if g is not None:
+            cfg = cfg.replace(draft_size=g)
     return (cfg, source) if with_source else cfg
 
 
 def max_draft_size(cfg: SpecConfig, model=None) -> int | None:
-    """The largest draft size cfg.method can propose, None where it has no bound of its own:
-    recycling its template's nodes; layerskip / eagle EAGLE-2's candidates at the config's depth,
-    topk + topk^2 (depth - 1); unispec its candidate pool, (2 with the broadened first level, else 1) k +
-    k^2 (d - 1); pld / hf-prompt-lookup none. With `model`, the target's bounds too: on the native
-    fixed-shape path (`engine.target`) a tree of at most `verify_rows` rows when that is set (on
-    an accelerator `DEVICE_ROWS` when it is not), and a chain (pld) shallower than `engine.native.BLOCK`
-    positions."""
-    caps = []
-    if cfg.method == "recycling" and cfg.recycling_tree in TEMPLATES:
-        caps.append(template_size(cfg.recycling_tree))
-    elif cfg.method in ("layerskip", "eagle", "eagle3"):
-        caps.append(cfg.eagle_topk + cfg.eagle_topk ** 2 * (cfg.eagle_depth - 1))
-    elif cfg.method == "unispec":
-        caps.append((2 if cfg.broaden_first_level else 1) * cfg.store_k + cfg.store_k ** 2 * (cfg.tree_depth - 1))
+    """The largest draft size cfg.method can propose, None where it has no bound of its own
+    (`engine.methods.MethodSpec.max_draft_size`): recycling its template's nodes; layerskip / eagle EAGLE-2's
+    candidates at the config's depth, topk + topk^2 (depth - 1); unispec its candidate pool, (2 with the
+    broadened first level, else 1) k + k^2 (d - 1); pld / hf-prompt-lookup none. With `model`, the target's
+    bounds too: on the native fixed-shape path (`engine.target`) a tree of at most `verify_rows` rows when that
+    is set (on an accelerator `DEVICE_ROWS` when it is not). A tree's depth is no bound: the fixed-shape
+    attention's tail takes as many BLOCK-position blocks as it reaches (`engine.native.tail_blocks`)."""
+    spec = method_spec(cfg.method)
+    caps = [] if (own := spec.draft_size_cap(cfg)) is None else [own]
     if model is not None and cfg.method in DRAFTING_METHODS and cfg.method not in HF_METHODS and cfg.fixed_shape \
             and resolve_backend(model, cfg.backend) == "native":
         nodes = max_tree_nodes(model, cfg.backend, cfg.fixed_shape, cfg.verify_rows)
         if nodes is not None:
             caps.append(nodes)                              # rows: the root + the draft nodes
-        if cfg.method == "pld":
-            caps.append(BLOCK - 1)                          # a chain of g drafts is g deep
     return min(caps) if caps else None
 
 
@@ -235,17 +232,15 @@ def default_draft_size(cfg: SpecConfig, model, *, calibration: CalibrationSource
     calibrated size of this model, device, dtype and config (UniSpec §3, App. F; `resolve_draft_size`),
     else the method's uncalibrated default with one warning naming the command that calibrates it:
     unispec a per-device FALLBACK_DRAFT_SIZE, recycling its whole static template, the others
-    `DEFAULT_DRAFT_SIZE` (engine.config); either at most the draft nodes one fixed-shape forward holds
-    (`engine.target.max_tree_nodes`), then raised to its bucket's edge (`bucket_edge`). None for methods
+    `DEFAULT_DRAFT_SIZE` (`engine.methods.MethodSpec.default_draft_size`); either at most the draft nodes one
+    fixed-shape forward holds (`engine.target.max_tree_nodes`), then raised to its bucket's edge (`bucket_edge`). None for methods
     that draft nothing (ar). calibration: the records looked up (default this machine's cache,
     `engine.calibration.calibration_source`); with_source: return (g, its source as `resolve_config` names it)."""
     if cfg.method not in DRAFTING_METHODS:
         return (None, None) if with_source else None
-    if cfg.method == "unispec":                         # uncalibrated: FALLBACK_DRAFT_SIZE[device type]
-        g, source = resolve_draft_size_source(cfg, model, source=calibration)
-    else:
-        fallback = template_size(cfg.recycling_tree) if cfg.method == "recycling" else DEFAULT_DRAFT_SIZE[cfg.method]
-        g, source = resolve_draft_size_source(cfg, model, fallback=fallback, source=calibration)
+    # the method's uncalibrated default; None (unispec): FALLBACK_DRAFT_SIZE[device type]
+    fallback = method_spec(cfg.method).draft_size_default(cfg)
+    g, source = resolve_draft_size_source(cfg, model, fallback=fallback, source=calibration)
     if model is not None and g is not None:
         cap = max_tree_nodes(model, cfg.backend, cfg.fixed_shape, cfg.verify_rows)
         g = g if cap is None else min(g, cap)                   # the rows a fixed-shape forward has
@@ -302,6 +297,10 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
     ids = torch.empty(L + T + 1, dtype=torch.long, device=device)    # committed ids + root
     ids[:L] = prompt
     records: list[StepRecord] | None = [] if cfg.record else None
+    # a draft size over the largest fixed-shape bucket fails here, before the prefill, not at the first step
+    nodes = max_tree_nodes(model, cfg.backend, cfg.fixed_shape, cfg.verify_rows)
+    if nodes is not None and cfg.method in DRAFTING_METHODS and (cfg.draft_size or 0) > nodes:
+        raise BackendError(rows_error(cfg.draft_size + 1, nodes + 1, cfg.verify_rows))
 
     t_start = _clock(device)
     target = make_target(model, cfg.backend, fixed_shape=cfg.fixed_shape, rows=cfg.verify_rows,

@@ -53,7 +53,9 @@ keep `category` and `language`). Two totals, named apart because they differ:
 
 Per row, `step_sizes` lists the tokens each step committed (the prefill's step 0 commits one; they sum to
 new_tokens and their mean is the row's tau): Spec-Bench's per-step `accept_lengths` (`engine.jobs.specbench`).
-Rows without it (null) have no per-step sizes.
+Rows without it (null) have no per-step sizes. A merged run's rows (`engine.drafters.merged`) also carry
+`accepted_by_<source>`: the committed draft tokens each source (draft head, pld, unispec) placed in the tree; they
+sum to the row's committed draft tokens (null for other methods; `sweeps.tables.tau_by_source` splits tau by them).
 
 Earlier summaries said `category` for the task and `coverage` for draft_coverage (`summarize`); they were never
 written to a results folder, so no reader needs the old names.
@@ -67,13 +69,20 @@ import numpy as np
 import polars as pl
 
 from specvocab.engine.config import POLICIES
+from specvocab.engine.methods import MERGE_SOURCES, MethodNames, method_specs
 
-DRAFTERS = ("layerskip", "eagle", "eagle3")    # drafters with an LM head behind a vocabulary policy
+# drafters with an LM head behind a vocabulary policy (`engine.methods.MethodSpec.lm_head`; a view read at each use)
+DRAFTERS = MethodNames(lambda s: s.lm_head, "the drafters with an LM head behind a vocabulary policy")
 PHASES = ("backbone", "router", "gather", "lm_head", "tree")   # drafter phases (engine.drafters.lmhead)
 ROW_SCHEMA = {
     "model": pl.String, "device": pl.String, "dtype": pl.String, "backend": pl.String, "method": pl.String, "run": pl.String,
     "policy": pl.String, "vocab_size": pl.Int64, "dynaspec_k_max": pl.Int64, "draft_head": pl.String,
-    "vocab_file": pl.String, "draft_size": pl.Int64, "draft_size_source": pl.String, "max_new_tokens": pl.Int64, "prompt_set": pl.String,
+    "vocab_file": pl.String, "draft_size": pl.Int64, "draft_size_source": pl.String,
+    # where the run's other open choices came from (`engine.resolve.ResolvedRun.columns`: given, shipped,
+    # fitted, default) and the kernel build that decoded
+    "draft_head_source": pl.String, "vocab_file_source": pl.String, "vocab_size_source": pl.String,
+    "kernel_build": pl.String, "kernel_build_source": pl.String,
+    "max_new_tokens": pl.Int64, "prompt_set": pl.String,
     "prompt_id": pl.String,
     "category": pl.String, "language": pl.String, "turn": pl.Int32,
     "repeat": pl.Int32, "prompt_tokens": pl.Int64, "new_tokens": pl.Int64, "steps": pl.Int64,
@@ -87,6 +96,8 @@ ROW_SCHEMA = {
     "seed": pl.Int64, "output_ids": pl.List(pl.Int64),
     "score_bins_proposed": pl.List(pl.Int64), "score_bins_accepted": pl.List(pl.Int64),
     "step_sizes": pl.List(pl.Int64),    # tokens each step committed (GenerateResult.step_sizes; may be null)
+    # merged: the committed draft tokens each source placed (engine.drafters.merged); null for other methods
+    **{f"accepted_by_{s}": pl.Int64 for s in MERGE_SOURCES},
     # against ar's row of the same (prompt_id, turn, repeat), greedy only (`engine.divergence`, `diagnose`)
     "verdict": pl.String, "first_divergence": pl.Int64, "ar_margin": pl.Float64, "ar_gap": pl.Float64,
     "prompt_differs": pl.Boolean,
@@ -103,8 +114,9 @@ CI_LEVEL, CI_DRAWS, CI_SEED = 0.95, 2000, 0     # speedup_lo / speedup_hi (modul
 TARGET_DRAFT_RATIO, TARGET_TAU_RATIO, TARGET_SPEED_RATIO = 3.0, 0.95, 1.0
 # pairs compared per drafter: (policy, base policy); `full` is every other policy's base
 PAIRS = (("microspec", "frspec"), ("microspec", "dynaspec"), ("dynaspec", "frspec"))
-# the order runs are listed in: ar first, then training-free methods, then the drafters
-METHOD_ORDER = ("ar", "pld", "hf-prompt-lookup", "recycling", "unispec", "dynaspec", "layerskip", "eagle", "eagle3")
+# the order runs are listed in (`engine.methods.MethodSpec.order`): ar first, then training-free methods, then the
+# drafters with an LM head
+METHOD_ORDER = MethodNames(doc="every method, in display order")
 
 
 class MetricsError(ValueError):
@@ -430,9 +442,10 @@ def table2_summary(frame: pl.DataFrame) -> pl.DataFrame:
     tasks = with_intervals(both.filter(pl.col("task") != AVG), frame, [*keys, "task", "panel"])
     avgs = with_intervals(both.filter(pl.col("task") == AVG), frame, keys, over_tasks=True)
     both = pl.concat([tasks, avgs], how="diagonal_relaxed").with_columns(_finite("draft_coverage"))
-    order = {m: i for i, m in enumerate(METHOD_ORDER)}
+    order = {s.name: s.order for s in method_specs()}
     policies = {p: i for i, p in enumerate(POLICIES)}
-    both = both.with_columns(_m=pl.col("method").replace_strict(order, default=len(order), return_dtype=pl.Int64),
+    last = max(order.values(), default=0) + 1
+    both = both.with_columns(_m=pl.col("method").replace_strict(order, default=last, return_dtype=pl.Int64),
                              _p=pl.col("policy").replace_strict(policies, default=len(policies), return_dtype=pl.Int64),
                              _avg=pl.col("task") == AVG)
     return (both.sort(*keys, "_avg", "task", "_m", "_p", "vocab_size", "run", nulls_last=True)

@@ -33,9 +33,11 @@ rules make a row's result a function of its own logical context only:
    its bits between 8 and 16 rows in fp32).
 2. Keys in logical order. Attention is computed over blocks of BLOCK logical positions (position = index in
    the token sequence, not cache slot). Blocks wholly inside the committed prefix are read where they lie,
-   for all rows at once; the last two blocks - those a draft tree can reach - are gathered per row in
+   for all rows at once; the blocks after them - those a draft tree can reach, the tail - are gathered per row in
    logical order (committed slots, then the row's ancestors by depth), so an ancestor's key sits at the same
-   place whether an `ar` step or a tree put it in the cache. Each block gives (max, sum, unnormalised
+   place whether an `ar` step or a tree put it in the cache. The tail is two blocks, or as many as a deep
+   tree reaches (`tail_blocks`: a chain of 40 drafts takes two or three, by where the context ends): a row's
+   later blocks are all masked, so the tail's width changes no bit of any row (rule 3). Each block gives (max, sum, unnormalised
    output) with the same fixed-shape ops either way (GEMMs with M >= 4: the query heads of a KV group are
    padded to 4 rows where a model has fewer).
 3. One fold over blocks. Blocks are merged by a running sum in block order (`cumsum`, a sequential fold on
@@ -76,7 +78,8 @@ from specvocab.kernels.head import dense_head
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text")
 GRAPH_CACHE_SLOTS = 4096  # the graphed decode's static cache (`GraphedDecode.static_cache`; grown when short)
 MIN_ROWS = 4          # the least bucket floor: fp32 GEMMs take a GEMV path at M = 1, 2 (rule 1; `row_floor`)
-BLOCK = 32            # logical positions per attention block (rule 2); a tree must be shallower than this
+BLOCK = 32            # logical positions per attention block (rule 2); a deeper tree takes more tail blocks
+TAIL_BLOCKS = 2       # the least tail (rule 2): a node up to BLOCK below the root fits two, wherever the context ends
 FUSED_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
                       # config activation -> what kernels.cpu.layer computes (others: the per-op path)
 KERNEL_MAX_ROWS = cpu.SMALL_ROWS   # outside exact mode (a prefill, native-sdpa) the CPU kernel takes forwards
@@ -213,6 +216,11 @@ class StaticKV:
 
 class NativeModel:
     """The decoder of an HF causal LM of a supported family, run with plain torch ops (module docstring)."""
+
+    def __deepcopy__(self, memo):
+        # Kept on the model it packs (`engine.target.native_model`); its C kernels hold raw pointers into that
+        # model's packed weights, so a copied model packs its own on first use instead of sharing these.
+        return None
 
     def __init__(self, model):
         why = unsupported_reason(model)
@@ -399,8 +407,8 @@ class NativeModel:
         and new rows (a drafter whose cache holds tree rows between levels); key_positions [P]: the logical
         position of each cached slot where it is not the slot's index (sliding-window masks; default
         arange(P)). exact: fixed-shape attention (module docstring); then
-        `tail` = (idx [n, 2 BLOCK] cache slot of each logical position of the row's last two blocks,
-        ok [n, 2 BLOCK] which are real) from `tail_index`. layer_ids: run only these layers (the layer-skip
+        `tail` = (idx [n, T BLOCK] cache slot of each logical position of the row's tail blocks, ok [n, T BLOCK]
+        which are real) from `tail_index`, T = `tail_blocks`. layer_ids: run only these layers (the layer-skip
         drafter's partial stack; its cache has one entry per listed layer). collect: also return the
         hidden states after these layers (EAGLE-3's low/mid/high features). compiled: run the layers through
         `compiled_layer` (exact mode only: the fixed shapes of a decode; a prefill's length varies per prompt).
@@ -534,8 +542,8 @@ class NativeModel:
     def _exact_masks(self, P, positions, tail, kind):
         """The keys each row must not see in exact mode, per forward and layer type (not per layer):
         committed [1, n, 1, b0, BLOCK] bool (outside a sliding window; None on full layers or with no
-        committed block) and tail [1, n, 1, 2 BLOCK] (not the row's context, or outside the window); then
-        what the CPU attention kernel reads instead (positions, the tail's visible keys [n, 2 BLOCK] uint8,
+        committed block) and tail [1, n, 1, T BLOCK] (not the row's context, or outside the window); then
+        what the CPU attention kernel reads instead (positions, the tail's visible keys [n, T BLOCK] uint8,
         the window or 0)."""
         n, dev = positions.numel(), positions.device
         window = self.window if kind == "sliding_attention" else None
@@ -546,7 +554,7 @@ class NativeModel:
             if b0:
                 k_pos = torch.arange(b0 * BLOCK, device=dev)
                 committed = ~(positions[:, None] - k_pos[None, :] < window).view(1, n, 1, b0, BLOCK)
-            k_pos = b0 * BLOCK + torch.arange(2 * BLOCK, device=dev)
+            k_pos = b0 * BLOCK + torch.arange(allowed.shape[1], device=dev)
             allowed = allowed & (positions[:, None] - k_pos[None, :] < window)
         kernel_args = ((positions.contiguous(), allowed.to(torch.uint8).contiguous(), window or 0)
                        if self._bf16_kernels() or self._attention_kernel_f32(self.head_dim) else None)
@@ -554,7 +562,7 @@ class NativeModel:
 
     def _attention_exact(self, q, kc, vc, P, idx, masked) -> torch.Tensor:
         """Fixed-shape attention (rules 2 and 3 of the module docstring). q [n, H, hd] -> [n, H hd];
-        idx [n, 2 BLOCK]: the tail's cache slots (`tail_index`); masked: `_exact_masks`."""
+        idx [n, T BLOCK]: the tail's cache slots (`tail_index`); masked: `_exact_masks`."""
         n, H, hd = q.shape
         kvh = kc.shape[0]
         if masked[2] is not None and self._attention_kernel(hd) and not torch.compiler.is_compiling():
@@ -585,16 +593,17 @@ class NativeModel:
             ls.append(l)
             os_.append(o.view(kvh, b0, n, gp, hd).permute(0, 2, 3, 1, 4).float())
         flat = idx.reshape(-1)
-        kt = kc.index_select(1, flat).view(kvh, n, 2 * BLOCK, hd)      # logical order
-        vt = vc.index_select(1, flat).view(kvh, n, 2 * BLOCK, hd)
-        s = torch.matmul(qg, kt.transpose(-1, -2)).float().mul_(self.scale)     # [kvh, n, gp, 2 BLOCK]
-        s = s.masked_fill(tail_masked, float("-inf")).view(kvh, n, gp, 2, BLOCK)
+        T = idx.shape[1] // BLOCK                                      # tail blocks (`tail_blocks`)
+        kt = kc.index_select(1, flat).view(kvh, n, T * BLOCK, hd)      # logical order
+        vt = vc.index_select(1, flat).view(kvh, n, T * BLOCK, hd)
+        s = torch.matmul(qg, kt.transpose(-1, -2)).float().mul_(self.scale)     # [kvh, n, gp, T BLOCK]
+        s = s.masked_fill(tail_masked, float("-inf")).view(kvh, n, gp, T, BLOCK)
         m, l, e = _block_softmax(s)
-        e = e.to(vt.dtype).transpose(2, 3)                             # [kvh, n, 2, gp, BLOCK]
-        o = torch.matmul(e, vt.view(kvh, n, 2, BLOCK, hd))             # [kvh, n, 2, gp, hd]
+        e = e.to(vt.dtype).transpose(2, 3)                             # [kvh, n, T, gp, BLOCK]
+        o = torch.matmul(e, vt.view(kvh, n, T, BLOCK, hd))             # [kvh, n, T, gp, hd]
         ms.append(m)
         ls.append(l)
-        os_.append(o.transpose(2, 3).float())                          # [kvh, n, gp, 2, hd]
+        os_.append(o.transpose(2, 3).float())                          # [kvh, n, gp, T, hd]
         m = torch.cat(ms, dim=-1)                                      # [kvh, n, gp, blocks]
         l = torch.cat(ls, dim=-1)
         o = torch.cat(os_, dim=-2)                                     # [kvh, n, gp, blocks, hd]
@@ -630,9 +639,9 @@ class GraphedDecode:
     A decode forward on a GPU is hundreds of small kernels (SmolLM2: 30 layers x ~25), whose launches cost
     more than their work; a graph launches them as one. Every input that changes per step lives in a static
     buffer (tokens, positions, the tail's slots and mask, the slots rows are written to), so one graph serves
-    every step with the same (rows, committed blocks P // BLOCK, compiled): a decode at fixed `verify_rows` captures one
-    graph per BLOCK tokens of context, all writing one output buffer per row count (a graph's own outputs would
-    stay allocated: Gemma's [128, 262k] fp32 logits are 134 MB). The graphs hold the cache's and the RoPE
+    every step with the same (rows, committed blocks P // BLOCK, compiled, tail blocks): a decode at fixed
+    `verify_rows` captures one graph per BLOCK tokens of context (and per tail width a tree deeper than BLOCK
+    takes), all writing one output buffer per row count (a graph's own outputs would stay allocated: Gemma's [128, 262k] fp32 logits are 134 MB). The graphs hold the cache's and the RoPE
     tables' addresses: they are dropped when either is reallocated. `capture` builds the graph; `torch.cuda.CUDAGraph` on CUDA, and -
     for the tests of the buffer plumbing on a CPU - a recording that re-runs the captured call (`eager=True`).
     """
@@ -640,7 +649,7 @@ class GraphedDecode:
     def __init__(self, net: NativeModel, eager: bool = False):
         self.net = net
         self.eager = eager
-        self.graphs: dict[tuple[int, int, bool], dict] = {}
+        self.graphs: dict[tuple[int, int, bool, int], dict] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}     # per row count, shared by its graphs
         self.pool = None
         self._cache_id = None
@@ -671,11 +680,11 @@ class GraphedDecode:
         if self._cache_id != state:
             self.reset()
             self._cache_id = state
-        P, R = cache.committed, tokens.numel()
-        key = (R, P // BLOCK, compiled)
+        P, R, T = cache.committed, tokens.numel(), tail[0].shape[1] // BLOCK
+        key = (R, P // BLOCK, compiled, T)
         g = self.graphs.get(key)
         if g is None:
-            g = self.graphs[key] = self._capture(cache, R, compiled)
+            g = self.graphs[key] = self._capture(cache, R, compiled, T)
         g["tok"].copy_(tokens)
         g["pos"].copy_(positions)
         g["idx"].copy_(tail[0])
@@ -684,7 +693,7 @@ class GraphedDecode:
         g["replay"]()
         return g["hidden"], g["logits"]
 
-    def _capture(self, cache: StaticKV, R: int, compiled: bool = False) -> dict:
+    def _capture(self, cache: StaticKV, R: int, compiled: bool = False, T: int = TAIL_BLOCKS) -> dict:
         net, dev = self.net, cache.k.device
         net.rope_tables(cache.capacity)                                 # no table grows inside a graph
         if R not in self.outputs:                                       # one output buffer per row count: a
@@ -693,8 +702,8 @@ class GraphedDecode:
         out_h, out_lg = self.outputs[R]
         g = dict(tok=torch.zeros(R, dtype=torch.long, device=dev),
                  pos=torch.full((R,), cache.committed, dtype=torch.long, device=dev),
-                 idx=torch.zeros(R, 2 * BLOCK, dtype=torch.long, device=dev),
-                 ok=torch.zeros(R, 2 * BLOCK, dtype=torch.bool, device=dev),
+                 idx=torch.zeros(R, T * BLOCK, dtype=torch.long, device=dev),
+                 ok=torch.zeros(R, T * BLOCK, dtype=torch.bool, device=dev),
                  base=torch.arange(R, device=dev), slots=torch.zeros(R, dtype=torch.long, device=dev))
         g["ok"][:, 0] = True                                            # a valid (if meaningless) warm-up input
         torch.add(g["base"], cache.committed, out=g["slots"])
@@ -727,31 +736,42 @@ class GraphedDecode:
         return g
 
 
-def tail_index(committed: int, positions: torch.Tensor, anc: torch.Tensor, parents_depth: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, the cache slot of every logical position in the last two attention blocks (rule 2).
+def tail_blocks(committed: int, max_depth: int) -> int:
+    """Blocks of BLOCK logical positions the tail needs (rule 2): from the block holding position `committed`
+    (the root) to the one holding the deepest node, P + max_depth; at least TAIL_BLOCKS, so every tree up to
+    BLOCK deep takes the same shape."""
+    return max(TAIL_BLOCKS, (committed % BLOCK + max_depth) // BLOCK + 1)
+
+
+def tail_index(committed: int, positions: torch.Tensor, anc: torch.Tensor, parents_depth: torch.Tensor,
+               blocks: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the cache slot of every logical position in the tail's attention blocks (rule 2).
 
     committed P; positions [n] = P + depth; anc [n, n] ancestor-or-self mask of the (padded) tree;
-    parents_depth [n] = depth. Returns idx [n, 2 BLOCK] int64 (slot 0 where nothing is there) and
-    ok [n, 2 BLOCK] bool. Logical position p < P lies in slot p; p = P + j is the row's ancestor at depth j,
-    which lies in slot P + (its node index).
+    parents_depth [n] = depth; blocks: the tail's block count T (default `tail_blocks(P, max depth)`: what the
+    deepest row reaches). Returns idx [n, T BLOCK] int64 (slot 0 where nothing is there) and ok [n, T BLOCK]
+    bool. Logical position p < P lies in slot p; p = P + j is the row's ancestor at depth j, which lies in
+    slot P + (its node index).
     """
     n = positions.numel()
     dev = positions.device
     base = (committed // BLOCK) * BLOCK
-    logical = base + torch.arange(2 * BLOCK, device=dev)               # [2B]
     depth = parents_depth
-    if int(depth.max()) + committed - base >= 2 * BLOCK:
-        raise NativeError(f"a draft tree {int(depth.max()) + 1} deep does not fit the exact mode's "
-                          f"{BLOCK}-position blocks; use exact=False or a shallower tree")
+    deepest = int(depth.max())
+    need = tail_blocks(committed, deepest)
+    T = need if blocks is None else blocks
+    if T < need:
+        raise NativeError(f"a draft tree {deepest + 1} deep after {committed} committed tokens needs {need} tail "
+                          f"blocks of {BLOCK} positions; got blocks={T} (leave it None)")
+    logical = base + torch.arange(T * BLOCK, device=dev)               # [T B]
     # node_at[i, j] = the ancestor of row i at depth j (or -1)
     node_at = torch.full((n, n), -1, dtype=torch.long, device=dev)
     rows, cols = anc.nonzero(as_tuple=True)                            # (row, one of its ancestors)
     node_at[rows, depth[cols]] = cols
-    j = (logical - committed)                                           # [2B] depth a tree position has
-    in_tree = (j >= 0)[None, :] & (j[None, :] <= depth[:, None])        # [n, 2B]
+    j = (logical - committed)                                           # [T B] depth a tree position has
+    in_tree = (j >= 0)[None, :] & (j[None, :] <= depth[:, None])        # [n, T B]
     jj = j.clamp(0, n - 1)
-    tree_slot = committed + node_at[:, jj]                              # [n, 2B]
+    tree_slot = committed + node_at[:, jj]                              # [n, T B]
     committed_ok = (logical < committed)[None, :].expand(n, -1)
     ok = committed_ok | in_tree
     idx = torch.where(in_tree, tree_slot, torch.where(committed_ok, logical[None, :].expand(n, -1), 0))

@@ -31,7 +31,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from specvocab.engine import kv
-from specvocab.engine.native import BLOCK, NativeError, NativeModel, bucket_rows, tail_index, unsupported_reason
+from specvocab.engine.native import NativeError, NativeModel, bucket_rows, tail_index, unsupported_reason
 from specvocab.engine.verify import tree_layout
 from specvocab.kernels import cpu
 from specvocab.kernels.head import dense_head
@@ -221,6 +221,7 @@ class NativeTarget(Target):
         self.net.use_cpu_kernels(cpu_kernels)                      # the CPU small-row kernel, where it runs
         self.fixed_shape = fixed_shape
         self.rows = decode_rows(self.net.device, fixed_shape, rows)   # None: bucket_rows(n) per step
+        self.verify_rows = rows
         self.compile = compile                                   # torch.compile the fixed-shape decode layer
         # CUDA graphs of the fixed-shape forward (`GraphedDecode`, the compiled layer too when `compile`); not
         # while a feature tap (EAGLE-3) reads the layers' inputs from Python
@@ -260,11 +261,7 @@ class NativeTarget(Target):
         rows = (self.rows if self.rows is not None
                 else n if self.net.kernel_on else bucket_rows(n, self.net.row_floor()))
         if n > rows:
-            raise BackendError(f"a draft tree of {n} nodes does not fit the fixed verify_rows={rows}; raise "
-                               f"verify_rows or leave it None (the next bucket per step)")
-        if int(depths.max()) >= BLOCK:
-            raise BackendError(f"a draft tree {int(depths.max()) + 1} deep exceeds fixed-shape verification's "
-                               f"{BLOCK}-position blocks; use fixed_shape=False or a shallower tree")
+            raise BackendError(rows_error(n, rows, self.verify_rows))
         self._ensure(P + rows)
         dev = tokens.device
         pad = rows - n                                           # padding rows: token 0 at depth 0, alone
@@ -368,6 +365,14 @@ def max_tree_nodes(model, backend: str = "auto", fixed_shape: bool = True, rows:
         return None
     rows = decode_rows(next(model.parameters()).device, fixed_shape, rows)
     return None if rows is None else rows - 1
+
+
+def rows_error(nodes: int, rows: int, verify_rows: int | None) -> str:
+    """The one-line error for a draft tree of `nodes` nodes (root included) over fixed-shape forwards of `rows`
+    rows, the largest bucket there (`verify_rows`, or DEVICE_ROWS on an accelerator when it is None)."""
+    where = f"verify_rows={verify_rows}" if verify_rows is not None else "DEVICE_ROWS on an accelerator"
+    return (f"a draft tree of {nodes} nodes (root included) exceeds the largest verify bucket, {rows} rows "
+            f"({where}); lower draft_size to at most {rows - 1} or set verify_rows to at least {nodes}")
 
 
 def decode_rows(device: torch.device, fixed_shape: bool, rows: int | None) -> int | None:

@@ -7,8 +7,8 @@ reference.
     kernels.window    WindowState, window_init, window_step (Eq. 4 / fifo_unique), unique_new
     kernels.streams   PackedLMHead: window step + gather on a copy stream + masked packed head
     kernels.bench     python -m specvocab.kernels.bench [--json] [--quick]
-    kernels.cpu       the native bf16 decode's CPU kernels (C, AVX512-BF16, built on first use): pack + small-row
-                      linear, the exact attention one row at a time; linear_reference, attention_reference
+    kernels.cpu       the native decode's CPU kernels (C, built on first use; kernels/cpu/ops/: one file per op
+                      beside its reference) and the ISA chain amx-bf16 -> avx512-bf16 -> avx512 -> avx2 -> torch
 
 Importing `specvocab.kernels` itself stays light (no torch, no triton).
 """

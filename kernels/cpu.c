@@ -1,6 +1,6 @@
 /* A small-row bf16 linear for x86 CPUs with AVX512-BF16: out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]).
  *
- * Built and loaded by kernels/cpu.py (its docstring says why this exists and what it measured); the
+ * Built and loaded by kernels/cpu/builds.py (kernels/cpu/ops/linear.py says why this exists and what it measured); the
  * plain-torch reference beside it is `linear_reference` there.
  *
  * Weight layout (packed once by kernels.cpu.pack): [ceil(N / NB)][ceil(K / 32)][NB][32] bf16, zero-padded, so a
@@ -377,10 +377,10 @@ void sv_linear_rows_bf16(const uint16_t* x, const uint16_t* w, void* out, int ou
  *
  * For each row r (a token at logical position pos[r]) and query head h: the keys of the row's logical
  * context in logical order, in blocks of BLOCK positions aligned to multiples of BLOCK. Blocks [0, b0) are
- * committed and read where they lie (slot = position); the next two blocks are read through idx[r] (the cache
- * slot of each of their positions for this row, engine.native.tail_index) where ok[r] says the position is in
- * the row's context. A key is also hidden when window > 0 and pos[r] - key position >= window. Three passes
- * over the row's visible blocks: the scores s (and their max m, lane-wise), the weights e = exp(s - m) and their
+ * committed and read where they lie (slot = position); the next tb blocks (the tail: two, or as many as a deep
+ * draft tree reaches) are read through idx[r] (the cache slot of each of their positions for this row, [tb BLOCK],
+ * engine.native.tail_index) where ok[r] says the position is in the row's context. A key is also hidden when
+ * window > 0 and pos[r] - key position >= window. Three passes over the row's visible blocks: the scores s (and their max m, lane-wise), the weights e = exp(s - m) and their
  * sum l, both of the weights rounded to bf16 (lane-wise in block order, then one fixed reduction), then sum of
  * e v by VDPBF16PS over key pairs, one chain per output dim over the pairs in logical order; out = that sum *
  * (1 / l) in fp32. (A running max folded block by block, the flash-attention form, spent two scalar expf and a
@@ -551,14 +551,14 @@ static __thread size_t sv_scores_n;
  * order, then one fixed reduction), the values. */
 static inline __attribute__((always_inline)) void attend(const int CH, const int HALF, const float* q,
         const uint16_t* kc, const uint16_t* vc, const int64_t* pos, const int64_t* idx, const uint8_t* ok, float* out,
-        int r, int j, int h0, int gh, int H, int g, int hd, long cap, int b0, int window, float scale) {
+        int r, int j, int h0, int gh, int H, int g, int hd, long cap, int b0, int tb, int window, float scale) {
     /* fold_group's lanes back to dim order: dims 32c .. 32c + 15 and 32c + 16 .. 32c + 31 from its (lo, hi) */
     const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     const __m512 sc = _mm512_set1_ps(scale);
     const uint16_t* K = kc + (size_t)j * cap * hd;
     const uint16_t* V = vc + (size_t)j * cap * hd;
-    const int nb = b0 + 2;
+    const int nb = b0 + tb;
     const size_t es = (size_t)nb * ABLOCK;                   /* a head's row of scores */
     if (sv_scores_n < (size_t)MAXG * es) {
         free(sv_scores);
@@ -572,8 +572,8 @@ static inline __attribute__((always_inline)) void attend(const int CH, const int
         }
     }
     float* S = sv_scores;
-    const int64_t* ri = idx + (size_t)r * 2 * ABLOCK;
-    const uint8_t* ro = ok + (size_t)r * 2 * ABLOCK;
+    const int64_t* ri = idx + (size_t)r * tb * ABLOCK;
+    const uint8_t* ro = ok + (size_t)r * tb * ABLOCK;
     /* q rounded to bf16 (the decode's q is bf16 already), in 32-element chunks for VDPBF16PS; a last half chunk
      * is zero-padded */
     __m512bh qb[MAXG][8];
@@ -668,14 +668,14 @@ static inline __attribute__((always_inline)) void attend(const int CH, const int
 
 void sv_attention(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* pos,
                   const int64_t* idx, const uint8_t* ok, float* out, int n, int H, int kvh, int hd, long cap,
-                  int b0, int window, float scale, int threads) {
+                  int b0, int tb, int window, float scale, int threads) {
     const int g = H / kvh;
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2) if (threads > 1)
     for (int j = 0; j < kvh; j++)            /* KV head outer: its keys and values stay in L2 across the rows */
         for (int r = 0; r < n; r++)
             for (int h0 = 0; h0 < g; h0 += MAXG) {
                 const int gh = g - h0 < MAXG ? g - h0 : MAXG;
-#define ATTEND(CH, HALF) attend(CH, HALF, q, kc, vc, pos, idx, ok, out, r, j, h0, gh, H, g, hd, cap, b0, window, scale)
+#define ATTEND(CH, HALF) attend(CH, HALF, q, kc, vc, pos, idx, ok, out, r, j, h0, gh, H, g, hd, cap, b0, tb, window, scale)
                 if (hd == 64) ATTEND(2, 0);
                 else if (hd == 128) ATTEND(4, 0);
                 else if (hd == 256) ATTEND(8, 0);
@@ -818,10 +818,10 @@ size_t sv_layer_scratch(const sv_layer_t* L, int n) {      /* bytes of scratch `
 
 /* x [n, d] bf16, updated in place to the layer's output; attn_in [n, din] bf16 or NULL (then the attention
  * input is in_norm(x), or x where in_norm is NULL); cos, sin [n, hd] bf16 (the rows' RoPE); kc, vc [kvh, cap, hd]
- * bf16: the layer's cache, row r's k and v written at slot slots[r]; b0, pos, idx, ok, window, scale: as
+ * bf16: the layer's cache, row r's k and v written at slot slots[r]; b0, tb, pos, idx, ok, window, scale: as
  * sv_attention reads them; scratch: sv_layer_scratch(L, n) bytes. */
 void sv_layer(const sv_layer_t* L, uint16_t* x, const uint16_t* attn_in, const uint16_t* cos, const uint16_t* sin,
-              uint16_t* kc, uint16_t* vc, long cap, const int64_t* slots, int b0, const int64_t* pos,
+              uint16_t* kc, uint16_t* vc, long cap, const int64_t* slots, int b0, int tb, const int64_t* pos,
               const int64_t* idx, const uint8_t* ok, int window, float scale, void* scratch, int n, int threads) {
     const int d = L->d, H = L->H, kvh = L->kvh, hd = L->hd, I = L->I, din = L->din;
     const int nqkv = (H + 2 * kvh) * hd, hq = H * hd, half = hd / 2;
@@ -866,7 +866,7 @@ void sv_layer(const sv_layer_t* L, uint16_t* x, const uint16_t* attn_in, const u
         for (int i = 0; i < hq; i += 16) _mm512_mask_storeu_ps(qf + i, lanes(hq - i), ld(row + i, lanes(hq - i)));
     }
     /* the attention reads q from af and writes its output over it (each (row, head) reads its q first) */
-    sv_attention(af, kc, vc, pos, idx, ok, af, n, H, kvh, hd, cap, b0, window, scale, threads);
+    sv_attention(af, kc, vc, pos, idx, ok, af, n, H, kvh, hd, cap, b0, tb, window, scale, threads);
     for (size_t i = 0; i < (size_t)n * hq; i += 16) {
         const __mmask16 m = lanes((int)((size_t)n * hq - i < 16 ? (size_t)n * hq - i : 16));
         st(a + i, m, _mm512_maskz_loadu_ps(m, af + i));

@@ -1,8 +1,8 @@
 /* The fp32 small-row linear for x86 CPUs with AVX2 and FMA but no AVX-512 (most laptops and desktops: Intel's
  * client cores since Alder Lake, AMD before Zen 4): out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]), fp32.
  *
- * Built and loaded by kernels/cpu.py where kernels/cpu.c (AVX-512) cannot run, or where SPECVOCAB_CPU_ISA=avx2
- * asks for it; its plain-torch reference is `linear_reason`'s neighbour there, `linear_reference`. It is
+ * Built and loaded by kernels/cpu/builds.py where kernels/cpu.c (AVX-512) cannot run, or where SPECVOCAB_CPU_ISA=avx2
+ * asks for it; its plain-torch reference is kernels/cpu/ops/linear.py's `linear_reference`. It is
  * kernels/cpu.c's `sv_linear_f32` at half the width: the same packed layout with 8-float chunks
  * ([ceil(N / NB)][ceil(K / 8)][NB][8] fp32, zero-padded: a block of NB outputs streams in one sequential pass),
  * the same prefetch schedule (PF_DIST bytes ahead into L2, spread over every row tile's pass of a block), row
@@ -129,7 +129,7 @@ void sv2_linear_f32(const float* x, const float* wp, const float* bias, float* o
  *
  * kernels/cpu.c's `sv_attention` (its docstring gives the contract) over an fp32 cache: for row r (logical
  * position pos[r]) and each query head, the keys of the row's logical context in logical order - blocks
- * [0, b0) committed (slot = position), then the next two blocks through idx[r] where ok[r] says the position is
+ * [0, b0) committed (slot = position), then the next tb blocks through idx[r] where ok[r] says the position is
  * in the row's context - a key also hidden when window > 0 and pos[r] - its position >= window. Scores: one FMA
  * chain per key over the head dims in 8-float chunks, reduced by `hsum4x8` (four keys at a time); times scale;
  * their max; the weights exp(s - max) (`exp8`) and their sum, in key order; the output sum of weight x
@@ -177,7 +177,7 @@ static inline __attribute__((always_inline)) void values(const int NC, int c0, c
 
 static void attend_f32(const float* q, const float* kc, const float* vc, const int64_t* pos, const int64_t* idx,
                        const uint8_t* ok, float* out, int r, int j, int H, int kvh, int hd, long cap, int b0,
-                       int window, float scale, const float** keys, const float** vals, float* s, __m256* o) {
+                       int tb, int window, float scale, const float** keys, const float** vals, float* s, __m256* o) {
     const int g = H / kvh, hc = hd / CH;
     const float* K = kc + (size_t)j * cap * hd;
     const float* V = vc + (size_t)j * cap * hd;
@@ -185,9 +185,9 @@ static void attend_f32(const float* q, const float* kc, const float* vc, const i
     int nk = 0;
     for (long t = 0; t < (long)b0 * ABLOCK; t++)                  /* committed: slot = logical position */
         if (!window || p - t < window) { keys[nk] = K + t * hd; vals[nk] = V + t * hd; nk++; }
-    for (int t = 0; t < 2 * ABLOCK; t++) {                         /* the tail, through the row's slots */
-        const long kp = (long)b0 * ABLOCK + t, slot = idx[(size_t)r * 2 * ABLOCK + t];
-        if (ok[(size_t)r * 2 * ABLOCK + t] && (!window || p - kp < window)) {
+    for (int t = 0; t < tb * ABLOCK; t++) {                         /* the tail, through the row's slots */
+        const long kp = (long)b0 * ABLOCK + t, slot = idx[(size_t)r * tb * ABLOCK + t];
+        if (ok[(size_t)r * tb * ABLOCK + t] && (!window || p - kp < window)) {
             keys[nk] = K + slot * hd; vals[nk] = V + slot * hd; nk++;
         }
     }
@@ -238,9 +238,9 @@ static void attend_f32(const float* q, const float* kc, const float* vc, const i
 
 /* returns 0, or -1 when its scratch could not be allocated (out is then NaN) */
 int sv2_attention_f32(const float* q, const float* kc, const float* vc, const int64_t* pos, const int64_t* idx,
-                      const uint8_t* ok, float* out, int n, int H, int kvh, int hd, long cap, int b0, int window,
-                      float scale, int threads) {
-    const long most = (long)(b0 + 2) * ABLOCK;
+                      const uint8_t* ok, float* out, int n, int H, int kvh, int hd, long cap, int b0, int tb,
+                      int window, float scale, int threads) {
+    const long most = (long)(b0 + tb) * ABLOCK;
     int failed = 0;
 #pragma omp parallel num_threads(threads > 1 && n * kvh > 1 ? threads : 1) reduction(|:failed)
     {
@@ -255,8 +255,8 @@ int sv2_attention_f32(const float* q, const float* kc, const float* vc, const in
                     out[((size_t)(task / kvh) * H + (size_t)(task % kvh) * (H / kvh)) * hd + d] = NAN;
                 continue;
             }
-            attend_f32(q, kc, vc, pos, idx, ok, out, task / kvh, task % kvh, H, kvh, hd, cap, b0, window, scale,
-                       keys, keys + most, s, o);
+            attend_f32(q, kc, vc, pos, idx, ok, out, task / kvh, task % kvh, H, kvh, hd, cap, b0, tb, window,
+                       scale, keys, keys + most, s, o);
         }
         free(keys); free(s); free(o);
     }
@@ -329,7 +329,7 @@ int sv2_topk_lse_f32(const float* z, int n, long V, int k, float* vals, int64_t*
  * an fp32 model (engine.native `_layer`; reference kernels.cpu.layer_reference). The norms' sums of squares and
  * the activations' exp run in another fixed order than torch's, so the two agree to rounding, not bitwise;
  * every step is per row, so a row's bits depend on that row alone. The weights are packed for `sv2_linear_f32`. */
-typedef struct {                       /* kernels/cpu.c `sv_layer_t`, field for field (kernels.cpu._LayerSpec) */
+typedef struct {                       /* kernels/cpu.c `sv_layer_t`, field for field (kernels.cpu.ops.layer._LayerSpec) */
     int d, H, kvh, hd, I, din, gemma_norm, act;
     float eps;
     const float *in_norm, *q_norm, *k_norm, *post_attn_norm, *pre_mlp_norm, *post_mlp_norm;
@@ -390,9 +390,9 @@ size_t sv2_layer_scratch(const sv2_layer_t* L, int n) {   /* bytes of scratch `s
 
 /* x [n, d] fp32, updated in place to the layer's output; attn_in [n, din] or NULL (then the attention input is
  * in_norm(x), or x where in_norm is NULL); cos, sin [n, hd]; kc, vc [kvh, cap, hd] fp32, row r's k and v written
- * at slot slots[r]; b0, pos, idx, ok, window, scale: as `sv2_attention_f32` */
+ * at slot slots[r]; b0, tb, pos, idx, ok, window, scale: as `sv2_attention_f32` */
 void sv2_layer_f32(const sv2_layer_t* L, float* x, const float* attn_in, const float* cos, const float* sin,
-                   float* kc, float* vc, long cap, const int64_t* slots, int b0, const int64_t* pos,
+                   float* kc, float* vc, long cap, const int64_t* slots, int b0, int tb, const int64_t* pos,
                    const int64_t* idx, const uint8_t* ok, int window, float scale, void* scratch, int n, int threads) {
     const int d = L->d, H = L->H, kvh = L->kvh, hd = L->hd, I = L->I, din = L->din;
     const int nqkv = (H + 2 * kvh) * hd, hq = H * hd, half = hd / 2;
@@ -436,7 +436,7 @@ void sv2_layer_f32(const sv2_layer_t* L, float* x, const float* attn_in, const f
         memcpy(a + (size_t)r * hq, row, 4 * (size_t)hq);  /* q, contiguous for the attention */
     }
     /* each (row, KV head) reads its queries before writing its outputs over them */
-    if (sv2_attention_f32(a, kc, vc, pos, idx, ok, a, n, H, kvh, hd, cap, b0, window, scale, threads)) return;
+    if (sv2_attention_f32(a, kc, vc, pos, idx, ok, a, n, H, kvh, hd, cap, b0, tb, window, scale, threads)) return;
     sv2_linear_f32(a, L->o, NULL, t, n, d, hq, threads);
     if (L->post_attn_norm) rmsnorm8(t, L->post_attn_norm, t, n, d, L->eps, d, d);
     add_rows8(x, t, (size_t)n * d);

@@ -1,6 +1,6 @@
 /* The kernels with no vector code: UniSpec's draft tree and MicroSpec's window step (integer and scalar work,
  * O(tree) and O(entries) per step). Not a library of its own: kernels/cpu.c (AVX-512) and kernels/cpu_avx2.c
- * (AVX2) each #include it, so every x86 CPU either build runs on has them; kernels.cpu's `_portable` finds the
+ * (AVX2) each #include it, so every x86 CPU either build runs on has them; kernels.cpu.builds' `provider` finds the
  * one loaded, and its build hash covers this file. */
 #include <math.h>
 #include <stdint.h>

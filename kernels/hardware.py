@@ -67,7 +67,7 @@ def cpu_flags(cpuinfo: str | None = None) -> set[str]:
     return flags
 
 
-ISA_ENV = "SPECVOCAB_CPU_ISA"     # auto | avx512 | avx2: which build of kernels.cpu runs (`kernels.cpu.isa`)
+ISA_ENV = "SPECVOCAB_CPU_ISA"     # where kernels.cpu's chain of builds starts (`kernels.cpu.builds.ISAS`)
 
 
 def isa_env() -> str:
@@ -78,9 +78,9 @@ def isa_env() -> str:
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU has bf16 dot products in hardware (then a bf16 GEMM reads half the bytes of an fp32
     one, at up to twice the rate). cpuinfo: the text of /proc/cpuinfo (False where there is none, so the
-    default stays fp32 there). This machine run as an AVX2 one (`$SPECVOCAB_CPU_ISA=avx2`) has none, as an AVX2
-    CPU has none: its default dtype is then fp32, as there."""
-    if cpuinfo is None and isa_env() == "avx2":
+    default stays fp32 there). This machine run as an AVX2 CPU or an AVX-512 one without bf16
+    (`$SPECVOCAB_CPU_ISA=avx2` or `avx512`) has none, as those CPUs have none: its default dtype is then fp32."""
+    if cpuinfo is None and isa_env() in ("avx512", "avx2"):
         return False
     flags = cpu_flags(cpuinfo)
     return any(flag in flags for flag in BF16_CPU_FLAGS)

@@ -26,3 +26,18 @@ def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def nan_filled(*shape: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
     """A scratch buffer full of NaN, so any row a kernel should have written and did not fails loudly."""
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def cpu_as(monkeypatch, flags: set[str] | None = None, failed: dict[str, str] | None = None) -> None:
+    """kernels.cpu as a fresh process sees it on a CPU whose /proc/cpuinfo lists `flags` (None: this CPU's), with
+    each library of `failed` ({"avx512" | "avx2": why}) failing to build there; `monkeypatch` undoes it. Nothing
+    is tried until asked (`kernels.cpu.builds`: the chain, each library once), and no line is said yet."""
+    from specvocab.kernels.cpu import builds, compiler
+
+    monkeypatch.setattr(compiler, "_said", set())
+    state = builds._State()
+    if flags is not None:
+        state.flags = set(flags)
+    for name, why in (failed or {}).items():
+        state.libs[name] = builds._Loaded(None, why, why)
+    monkeypatch.setattr(builds, "_state", state)

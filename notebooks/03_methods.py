@@ -31,6 +31,8 @@
 # * **draft_time_by_phase** — MicroSpec Fig. 4: draft time per drafted step, split into the drafter's phases
 #   (backbone layers, DynaSpec's router, weight gather, LM head, tree building; a phase no run spent time in
 #   is left out), per task.
+# * **tau_by_source** — the merged drafter's tau split by the source of its committed tokens (the draft head,
+#   PLD, UniSpec's store, the target's bonus tokens), beside each source's run alone, per task.
 # * **dynaspec_choices** — DynaSpec's unstated choices (`python -m specvocab.engine.jobs.dynaspec_choices`, not a sweep kind: read
 #   from `dynaspec_choices`, default `{results_dir}/dynaspec_choices`): held-out token recall against the mean
 #   shortlist per row, one line per setting of the number of clusters M, the router's width and the L of its
@@ -118,6 +120,21 @@ if phases is not None:      # the phases some run spent time in (router: dynaspe
 if phases is not None and not phases.is_empty():
     chart = charts.draft_time_by_phase(phases, bench)
     charts.save_chart(chart, out_dir, "draft_time_by_phase")
+    display(chart)  # noqa: F821 (IPython)
+
+# %% [markdown]
+# ## tau by source and task: the merged tree against its sources alone
+# The merged drafter (`engine.drafters.merged`) verifies one tree from the draft head's candidates and the n-gram
+# candidates (PLD, UniSpec's store) under one node budget; its rows count the committed draft tokens each source
+# placed (`accepted_by_<source>`). Each bar is a run's tau split by who committed its tokens: a source's part is
+# its committed draft tokens per step, `target` the bonus tokens (`sweeps.tables.tau_by_source`). Skipped when
+# the sweep ran no merged cell.
+
+# %%
+parts = tables.tau_by_source(bench)
+if parts is not None:
+    chart = charts.tau_by_source(parts, bench)
+    charts.save_chart(chart, out_dir, "tau_by_source")
     display(chart)  # noqa: F821 (IPython)
 
 # %% [markdown]

@@ -553,6 +553,36 @@ def draft_time_by_phase(phases: pl.DataFrame | None, bench: pl.DataFrame):
                "of its turns"]))
 
 
+def tau_by_source(parts: pl.DataFrame | None, bench: pl.DataFrame):
+    """tau by source and task (`tables.tau_by_source`): per task a bar per run - the merged drafter's and its
+    sources' alone - stacked by the source of the committed tokens (the target's bonus tokens at the bottom), a
+    row per model and prompt set. None when `parts` is None (`tables.tau_by_source` printed why)."""
+    if parts is None:
+        return None
+    sources = [*tables.MERGE_SOURCES, tables.TARGET_PART]
+    runs = parts["run"].unique(maintain_order=True).to_list()
+    bars = alt.Chart(parts).transform_calculate(
+        source_order=f"indexof({sources[::-1]}, datum.source)").mark_bar().encode(
+        x=alt.X("run:N", sort=runs, title=None, axis=alt.Axis(labelAngle=-40, labelLimit=120)),
+        y=alt.Y("tau_part:Q", title="tau (tokens per step)", stack=True),
+        color=alt.Color("source:N", sort=sources, title="committed by", scale=alt.Scale(scheme="set2")),
+        order=alt.Order("source_order:Q"),
+        tooltip=["model", "prompt_set", "task", "run", "source", alt.Tooltip("tau_part:Q", format=".2f"),
+                 alt.Tooltip("tau:Q", format=".2f"), "steps"])
+    tokens = _bench_tokens(bench)
+    rows = [bars.transform_filter(_where(model=m, prompt_set=s)).properties(width=alt.Step(18), height=150)
+            .facet(column=alt.Column("task:N", sort=tables.task_order(parts), title=None))
+            .properties(title=alt.TitleParams(f"{m} · {s}", subtitle=token_note(tokens.get((m, s)), ALL_RUNS),
+                                              fontSize=14, anchor="start"))
+            for m, s in keys(parts, "model", "prompt_set")]
+    return alt.vconcat(*rows).properties(title=title(
+        "tau by source and task: the merged tree against its sources alone (a row per model)", bench,
+        notes=["a source's part: the draft tokens it placed that the target committed, per step (every turn of the "
+               "task pooled, step-weighted); target: the bonus tokens; the bar's height is the run's tau",
+               "merged: one tree from the draft head and the n-gram sources under the same node budget; avg: the "
+               "unweighted mean over tasks"]))
+
+
 def _model_set(model: str, prompt_set: str) -> pl.Expr:
     return (pl.col("model") == model) & (pl.col("prompt_set") == prompt_set)
 

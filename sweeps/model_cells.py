@@ -43,12 +43,12 @@ from pathlib import Path
 import polars as pl
 import torch
 
-from specvocab.engine.jobs.bench import diagnose, run_bench
+from specvocab.engine.jobs.bench import BenchError, diagnose, run_bench
 from specvocab.engine.jobs.calibrate import calibrate, calibration_prompts
-from specvocab.engine.calibration import (NO_CALIBRATION, CalibrationSource, cache_file, calibration_curves,
-                                         model_key, save_calibration)
-from specvocab.engine.config import DRAFTING_METHODS, REQUESTED_SIZE, SpecConfig
-from specvocab.engine.jobs.frequency import default_frequency_file
+from specvocab.engine.calibration import (NO_CALIBRATION, CalibrationSource, MissingCalibration, cache_file,
+                                         calibration_curves, save_calibration)
+from specvocab.engine.config import REQUESTED_SIZE, SpecConfig
+from specvocab.engine.vocab.frspec_lists import default_frequency_file
 from specvocab.engine.atomic import atomic_dir
 from specvocab.engine.models import cache_root, eos_token_ids, load_model
 from specvocab.engine.prompts import DATA_ENV, Prompt, PromptError, data_file, load_prompts
@@ -71,6 +71,9 @@ SHIPPED = "shipped_prompts"     # a run-time key of a cell's params: the driver'
 # calibration` names, sent by the driver; without it a cell takes the method's uncalibrated default. Either
 # way the worker's own calibration cache is never read (`engine.calibration.CalibrationSource`)
 CALIBRATION = "calibration_records"
+# a run-time key of a bench cell's params: the label of the draft size its config carries when the driver set it
+# ("calibrate-cell": a calibrate cell's g*, `sweeps.run`); the run's resolution records it as `draft_size_source`
+SIZE_SOURCE = "draft_size_source"
 # the data root files that cells read on the worker beyond their own prompts (see the module docstring)
 WORKER_DATA = (("train_corpus", "prompts.jsonl"),)
 
@@ -173,27 +176,24 @@ def bench_cell(p: dict, loaded, method: str, threads: int | None, warmup: int | 
                          f"summary names its error) and run the same command again - finished cells are skipped - "
                          f"or set params.draft_size in the [[bench]] entry for a hand-set size")
     args = {k: config.pop(k) for k in _BENCH_ARGS if k in config}
-    source = NO_CALIBRATION
-    if p.get(CALIBRATION) is not None:
-        source = CalibrationSource(**p[CALIBRATION])
-        if config.get("draft_size") is None and method in DRAFTING_METHODS:
-            key = model_key(loaded[0], SpecConfig.preset(method, **config))
-            if key not in source.records:
-                near = sorted(k for k in source.records if k.split("|")[3:4] == [method])
-                raise SweepError(f"the calibration file {source.path} ({source.label}, [sweep] calibration) has no "
-                                 f"g* for {key}: it was calibrated for another model, device, dtype or config "
-                                 f"({len(near)} {method} records: {near[:2]}); calibrate here (a [[calibrate]] "
-                                 f"entry), give a file made on this machine, or set params.draft_size")
+    # a sweep's calibration file must hold the cell's key: the run's resolution says so (MissingCalibration)
+    source = NO_CALIBRATION if p.get(CALIBRATION) is None else CalibrationSource(**p[CALIBRATION], required=True)
     with tempfile.TemporaryDirectory(prefix="sweep-prompts-") as tmp:
         # the driver's prompts, as a prompt file run_bench reads (else the set by name, from this machine)
         path = _prompt_file(select_prompts(p), Path(tmp)) if p.get(SHIPPED) is not None else None
         where = ({"prompts": str(path), "per_category": None, "categories": None, "languages": None} if path else
                  {"prompts": p["prompt_set"], "per_category": p["per_category"], "categories": p["categories"],
                   "languages": p["languages"]})
-        return run_bench(model=p["model_name"], methods=[method], **where, max_new_tokens=p["max_new_tokens"],
-                         repeats=p["repeats"], warmup=p["warmup"] if warmup is None else warmup, seed=p["seed"],
-                         threads=threads, config=config, loaded=loaded, progress=False, show=False,
-                         calibration=source, **args)
+        try:
+            return run_bench(model=p["model_name"], methods=[method], **where, max_new_tokens=p["max_new_tokens"],
+                             repeats=p["repeats"], warmup=p["warmup"] if warmup is None else warmup, seed=p["seed"],
+                             threads=threads, config=config, loaded=loaded, progress=False, show=False,
+                             calibration=source, draft_size_source=p.get(SIZE_SOURCE), **args)
+        except BenchError as e:
+            if not isinstance(e.__cause__, MissingCalibration):
+                raise
+            raise SweepError(f"{e.__cause__} ([sweep] calibration); calibrate here (a [[calibrate]] entry), give a "
+                             f"file made on this machine, or set params.draft_size") from None
 
 
 def calibration_file(cache: bool | str | None) -> Path | None:

@@ -12,7 +12,7 @@ notebook wrote are printed. A notebook that fails does not stop the others; the 
 status is 1 if any failed, 2 when DIR holds no sweep results.
 
 The bench cells' rows also become Spec-Bench model-answer files, DIR/spec_bench_answers/<model>/<prompt
-set>/<run>.jsonl (`engine.jobs.specbench`; Spec-Bench's evaluation/speed.py and equal.py read them), unless
+set>/<run>.jsonl (`engine.specbench`; Spec-Bench's evaluation/speed.py and equal.py read them), unless
 `--no-answers`.
 """
 
@@ -32,7 +32,7 @@ from typing import Sequence
 
 import specvocab
 from specvocab.engine.jobs.args import add_debug, debugging, run_main
-from specvocab.engine.jobs.specbench import tokenizer_decoder, write_answer_files
+from specvocab.engine.specbench import tokenizer_decoder, write_answer_files
 from specvocab.sweeps.cell import SweepError
 from specvocab.sweeps.results import MANIFEST, load, result_files
 
@@ -170,7 +170,7 @@ def render(results_dir: str | Path, out_dir: str | Path | None = None, only: Seq
 
 
 def spec_bench_answers(results_dir: str | Path, out_dir: str | Path | None = None, show: bool = True) -> list[Path]:
-    """Spec-Bench answer files of a sweep's bench cells (`engine.jobs.specbench`), in OUT (default
+    """Spec-Bench answer files of a sweep's bench cells (`engine.specbench`), in OUT (default
     DIR/spec_bench_answers); [] when the sweep has no bench results. Each model's tokenizer decodes its
     answers (a cell's `model` is its label; `model_name` is what loads)."""
     results = check_results(results_dir)

@@ -9,6 +9,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# Calibration records are measured, per machine and load: no test reads the user's cache or leaves records in it.
+# A fresh file per pytest run (subprocesses inherit it); a draft size a test needs comes from its own calibration.
+import tempfile  # noqa: E402
+
+os.environ["SPECVOCAB_CALIBRATION"] = os.path.join(tempfile.mkdtemp(prefix="specvocab-calibration-"),
+                                                   "calibration.json")
+
 
 # --- real offline models, loaded once per pytest run (converted to the safetensors cache on first use) ---
 import pytest  # noqa: E402

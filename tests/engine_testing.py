@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specvocab.engine.harness import generate
 from specvocab.engine.tree import DraftTree, Drafter
 
 ARCHS = ("random-llama", "random-gemma3", "random-qwen3")
@@ -164,6 +165,34 @@ def greedy_topk_reference(model, prompt_ids, max_new_tokens: int, topk: int, eos
             row, past = out.logits[0, -1], out.past_key_values
     return (prefill.numpy().astype(np.int64), np.array(generated, dtype=np.int64),
             np.array(step, dtype=np.int64).reshape(len(step), topk))
+
+
+# --- one lossless check over every vocabulary policy, for each drafter with an LM head ----------------------------
+
+# every vocabulary policy and the switches that change what it admits (engine.vocab's docstring)
+VOCAB_VARIANTS = (
+    dict(vocab="full"),
+    dict(vocab="frspec", frspec_k=96),
+    dict(vocab="microspec", w_max=64),
+    dict(vocab="microspec", w_max=24, window_mode="fifo_unique", ver_rows="all_tree", draft_tree_tokens="all_expanded",
+         prefill_order="last"),
+    dict(vocab="microspec", w_max=48, sources="ext", ver_rows="last"),
+    dict(vocab="oracle", w_max=32),
+)
+
+
+def assert_lossless_under_every_policy(model, prompt, ar, method: dict, variants=VOCAB_VARIANTS, check=None,
+                                       max_new_tokens: int = 20) -> None:
+    """Greedy decoding with `method` (generate's method fields: method, its head, ...) under each policy of
+    `variants` gives ar's tokens, token for token: the i-th variant decodes `prompt(i)` and must equal `ar(i)`
+    (ar's output ids for that prompt; a test may cache them). A draft tree of depth 4 and 19 nodes: several
+    levels, each wider than one. `check(variant, out)` adds the method's own asserts on each result."""
+    for i, variant in enumerate(variants):
+        out = generate(model, prompt(i), max_new_tokens=max_new_tokens, eos_ids=[], eagle_depth=4, draft_size=19,
+                       **method, **variant)
+        assert out.output_ids.tolist() == ar(i), variant
+        if check is not None:
+            check(variant, out)
 
 
 def tiny_dynaspec_fit(folder: Path, out: Path, *, epochs: int = 2):

@@ -230,3 +230,27 @@ def test_the_real_models_match_their_shipped_heads_in_fp32_and_bf16(name):
 def test_temporary_names_are_hidden_unique_and_match_no_finished_files_glob():
     names = {atomic._temp_path(Path("/x/a.parquet")).name for _ in range(3)}
     assert len(names) == 3 and all(n.startswith(".a.parquet.") and n.endswith(".tmp") for n in names)
+
+
+# --- safe_filename: a name as one file or folder name (engine.atomic) -------------------------------------------
+
+@pytest.mark.parametrize("name", ["HuggingFaceTB/SmolLM2-135M-Instruct", "../../etc", "a\\b:c*d?", "..", ".", "",
+                                  "modèle · 3072", "...", "x/"])
+def test_safe_filename_names_one_entry_inside_its_folder(tmp_path, name):
+    """Whatever the name, the result is one non-empty entry of the folder it is joined to: only the safe
+    characters, never the folder itself or its parent."""
+    for fill in ("_", "-"):
+        out = atomic.safe_filename(name, fill)
+        assert out and set(out) <= atomic.SAFE_FILENAME_CHARS
+        assert (tmp_path / out).resolve().parent == tmp_path.resolve()
+        assert len(out) == max(1, len(name))                     # one character for one: names stay distinct
+        assert [a for a, b in zip(name, out) if a != b] == [c for c in name if c not in atomic.SAFE_FILENAME_CHARS] \
+            or not name.strip(".")
+
+
+def test_safe_filename_keeps_a_safe_name_and_fills_the_rest():
+    assert atomic.safe_filename("smollm2-135m-instruct") == "smollm2-135m-instruct"
+    assert atomic.safe_filename("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB_SmolLM2-135M-Instruct"
+    assert atomic.safe_filename("layerskip · microspec 3072", "-") == "layerskip---microspec-3072"
+    assert atomic.safe_filename(3072) == "3072"
+    assert atomic.safe_filename("v1.2_final") == "v1.2_final"

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import specvocab.engine.jobs.calibrate as cal
-import specvocab.engine.jobs.frequency as freq_job
+import specvocab.engine.measure as measure
+import specvocab.engine.vocab.frspec_lists as frspec_lists
 from specvocab.engine import calibration as calib
 from specvocab.engine.config import METHODS, POLICIES, SpecConfig, parse_overrides
 from specvocab.engine.harness import bucket_edge, generate, resolve_config
@@ -135,6 +136,7 @@ def test_eagle_heuristic():
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECVOCAB_CALIBRATION", raising=False)  # the calibration under it
     return tmp_path
 
 
@@ -227,7 +229,7 @@ def test_every_grid_point_starts_from_the_same_store(tiny, monkeypatch):
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 300, (10,), generator=gen) for _ in range(2)]
     cfg = SpecConfig.preset("unispec", max_new_tokens=10)
-    store = cal._store_of(model, cfg, 300)
+    store = cal.store_of(model, cfg, 300)
     calls = []
     real = cal.run_prompts
 
@@ -237,7 +239,7 @@ def test_every_grid_point_starts_from_the_same_store(tiny, monkeypatch):
         calls.append((cfg_.draft_size, before, (store.tok.clone(), store.con.clone())))
         return out
 
-    monkeypatch.setattr(cal, "run_prompts", spy)
+    monkeypatch.setattr(measure, "run_prompts", spy)
     cal.measure_grid(model, prompts, "unispec", [1, 3, 6], cfg=cfg, eos_ids=[], progress=False)
     assert [g for g, _, _ in calls] == [3, 1, 3, 6, 6, 3, 1]          # warm-up at the middle g, then interleaved
     warmed = calls[0][2]
@@ -387,9 +389,10 @@ CALIBRATED = {
     "layerskip": dict(drafter_layers="all"),
     "eagle": dict(eagle_head="random", eagle_depth=2, eagle_topk=3),
     "eagle3": dict(eagle3_head="random", eagle_depth=2, eagle_topk=3),
+    "merged": dict(merge_sources="eagle3+pld+unispec", eagle3_head="random", eagle_depth=2, eagle_topk=3),
 }
 UNCALIBRATED = {"unispec": calib.FALLBACK_DRAFT_SIZE["cpu"], "recycling": 80, "pld": 10, "hf-prompt-lookup": 10,
-                "layerskip": 59, "eagle": 59, "eagle3": 59}
+                "layerskip": 59, "eagle": 59, "eagle3": 59, "merged": calib.FALLBACK_DRAFT_SIZE["cpu"]}
 
 
 def _repetitive_prompts():
@@ -499,7 +502,7 @@ def test_grids_stay_within_what_each_method_and_target_can_draft(cache_dir, tiny
     assert cal.max_draft_size(SpecConfig.preset("layerskip", eagle_depth=1, eagle_topk=6)) == 6
     assert cal.max_draft_size(SpecConfig.preset("unispec", store_k=3, tree_depth=2)) == 2 * 3 + 9
     assert cal.max_draft_size(SpecConfig.preset("pld")) is None
-    assert cal.max_draft_size(SpecConfig.preset("pld"), model) == BLOCK - 1      # a chain is as deep as it is long
+    assert cal.max_draft_size(SpecConfig.preset("pld"), model) is None   # a chain of any depth verifies (tail_blocks)
     assert cal.max_draft_size(SpecConfig.preset("pld", backend="hf"), model) is None
     assert cal.max_draft_size(SpecConfig.preset("hf-prompt-lookup"), model) is None
     assert cal.max_draft_size(SpecConfig.preset("unispec", verify_rows=8), model) == 7
@@ -508,15 +511,15 @@ def test_grids_stay_within_what_each_method_and_target_can_draft(cache_dir, tiny
         for device in ("cpu", "cuda"):
             grid = calib.default_grid(method, device)
             assert len(grid) >= 4 and (cap is None or max(grid) <= cap), (method, device, grid, cap)
-    # the bound is real: a pld chain of BLOCK drafts does not fit one fixed-shape forward, BLOCK - 1 does
+    # no depth bound: a pld chain deeper than a block verifies in one fixed-shape forward
     prompt = torch.cat([torch.arange(20, 60)] * 3)
-    generate(model, prompt, method="pld", max_new_tokens=40, draft_size=BLOCK - 1, eos_ids=[])
-    with pytest.raises(ValueError, match="deep"):
-        generate(model, prompt, method="pld", max_new_tokens=40, draft_size=BLOCK, eos_ids=[])
-    # a grid point above the bound is dropped, with a warning, instead of failing the calibration
-    with pytest.warns(UserWarning, match=f"at most {BLOCK - 1} draft tokens"):
+    generate(model, prompt, method="pld", max_new_tokens=40, draft_size=BLOCK + 8, eos_ids=[])
+    # a grid point above the bound (fixed verify_rows=8: 7 draft nodes) is dropped, with a warning, instead of
+    # failing the calibration
+    with pytest.warns(UserWarning, match="at most 7 draft tokens"):
         rec = cal.calibrate(model, _repetitive_prompts(), "pld", grid=[2, 4, 40],
-                            cfg=SpecConfig.preset("pld", max_new_tokens=8), eos_ids=[], save=False, progress=False)
+                            cfg=SpecConfig.preset("pld", max_new_tokens=8, verify_rows=8), eos_ids=[], save=False,
+                            progress=False)
     assert [r["g"] for r in rec["rows"]] == [2, 4]
     with pytest.raises(calib.CalibrationError, match="drafts nothing"):
         cal.calibrate(model, _repetitive_prompts(), "ar", grid=[1, 2], eos_ids=[], save=False, progress=False)
@@ -527,7 +530,7 @@ def test_frspec_is_calibrated_on_its_default_ranking_and_keyed_as_a_bench_resolv
     the calibration runs on that ranking and keys the record with None, so the bench finds it."""
     model, info = tiny
     ranking = []
-    monkeypatch.setattr(freq_job, "default_frequency_file", lambda tok, name, vocab, eos_ids=(): ranking.append(vocab)
+    monkeypatch.setattr(frspec_lists, "default_frequency_file", lambda tok, name, vocab, eos_ids=(): ranking.append(vocab)
                         or "ranking.pt")
     ran = []
     monkeypatch.setattr(cal, "measure_grid", lambda model, prompts, method, grid, cfg, **kw: ran.append(cfg) or [
@@ -576,7 +579,7 @@ def test_a_draft_size_runs_at_its_row_buckets_largest_tree(cache_dir, tiny):
         assert bucket_edge(uni.replace(**change), model, 5) == 5, change
     padded = dict(cpu_kernels=False)
     assert bucket_edge(SpecConfig.preset("recycling", **padded), model, 70) == 80   # its template's 80 nodes
-    assert bucket_edge(SpecConfig.preset("pld", **padded), model, 20) == BLOCK - 1  # a chain shallower than a block
+    assert bucket_edge(SpecConfig.preset("pld", **padded), model, 20) == BLOCK - 1  # its bucket's edge: 32 rows
     calib.save_calibration(calib.model_key(model, uni), {"g_star": 2})
     assert resolve_config(uni, model=model).draft_size == 3
     assert resolve_config(uni.replace(draft_size=2), model=model).draft_size == 2   # a size given is kept

@@ -77,7 +77,7 @@ def test_cache_round_trip_and_resolve(cache_dir, tiny):
     cfg = SpecConfig.preset("unispec")
     key = calib.model_key(model, cfg)
     assert key.startswith("llama-V300-d32-L1|cpu:") and "|float32|unispec|" in key
-    assert key.endswith("|" + calib.config_fingerprint(cfg))
+    assert key.endswith(f"|{calib.config_fingerprint(cfg)}|{calib.kernel_build(model, cfg)}")
     assert calib.cached_draft_size(key) is None
     with pytest.raises(calib.CalibrationError, match="specvocab.engine.jobs.calibrate"):
         calib.resolve_draft_size(cfg, model, on_missing="error")
@@ -97,3 +97,15 @@ def test_cache_round_trip_and_resolve(cache_dir, tiny):
     path.write_text("{not json")
     with pytest.raises(calib.CalibrationError, match="corrupt"):
         calib.cached_draft_size(key)
+
+
+def test_specvocab_calibration_names_the_cache_file_and_nothing_else_moves(tmp_path, monkeypatch, tiny):
+    model, _ = tiny
+    monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPECVOCAB_CALIBRATION", str(tmp_path / "elsewhere" / "mine.json"))
+    key = calib.model_key(model, SpecConfig.preset("unispec"))
+    path = calib.save_calibration(key, {"g_star": 9})
+    assert path == tmp_path / "elsewhere" / "mine.json" and calib.cached_draft_size(key) == 9
+    assert not (tmp_path / "cache" / "calibration.json").exists()
+    monkeypatch.delenv("SPECVOCAB_CALIBRATION")
+    assert calib.cache_file() == tmp_path / "cache" / "calibration.json" and calib.cached_draft_size(key) is None

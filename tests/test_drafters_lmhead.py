@@ -25,6 +25,7 @@ from specvocab.engine.drafters.lmhead import DrafterError, PhaseTimer, expand_tr
 from specvocab.engine.harness import forward_tree, generate, prefill
 from specvocab.engine.models import load_model
 from specvocab.engine.verify import verify_greedy
+from tests.engine_testing import VOCAB_VARIANTS, assert_lossless_under_every_policy
 
 ARCHS = ("random-llama", "random-gemma3", "random-qwen3")
 V = 384
@@ -226,32 +227,23 @@ def _ar(tiny, seed, T=20):
     return ar[seed, T]
 
 
-VOCAB_VARIANTS = [
-    dict(vocab="full"),
-    dict(vocab="frspec", frspec_k=96),
-    dict(vocab="frspec", frspec_k=96, frspec_budget="position"),      # FR-Spec-PA (DynaSpec App. A.1)
-    dict(vocab="microspec", w_max=64),
-    dict(vocab="microspec", w_max=24, window_mode="fifo_unique", ver_rows="all_tree", draft_tree_tokens="all_expanded",
-         prefill_order="last"),
-    dict(vocab="microspec", w_max=48, sources="ext", ver_rows="last"),
-    dict(vocab="oracle", w_max=32),
-]
-
-
 @pytest.mark.parametrize("method", ["layerskip", "eagle"])
-def test_lossless_greedy_every_policy(tiny, method):
+def test_layerskip_and_eagle_are_lossless_under_every_policy(tiny, method):
+    """Every vocabulary policy (and FR-Spec-PA, DynaSpec App. A.1) decodes ar's tokens; each drafted step
+    timed its backbone, LM head and tree, MicroSpec its gather, the oracle its uncharged full head."""
     model, info, ranking, _ = tiny
     extra = dict(drafter_layers="skip:1") if method == "layerskip" else dict(eagle_head="random")
-    for i, variant in enumerate(VOCAB_VARIANTS):
-        out = generate(model, _prompt(i), method=method, max_new_tokens=20, eos_ids=[], frequency_file=str(ranking),
-                       eagle_depth=4, draft_size=19, **extra, **variant)
-        assert out.output_ids.tolist() == _ar(tiny, i), variant
+
+    def timed(variant, out):
         t = out.drafter_timings
         assert t["backbone"] > 0 and t["lm_head"] > 0 and t["tree"] > 0
         if variant["vocab"] == "microspec":
             assert t["gather"] > 0
         if variant["vocab"] == "oracle":
             assert t["oracle_uncharged"] > 0
+    variants = (*VOCAB_VARIANTS, dict(vocab="frspec", frspec_k=96, frspec_budget="position"))    # FR-Spec-PA
+    assert_lossless_under_every_policy(model, _prompt, lambda i: _ar(tiny, i), variants=variants, check=timed,
+                                       method=dict(method=method, frequency_file=str(ranking), **extra))
 
 
 def test_the_policys_pass_over_the_prompt_is_draft_prefill_not_gather(tiny, monkeypatch):

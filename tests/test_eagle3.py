@@ -34,6 +34,7 @@ from specvocab.engine.tree import StepResult
 from specvocab.engine.verify import tree_layout
 from specvocab.engine.vocab.dynaspec import DynaSpecError, FittedDynaSpec, Router, save_dynaspec
 from tests.eagle3_testing import official_state, reference_logp, target_features, write_checkpoint
+from tests.engine_testing import assert_lossless_under_every_policy
 
 V = 384
 ARCHS = ("random-llama", "random-gemma3", "random-qwen3")
@@ -203,35 +204,26 @@ def test_each_policy_scores_its_candidates_that_t2d_admits(llama_head, vocab):
         assert stats["frspec_candidates"] == 96 and stats["frspec_admitted"] == int(allowed.sum())
 
 
-VOCAB_VARIANTS = [
-    dict(vocab="full"),
-    dict(vocab="frspec", frspec_k=96),
-    dict(vocab="microspec", w_max=64),
-    dict(vocab="microspec", w_max=24, window_mode="fifo_unique", ver_rows="all_tree", draft_tree_tokens="all_expanded",
-         prefill_order="last"),
-    dict(vocab="microspec", w_max=48, sources="ext", ver_rows="last"),
-    dict(vocab="oracle", w_max=32),
-]
-
-
 @pytest.mark.parametrize("arch", ARCHS)
-def test_lossless_greedy_every_policy(tmp_path, arch):
+def test_eagle3_is_lossless_under_every_policy_within_its_draft_vocabulary(tmp_path, arch):
+    """Every vocabulary policy decodes ar's tokens with an EAGLE-3 head; every drafted token lies in the head's
+    draft vocabulary (t2d), and MicroSpec's window admits only draft-vocabulary tokens."""
     model, _, _ = load_model(arch, vocab_size=V, hidden_size=48, num_layers=4, seed=5)
     state, config = official_state(model, draft_ids=_draft_ids(seed=3), seed=2)
     folder = write_checkpoint(tmp_path / "head", state, config)
     ranking = tmp_path / "ranking.npy"
     np.save(ranking, np.random.default_rng(0).permutation(V))
-    for i, variant in enumerate(VOCAB_VARIANTS):
-        prompt = _prompt(i)
-        ar = generate(model, prompt, method="ar", max_new_tokens=20, eos_ids=[]).output_ids.tolist()
-        out = generate(model, prompt, method="eagle3", eagle3_head=str(folder), max_new_tokens=20, eos_ids=[],
-                       frequency_file=str(ranking), eagle_depth=4, draft_size=19, record=True, **variant)
-        assert out.output_ids.tolist() == ar, variant
+
+    def in_draft_vocab(variant, out):
         assert all(bool(state["t2d"][r.tree_tokens[1:]].all()) for r in out.records), variant
         assert out.drafter_stats["draft_vocab"] == 200
         if variant["vocab"] == "microspec":
             s = out.drafter_stats
             assert s["window_admitted"] == s["mean_active_vocab"] < s["window_vocab"], s
+    ar = lambda i: generate(model, _prompt(i), method="ar", max_new_tokens=20, eos_ids=[]).output_ids.tolist()  # noqa: E731
+    assert_lossless_under_every_policy(model, _prompt, ar, check=in_draft_vocab,
+                                       method=dict(method="eagle3", eagle3_head=str(folder), frequency_file=str(ranking),
+                                                   record=True))
 
 
 def test_oracle_proposes_what_the_draft_vocabulary_proposes(llama_head):
@@ -310,11 +302,11 @@ def test_missing_head_hub_offline_and_dynaspec_name_the_fix(tmp_path, llama_head
 
 
 def test_a_shipped_head_is_the_default_for_its_own_target_only(tmp_path, monkeypatch, llama_head):
-    """`eagle3_head=None` resolves (`resolve_config`, and the drafter itself) to the EAGLE-3 head shipped
+    """`eagle3_head=None` resolves (`resolve_config`, never the drafter itself) to the EAGLE-3 head shipped
     in `engine/heads/<model>/eagle3/` whose LM-head fingerprint matches the target - decoding with it equals ar
     - and to nothing for a same-shape target of other weights (the fix named), even with a head shipped."""
     from specvocab.engine.harness import resolve_config
-    from specvocab.engine.jobs.train_eagle3 import new_eagle3_head, save_eagle3_head
+    from specvocab.engine.train.eagle3_head import new_eagle3_head, save_eagle3_head
 
     model = llama_head[0]
     other, _, _ = load_model("random-llama", vocab_size=V, hidden_size=48, num_layers=4, seed=6)
@@ -326,7 +318,7 @@ def test_a_shipped_head_is_the_default_for_its_own_target_only(tmp_path, monkeyp
     monkeypatch.setattr("specvocab.engine.catalog.SHIPPED_HEADS", heads)
     cfg = resolve_config(cfg=SpecConfig.preset("eagle3", draft_size=8, max_new_tokens=16), model=model)
     assert cfg.eagle3_head == "specvocab:tiny"
-    assert make_drafter(model, SpecConfig.preset("eagle3", draft_size=8)).head_source == "specvocab:tiny"
+    assert make_drafter(model, cfg).head_source == "specvocab:tiny"
     prompt = _prompt(7)
     ar = generate(model, prompt, method="ar", max_new_tokens=16, eos_ids=[]).output_ids.tolist()
     assert generate(model, prompt, method="eagle3", draft_size=8, max_new_tokens=16, eos_ids=[]).output_ids.tolist() == ar

@@ -214,7 +214,7 @@ def test_the_recipe_is_stated_as_eagles_code_has_it():
     sequence length, and trains the head from scratch: the module, its config comments and the model cards
     say so (not: clips by norm, noise of a fixed scale, a fine-tuned head)."""
     import inspect
-    import specvocab.engine.jobs.train_eagle as tr
+    import specvocab.engine.train.eagle2 as tr
     assert "clip_grad_value_" in tr.__doc__ and "512 / L" in tr.__doc__ and "from scratch" in tr.__doc__
     source = inspect.getsource(tr.TrainConfig)
     assert "fine-tunes" not in source and "EAGLE clips each element by value" in source

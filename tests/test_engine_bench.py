@@ -22,11 +22,13 @@ import torch
 
 import specvocab.engine.jobs.bench as bench
 import specvocab.engine.divergence as divergence
+import specvocab.engine.resolve as resolve
+from specvocab.engine.calibration import NO_CALIBRATION
 from specvocab.engine.jobs.bench import (BenchError, PHASES, RESULTS_FILE, compare_vocabs, plan_runs, run_bench, summarize)
 from specvocab.engine.divergence import (NEAR_TIE_ULPS, DivergenceError, classify, diagnose_rows, first_divergence,
                                near_tie_bound, ulp)
 from specvocab.engine.artifacts import head_fingerprint
-from specvocab.engine.jobs.fit_dynaspec import spherical_kmeans
+from specvocab.engine.vocab.dynaspec_fit import spherical_kmeans
 from specvocab.engine.vocab.dynaspec import (DynaSpecError, FittedDynaSpec, Router, k_max_for_tokens, save_dynaspec,
                                    tokens_for_k_max)
 from specvocab.engine.models import eos_token_ids, load_model
@@ -61,13 +63,14 @@ def prompt_file(tmp_path):
 def cache(tmp_path, monkeypatch):
     """A private specvocab cache, so default rankings are counted here and not shared with other runs."""
     monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("SPECVOCAB_CALIBRATION", raising=False)  # the calibration under it
     return tmp_path / "cache"
 
 
 def test_run_bench_rows_file_and_table(loaded, prompt_file, tmp_path, capsys):
     out = tmp_path / "run"
     df = run_bench(methods=",".join(METHODS), prompts=str(prompt_file), max_new_tokens=8, repeats=2,
-                   out=out, loaded=loaded, progress=False)
+                   out=out, loaded=loaded, progress=False, calibration=NO_CALIBRATION)   # the methods' defaults
     # 4 turns (prompt 2 has two) x 3 methods x 2 repeats
     assert df.height == 4 * len(METHODS) * 2
     for col in ("method", "prompt_id", "category", "repeat", "new_tokens", "steps", "wall_s", "tau",
@@ -135,12 +138,14 @@ def test_a_crash_keeps_finished_runs_and_resume_completes(loaded, prompt_file, t
         return real(*args, **kwargs)
 
     monkeypatch.setattr(bench, "generate", flaky)
-    with pytest.raises(RuntimeError, match="simulated crash"):
+    with pytest.raises(bench.RunsFailed, match="pld full failed on prompt 2: RuntimeError: simulated crash"):
         run_bench(methods="ar,pld", prompts=str(prompt_file), max_new_tokens=6, out=out, loaded=loaded,
                   progress=False, show=False, warmup=0)
     saved = pl.read_parquet(out / RESULTS_FILE)
-    # runs finished: prompt 1 (ar, pld), prompt 2 ar with its two turns; prompt 2 pld crashed
-    assert saved.height == 4 and saved.filter(pl.col("prompt_id") == "2")["method"].to_list() == ["ar", "ar"]
+    # runs finished: prompt 1 (ar, pld), prompt 2 ar with its two turns, prompt 3 ar; pld crashed on prompt 2
+    # and skipped the rest, ar went on
+    assert saved.height == 5 and saved.filter(pl.col("prompt_id") == "2")["method"].to_list() == ["ar", "ar"]
+    assert saved.filter(pl.col("method") == "pld")["prompt_id"].to_list() == ["1"]
     monkeypatch.setattr(bench, "generate", real)
     saved.drop(*bench.DIAGNOSIS).write_parquet(out / RESULTS_FILE)   # written before the diagnosis columns
     full = run_bench(methods="ar,pld", prompts=str(prompt_file), max_new_tokens=6, out=out, loaded=loaded,
@@ -155,6 +160,36 @@ def test_a_crash_keeps_finished_runs_and_resume_completes(loaded, prompt_file, t
     with pytest.raises(BenchError, match="older engine.jobs.bench.*new --out folder"):
         run_bench(methods="ar,pld", prompts=str(prompt_file), max_new_tokens=6, out=out, loaded=loaded,
                   progress=False, show=False, warmup=0, resume=True)
+
+
+
+def test_a_failing_method_keeps_the_other_methods_rows_and_the_command_fails_at_the_end(loaded, prompt_file,
+                                                                                      tmp_path, monkeypatch, capsys):
+    """pld raises on every prompt (warm-up included) while ar and hf-prompt-lookup run: one stderr line names pld
+    and the cause, the others' rows are written and summarised, and the command exits non-zero at the end.
+    Mutants checked: the failure re-raised at once (ar's later rows lost), the failed method retried on every
+    prompt (more than one line), no error at the end (exit 0)."""
+    real = bench.generate
+
+    def pld_fails(model, ids, cfg, **kw):
+        if cfg.method == "pld":
+            raise RuntimeError("no room for the chain\nsecond line")
+        return real(model, ids, cfg, **kw)
+    monkeypatch.setattr(bench, "generate", pld_fails)
+    monkeypatch.setattr(bench, "load_model", lambda *a, **kw: loaded)
+    out = tmp_path / "cli"
+    status = bench.run_main(bench.main, ["--model", "random-llama", "--methods", "ar,pld,hf-prompt-lookup",
+                                         "--prompts", str(prompt_file), "--max-new-tokens", "6", "--out", str(out)])
+    err = capsys.readouterr()
+    assert status != 0
+    lines = [x for x in err.err.splitlines() if "failed on prompt" in x]
+    assert lines[0] == ("[specvocab] bench: pld full failed on prompt 1: RuntimeError: no room for the chain; its "
+                        "other prompts are skipped, the other runs go on")
+    assert len(lines) == 2 and lines[1].startswith("error: 1 run(s) failed, the others' rows were kept: pld full")
+    saved = pl.read_parquet(out / RESULTS_FILE)
+    assert Counter(saved["method"].to_list()) == {"ar": 4, "hf-prompt-lookup": 4}      # 4 turns each, no pld
+    assert saved["verdict"].to_list() == ["exact"] * saved.height
+    assert "hf-prompt-lookup" in err.out and "lossless" in err.out                  # the others summarised
 
 
 def test_methods_that_cannot_run_are_refused_up_front(loaded, prompt_file):
@@ -630,20 +665,18 @@ def test_table2_on_one_eagle_head(loaded, prompt_file, cache, capsys):
     assert "target: tokens/s > dynaspec" in printed and "target (DynaSpec Table 1)" in printed
 
 
-def test_eagle_head_the_drafter_resolves_is_printed(loaded, prompt_file, monkeypatch, capsys):
-    # a drafter that resolves its own head (a shipped default for eagle_head=None) says which in head_source
-    real = bench.make_drafter
-
-    def resolving(target, cfg):
-        drafter = real(target, cfg)
-        drafter.head_source = "heads/random-llama-eagle"
-        return drafter
-
-    monkeypatch.setattr(bench, "make_drafter", resolving)
+def test_the_shipped_head_the_resolution_picks_is_printed_and_named(loaded, prompt_file, monkeypatch, capsys):
+    # eagle_head=None resolves once, in the run's resolution (engine.resolve), to the head shipped for the target:
+    # its rows name it and its source; a head set in the config is "given"
+    monkeypatch.setattr(resolve, "default_eagle_head", lambda target: "random")     # "shipped" for this target
     df = run_bench(prompts=str(prompt_file), drafter="eagle", vocab="full", max_new_tokens=4, loaded=loaded,
-                   progress=False, warmup=0, config={**DRAFT_CFG, "eagle_head": "random"})
-    assert (df.filter(pl.col("method") == "eagle")["draft_head"] == "heads/random-llama-eagle").all()
-    assert "drafter: eagle, head heads/random-llama-eagle" in capsys.readouterr().out
+                   progress=False, warmup=0, config=DRAFT_CFG)
+    rows = df.filter(pl.col("method") == "eagle")
+    assert (rows["draft_head"] == "random").all() and (rows["draft_head_source"] == "shipped").all()
+    assert "drafter: eagle, head random" in capsys.readouterr().out
+    given = run_bench(prompts=str(prompt_file), drafter="eagle", vocab="full", max_new_tokens=4, loaded=loaded,
+                      progress=False, warmup=0, show=False, config={**DRAFT_CFG, "eagle_head": "random"})
+    assert (given.filter(pl.col("method") == "eagle")["draft_head_source"] == "given").all()
 
 
 def test_drafter_problems_fail_before_any_prompt(loaded, prompt_file, cache, monkeypatch):

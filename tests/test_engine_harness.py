@@ -325,6 +325,7 @@ def small():
 def test_draft_size_none_is_each_methods_default(small, tmp_path, monkeypatch, cpu_kernels):
     model, _ = small
     monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECVOCAB_CALIBRATION", raising=False)  # the calibration under it
     if cpu_kernels and cpu.linear_reason(torch.device("cpu"), next(model.parameters()).dtype) is not None:
         pytest.skip(f"the CPU kernels do not run here: {cpu.available_fp32()}")
     # the defaults (pld 10, layerskip / eagle 59), where steps are padded (the fp32 model on oneDNN) at their
@@ -402,14 +403,18 @@ def test_score_bins_count_what_the_records_show(small, method):
 # --- allowed values: defined once, checked from the Literal types ---------------------------------------------
 
 def test_every_literal_field_is_checked_against_its_own_choices():
-    assert set(LITERAL_FIELDS) >= {"method", "vocab", "confidence", "store_persistence", "threshold_scope", "sources",
+    assert set(LITERAL_FIELDS) >= {"vocab", "confidence", "store_persistence", "threshold_scope", "sources",
                                    "ver_rows", "window_mode", "draft_tree_tokens", "prefill_order"}
     for name, choices in LITERAL_FIELDS.items():
         with pytest.raises(ConfigError, match=rf"'bogus'.*choose one of.*{re.escape(repr(list(choices)))}.*{name}"):
             SpecConfig().replace(**{name: "bogus"})
         for value in choices:
             assert getattr(SpecConfig().replace(**{name: value}), name) == value
-    assert METHODS == LITERAL_FIELDS["method"] and POLICIES == LITERAL_FIELDS["vocab"]
+    assert POLICIES == LITERAL_FIELDS["vocab"]
+    # the methods are the registry's (engine.methods), checked the same way
+    with pytest.raises(ConfigError, match=rf"'bogus'.*choose one of.*{re.escape(repr(list(METHODS)))}.*method"):
+        SpecConfig().replace(method="bogus")
+    assert [SpecConfig().replace(method=m).method for m in METHODS] == list(METHODS) != []
     assert vocab.POLICIES is POLICIES                                  # one definition
     with pytest.raises(ConfigError, match="store_persistence"):
         generate(None, [1, 2], store_persistence="bogus")

@@ -38,7 +38,7 @@ pytestmark = pytest.mark.slow
 
 SIZES = (33, 59, 90)          # tree nodes: just above 32 rows, eagle3's default tree, past recycling's 80
 PATH = 6                      # draft tokens of the hidden path
-MAX_DEPTH = 20                # tree depth kept below BLOCK (fixed-shape verification's limit)
+MAX_DEPTH = 20                # decoys hang at most this deep (deep trees: tests/test_native.py)
 PROMPT = 2 * BLOCK + 20       # committed tokens + the path: the tree's positions cross a block boundary
 
 

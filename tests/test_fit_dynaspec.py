@@ -1,4 +1,4 @@
-"""Fitting DynaSpec (`engine.jobs.fit_dynaspec`, `engine.jobs.dynaspec_choices`).
+"""Fitting DynaSpec (`engine.vocab.dynaspec_fit`; the jobs `engine.jobs.fit_dynaspec`, `engine.jobs.dynaspec_choices`).
 
 - spherical k-means recovers well-separated, unbalanced clusters exactly (up to a permutation), re-seeds an
   empty cluster, and is deterministic in its seed;
@@ -20,8 +20,9 @@ import torch.nn.functional as F
 
 import specvocab.engine.jobs.dynaspec_choices as choices_job
 import specvocab.engine.jobs.fit_dynaspec as ds
-from specvocab.engine.jobs.fit_dynaspec import (FitConfig, RouterRows, cluster_targets, router_metrics, spherical_kmeans,
-                                      train_router)
+import specvocab.engine.vocab.dynaspec_fit as fitlib
+from specvocab.engine.vocab.dynaspec_fit import (RouterRows, RouterTraining, cluster_targets, router_metrics,
+                                                 spherical_kmeans, train_router)
 from specvocab.engine.models import load_model
 from specvocab.engine.vocab.dynaspec import ClusterLayout, DynaSpecError, load_dynaspec, select_clusters
 from tests.engine_testing import tiny_dynaspec_fit
@@ -65,7 +66,7 @@ def test_kmeans_reseeds_an_empty_cluster():
     x, truth, dirs = _separated(sizes, seed=3)
     bad = -F.normalize(dirs.sum(0), dim=0)                                # negative cosine with every row
     init = torch.cat([dirs[:3], bad[None]])                               # cluster 3 has no centroid near it
-    first, _ = ds._nearest(F.normalize(x, dim=1), init)
+    first, _ = fitlib._nearest(F.normalize(x, dim=1), init)
     assert (first == 3).sum() == 0                                        # the bad centroid starts empty
     km = spherical_kmeans(x, 4, init=init)
     assert _same_partition(km.assign, truth)
@@ -107,7 +108,7 @@ def test_router_learns_a_known_mapping(tmp_path):
     weight = torch.randn(vocab, d, generator=torch.Generator().manual_seed(1))
     assign = torch.arange(vocab) % m
     train, held = _mapping_rows(8000, seed=0), _mapping_rows(500, seed=1)
-    cfg = FitConfig(model="synthetic", router_width=256, epochs=6, batch_size=64, lr=1e-2, progress=False)
+    cfg = RouterTraining(router_width=256, epochs=6, batch_size=64, lr=1e-2, progress=False)
     router, losses = train_router(cfg, train, weight, assign, tmp_path)
     assert np.mean(losses[-20:]) < 0.15 * np.mean(losses[:5])
     layout = ClusterLayout.from_assign(assign, m)
@@ -124,12 +125,12 @@ def test_router_training_resumes_after_an_interruption(tmp_path, monkeypatch):
     weight = torch.randn(vocab, d, generator=torch.Generator().manual_seed(1))
     assign = torch.arange(vocab) % m
     train = _mapping_rows(1000, seed=0)
-    cfg = FitConfig(model="synthetic", router_width=32, epochs=2, batch_size=32, lr=1e-2, progress=False)
+    cfg = RouterTraining(router_width=32, epochs=2, batch_size=32, lr=1e-2, progress=False)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     router, losses = train_router(cfg, train, weight, assign, tmp_path / "a")
     calls = {"n": 0}
-    real_loss = ds.router_loss
+    real_loss = fitlib.router_loss
 
     def crashing_loss(scores, targets):
         calls["n"] += 1
@@ -137,10 +138,10 @@ def test_router_training_resumes_after_an_interruption(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real_loss(scores, targets)
 
-    monkeypatch.setattr(ds, "router_loss", crashing_loss)
+    monkeypatch.setattr(fitlib, "router_loss", crashing_loss)
     with pytest.raises(KeyboardInterrupt):
         train_router(cfg, train, weight, assign, tmp_path / "b")
-    monkeypatch.setattr(ds, "router_loss", real_loss)
+    monkeypatch.setattr(fitlib, "router_loss", real_loss)
     # checkpoints every 100 batches and at each epoch's end (32 batches): the last before the crash is 32
     assert torch.load(tmp_path / "b" / "router.pt", weights_only=True)["step"] == 32
     resumed, losses_b = train_router(cfg, train, weight, assign, tmp_path / "b")
@@ -253,10 +254,10 @@ def test_router_loss_is_the_hand_computed_bce():
     # row 0: -ln(1/2) - ln(1 - 3/4) - ln(1/4) = ln 2 + ln 4 + ln 4;  row 1: -ln(3/4) - ln(1/2) - ln(1/2)
     row0 = math.log(2) + 2 * math.log(4)
     row1 = math.log(4 / 3) + 2 * math.log(2)
-    got = ds.router_loss(scores, targets)
+    got = fitlib.router_loss(scores, targets)
     assert float(got) == pytest.approx((row0 + row1) / 2, rel=1e-12)
     # one row, one cluster: the plain binary cross-entropy, -ln(3/4)
-    assert float(ds.router_loss(torch.tensor([[ln3]]), torch.tensor([[1.0]]))) == pytest.approx(math.log(4 / 3))
+    assert float(fitlib.router_loss(torch.tensor([[ln3]]), torch.tensor([[1.0]]))) == pytest.approx(math.log(4 / 3))
 
 
 # --- k-means at its fixed point ----------------------------------------------------------------------------
@@ -365,7 +366,7 @@ def test_router_inputs_are_logged_in_the_drafters_dtype(dtype):
     """The router reads parent_h upcast to fp32 from the drafter's dtype (`Router.forward`): the log keeps
     exactly those values. fp16 would round 1 + 2^-20 to 1 and overflow 1e5 (in bf16's range) to inf."""
     weight = torch.randn(12, 4, generator=torch.Generator().manual_seed(0))
-    log = ds.RouterDataLogger(_HeadOnly(weight), top_l=3)
+    log = fitlib.RouterDataLogger(_HeadOnly(weight), top_l=3)
     h = torch.tensor([[1 + 2 ** -20, 1e5, -3e-6, 0.1], [2.0, -1e5, 7.0, 1 / 3]]).to(dtype)
     log.route(torch.tensor([5, 7]), h, 0)
     _, ids = log.head_topk(h, 2)
@@ -375,12 +376,24 @@ def test_router_inputs_are_logged_in_the_drafters_dtype(dtype):
     assert torch.equal(rows.top.long(), _HeadOnly(weight).head_topk(h, 3)[1]) and ids.shape == (2, 2)
 
 
+def test_a_fit_trains_its_router_with_its_own_settings():
+    """`FitConfig.router_training()` carries every router-training field of the fit (none left at
+    RouterTraining's default), and the fit's defaults are RouterTraining's: one definition of each."""
+    fields = [f.name for f in dataclasses.fields(RouterTraining)]
+    assert {f.name for f in dataclasses.fields(ds.FitConfig)} >= set(fields)
+    for name in fields:
+        assert getattr(ds.FitConfig, name) == getattr(RouterTraining, name), name
+    changed = {name: (not v if isinstance(v, bool) else v * 3 + 1)
+               for name, v in ((n, getattr(RouterTraining, n)) for n in fields)}
+    assert ds.FitConfig(model="m", **changed).router_training() == RouterTraining(**changed)
+
+
 def test_router_training_refuses_changed_hyper_parameters(tmp_path):
     d, m, vocab = 16, 8, 48
     weight = torch.randn(vocab, d, generator=torch.Generator().manual_seed(1))
     assign = torch.arange(vocab) % m
     train = _mapping_rows(200, seed=0)
-    cfg = FitConfig(model="synthetic", router_width=8, epochs=1, batch_size=50, lr=1e-2, progress=False)
+    cfg = RouterTraining(router_width=8, epochs=1, batch_size=50, lr=1e-2, progress=False)
     router, losses = train_router(cfg, train, weight, assign, tmp_path)
     again, losses2 = train_router(cfg, train, weight, assign, tmp_path)          # the same settings: resumes
     assert losses2 == losses and all(torch.equal(a, b) for a, b in zip(router.state_dict().values(),

@@ -77,6 +77,7 @@ def data(tmp_path, monkeypatch):
         (root / folder / file).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     monkeypatch.setenv(DATA_ENV, str(root))
     monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("SPECVOCAB_CALIBRATION", raising=False)  # the calibration under it
     return root
 
 
@@ -348,6 +349,7 @@ def test_cli_counts_the_corpus_texts_and_generations(data, tmp_path, capsys):
 @pytest.mark.slow
 def test_smollm2_default_list_keeps_chatml_and_reports_the_true_size(smollm2, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECVOCAB_CALIBRATION", raising=False)  # the calibration under it
     _, tok, info = smollm2
     path = default_frequency_file(tok, info.tokenizer_name, info.vocab_size, verbose=False)
     ids = load_token_map(path, tokenizer=info.tokenizer_name, vocab_size=info.vocab_size)

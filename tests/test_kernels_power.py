@@ -25,8 +25,8 @@ Mutants these tests were checked against (each applied to a copy of the source, 
 - the fp32 attention folding the tail keys in slot order                              -> shuffled slots
 - the fp32 attention summing its weights last-first in rows after the first           -> tree rows
 - `StaticKV.compact` copying nothing; copying from one slot too early (keep + P - 1)   -> compaction
-(the K rotation and the row limit pass tests/test_cpu_kernels.py's linear tests, the slot-order mutants the
-attention tests there and in tests/test_cpu_avx2.py, the compaction ones tests/test_native.py's compaction test)
+(the K rotation and the row limit pass tests/test_kernels_cpu_linear.py's linear tests, the slot-order mutants the
+attention tests in tests/test_kernels_cpu_attention.py, the compaction ones tests/test_native.py's compaction test)
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def _need(kind: str, monkeypatch) -> None:
     if kind == "avx2":
         monkeypatch.setenv(cpu.ISA_ENV, "avx2")
         if cpu.isa() != "avx2":
-            pytest.skip(f"needs AVX2 + FMA (kernels/cpu_avx2.c); this CPU has {_isa_here()}: {cpu._why_not2}")
+            pytest.skip(f"needs AVX2 + FMA (kernels/cpu_avx2.c); this CPU has {_isa_here()}: "
+                        f"{cpu.builds.library_reason('avx2')}")
     elif kind == "fp32":
         monkeypatch.setenv(cpu.ISA_ENV, "avx512")
         if cpu.available_fp32() is not None:

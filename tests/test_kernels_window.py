@@ -16,7 +16,8 @@ from specvocab.kernels.hardware import DEVICE, using_triton
 
 _NO_C = (cpu_kernels.available_portable() or "") if DEVICE.type == "cpu" else "the window state is on CUDA"
 _NO_AVX2 = ("the window state is on CUDA" if DEVICE.type != "cpu" else
-            "" if cpu_kernels._load_avx2() is not None else f"no AVX2 build here: {cpu_kernels._why_not2}")
+            "" if cpu_kernels.builds.library_reason("avx2") is None else
+            f"needs AVX2 + FMA (this CPU: {cpu_kernels.cpu_isa()}): {cpu_kernels.builds.library_reason('avx2')}")
 BACKENDS = pytest.mark.parametrize("backend", [
     "triton", "torch",
     pytest.param("c", marks=pytest.mark.skipif(bool(_NO_C), reason=f"the C window step does not run: {_NO_C}")),
@@ -31,7 +32,7 @@ def on(backend: str):
           pytest.MonkeyPatch.context() as mp):
         if backend == "c-avx2":
             mp.setenv(cpu_kernels.ISA_ENV, "avx2")
-            assert cpu_kernels._portable() is cpu_kernels._lib2
+            assert cpu_kernels.provider("window_step").library == "avx2"
         yield
 MODES = pytest.mark.parametrize("mode", wn.MODES)
 

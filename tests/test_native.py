@@ -32,11 +32,12 @@ from specvocab.engine.config import SpecConfig
 from specvocab.engine.models import load_model
 from specvocab.engine.drafters.layerskip import LayerSkipDrafter
 from specvocab.engine.native import (BLOCK, MIN_ROWS, ROW_PROBE, NativeError, NativeModel, bucket_rows, row_invariance,
-                           tail_index)
+                           tail_blocks, tail_index)
 from specvocab.engine.target import (BackendError, HFTarget, NativeTarget, backend_label, make_target, native_model,
                            resolve_backend)
 from specvocab.kernels import cpu
-from specvocab.engine.tree import DraftTree
+from specvocab.kernels.testing import cpu_as
+from specvocab.engine.tree import DraftTree, Drafter
 from specvocab.engine.verify import tree_layout
 from tests.engine_testing import random_parents, untie_head
 
@@ -206,7 +207,7 @@ def _isa(monkeypatch, isa: str) -> None:
     AVX-512 runs (kernels/cpu_avx2.c) - skipped where that build cannot run."""
     monkeypatch.setenv(cpu.ISA_ENV, isa)
     if isa == "avx2" and cpu.isa() != "avx2":
-        pytest.skip(f"the AVX2 build of the fp32 linear does not run here: {cpu._why_not2}")
+        pytest.skip(f"needs AVX2 + FMA (this CPU: {cpu.cpu_isa()}): {cpu.builds.library_reason('avx2')}")
 
 
 @pytest.mark.parametrize("isa", ["auto", "avx2"])
@@ -453,6 +454,144 @@ def test_bucket_rows_and_tail_index():
     assert ok.sum(1).tolist() == [P - base + 1, P - base + 2, P - base + 2, P - base + 3]
 
 
+# --- trees deeper than a block: the tail takes as many blocks as the deepest node reaches ---------------
+
+def test_tail_blocks_count_to_the_deepest_node_and_the_tail_index_spans_them():
+    # the deepest node sits at P + depth; the tail starts at the block holding P
+    assert [tail_blocks(P, d) for P, d in ((0, 0), (31, 32), (32, 31), (0, 63), (0, 64), (10, 54), (10, 53))] == \
+        [2, 2, 2, 2, 3, 3, 2]
+    P, depth = 2 * BLOCK + 10, 54                                # the deepest node at 4 BLOCK: a third block's first
+    parents = torch.arange(-1, depth)                            # a chain of 54 drafts
+    d, a = tree_layout(parents)
+    idx, ok = tail_index(P, P + d, a, d)
+    assert idx.shape == ok.shape == (depth + 1, 3 * BLOCK)
+    assert idx[-1][ok[-1]].tolist() == list(range(2 * BLOCK, P + depth + 1))    # a chain: slot = position
+    with pytest.raises(NativeError, match="needs 3 tail blocks"):
+        tail_index(P, P + d, a, d, blocks=2)
+
+
+def _deep_trees(root: int, path: list[int], vocab: int, rng: np.random.Generator) -> list[tuple[DraftTree, list[int]]]:
+    """(tree, the path's nodes) for: root + path as a chain; and the path at random node indices among decoys
+    hanging at any depth (some below the path's block edge), in a topological order by depth."""
+    out = [(DraftTree.chain(root, path), list(range(len(path) + 1)))]
+    tokens, parents, depth, nodes = [root], [-1], [0], [0]
+    for tok in path:                                             # the path, each step with a random decoy or two
+        for _ in range(int(rng.integers(0, 3))):
+            tokens.append(int(rng.integers(0, vocab)))
+            parents.append(int(rng.choice(nodes)))
+            depth.append(depth[parents[-1]] + 1)
+        tokens.append(tok)
+        parents.append(nodes[-1])
+        depth.append(depth[nodes[-1]] + 1)
+        nodes.append(len(tokens) - 1)
+    order = sorted(range(len(tokens)), key=lambda i: (depth[i], rng.random()))   # old node at each new index
+    new = {old: k for k, old in enumerate(order)}
+    tree = DraftTree(torch.tensor([tokens[i] for i in order]),
+                     torch.tensor([-1] + [new[parents[i]] for i in order[1:]]))
+    out.append((tree, [new[i] for i in nodes]))
+    return out
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["random-llama", "random-gemma3"])
+def test_rows_of_trees_deeper_than_a_block_are_the_ar_rows(name, dtype, cpu_kernels):
+    """A path of 54 draft tokens after 74 committed ones (its deepest node at 4 BLOCK, the first position of a
+    third tail block), as a chain and inside a tree of decoys in another node order: every path row is the `ar`
+    row of the same tokens, bit for bit - fp32 and bf16, the CPU kernels on and off (torch's exact attention),
+    llama and gemma3 (a 16-token sliding window over the tail). Mutants checked: the tail one block short at the
+    edge (`tail_blocks` without its + 1); the C attention reading two tail blocks whatever idx holds; the torch
+    path's tail cut to two blocks."""
+    model = untie_head(load_model(name, dtype=dtype)[0]).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    rng = np.random.default_rng(9)
+    prompt = torch.as_tensor(rng.integers(0, 512, 2 * BLOCK + 10))
+    root, path = int(rng.integers(0, 512)), rng.integers(0, 512, 54).tolist()
+    t = NativeTarget(model, cpu_kernels=cpu_kernels)
+    t.begin(prompt.numel() + 200)
+    with torch.inference_mode():
+        t.prefill(prompt, all_logits=False)
+        rows = []
+        for tree, nodes in _deep_trees(root, path, 512, rng):        # nothing committed: each over the same cache
+            d, a = tree_layout(tree.parents)
+            assert int(d.max()) == len(path) and t.committed % BLOCK + len(path) == 2 * BLOCK   # the edge
+            rows.append(t.forward_tree(tree.tokens, tree.parents, d, a)[1][nodes].clone())
+        ar = []
+        for tok in [root] + path:
+            ar.append(t.forward_tree(torch.tensor([tok]), torch.tensor([-1]), torch.zeros(1, dtype=torch.long),
+                                     torch.ones(1, 1, dtype=torch.bool))[1][0].clone())
+            t.compact(1, [0])
+    ar = torch.stack(ar)
+    dt = next(model.parameters()).dtype
+    assert native_model(model).kernel_on == (cpu_kernels and cpu.linear_reason(torch.device("cpu"), dt) is None)
+    for got in rows:
+        assert got.shape == ar.shape
+        assert all(torch.equal(got[j], ar[j]) for j in range(len(path) + 1)), \
+            [j for j in range(len(path) + 1) if not torch.equal(got[j], ar[j])]
+    assert not torch.equal(ar[-1], ar[-2])                           # distinct rows are compared
+
+
+class ChainDrafter(Drafter):
+    """Proposes the next `k` tokens of a known continuation (the `ar` output) as one chain: where verification
+    is exact, every step accepts all of it."""
+
+    name = "known-chain"
+    uses_prefill_logits = False
+
+    def __init__(self, continuation: list[int], prompt_len: int, k: int):
+        self.continuation, self.L, self.k = continuation, prompt_len, k
+
+    def propose(self, ids: torch.Tensor) -> DraftTree:
+        m = ids.numel() - self.L                               # tokens generated so far; the root is the last
+        return DraftTree.chain(int(ids[-1]), self.continuation[m:m + self.k])
+
+
+def _committed_rows(monkeypatch) -> list[torch.Tensor]:
+    """Spy on NativeTarget: the logits row of every accepted node, in commit order (row i predicts token i + 1)."""
+    rows, last = [], {}
+    fwd, compact = NativeTarget.forward_tree, NativeTarget.compact
+
+    def forward_tree(self, *a):
+        hidden, last["logits"] = fwd(self, *a)
+        return hidden, last["logits"]
+
+    def compact_spy(self, num_new, keep):
+        rows.extend(last["logits"][keep].clone())
+        return compact(self, num_new, keep)
+    monkeypatch.setattr(NativeTarget, "forward_tree", forward_tree)
+    monkeypatch.setattr(NativeTarget, "compact", compact_spy)
+    return rows
+
+
+@pytest.mark.parametrize("backend,dtype,cpu_kernels", [("native", "fp32", True), ("native", "fp32", False),
+                                                       ("native", "bf16", True), ("native", "bf16", False),
+                                                       ("hf", "fp32", True)])
+def test_chains_deeper_than_a_block_decode_exactly_to_ar(backend, dtype, cpu_kernels, monkeypatch):
+    """pld at draft sizes 40 and 64 on a repetitive prompt, and a drafter proposing the `ar` continuation 60 tokens
+    at a time (a step accepts 61 tokens: its chain crosses block edges): output equal to `ar`'s, fp32 and bf16,
+    the CPU kernels on and off, and the hf backend; on the native path every committed token's logits row is
+    `ar`'s bit for bit (a random model's argmax barely reads the context: outputs alone would miss a lost key).
+    Mutants checked: the depth cap of fixed-shape verification put back (the first deep step raises); the tail
+    one block short at the edge; the third tail block's keys dropped."""
+    model = untie_head(load_model("random-llama", dtype=dtype)[0]).to(
+        torch.bfloat16 if dtype == "bf16" else torch.float32)
+    ids = (list(range(7, 27)) * 3)[:50]
+    kw = dict(max_new_tokens=130, eos_ids=[], backend=backend, cpu_kernels=cpu_kernels)
+    rows = _committed_rows(monkeypatch)
+    ar = generate(model, ids, method="ar", **kw).output_ids.tolist()
+    ar_rows = list(rows)
+    for g in (40, 64):
+        res = generate(model, ids, method="pld", draft_size=g, **kw)
+        assert res.output_ids.tolist() == ar, g
+        assert res.steps < len(ar)                                   # pld drafted and was accepted
+    rows.clear()
+    res = generate(model, ids, method="pld", draft_size=60, drafter=ChainDrafter(ar, len(ids), 60), **kw)
+    assert res.output_ids.tolist() == ar
+    assert res.step_sizes[1] == 61 and max(res.step_sizes) > 2 * BLOCK - 4    # the whole chain, past a block
+    if backend == "native":
+        assert len(ar_rows) == len(ar) - 1 and len(rows) >= len(ar) - 1
+        assert [j for j in range(len(ar) - 1) if not torch.equal(rows[j], ar_rows[j])] == []
+
+
 # --- bad input -------------------------------------------------------------------------------------------
 
 def test_an_unknown_architecture_falls_back_with_one_line_or_is_refused(capsys):
@@ -473,9 +612,7 @@ def test_without_the_cpu_kernels_the_native_path_runs_onednn_and_says_so(monkeyp
     torch attention, its label says `native-blas`, and the decode is unchanged in kind (every method == ar)."""
     from specvocab.kernels.cpu import CpuKernelError
     model = load_model("random-llama", dtype="bf16")[0]
-    monkeypatch.setattr(cpu, "_tried", True)
-    monkeypatch.setattr(cpu, "_lib", None)
-    monkeypatch.setattr(cpu, "_why_not", "this CPU lacks avx512_bf16 (the kernel needs AVX512-BF16)")
+    cpu_as(monkeypatch, flags=set(cpu.BUILD_FLAGS) | set(cpu.AVX2_FLAGS))     # AVX-512 without AVX512-BF16
     net = NativeModel(model)
     assert net.use_cpu_kernels(True) is False and "avx512_bf16" in net.cpu_kernels_reason()
     assert backend_label(model) == "native-blas"
@@ -534,11 +671,26 @@ def test_backend_labels_name_the_cpu_path():
     assert backend_label(model, "hf") == "hf" and backend_label(model, fixed_shape=False) == "native-sdpa"
 
 
-def test_a_tree_larger_than_fixed_rows_is_a_clear_error():
+def test_a_tree_larger_than_fixed_rows_is_a_clear_error(monkeypatch):
+    """A draft size over the largest bucket (fixed `verify_rows`) fails before the prefill, naming the limit and
+    the fix; a tree over it at a step (a drafter that drafts more than its draft size) fails there, alike.
+    Mutants checked: the check after the prefill (the prefill spy), the limit off by one (draft_size 7 fits 8 rows)."""
     model = load_model("random-llama")[0]
-    with pytest.raises(BackendError, match="verify_rows"):
+    prefills = []
+    real = NativeTarget.prefill
+    monkeypatch.setattr(NativeTarget, "prefill", lambda self, *a, **kw: prefills.append(1) or real(self, *a, **kw))
+    want = ("a draft tree of 13 nodes (root included) exceeds the largest verify bucket, 8 rows (verify_rows=8); "
+            "lower draft_size to at most 7 or set verify_rows to at least 13")
+    with pytest.raises(BackendError) as e:
         generate(model, [1, 2, 3], method="unispec", max_new_tokens=8, eos_ids=[], draft_size=12,
                  verify_rows=8)
+    assert str(e.value) == want and prefills == []                    # before the decode started
+    assert generate(model, [1, 2, 3], method="pld", max_new_tokens=8, eos_ids=[], draft_size=7,
+                    verify_rows=8).new_tokens == 8                    # the largest draft size that fits
+    ids = [5, 6, 7] * 6
+    with pytest.raises(BackendError, match="a draft tree of 13 nodes .* 8 rows .* at most 7"):
+        generate(model, ids, method="pld", max_new_tokens=8, eos_ids=[], draft_size=7, verify_rows=8,
+                 drafter=ChainDrafter(ids * 4, len(ids), 12))         # drafts 12 at a step: the step's check
     out = generate(model, [1, 2, 3], method="unispec", max_new_tokens=8, eos_ids=[], draft_size=12,
                    verify_rows=16)
     assert out.new_tokens == 8
@@ -548,7 +700,8 @@ def test_the_forward_benchmark_prints_what_it_compared_and_the_targets(tmp_path,
     from specvocab.engine.jobs import forward
     out = tmp_path / "fwd.parquet"
     forward.main(["--model", "random-llama", "--dtype", "fp32,bf16", "--backends", "hf,native", "--sizes", "1,8,16",
-                  "--context", "40", "--repeats", "1", "--copy-mb", "8", "--out", str(out)])
+                  "--context", "40", "--repeats", "1", "--copy-mb", "8", "--threads", "1", "--ar-tokens", "0",
+                  "--out", str(out)])
     printed = capsys.readouterr().out
     assert "copy bandwidth" in printed and "bare matmul" in printed and "bound" in printed
     assert "ar step native bf16" in printed and "verify(16) / verify(1)" in printed
@@ -627,6 +780,11 @@ def test_the_graphed_decode_feeds_its_buffers_and_equals_the_eager_decode(name, 
         assert generate(model, ids, method=m, **kw, **k).output_ids.tolist() == plain[m], m
     graphs = net.graphs()
     assert {key[1] for key in graphs.graphs} >= {1, 2}          # the decode crossed a block boundary
+    # a chain of the ar output's 39 tokens after its first, over 59 committed ones: a third tail block,
+    # its own graph (tail blocks in the key)
+    deep = generate(model, ids, method="pld", draft_size=45, drafter=ChainDrafter(plain["ar"], len(ids), 45), **kw)
+    assert deep.output_ids.tolist() == plain["ar"] and deep.step_sizes == [1, 39]     # one step: all of it
+    assert {key[3] for key in graphs.graphs} == {2, 3}
     cache = net.graphs().cache
     t = target_mod.make_target(model, "native")
     t.begin(100)

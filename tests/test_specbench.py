@@ -1,4 +1,4 @@
-"""Spec-Bench model-answer files (`engine.jobs.specbench`), read back by a reader written from
+"""Spec-Bench model-answer files (`engine.specbench`, the job `engine.jobs.specbench`), read back by a reader written from
 Spec-Bench's public field names (its evaluation/speed.py and equal.py: question_id, category,
 choices[0].turns / decoding_steps / new_tokens / wall_time / accept_lengths); and the per-step sizes they
 carry (`GenerateResult.step_sizes`, bench's `step_sizes` column) on every method, transformers' prompt
@@ -14,7 +14,8 @@ import torch
 from specvocab.engine.config import SpecConfig
 from specvocab.engine.harness import generate
 from specvocab.engine.jobs.bench import run_bench
-from specvocab.engine.jobs.specbench import SpecBenchError, answer_files, main as specbench_main, write_answer_files
+from specvocab.engine.jobs.specbench import main as specbench_main
+from specvocab.engine.specbench import SpecBenchError, answer_files, write_answer_files
 from specvocab.engine.models import load_model
 from specvocab.engine.prompts import ByteTokenizer, decode_answer
 from tests.engine_testing import untie_head
@@ -198,7 +199,7 @@ def test_the_command_on_a_bench_folder(loaded, prompt_file, tmp_path, monkeypatc
     run_bench(methods="ar,pld", prompts=str(prompt_file), max_new_tokens=6, out=out, loaded=loaded,
               progress=False, show=False)
     # the command loads each model's tokenizer by the rows' model name; the random model's is the byte one
-    monkeypatch.setattr("specvocab.engine.jobs.specbench.load_model", lambda name: (loaded[0], None, loaded[2]))
+    monkeypatch.setattr("specvocab.engine.specbench.load_model", lambda name: (loaded[0], None, loaded[2]))
     written = specbench_main([str(out), "--out", str(tmp_path / "answers")])
     assert sorted(p.stem for p in written) == ["ar", "pld"]
     frame = pl.read_parquet(out / "results.parquet").filter(pl.col("method") == "ar", pl.col("prompt_id") == "3")

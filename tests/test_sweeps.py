@@ -26,6 +26,7 @@ from specvocab.sweeps import bench as sweeps_bench, model_cells
 from specvocab.sweeps.model_cells import ModelWorker
 from specvocab.sweeps.results import cell_path, prepare_output, result_files, write_cell
 from specvocab.sweeps import run as run_module
+from specvocab.sweeps.run_models import with_calibrated_size
 from specvocab.sweeps.run import main as run_main, run_sweep
 from tests.sweeps_testing import tiny_toml, write_toml
 
@@ -131,14 +132,15 @@ def test_prompts_longer_than_the_context_fail_the_check_before_the_run(tmp_path,
 def test_the_shipped_configs_keep_their_cell_ids():
     """A cell's id is a hash of its parameters, and an output folder resumes by those ids: parsing, planning
     (sweeps.plan) and checking (sweeps.checks) keep every pinned id, in the same order (the digest: sha256 of
-    the ids joined by newlines, in plan order). quick.toml's EAGLE-3 Table 2 adds 56 eagle3 cells after the
-    pinned ones: every pinned cell keeps its id."""
-    pinned = {"quick": (208, "79d2c7e8e8c5b0b8", "90f19de5c6653ab4e5642fb60aace3164a1d39693b5438229c566056f704c48c"),
+    the ids joined by newlines, in plan order). quick.toml's EAGLE-3 Table 2 adds 56 eagle3 cells and its merged
+    tree 14 merged cells (a calibrate cell, a bench cell per Spec-Bench category) after the pinned ones: every
+    pinned cell keeps its id."""
+    pinned = {"quick": (208, "25a557472db1cbbf", "90f19de5c6653ab4e5642fb60aace3164a1d39693b5438229c566056f704c48c"),
               "paper": (2856, "be6ea3bfa136e3c1", "8c32de2820754df837b3819f88c76a44c0ddf2c8a7a8f1bda89ff13df0a853ac")}
-    added = {"quick": 56, "paper": 0}
+    added = {"quick": 56 + 14, "paper": 0}
     for name, (n, config_hash, ids) in pinned.items():
         sweep = load_sweep(Path(sweeps.__file__).parent / "configs" / f"{name}.toml")
-        got = [c.id for c in sweep.cells if c.method != "eagle3"]
+        got = [c.id for c in sweep.cells if c.method not in ("eagle3", "merged")]
         assert (len(got), sweep.config_hash) == (n, config_hash), name
         assert len(sweep.cells) - len(got) == added[name], name
         assert hashlib.sha256("\n".join(got).encode()).hexdigest() == ids, name
@@ -263,6 +265,7 @@ def test_calibrate_cell_saves_g_star_where_generate_finds_it(tmp_path, monkeypat
     calibration cache ($SPECVOCAB_CACHE here), where `resolve_draft_size` - unispec's default draft size in
     `generate` - takes it."""
     monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("SPECVOCAB_CALIBRATION", raising=False)  # the calibration under it
     sweep = _sweep(tiny_toml(kinds=("calibrate",)))
     (cell,) = sweep.cells
     spec = sweep.models[0]
@@ -465,7 +468,7 @@ def test_bench_cells_get_their_own_calibrate_cells_g_star_or_fail_naming_it(tmp_
     linked = [c for c in s.cells if c.kind == "bench" and c.params.get("calibrate_cell")]
     assert {c.method for c in linked} == {"pld", "unispec", "layerskip"}
     for c in linked:
-        params, source = run_module._with_calibrated_size(c, calibrated)
+        params, source = with_calibrated_size(c, calibrated)
         assert params["config"]["draft_size"] == g_of[c.params["calibrate_cell"]], c.describe()
         assert source == f"calibrate:{c.params['calibrate_cell']}"
     # the microspec calibrate cell failed: its bench cells fail and name it; the others still run
@@ -473,7 +476,7 @@ def test_bench_cells_get_their_own_calibrate_cells_g_star_or_fail_naming_it(tmp_
     cell_path(tmp_path, failed).unlink()
     calibrated = _driver_for(s, tmp_path)._calibrated(spec)
     for c in linked:
-        params, source = run_module._with_calibrated_size(c, calibrated)
+        params, source = with_calibrated_size(c, calibrated)
         if c.params["calibrate_cell"] != failed.id:
             assert params["config"]["draft_size"] == g_of[c.params["calibrate_cell"]]
             continue
@@ -489,7 +492,7 @@ def test_quick_sweep_benches_every_drafter_at_a_calibrated_size():
     cal = {c.id: c for c in s.cells if c.kind == "calibrate"}
     bench = [c for c in s.cells if c.kind == "bench"]
     drafting = [c for c in bench if c.method in DRAFTING_METHODS]
-    assert {c.method for c in drafting} == {"pld", "recycling", "unispec", "eagle", "eagle3"}
+    assert {c.method for c in drafting} == {"pld", "recycling", "unispec", "eagle", "eagle3", "merged"}
     for c in drafting:
         assert "draft_size" not in c.params["config"], c.describe()
         src = cal[c.params["calibrate_cell"]]

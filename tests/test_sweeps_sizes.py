@@ -151,18 +151,19 @@ def test_strict_refuses_models_whose_draft_sizes_come_from_different_sources(tmp
 
 def test_bench_rows_carry_draft_size_and_its_source(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("SPECVOCAB_CALIBRATION", raising=False)  # the calibration under it
     model = tiny[0]
     common = dict(model="random-llama", prompts="spec_bench", per_category=1, categories=["qa"],
                   max_new_tokens=4, warmup=0, loaded=tiny, progress=False, show=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plain = run_bench(methods=["ar", "pld"], **common)
+    # an empty cache: the size is calibrated on the spot (engine.resolve) and cached
+    plain = run_bench(methods=["ar", "pld"], **common)
     rows = {r["method"]: r for r in plain.to_dicts()}
-    assert rows["ar"]["draft_size_source"] is None and rows["pld"]["draft_size_source"] == "default"
-    default = rows["pld"]["draft_size"]
-    assert default == default_draft_size(SpecConfig.preset("pld", max_new_tokens=4), model)
-    # a record in this machine's cache: the bench job takes it (its rows name the file's digest) ...
+    assert rows["ar"]["draft_size_source"] is None and rows["pld"]["draft_size_source"] == "on-the-spot"
     cfg = SpecConfig.preset("pld", max_new_tokens=4)
+    spot = load_calibrations()[model_key(model, cfg)]
+    assert rows["pld"]["draft_size"] == spot["g_star"] <= spot["knee"]
+    default = default_draft_size(cfg, model, calibration=NO_CALIBRATION)
+    # a record in this machine's cache: the bench job takes it (its rows name the file's digest) ...
     _foreign(tmp_path / "cache" / "calibration.json", model, [cfg], g=24)
     cached = run_bench(methods=["pld"], **common).filter(pl.col("method") == "pld").row(0, named=True)
     sha8 = hashlib.sha256((tmp_path / "cache" / "calibration.json").read_bytes()).hexdigest()[:8]

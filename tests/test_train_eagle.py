@@ -1,4 +1,4 @@
-"""Training data and EAGLE-2 heads (`engine.jobs.eagle_data`, `engine.jobs.train_eagle`) on random models; the shipped heads on the real ones.
+"""Training data and EAGLE-2 heads (`engine.train.data`, `engine.train.eagle2`) on random models; the shipped heads on the real ones.
 
 - the chunked LM-head cross-entropy equals its plain reference (loss and gradient, with soft-capping);
 - a data folder: shards with the target's features and top-k equal to the harness' own prefill, greedy
@@ -19,14 +19,17 @@ import torch
 import torch.nn.functional as F
 
 from specvocab.engine.config import SpecConfig
-from specvocab.engine.drafters.eagle import (EagleDrafter, default_eagle_head, load_eagle_head, random_eagle_head,
-                                   save_eagle_head, shipped_heads)
+from specvocab.engine.drafters.eagle import EagleDrafter, load_eagle_head, random_eagle_head, save_eagle_head
+from specvocab.engine.catalog import shipped_heads
+from specvocab.engine.shipped import default_eagle_head
 from specvocab.engine.drafters.lmhead import DrafterError
 from specvocab.engine.harness import generate, prefill
 from specvocab.engine.kv import new_cache
 from specvocab.engine.models import load_model
-import specvocab.engine.jobs.eagle_data as data_job
-import specvocab.engine.jobs.train_eagle as tr
+import specvocab.engine.train.data as data_job
+import specvocab.engine.train.eagle2 as tr
+from specvocab.engine.train import shards as shard_files
+from specvocab.engine.train.losses import reference_head_ce
 
 OFFICIAL_KEYS = {"fc.weight", "fc.bias", "layers.0.post_attention_layernorm.weight",
                  *(f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
@@ -45,7 +48,7 @@ def test_chunked_head_ce_equals_reference(chunk, softcap):
     p = torch.softmax(torch.randn(23, 4, generator=g, dtype=torch.float64), -1)
     loss, grad = tr.chunked_head_ce(h, w, ids, p, chunk, softcap)
     hr = h.clone().requires_grad_(True)
-    ref = tr.reference_head_ce(hr, w, ids, p, softcap)
+    ref = reference_head_ce(hr, w, ids, p, softcap)
     ref.backward()
     torch.testing.assert_close(loss.double(), ref.detach().double(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grad, hr.grad)
@@ -76,9 +79,9 @@ def data_dir(tmp_path_factory):
 
 def test_data_shards_hold_the_targets_own_features(data_dir):
     model, _, info = load_model("random-llama")
-    manifest = data_job.read_manifest(data_dir)
+    manifest = shard_files.read_manifest(data_dir)
     assert manifest["vocab_size"] == info.vocab_size and manifest["settings"]["sources"] == ["teacher", "greedy"]
-    held, train = data_job.load_split(data_dir, "heldout"), data_job.load_split(data_dir, "train")
+    held, train = shard_files.load_split(data_dir, "heldout"), shard_files.load_split(data_dir, "train")
     assert len({s.prompt_id for s in held}) == 2 and len({s.prompt_id for s in train}) == 4
     assert not {s.prompt_id for s in held} & {s.prompt_id for s in train}          # split by prompt
     assert {s.source for s in train} == {"teacher", "greedy"}
@@ -95,7 +98,7 @@ def test_data_shards_hold_the_targets_own_features(data_dir):
 
 def test_greedy_samples_are_the_targets_greedy_continuation(data_dir):
     model, tok, info = load_model("random-llama")
-    for s in data_job.load_split(data_dir, "train"):
+    for s in shard_files.load_split(data_dir, "train"):
         if s.source != "greedy":
             continue
         prompt_len = int((~s.loss_mask).sum())
@@ -120,7 +123,7 @@ def test_data_resumes_and_refuses_other_settings(tmp_path):
         data_job.make_data(data_job.DataConfig(**{**DATA, "topk": 4}, out=str(out)))
     shards[0].write_bytes(shards[0].read_bytes()[:100])                           # a torn shard
     with pytest.raises(data_job.TrainError, match=f"{shards[0].name}.*not readable.*delete"):
-        data_job.load_split(out, shards[0].name.split("-")[0])
+        shard_files.load_split(out, shards[0].name.split("-")[0])
 
 
 def test_bad_corpora_and_settings_name_the_problem(tmp_path):
@@ -131,7 +134,7 @@ def test_bad_corpora_and_settings_name_the_problem(tmp_path):
     with pytest.raises(data_job.TrainError, match="unknown data source"):
         data_job.DataConfig(model="random-llama", sources=("beam",)).validate()
     with pytest.raises(data_job.TrainError, match="no training data"):
-        data_job.read_manifest(tmp_path)
+        shard_files.read_manifest(tmp_path)
 
 
 # --- heads ----------------------------------------------------------------------------------------------------
@@ -353,3 +356,127 @@ def test_head_forward_keeps_packed_sequences_apart():
             one = tr.make_batch([s])
             alone.append(tr.head_forward(head, embed, one.tokens, one.feats, one.positions, one.bias))
     torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-5, atol=1e-6)
+
+
+# --- data at the corpus's scale: batched prefill, resume, features on the fly ------------------------------------
+
+def _split_tensors(folder):
+    """Every sample of a data folder as (shard, prompt id, source) -> tensors, in shard order."""
+    out = {}
+    for split in ("heldout", "train"):
+        for path in sorted(folder.glob(f"{split}-*.safetensors")):
+            for s in shard_files.load_shard(path):
+                key = (path.name, s.prompt_id, s.source)
+                assert key not in out
+                out[key] = (s.input_ids, s.loss_mask, s.hidden, s.topk_ids, s.topk_logits,
+                            *(s.extra[k] for k in sorted(s.extra)))
+    return out
+
+
+def test_interrupted_data_run_resumes_losing_and_duplicating_nothing(tmp_path, monkeypatch):
+    """Killed during its third prefill and run again, a data run ends with exactly the shards, samples and
+    features of an uninterrupted run: every prompt once, none lost (a resume that renumbers shards, reshuffles
+    the prompts or keeps a half-written shard fails)."""
+    cfg = dict(DATA, eagle3_features=True, feature_dtype="fp32", prefill_tokens=64)
+    whole = data_job.make_data(data_job.DataConfig(**cfg, out=str(tmp_path / "whole")))
+    real, calls = data_job.target_features_batch, {"n": 0}
+
+    def dies_on_call_3(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(data_job, "target_features_batch", dies_on_call_3)
+    cut = data_job.DataConfig(**cfg, out=str(tmp_path / "cut"))
+    with pytest.raises(KeyboardInterrupt):
+        data_job.make_data(cut)
+    written = sorted(p.name for p in (tmp_path / "cut").glob("*.safetensors"))
+    assert 0 < len(written) < len(list(whole.glob("*.safetensors")))       # it died between shards' writes
+    monkeypatch.setattr(data_job, "target_features_batch", real)
+    data_job.make_data(cut)
+    a, b = _split_tensors(whole), _split_tensors(tmp_path / "cut")
+    assert list(a) == list(b)
+    prompts = [k[1] for k in a if k[2] == "teacher"]
+    assert len(prompts) == len(set(prompts)) == DATA["num_prompts"]
+    for key in a:
+        for x, y in zip(a[key], b[key]):
+            assert torch.equal(x, y), key
+
+
+def test_prefill_groups_cover_every_sequence_once_within_the_budget():
+    lengths = [5, 40, 7, 33, 12, 12, 90, 1, 64]
+    groups = data_job.prefill_groups(lengths, 64)
+    flat = [i for g in groups for i in g]
+    assert sorted(flat) == list(range(len(lengths)))                     # each once
+    assert [lengths[i] for i in flat] == sorted(lengths)                 # by length: little padding
+    for g in groups:                                                     # count x longest within the budget,
+        assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= 64  # or one sequence alone
+    assert len(groups[0]) > 1
+
+
+def test_batched_features_equal_a_direct_forward_of_each_sequence():
+    """The features of sequences prefilled together (right-padded to the longest) are each sequence's own: the
+    last hidden state, the top-k logits and the residual stream entering EAGLE-3's three layers, as a forward of
+    that sequence alone computes them (fails on left padding, or on the layer's output for its input)."""
+    from specvocab.engine.drafters.eagle3 import eagle3_feature_layers
+    model, _, info = load_model("random-llama", dtype="fp32")
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, info.vocab_size, (n,), generator=g).tolist() for n in (9, 31, 17)]
+    got = data_job.target_features_batch(model, seqs, topk=5, eagle3=True)
+    layers = eagle3_feature_layers(info.num_layers)
+    for q, f in zip(seqs, got):
+        with torch.no_grad():
+            out = model(input_ids=torch.as_tensor([q]), output_hidden_states=True, use_cache=False)
+        hs = out.hidden_states
+        torch.testing.assert_close(f["hidden"], hs[-1][0], rtol=1e-4, atol=1e-4)      # after the final norm
+        for name, layer in zip(("hidden_low", "hidden_mid", "hidden_high"), layers):
+            torch.testing.assert_close(f[name], hs[layer][0], rtol=1e-4, atol=1e-4)
+        top = out.logits[0].float().topk(5, -1)
+        torch.testing.assert_close(f["topk_logits"], top.values, rtol=1e-4, atol=1e-4)
+        assert torch.equal(f["topk_ids"][:, 0], top.indices[:, 0])
+        assert f["hidden"].shape[0] == len(q)
+
+
+def test_tokens_only_folder_gets_the_stored_features_on_the_fly(tmp_path):
+    """A folder written without features holds the same samples as one with them, and `with_features` gives them
+    the features that folder stores; a folder of one kind is refused as the other's resume."""
+    cfg = dict(DATA, eagle3_features=True, feature_dtype="fp32")
+    stored = data_job.make_data(data_job.DataConfig(**cfg, out=str(tmp_path / "s")))
+    tokens = data_job.make_data(data_job.DataConfig(**cfg, store_features=False, out=str(tmp_path / "t")))
+    assert sum(p.stat().st_size for p in tokens.glob("*.safetensors")) * 10 < \
+        sum(p.stat().st_size for p in stored.glob("*.safetensors"))
+    a, b = shard_files.load_split(stored, "train"), shard_files.load_split(tokens, "train")
+    assert all(s.hidden is None and not s.extra for s in b)
+    model, _, _ = load_model("random-llama", dtype="fp32")
+    filled = data_job.with_features(model, b, topk=DATA["topk"], eagle3=True, prefill_tokens=100)
+    for x, y in zip(a, filled):
+        assert (x.prompt_id, x.source) == (y.prompt_id, y.source) and torch.equal(x.input_ids, y.input_ids)
+        for name in ("hidden", "topk_logits"):
+            torch.testing.assert_close(getattr(y, name), getattr(x, name), rtol=1e-4, atol=1e-4)
+        assert torch.equal(y.topk_ids[:, 0], x.topk_ids[:, 0])
+        for k in x.extra:
+            torch.testing.assert_close(y.extra[k], x.extra[k], rtol=1e-4, atol=1e-4)
+    with pytest.raises(data_job.TrainError, match="other settings"):
+        data_job.make_data(data_job.DataConfig(**cfg, store_features=False, out=str(tmp_path / "s")))
+    with pytest.raises(data_job.TrainError, match="greedy.*store_features"):
+        data_job.DataConfig(model="random-llama", sources=("greedy",), store_features=False).validate()
+
+
+def test_a_damaged_shard_is_named(tmp_path):
+    """A shard whose offsets disagree with its tensors, or that is not a shard, raises naming that file."""
+    from safetensors.torch import load_file, save_file
+    out = data_job.make_data(data_job.DataConfig(**DATA, out=str(tmp_path / "d")))
+    path = sorted(out.glob("train-*.safetensors"))[0]
+    from safetensors import safe_open
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    t = load_file(str(path))
+    t["offsets"] = t["offsets"].clone()
+    t["offsets"][-1] -= 1                                                # an edited shard
+    save_file(t, str(path), metadata=meta)
+    with pytest.raises(data_job.TrainError, match=f"{path.name}.*offsets and tensor lengths disagree"):
+        shard_files.load_split(out, "train")
+    save_file({"x": torch.zeros(2)}, str(path))                          # another safetensors file
+    with pytest.raises(data_job.TrainError, match=f"{path.name} is not a specvocab training shard"):
+        shard_files.load_split(out, "train")

@@ -1,4 +1,4 @@
-"""EAGLE-3 head training (`engine.jobs.train_eagle3`) on random models.
+"""EAGLE-3 head training (`engine.train.eagle3`) on random models.
 
 - the draft vocabulary is the most frequent target tokens of the training split (top-1 targets or response
   tokens), clipped to the tokens seen, and the saved d2t / t2d are its maps;
@@ -20,8 +20,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import specvocab.engine.jobs.eagle_data as data_job
-import specvocab.engine.jobs.train_eagle3 as t3
+import specvocab.engine.train.data as data_job
+import specvocab.engine.train.eagle3 as t3
+from specvocab.engine.train import shards as shard_files
+from specvocab.engine.train.eagle3_head import eagle3_config_dict
+from specvocab.engine.train.evaluate import heldout_tau
+from specvocab.engine.train.sample import FEATURES
+from specvocab.engine.train.ttt import ttt_forward
 from specvocab.engine.drafters.eagle3 import DraftVocab, load_eagle3_head
 from specvocab.engine.harness import generate
 from specvocab.engine.artifacts import FINGERPRINT_KEY, head_fingerprint, head_matches
@@ -75,7 +80,7 @@ def _head(target, samples, k=40, seed=0, init="random"):
 # --- the draft vocabulary ----------------------------------------------------------------------------------------
 
 def test_draft_vocabulary_is_the_most_frequent_target_tokens(data_dir, trained):
-    train = data_job.load_split(data_dir, "train")
+    train = shard_files.load_split(data_dir, "train")
     top1 = Counter(t for s in train for t in s.topk_ids[1:, 0].tolist())
     ranked = sorted(top1, key=lambda t: (-top1[t], t))
     ids, counts = t3.draft_vocabulary(train, 512, 10)
@@ -96,19 +101,19 @@ def test_draft_vocabulary_is_the_most_frequent_target_tokens(data_dir, trained):
 # --- training-time test --------------------------------------------------------------------------------------------
 
 def test_ttt_step_k_reads_the_heads_own_hidden(data_dir, target):
-    train = data_job.load_split(data_dir, "train")
+    train = shard_files.load_split(data_dir, "train")
     samples = [train[0], train[3]]                           # two sequences packed, different lengths
     head, maps = _head(target, train)
     steps = 3
     batch = t3.make_batch3(samples, maps, steps, dtype=torch.float64)
-    outs = t3.ttt_forward(head, lambda t: target.get_input_embeddings()(t).double(), batch)
+    outs = ttt_forward(head, lambda t: target.get_input_embeddings()(t).double(), batch)
     S = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary")}
-    C = t3.eagle3_config_dict(head, (0, 1, 1))
+    C = eagle3_config_dict(head, (0, 1, 1))
     emb_w = target.get_input_embeddings().weight.detach().double()
     checked = 0
     for j, s in enumerate(samples):
         L = s.input_ids.numel()
-        g = torch.cat([s.extra[f] for f in t3.FEATURES], -1).double()
+        g = torch.cat([s.extra[f] for f in FEATURES], -1).double()
         rows = (batch.seg == j).nonzero().flatten()
         for p in (0, 5, L - 4):
             h = g[: p + 1] @ S["fc.weight"].T                  # committed pairs (g_i, x_{i+1}), i <= p
@@ -125,14 +130,14 @@ def test_ttt_step_k_reads_the_heads_own_hidden(data_dir, target):
 
 
 def test_loss_equals_reference_and_masks_out_of_vocabulary_targets(data_dir, target):
-    train = data_job.load_split(data_dir, "train")
+    train = shard_files.load_split(data_dir, "train")
     samples = train[:3]
     head, maps = _head(target, train, k=12)                   # a small draft vocabulary: many targets outside it
     steps, w = 3, 0.8
     batch = t3.make_batch3(samples, maps, steps, dtype=torch.float64)
     embed = lambda t: target.get_input_embeddings()(t).double()
     # the reference, from the raw samples
-    outs = t3.ttt_forward(head, embed, batch)
+    outs = ttt_forward(head, embed, batch)
     row_of = {int(t): i for i, t in enumerate(torch.arange(maps.d2t.numel()) + maps.d2t)}
     total, masked, kept = 0.0, 0, 0
     for k in range(steps):
@@ -168,7 +173,7 @@ def test_loss_equals_reference_and_masks_out_of_vocabulary_targets(data_dir, tar
 
 
 def test_a_tiny_overfit_run_lowers_the_loss(data_dir, target):
-    train = data_job.load_split(data_dir, "train")
+    train = shard_files.load_split(data_dir, "train")
     head, maps = _head(target, train, k=64, init="target")
     head = head.float()
     batch = t3.make_batch3(train[:2], maps, 3)
@@ -203,11 +208,12 @@ def test_a_run_learns_saves_the_official_layout_and_decodes_losslessly(trained, 
                        max_new_tokens=20, eos_ids=[])
         assert res.output_ids.tolist() == ar.output_ids.tolist()
     # the curve's last tau is the saved checkpoint's
-    manifest = data_job.read_manifest(cfg["specvocab"]["training"]["data"])
-    held = data_job.load_split(cfg["specvocab"]["training"]["data"], "heldout")
+    manifest = shard_files.read_manifest(cfg["specvocab"]["training"]["data"])
+    held = shard_files.load_split(cfg["specvocab"]["training"]["data"], "heldout")
     prompts = t3.heldout_prompts(held, manifest, 1)
     _, tok, info = load_model("random-llama", dtype="fp32")
-    tau = t3.heldout_tau3(target, tok, info, None, prompts, 8, eos_token_ids(target, tok), head_dir=str(trained))
+    tau = heldout_tau(target, tok, info, None, prompts, 8, eos_token_ids(target, tok), method="eagle3",
+                      head_dir=str(trained))
     assert tau == pytest.approx(lc["heldout_tau"][-1])
 
 
@@ -276,7 +282,7 @@ def test_compare_heads_runs_both_heads_at_one_tree(data_dir, trained, target):
     """`engine.jobs.compare_heads`: ar, the EAGLE-2 head and the EAGLE-3 head on the data's held-out prompts at one
     tree; each tau is the one a direct decode of those prompts gives (catches another tree, other prompts or the
     heads swapped), outputs counted against ar's."""
-    from specvocab.engine.jobs.compare_heads import CompareConfig, compare_heads
+    from specvocab.engine.train.compare import CompareConfig, compare_heads
 
     loaded = (target, *load_model("random-llama", dtype="fp32")[1:])
     cfg = CompareConfig(model="random-llama", data=str(data_dir), eagle_head="random", eagle3_head=str(trained),
@@ -284,7 +290,7 @@ def test_compare_heads_runs_both_heads_at_one_tree(data_dir, trained, target):
     frame = compare_heads(cfg, loaded=loaded)
     assert frame["method"].to_list() == ["ar", "eagle", "eagle3"]
     assert frame["equal_to_ar"].to_list() == [2, 2, 2] and frame["tau"][0] == 1.0
-    prompts = t3.heldout_prompts(data_job.load_split(str(data_dir), "heldout"), data_job.read_manifest(str(data_dir)), 2)
+    prompts = t3.heldout_prompts(shard_files.load_split(str(data_dir), "heldout"), shard_files.read_manifest(str(data_dir)), 2)
     eos = eos_token_ids(target, loaded[1])
     for method, head in (("eagle", {"eagle_head": "random"}), ("eagle3", {"eagle3_head": str(trained)})):
         res = [generate(target, torch.as_tensor(p), method=method, eagle_depth=3, draft_size=6, max_new_tokens=8,
@@ -293,3 +299,25 @@ def test_compare_heads_runs_both_heads_at_one_tree(data_dir, trained, target):
         assert frame.filter(pl.col("method") == method)["tau"][0] == pytest.approx(tau), method
     with pytest.raises(t3.TrainError, match="--data is required"):
         compare_heads(CompareConfig(model="random-llama"), loaded=loaded)
+
+
+def test_features_on_the_fly_train_the_head_a_stored_folder_trains(tmp_path):
+    """A run on a tokens-only folder (features from one prefill per batch) follows the run on the folder that
+    stores those features: the same steps and tokens, the same losses and head up to float noise, one draft
+    vocabulary counted over the response tokens (a 'top1' count needs stored top-1s: refused, naming the fix)."""
+    kw = dict(DATA, sources=("teacher", "greedy"), eagle3_features=True, feature_dtype="fp32")
+    tokens = data_job.make_data(data_job.DataConfig(**{**kw, "sources": ("teacher",)}, store_features=False,
+                                                    out=str(tmp_path / "tokens")))
+    stored = data_job.make_data(data_job.DataConfig(**{**kw, "sources": ("teacher",)}, out=str(tmp_path / "stored")))
+    cfg = dict(TRAIN, vocab_count="response")
+    a = t3.train_eagle3(t3.Train3Config(**cfg, data=str(stored), out=str(tmp_path / "a")))
+    b = t3.train_eagle3(t3.Train3Config(**cfg, data=str(tokens), out=str(tmp_path / "b")))
+    sa = torch.load(a / "train_state.pt", weights_only=False)
+    sb = torch.load(b / "train_state.pt", weights_only=False)
+    assert sa["step"] == sb["step"] >= 4 and sa["tokens_seen"] == sb["tokens_seen"]
+    torch.testing.assert_close(torch.tensor(sb["losses"]), torch.tensor(sa["losses"]), rtol=1e-3, atol=1e-4)
+    for name, w in sa["head"].items():
+        torch.testing.assert_close(sb["head"][name].double(), w.double(), rtol=1e-3, atol=1e-4)
+    assert json.loads((b / "config.json").read_text())["specvocab"]["training"]["features"] == "on the fly"
+    with pytest.raises(data_job.TrainError, match="vocab-count response"):
+        t3.train_eagle3(t3.Train3Config(**TRAIN, data=str(tokens), out=str(tmp_path / "c")))

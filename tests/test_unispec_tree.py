@@ -315,9 +315,10 @@ def test_the_c_tree_is_the_torch_tree_node_for_node(isa, monkeypatch):
     cache and its root exclusion; an id outside the vocabulary is left to the reference (None). In the library the
     CPU picks, and in the AVX2 build (a CPU without AVX-512: the same C compiled for it)."""
     monkeypatch.setenv(cpu_kernels.ISA_ENV, isa)
-    if isa == "avx2" and cpu_kernels._load_avx2() is None:
-        pytest.skip(f"no AVX2 build here: {cpu_kernels._why_not2}")
-    assert isa == "auto" or cpu_kernels._portable() is cpu_kernels._lib2
+    if isa == "avx2" and cpu_kernels.builds.library_reason("avx2") is not None:
+        pytest.skip(f"needs AVX2 + FMA (this CPU: {cpu_kernels.cpu_isa()}): "
+                    f"{cpu_kernels.builds.library_reason('avx2')}")
+    assert isa == "auto" or cpu_kernels.provider("unispec_tree").library == "avx2"
     rng = random.Random(3)
     for trial in range(600):
         vocab, k = rng.choice([(12, 3), (40, 5), (64, 10)])

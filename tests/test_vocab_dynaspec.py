@@ -18,7 +18,7 @@ import torch
 from specvocab.engine.artifacts import head_fingerprint, sidecar_path
 from specvocab.engine.config import SpecConfig
 from specvocab.engine.harness import generate
-from specvocab.engine.jobs.fit_dynaspec import spherical_kmeans
+from specvocab.engine.vocab.dynaspec_fit import spherical_kmeans
 from specvocab.engine.models import load_model
 from specvocab.engine.vocab import DynaSpecVocab, head_topk, make_policy
 from specvocab.engine.vocab.dynaspec import (ClusterLayout, DynaSpecError, FittedDynaSpec, Router, cluster_budget, find_fitted,
@@ -196,6 +196,7 @@ def test_find_fitted_matches_head_and_drafter(tiny, tmp_path):
 def test_policy_without_a_file_names_the_fit_command(tiny, tmp_path, monkeypatch):
     _, weight, _ = tiny
     monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECVOCAB_CALIBRATION", raising=False)  # the calibration under it
     with pytest.raises(DynaSpecError, match="python -m specvocab.engine.jobs.fit_dynaspec"):
         make_policy(SpecConfig.preset("layerskip", vocab="dynaspec"), weight)
 
@@ -228,7 +229,7 @@ def test_side_stream_router_matches_cpu(tiny):
 def _eagle_fit(model, folder, head, depth):
     from specvocab.engine.artifacts import head_fingerprint
     from specvocab.engine.drafters.eagle import head_digest
-    from specvocab.engine.jobs.fit_dynaspec import spherical_kmeans
+    from specvocab.engine.vocab.dynaspec_fit import spherical_kmeans
     weight = model.get_output_embeddings().weight.detach()
     km = spherical_kmeans(weight, 16, seed=0)
     torch.manual_seed(0)
@@ -248,6 +249,7 @@ def test_a_retrained_head_or_another_depth_does_not_reuse_a_stale_router(tmp_pat
     save_eagle_head(random_eagle_head(model, seed=0), folder, target_name="random-llama", target_weight=weight)
     from specvocab.engine.drafters.eagle import load_eagle_head
     monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("SPECVOCAB_CALIBRATION", raising=False)  # the calibration under it
     fit = _eagle_fit(model, tmp_path / "cache" / "dynaspec", load_eagle_head(str(folder)), depth=3)
     cfg = SpecConfig.preset("eagle", vocab="dynaspec", eagle_head=str(folder), eagle_depth=3, draft_size=8)
     assert EagleDrafter(model, cfg).policy.head is not None                     # found for its own head and depth

@@ -1,8 +1,9 @@
-"""Drafters: one per method, found by `make_drafter(target, cfg)` through `cfg.method`.
+"""Drafters: one per method, found by `make_drafter(target, cfg)` through `cfg.method`'s description
+(`engine.methods.method_spec`).
 
-Adding a method = adding a module `engine/drafters/<method>.py` (a '-' in the method name becomes '_')
-whose `Drafter` subclass is decorated with `@register_drafter("<method>")`, and the method name in
-`engine.config.METHODS`. `make_drafter` imports that module on first use, so nothing else changes.
+A method's description names its drafter (`MethodSpec.drafter`: a factory, or "module:attribute"), or leaves it
+to the module `engine/drafters/<method>.py` (a '-' in the method name becomes '_') whose `Drafter` subclass is
+decorated with `@register_drafter("<method>")`; `make_drafter` imports that module on first use.
 
     from specvocab.engine.drafters import register_drafter
     from specvocab.engine.tree import Drafter
@@ -21,13 +22,10 @@ from typing import Callable
 
 from specvocab.engine.catalog import known_methods
 from specvocab.engine.config import HF_METHODS
+from specvocab.engine.methods import UnknownMethodError, load, method_names, method_spec
 from specvocab.engine.tree import Drafter
 
 _REGISTRY: dict[str, Callable] = {}
-
-
-class UnknownMethodError(ValueError):
-    """No drafter is registered for a method; the message lists the available ones and how to add one."""
 
 
 def register_drafter(name: str):
@@ -48,17 +46,28 @@ def _module_name(method: str) -> str:
 
 
 def available_methods() -> list[str]:
-    """Methods that can run now in this process: configured methods with a module here and HF ones
-    (`engine.catalog.known_methods`, which a sweep's config is checked against), and any registered here."""
-    return sorted(set(_REGISTRY) | set(known_methods()))
+    """Methods that can run now in this process: described methods with a module here and HF ones
+    (`engine.catalog.known_methods`, which a sweep's config is checked against), described methods that name
+    their drafter (`MethodSpec.drafter`), and any drafter registered here."""
+    named = method_names(lambda s: s.drafter is not None)
+    return sorted(set(_REGISTRY) | set(known_methods()) | set(named))
 
 
-def make_drafter(target, cfg) -> Drafter:
-    """The drafter of `cfg.method` for target model `target`."""
-    name = cfg.method
-    if name in HF_METHODS:
+def drafter_factory(name: str) -> Callable:
+    """The factory(target, cfg) -> Drafter of method `name`: the one its description names
+    (`engine.methods.MethodSpec.drafter`), else the class `engine/drafters/<name>.py` registers."""
+    if name not in method_names():
+        raise UnknownMethodError(
+            f"method {name!r} has no drafter yet (no description); available: {available_methods()}. To add it, "
+            f"describe it with engine.methods.register_method(MethodSpec({name!r}, order=...)) and write its "
+            f"drafter: engine/drafters/{name.replace('-', '_')}.py with a Drafter subclass decorated "
+            f"@register_drafter({name!r}), or MethodSpec(drafter=...)")
+    spec = method_spec(name)
+    if spec.runner == "hf":
         raise UnknownMethodError(f"{name!r} runs transformers' own generate and has no drafter; "
                                  f"call engine.generate(model, prompt_ids, method={name!r})")
+    if spec.drafter is not None:
+        return load(spec.drafter) if isinstance(spec.drafter, str) else spec.drafter
     if name not in _REGISTRY:
         module = _module_name(name)
         try:
@@ -71,11 +80,16 @@ def make_drafter(target, cfg) -> Drafter:
             raise UnknownMethodError(
                 f"method {name!r} has no drafter yet (no module {module}); available: {available_methods()}. "
                 f"To add it, write engine/drafters/{name.replace('-', '_')}.py with a Drafter subclass "
-                f"decorated @register_drafter({name!r})") from None
+                f"decorated @register_drafter({name!r}), or name it in its MethodSpec (drafter=)") from None
         if name not in _REGISTRY:
             raise UnknownMethodError(f"{module} was imported but registers no drafter for {name!r}; decorate its "
                                      f"Drafter subclass with @register_drafter({name!r})")
-    return _REGISTRY[name](target, cfg)
+    return _REGISTRY[name]
 
 
-__all__ = ["HF_METHODS", "UnknownMethodError", "available_methods", "make_drafter", "register_drafter"]
+def make_drafter(target, cfg) -> Drafter:
+    """The drafter of `cfg.method` for target model `target` (`drafter_factory`)."""
+    return drafter_factory(cfg.method)(target, cfg)
+
+
+__all__ = ["HF_METHODS", "UnknownMethodError", "available_methods", "drafter_factory", "make_drafter", "register_drafter"]

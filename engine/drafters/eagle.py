@@ -53,14 +53,13 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from specvocab.engine.artifacts import FINGERPRINT_KEY, atomic_write, head_fingerprint, head_matches, save_safetensors
 from specvocab.engine.drafters import register_drafter
 from specvocab.engine.catalog import SHIPPED_PREFIX, shipped_heads
-from specvocab.engine.shipped import default_eagle_head
 from specvocab.engine.drafters.lmhead import DraftKVCache, DrafterError, Expansion, LMHeadDrafter, attention_bias
 from specvocab.engine.drafters.layerskip import text_config
 from specvocab.engine.target import cache_kwarg
 from specvocab.engine.vocab.dynaspec import drafter_key as dynaspec_drafter_key
 from specvocab.engine.tree import StepResult
 from specvocab.kernels import cpu as cpu_kernels
-from specvocab.engine.native import BLOCK
+from specvocab.engine.native import BLOCK, TAIL_BLOCKS
 
 FUSED_CHUNK = 32      # rows of a causal run (the prompt) per fused call: the kernel reads a row's last 2 BLOCKs by slot
 
@@ -279,18 +278,17 @@ def _weights_ids(path: Path) -> set[str]:
 def check_head_target(head_source: str, block: dict | None, target, *, field: str = "eagle_head",
                       retrain: str = "`python -m specvocab.engine.jobs.train_eagle --model <name>`") -> None:
     """Raise unless a head whose config.json has `specvocab` block `block` was trained for `target` (its LM-head
-    fingerprint, `engine.artifacts.head_matches`). `field` names the config field in the message; an EAGLE-1/2
-    head also suggests the head shipped for the target."""
+    fingerprint, `engine.artifacts.head_matches`). `field` names the config field in the message, which also
+    says how to take the head shipped for the target (the run's resolution fills an unset field with it)."""
     if not block:
         return                                  # an official checkpoint: only the shapes can be checked
     weight = target.get_output_embeddings().weight.detach()
     if not head_matches(block, weight):
-        shipped = default_eagle_head(target) if field == "eagle_head" else None
         raise DrafterError(f"{field}={head_source!r} was trained for {block.get('target')!r} (vocabulary "
                            f"{block.get('vocab_size')}, hidden {block.get('hidden_size')}), not for this target "
-                           f"(LM head {tuple(weight.shape)}, other weights); "
-                           + (f"use {shipped!r} (shipped for this target) or " if shipped else "")
-                           + f"train one with {retrain}")
+                           f"(LM head {tuple(weight.shape)}, other weights); leave {field} unset to take the head "
+                           f"shipped for this target, if one ships (engine.resolve.resolve_run), or train one with "
+                           f"{retrain}")
 
 
 def load_eagle_head(source: str) -> EagleHead:
@@ -401,11 +399,10 @@ class EagleTreeDrafter(LMHeadDrafter):
         kv_pos = torch.cat([self.cache.positions[: self.cache.length].to(positions.device), positions])
         rows, cols = visible[:, P:].nonzero(as_tuple=True)     # the rows' visible keys after the committed ones
         offset = kv_pos[P + cols] - base
-        if offset.numel() and int(offset.max()) >= 2 * B:
-            raise DrafterError(f"{self.name}: a draft tree reaching {int(offset.max()) - (P - base) + 1} positions "
-                               f"past the context does not fit the fused layer's {2 * B}-position tail")
-        idx = torch.zeros(q, 2 * B, dtype=torch.long)
-        ok = torch.zeros(q, 2 * B, dtype=torch.bool)
+        # the tail: two blocks, or as many as the deepest row reaches (engine.native.tail_blocks)
+        T = max(TAIL_BLOCKS, int(offset.max()) // B + 1) if offset.numel() else TAIL_BLOCKS
+        idx = torch.zeros(q, T * B, dtype=torch.long)
+        ok = torch.zeros(q, T * B, dtype=torch.bool)
         idx[:, : P - base] = torch.arange(base, P)
         ok[:, : P - base] = True
         idx[rows, offset] = P + cols
@@ -477,13 +474,13 @@ class EagleDrafter(EagleTreeDrafter):
         cfg.require_draft_size()                     # fail before loading a head: the harness resolves it
         self.head_source = "(passed in)" if head is not None else cfg.eagle_head
         if head is None:
-            source = cfg.eagle_head if cfg.eagle_head is not None else default_eagle_head(target)
+            source = cfg.eagle_head                  # resolved with the run (a shipped head for None), never here
             if source is None:
-                raise DrafterError("method 'eagle' needs a draft head and none ships for this target: pass "
+                raise DrafterError("method 'eagle' needs a draft head and none ships for this target (or the config "
+                                   "was not resolved: engine.resolve.resolve_run, engine.harness.resolve_config): pass "
                                    "eagle_head=<hub id or local EAGLE-1/2 checkpoint directory>, train one with "
                                    "`python -m specvocab.engine.jobs.train_eagle --model <name>`, or eagle_head='random' for an "
                                    "untrained head (tests)")
-            self.head_source = source
             head = random_eagle_head(target, cfg.seed) if source == "random" else load_eagle_head(source)
             check_head_target(source, getattr(head, "target_block", None), target)
         t = text_config(target)

@@ -54,7 +54,6 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from specvocab.engine.catalog import shipped_eagle3_heads
-from specvocab.engine.shipped import default_eagle3_head
 from specvocab.engine.drafters import register_drafter
 from specvocab.engine.drafters.eagle import (EagleTreeDrafter, check_head_target, head_digest, llama_config, random_eagle_head,
                                    read_state_dict, resolve_head_dir)
@@ -465,11 +464,11 @@ class Eagle3Drafter(EagleTreeDrafter):
         cfg.require_draft_size()
         self.head_source = "(passed in)" if head is not None else cfg.eagle3_head
         if head is None:
-            source = cfg.eagle3_head if cfg.eagle3_head is not None else default_eagle3_head(target)
-            self.head_source = source
+            source = cfg.eagle3_head                 # resolved with the run (a shipped head for None), never here
             if source is None:
                 raise DrafterError("method 'eagle3' needs an EAGLE-3 draft head and no EAGLE-3 head ships for this "
-                                   "model: pass eagle3_head=<local directory of an official EAGLE-3 checkpoint "
+                                   "model (or the config was not resolved: engine.resolve.resolve_run, "
+                                   "engine.harness.resolve_config): pass eagle3_head=<local directory of an official EAGLE-3 checkpoint "
                                    "(config.json + model.safetensors or pytorch_model.bin) or its hub id>, train one "
                                    "(`python -m specvocab.engine.jobs.train_eagle3 --model <name>`), or eagle3_head='random' "
                                    "for an untrained head (tests)")

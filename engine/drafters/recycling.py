@@ -109,6 +109,17 @@ def template_size(name: str) -> int:
     return sum(sum(level) for level in TEMPLATES[name])
 
 
+def whole_template(cfg) -> int:
+    """recycling's uncalibrated draft size: every node of `cfg.recycling_tree` (engine.methods)."""
+    return template_size(cfg.recycling_tree)
+
+
+def template_cap(cfg) -> int | None:
+    """recycling's largest draft size: the nodes of `cfg.recycling_tree`; None for a template it does not know
+    (the drafter rejects it when built) (engine.methods)."""
+    return template_size(cfg.recycling_tree) if cfg.recycling_tree in TEMPLATES else None
+
+
 def fill_template(root: int | torch.Tensor, template: Template, store_tok: torch.Tensor,
                   store_con: torch.Tensor) -> DraftTree:
     """Token Recycling's static-tree BFS (its Alg. 1), vectorised per level. Pure.

@@ -26,14 +26,19 @@ Columns: `policy` (full | frspec | microspec | oracle | dynaspec), `vocab_size` 
 K, microspec's and oracle's w_max, dynaspec's N, or for an unsized dynaspec the tokens its k_max stands for,
 round(k_max * V / M); null for full) and `run`, the `--vocab` label as given (`frspec:1024`), so several sizes
 of one policy bench side by side. `dynaspec_k_max` is the k_max a dynaspec run used (null otherwise),
-`vocab_file` the frspec ranking or fitted DynaSpec it read, `draft_head` the drafter's head (eagle: the head's
-source - `drafter.head_source` where the drafter resolves one, else `eagle_head`; layerskip: `drafter_layers`).
-`draft_size` is the run's resolved draft size (`engine.harness.resolve_config`), `draft_size_source` where it
-came from ("config": `--set draft_size=N`; "calibration-cache:<sha8>": this machine's calibration cache,
-sha8 the first 8 hex digits of its file's SHA-256; "default": the method's uncalibrated default; in a sweep
-also "calibrate-cell" and "calibration-file:<sha8>"), `g` the mean draft tokens per step it actually proposed. `frspec` without `--set frequency_file=...` counts a default ranking on
-the training corpus (`engine.jobs.frequency.default_frequency_file`, cached) and says which; `dynaspec` without
-`--set dynaspec_file=...` takes the newest fit for this head and drafter (`engine.vocab.dynaspec.find_fitted`).
+`vocab_file` the frspec ranking or fitted DynaSpec it read, `draft_head` the drafter's head (eagle's / eagle3's
+checkpoint, `random`, or the shipped head's `specvocab:<model>`; layerskip: `drafter_layers`). Every run is
+resolved once, before any prompt (`engine.resolve.resolve_run`), and its rows say where each choice came from:
+`draft_size` is the run's draft size, `draft_size_source` its source ("config": `--set draft_size=N`;
+"calibration-cache:<sha8>": this machine's calibration cache, sha8 the first 8 hex digits of its file's SHA-256;
+"on-the-spot": no record there, so calibrated before the bench, in seconds, and cached; "default": the method's
+uncalibrated default; in a sweep also "calibrate-cell" and "calibration-file:<sha8>"); `draft_head_source`,
+`vocab_file_source`, `vocab_size_source` one of given, shipped, fitted, default; `kernel_build` the build that
+decoded (`engine.calibration.kernel_build`) and `kernel_build_source` (given by `$SPECVOCAB_CPU_ISA`, else
+default). `g` is the mean draft tokens per step a run actually proposed. `frspec` without `--set
+frequency_file=...` counts a default ranking on the training corpus (`engine.vocab.frspec_lists`, cached) and
+says which; `dynaspec` without `--set dynaspec_file=...` takes the newest fit for this head and drafter
+(`engine.vocab.dynaspec.find_fitted`).
 
 Writes `OUT/results.parquet`, one row per (method, run, prompt, turn, repeat) - `prompt_id` is the prompt
 set's id, `turn` counts from 1 (MT-Bench prompts have two turns, each run answering the second turn after
@@ -84,6 +89,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
@@ -96,15 +102,14 @@ from specvocab.engine.artifacts import atomic_write
 from specvocab.engine.config import POLICIES, REQUESTED_SIZE, ConfigError, SpecConfig, parse_overrides
 from specvocab.engine.divergence import diagnose_rows, next_logits
 from specvocab.engine.drafters import available_methods, make_drafter
-from specvocab.engine.vocab.dynaspec import find_fitted, fitted_sizes, k_max_for_tokens, tokens_for_k_max
 from specvocab.engine.calibration import CalibrationSource
-from specvocab.engine.harness import generate, resolve_config
+from specvocab.engine.harness import generate
+from specvocab.engine.resolve import ResolvedRun, resolve_run
 from specvocab.engine.models import eos_token_ids, load_model
 from specvocab.engine.prompts import Prompt, decode_answer, encode_prompt, load_prompts
 from specvocab.engine.target import backend_label
-from specvocab.engine.jobs.args import add_debug, check_at_least, check_model, check_out, run_main
-from specvocab.engine.jobs.frequency import with_default_ranking
-from specvocab.engine.jobs.specbench import tokenizer_decoder, write_answer_files
+from specvocab.engine.jobs.args import add_debug, check_at_least, check_model, check_out, debugging, run_main
+from specvocab.engine.specbench import tokenizer_decoder, write_answer_files
 from specvocab.engine.metrics import (ALL, DRAFTERS, PHASES, ROW_SCHEMA, RUN, compare_vocabs, comparison_lines,  # noqa: F401
                             describe_bench, divergence_lines, divergences, policy, row_verdicts, summarize, table2)
 from specvocab.kernels.hardware import HardwareError, parse_device, parse_dtype
@@ -114,26 +119,43 @@ RUN_KEY = ("method", "run", "prompt_id", "repeat")
 DIAGNOSIS = ("verdict", "first_divergence", "ar_margin", "ar_gap", "prompt_differs")   # `diagnose`'s columns
 LABEL_SIZE = {"frspec": "frspec_k", "microspec": "w_max"}  # the field N in `--vocab name:N` sets
 SIZED = (*LABEL_SIZE, "dynaspec")                          # policies that take `name:N`
-BUDGET_WORDS = {"position": "position-aware budget (DynaSpec-PA)", "fixed": "fixed budget (DynaSpec-F)"}
 
 
 class BenchError(ValueError):
     """A bench argument is unusable; the message says which and what to pass instead."""
 
 
+class RunsFailed(BenchError):
+    """Some runs failed while the bench went on: raised after every other run's rows were written and summarised.
+    `frame`: the rows that were benched; `failures`: one line per failed run (method, run label, cause)."""
+
+    def __init__(self, frame: pl.DataFrame, failures: list[str]):
+        self.frame, self.failures = frame, failures
+        super().__init__(f"{len(failures)} run(s) failed, the others' rows were kept: " + "; ".join(failures))
+
+
 @dataclass(frozen=True)
 class Run:
     """One benched configuration: a method with one draft vocabulary policy ("full" for methods without a
     head). `label`: the `--vocab` entry as given ("frspec:1024"), the `run` column. `size`: dynaspec's token
-    budget - N of `dynaspec:N`, or once the model is loaded (`_resolve_dynaspec`) the tokens its k_max stands
-    for. `draft_head`: the drafter's head, known once a drafter was built (`_check_drafter`)."""
+    budget - N of `dynaspec:N`, or once the model is loaded the tokens its k_max stands for. `resolved`: the
+    run's one resolution (`engine.resolve.resolve_run`, once the model is loaded): `cfg` is then its config."""
 
     method: str
     label: str
     cfg: SpecConfig
     size: int | None = None
-    draft_head: str | None = None
-    draft_size_source: str | None = None    # where draft_size came from (`engine.harness.resolve_config`)
+    resolved: ResolvedRun | None = None
+
+    @property
+    def draft_head(self) -> str | None:
+        """The drafter's head (eagle's / eagle3's checkpoint, layerskip's `drafter_layers`), once resolved."""
+        return None if self.resolved is None else self.resolved.head
+
+    @property
+    def draft_size_source(self) -> str | None:
+        """Where draft_size came from (`engine.resolve.ResolvedRun.draft_size_source`), once resolved."""
+        return None if self.resolved is None else self.resolved.draft_size_source
 
     @property
     def policy(self) -> str:
@@ -247,50 +269,34 @@ def _drafter_columns(res) -> dict:
     out.update(mean_active_vocab=st.get("mean_active_vocab"), max_active_vocab=st.get("max_active_vocab"),
                mean_union_vocab=st.get("mean_union_vocab"), draft_coverage=st.get("coverage"),
                bonus_coverage=st.get("bonus_coverage"))
+    out.update({c: int(st[c]) for c in ROW_SCHEMA if c.startswith("accepted_by_") and c in st})   # merged's sources
     return out
 
 
-def _resolve_dynaspec(run: Run, target, show: bool) -> Run:
-    """A dynaspec run with its fitted file fixed (`dynaspec_file`, else the newest fit for this head and
-    drafter) and its size in both units: `dynaspec:N` sets k_max = round(N * M / V); an unsized run keeps
-    its k_max and reports the tokens it stands for, round(k_max * V / M) (module docstring). The head is the
-    target's LM head, or for eagle3 the EAGLE-3 head's own lm_head (V = its draft vocabulary)."""
-    cfg = run.cfg
+def _resolve(run: Run, loaded, eos, calibration: CalibrationSource | None, size_source: str | None,
+             show: bool) -> Run:
+    """The run with its one resolution (`engine.resolve.resolve_run`: head, FR-Spec list or DynaSpec fit and
+    size, draft size, kernel build); a ValueError (no head, no fit, no list) becomes a BenchError naming the run."""
+    target, tokenizer, info = loaded
     try:
-        head, key = target.get_output_embeddings().weight, None
-        if run.method == "eagle3":                               # the fit partitions the draft vocabulary
-            drafter = make_drafter(target, cfg.replace(vocab="full"))
-            head, key = drafter.head_weight, drafter.drafter_key()
-        path = Path(cfg.dynaspec_file).expanduser() if cfg.dynaspec_file else find_fitted(head, cfg, key=key)
-        m, v = fitted_sizes(path)
-        if run.size is not None:
-            cfg = cfg.replace(dynaspec_k_max=k_max_for_tokens(run.size, m, v))
-    except ValueError as e:                                      # DynaSpecError, ConfigError: the message says
+        res = resolve_run(run.cfg, target, tokenizer=tokenizer, info=info, eos_ids=eos, calibration=calibration,
+                          draft_size_source=size_source, vocab_tokens=run.size, show=show,
+                          label=f"{run.method} {run.label}")
+    except ValueError as e:                                      # DynaSpecError, FrequencyError, ConfigError, ...
         raise BenchError(f"{run.method} {run.label}: {e}") from e
-    size = run.size if run.size is not None else tokens_for_k_max(cfg.dynaspec_k_max, m, v)
-    if show:
-        print(f"[specvocab] {run.method} {run.label}: DynaSpec {path} (M = {m} clusters, {v / m:.0f} tokens each "
-              f"on average): k_max = {cfg.dynaspec_k_max} clusters per row at draft steps 0-1 (~{size} tokens), "
-              f"{BUDGET_WORDS.get(cfg.dynaspec_budget, cfg.dynaspec_budget + ' budget')}", flush=True)
-    return replace(run, cfg=cfg.replace(dynaspec_file=str(path)), size=size)
+    size = res.vocab_size if run.policy == "dynaspec" else run.size
+    return replace(run, cfg=res.cfg, size=size, resolved=res)
 
 
 def _check_drafter(run: Run, target) -> Run:
-    """Build the run's drafter once before any prompt runs - a missing or mismatched head, ranking or fit
-    fails here, named, not after the first prompts - and record its head: eagle's and eagle3's source (the
-    drafter's `head_source` where it resolves one, e.g. a default head for `eagle_head=None`, else the field),
-    layerskip's `drafter_layers`. Each prompt still builds its own drafter, as `generate` does."""
+    """Build the run's drafter once, from its resolved config, before any prompt runs: a missing or mismatched
+    head, ranking or fit fails here, named, not after the first prompts. Each prompt still builds its own
+    drafter, as `generate` does."""
     try:
-        drafter = make_drafter(target, run.cfg)
+        make_drafter(target, run.cfg)
     except ValueError as e:                                      # DrafterError, VocabError, DynaSpecError, ...
         raise BenchError(f"{run.method} {run.label}: {e}") from e
-    if run.method in ("eagle", "eagle3"):
-        field = run.cfg.eagle_head if run.method == "eagle" else run.cfg.eagle3_head
-        source = getattr(drafter, "head_source", None) or field
-        head = None if source is None else str(source)
-    else:
-        head = run.cfg.drafter_layers
-    return replace(run, draft_head=head)
+    return run
 
 
 def run_bench(model: str = "smollm2-135m-instruct", methods: str | Sequence[str] | None = None,
@@ -300,7 +306,8 @@ def run_bench(model: str = "smollm2-135m-instruct", methods: str | Sequence[str]
               warmup: int = 1, out: str | Path | None = None, temperature: float = 0.0, top_p: float = 1.0,
               seed: int = 0, device: str | None = None, dtype=None, threads: int | None = None,
               config: dict | None = None, loaded=None, resume: bool = False, progress: bool = True,
-              show: bool = True, calibration: CalibrationSource | None = None) -> pl.DataFrame:
+              show: bool = True, calibration: CalibrationSource | None = None,
+              draft_size_source: str | None = None) -> pl.DataFrame:
     """Run every run (see `plan_runs`) on every prompt `repeats` times; returns (and writes) one row per run,
     prompt, turn and repeat.
 
@@ -312,9 +319,13 @@ def run_bench(model: str = "smollm2-135m-instruct", methods: str | Sequence[str]
     threads: torch.set_num_threads for the bench (restored afterwards); recorded per row.
     device / dtype: for `load_model` (None: `kernels.hardware`'s defaults; strings as `--dtype`).
     config: further SpecConfig fields for every run (e.g. {"draft_size": 5, "drafter_layers": "first:4"}).
-    calibration: where a run without draft_size looks up its g* (default this machine's calibration cache;
+    calibration: where a run without draft_size looks up its g* (default this machine's calibration cache, and
+    with no record there it is calibrated on the spot and cached: `engine.resolve.calibrate_here`;
     `engine.calibration.NO_CALIBRATION`: the method's uncalibrated default); every row's `draft_size_source`
-    says which ("config", "calibration-cache:<sha8>", "calibration-file:<sha8>", "default").
+    says which ("config", "calibration-cache:<sha8>", "calibration-file:<sha8>", "on-the-spot", "default").
+    draft_size_source: the label of a draft size `config` sets (default "config"; a sweep's "calibrate-cell").
+    Each run is resolved once (`engine.resolve.resolve_run`) before any prompt; its provenance rides on every
+    row (`engine.resolve.COLUMNS`).
     """
     if repeats < 1 or warmup < 0:
         raise BenchError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
@@ -330,13 +341,14 @@ def run_bench(model: str = "smollm2-135m-instruct", methods: str | Sequence[str]
         return _bench(runs, model, prompts, per_category=per_category, categories=categories, languages=languages,
                       max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup, out=out, device=device,
                       dtype=dtype, loaded=loaded, resume=resume, progress=progress, show=show,
-                      calibration=calibration)
+                      calibration=calibration, draft_size_source=draft_size_source)
     finally:
         torch.set_num_threads(old_threads)
 
 
 def _bench(runs: list[Run], model, prompts, *, per_category, categories, languages, max_new_tokens, repeats,
-           warmup, out, device, dtype, loaded, resume, progress, show, calibration=None) -> pl.DataFrame:
+           warmup, out, device, dtype, loaded, resume, progress, show, calibration=None,
+           draft_size_source=None) -> pl.DataFrame:
     # the prompts first: an unknown set, a bad filter or a missing data root stops the bench before a model loads
     prompt_list = load_prompts(prompts, per_category=per_category, categories=categories, languages=languages)
     if not prompt_list:
@@ -348,14 +360,11 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
             raise BenchError(str(e)) from None
         loaded = load_model(model, device=device, dtype=dtype)
     target, tokenizer, info = loaded
-    # each run's draft size decided once, here (unispec: its calibrated g*; see engine.harness)
-    resolved = [resolve_config(r.cfg, model=target, calibration=calibration, with_source=True) for r in runs]
-    runs = [replace(r, cfg=cfg, draft_size_source=source) for r, (cfg, source) in zip(runs, resolved)]
     param = next(target.parameters())
     dev, dtype_name = str(param.device), str(param.dtype).removeprefix("torch.")
     eos = eos_token_ids(target, tokenizer)
-    runs = [replace(r, cfg=with_default_ranking(r.cfg, tokenizer, info, eos)) for r in runs]   # says which corpus
-    runs = [_resolve_dynaspec(r, target, show) if r.policy == "dynaspec" else r for r in runs]
+    # each run resolved once, here (engine.resolve): the decode below looks nothing up
+    runs = [_resolve(r, loaded, eos, calibration, draft_size_source, show) for r in runs]
     runs = [_check_drafter(r, target) if r.method in DRAFTERS else r for r in runs]
 
     path = None if out is None else Path(out) / RESULTS_FILE
@@ -389,7 +398,7 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
                 "policy": run.policy, "vocab_size": run.vocab_size,
                 "dynaspec_k_max": cfg.dynaspec_k_max if run.policy == "dynaspec" else None,
                 "draft_head": run.draft_head, "vocab_file": run.vocab_file, "draft_size": cfg.draft_size,
-                "draft_size_source": run.draft_size_source,
+                **run.resolved.columns(),
                 "max_new_tokens": cfg.max_new_tokens, "prompt_set": p.prompt_set, "prompt_id": str(p.prompt_id),
                 "category": p.category, "language": p.language, "turn": turn, "repeat": repeat,
                 "prompt_tokens": len(ids),
@@ -405,10 +414,28 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
                 break
         return got
 
+    failed: dict[tuple[str, str], str] = {}                     # (method, run label) -> one line: what failed
+
+    def attempt(run: Run, p: Prompt, call) -> list[dict]:
+        # a run that raises is reported in one line and skipped from then on; the other runs go on
+        try:
+            return call()
+        except Exception as e:  # noqa: BLE001 - any failure of one run; the bench raises RunsFailed at the end
+            cause = (str(e).strip().splitlines() or [""])[0]
+            failed[(run.method, run.label)] = line = (f"{run.method} {run.label} failed on prompt {p.prompt_id}: "
+                                                      f"{type(e).__name__}: {cause}")
+            print(f"[specvocab] bench: {line}; its other prompts are skipped, the other runs go on",
+                  file=sys.stderr, flush=True)
+            if debugging():
+                traceback.print_exc()
+            return []
+
     first = prompt_list[0]
     for _ in range(warmup):                                      # untimed: first calls allocate and compile
         for run in runs:
-            run_turns(first, run, 0, run.cfg.replace(max_new_tokens=min(16, max_new_tokens)), limit=1)
+            if (run.method, run.label) not in failed:
+                attempt(run, first, lambda: run_turns(first, run, 0, run.cfg.replace(
+                    max_new_tokens=min(16, max_new_tokens)), limit=1))
 
     todo = [(p, r, run) for p in prompt_list for r in range(repeats) for run in runs
             if (run.method, run.label, str(p.prompt_id), str(r)) not in done]
@@ -417,15 +444,22 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
     if rows:                                                     # --resume: a file from before the diagnosis
         _diagnose_rows(rows, loaded, prompt_list, ar_cfg, eos, only_missing=True)
     for p, r, run in tqdm(todo, desc=f"bench {info.name}", unit="run", disable=not progress):
-        rows.extend(run_turns(p, run, r, run.cfg))
+        if (run.method, run.label) in failed:
+            continue
+        got = attempt(run, p, lambda: run_turns(p, run, r, run.cfg))
+        if not got:
+            continue
+        rows.extend(got)
         # rows without a verdict whose ar row is there now (ar may run after a method, or come from --resume);
         # rows equal to ar's cost a list comparison, only differing ones a forward
         _diagnose_rows(rows, loaded, prompt_list, ar_cfg, eos, only_missing=True)
         if path is not None:
             _write(_frame(rows), path)
     frame = _frame(rows)
-    if show:
+    if show and rows:
         print_summary(frame)
+    if failed:
+        raise RunsFailed(frame, list(failed.values()))
     return frame
 
 
@@ -574,14 +608,20 @@ def main(argv: Sequence[str] | None = None) -> pl.DataFrame:
         if folder:
             check_out(flag, folder)
     split = (lambda s: None if s is None else [x for x in s.split(",") if x])
-    frame = run_bench(model=a.model, methods=a.methods, prompts=a.prompts, drafter=a.drafter, vocab=a.vocab,
-                      per_category=a.per_category, categories=split(a.categories), languages=split(a.languages),
-                      max_new_tokens=a.max_new_tokens, repeats=a.repeats, warmup=a.warmup, out=a.out,
-                      temperature=a.temperature, top_p=a.top_p, seed=a.seed, device=a.device, dtype=a.dtype,
-                      threads=a.threads, config=_parse_sets(a.set), resume=a.resume)
-    if a.specbench_answers:
+    failed = None
+    try:
+        frame = run_bench(model=a.model, methods=a.methods, prompts=a.prompts, drafter=a.drafter, vocab=a.vocab,
+                          per_category=a.per_category, categories=split(a.categories), languages=split(a.languages),
+                          max_new_tokens=a.max_new_tokens, repeats=a.repeats, warmup=a.warmup, out=a.out,
+                          temperature=a.temperature, top_p=a.top_p, seed=a.seed, device=a.device, dtype=a.dtype,
+                          threads=a.threads, config=_parse_sets(a.set), resume=a.resume)
+    except RunsFailed as e:                                      # the other runs' answers are written too
+        frame, failed = e.frame, e
+    if a.specbench_answers and frame.height:
         for path in write_answer_files(frame, a.specbench_answers, tokenizer_decoder()):
             print(f"Spec-Bench answers: {path}")
+    if failed is not None:
+        raise failed
     return frame
 
 

@@ -2,12 +2,14 @@
 `calibrate(model, prompts, method)` and the CLI `python -m specvocab.engine.jobs.calibrate`.
 
 The fits, the pipelines ("default", and "paper": the paper's own), the cache and `resolve_draft_size`
-live in `engine.calibration` (pure; the harness imports them). This module runs
-`engine.harness.generate` with `draft_size=g` for every g of a grid, for every drafting method (unispec,
-recycling, layerskip, eagle, pld, hf-prompt-lookup): every method reads its draft size from the one field
-`draft_size`, so every calibration varies the tree it verifies (what g is per method, and why recycling
-keeps its template and eagle its depth: `engine.calibration`). The record is cached under the method's own
-key, where `engine.harness.resolve_config` finds it for `draft_size=None`.
+live in `engine.calibration` (pure; the harness imports them); the measurement through the harness in
+`engine.measure`. This job measures `engine.harness.generate` with `draft_size=g` for every g of a grid, for
+every drafting method (unispec, recycling, layerskip, eagle, pld, hf-prompt-lookup): every method reads its
+draft size from the one field `draft_size`, so every calibration varies the tree it verifies (what g is per
+method, and why recycling keeps its template and eagle its depth: `engine.calibration`). The config is resolved
+as a run resolves it (`engine.resolve.resolve_run`: the head first, then frspec's list and dynaspec's fit), and
+the record is cached under the key a run looks its size up with. A run with no record calibrates on the spot,
+on a smaller grid (`engine.resolve.calibrate_here`); this job measures the full one.
 
 Choices where the paper is silent [C]:
 - tau(g) counts decoding steps only (the prefill's first token is left out); s(g) is the median over
@@ -31,24 +33,22 @@ import argparse
 import dataclasses
 import sys
 import time
-import warnings
-from typing import Mapping, Sequence
+from typing import Sequence
 
-import numpy as np
 import torch
-from tqdm.auto import tqdm
 
-from specvocab.engine.calibration import (EAGLE_CANDIDATES, CalibrationError, Pipeline, code_stamp, default_grid,
-                                device_name, eagle_total_token, fit_record, model_id, model_key, pipeline_of, refit,
-                                save_calibration)
+from specvocab.engine.calibration import (EAGLE_CANDIDATES, NO_CALIBRATION, CalibrationError, Pipeline, code_stamp,
+                                         device_name, eagle_total_token, fit_record, kernel_build, model_id, model_key,
+                                         pipeline_of, refit, save_calibration)
 from specvocab.engine.config import (DRAFTING_METHODS, SpecConfig, calibration_fields, config_fingerprint,
                            parse_overrides)
 from specvocab.engine.jobs.args import add_debug, check_at_least, check_model, parse_ints, run_main
-from specvocab.engine.jobs.frequency import FrequencyError, with_default_ranking
-from specvocab.engine.harness import bucket_edge, generate, max_draft_size
+from specvocab.engine.harness import bucket_edge, max_draft_size
+# the measurement is library code (the on-the-spot calibration runs it too); re-exported for this job's users
+from specvocab.engine.measure import (calibration_grid, calibration_pool, calibration_prompts,  # noqa: F401
+                                      measure_grid, round_robin, run_prompts, store_of, summarise)
 from specvocab.engine.models import eos_token_ids, load_model
-from specvocab.engine.prompts import encode_prompt, load_prompts
-from specvocab.engine.store import deployment_store
+from specvocab.engine.resolve import resolve_run
 from specvocab.kernels.hardware import parse_device, parse_dtype
 
 
@@ -73,131 +73,23 @@ def measure_forward(model, lengths: Sequence[int] = EAGLE_CANDIDATES, reps: int 
     return out
 
 
-def _store_of(model, cfg: SpecConfig, vocab: int):
-    """The deployment store the drafter of cfg.method will use, or None if the method has none."""
-    if cfg.method not in ("unispec", "recycling") or cfg.store_persistence != "deployment":
-        return None
-    return deployment_store(model, cfg.method, vocab, cfg.store_k, next(model.parameters()).device)
-
-
-def run_prompts(model, prompts: Sequence[torch.Tensor], cfg: SpecConfig, *, eos_ids=None) -> dict:
-    """Generate every prompt with cfg; tau over all decoding steps, step times per prompt, and the mean
-    draft tokens per decoding step (`g_measured`: what the drafter actually proposed)."""
-    new = steps = drafted = 0
-    step_s, verify_s = [], []                       # [prompts] seconds per decoding step
-    for p in prompts:
-        r = generate(model, p, cfg, eos_ids=eos_ids)
-        n_steps = r.steps - 1                       # decoding steps only: the prefill's token is left out
-        if n_steps == 0:
-            continue
-        new += r.new_tokens - 1
-        steps += n_steps
-        drafted += r.draft_tokens
-        verify_s.append(r.verify_s / n_steps)
-        step_s.append((r.wall_s - r.prefill_s) / n_steps)
-    if steps == 0:
-        raise CalibrationError("no decoding steps ran (every prompt stopped at its first token); use longer "
-                               "max_new_tokens or other prompts, or pass eos_ids=[]")
-    return dict(tau=new / steps, s_forward=verify_s, s_step=step_s, steps=steps, new_tokens=new,
-                draft_tokens=drafted)
-
-
-def _summarise(runs: list[dict]) -> dict:
-    """Pool runs of one g: tau = committed tokens / steps; s = the median per-prompt seconds per step
-    (a shared machine's spikes hit single prompts; the median ignores them); g_measured = draft tokens
-    per decoding step."""
-    new = sum(r["new_tokens"] for r in runs)
-    steps = sum(r["steps"] for r in runs)
-    s_step = float(np.median([x for r in runs for x in r["s_step"]]))
-    s_fwd = float(np.median([x for r in runs for x in r["s_forward"]]))
-    return dict(tau=new / steps, s_step=s_step, s_forward=s_fwd, tokens_per_s=new / steps / s_step,
-                g_measured=sum(r["draft_tokens"] for r in runs) / steps, steps=steps, new_tokens=new,
-                runs=len(runs))
-
-
-def round_robin(model, prompts: Sequence[torch.Tensor], cfgs: Mapping, *, store=None, repeats: int = 1,
-                eos_ids=None, progress: bool = True, desc: str = "calibrate") -> dict:
-    """Run every config of `cfgs` ({label: SpecConfig}) on every prompt, interleaved: for each prompt
-    all configs back to back (ascending labels, then descending for the next prompt), so a noisy
-    neighbour slows all configs alike. With a store, each config keeps its own copy, starting from
-    the store's current state and evolving over the prompts as in a deployment; the store is left
-    as it was. Returns {label: [run_prompts dicts, one per (repeat, prompt)]}."""
-    with torch.inference_mode():          # the store may hold inference tensors (made inside `generate`)
-        return _round_robin(model, prompts, cfgs, store, repeats, eos_ids, progress, desc)
-
-
-def _round_robin(model, prompts, cfgs, store, repeats, eos_ids, progress, desc) -> dict:
-    labels = list(cfgs)
-    start = None if store is None else (store.tok.clone(), store.con.clone())
-    states = {lab: start for lab in labels}
-    runs: dict = {lab: [] for lab in labels}
-    plan = []
-    for rep in range(repeats):
-        for i in range(len(prompts)):
-            plan += [(lab, i) for lab in (labels if (rep * len(prompts) + i) % 2 == 0 else labels[::-1])]
-    for lab, i in tqdm(plan, desc=desc, disable=not progress):
-        if store is not None:
-            store.tok.copy_(states[lab][0])
-            store.con.copy_(states[lab][1])
-        runs[lab].append(run_prompts(model, [prompts[i]], cfgs[lab], eos_ids=eos_ids))
-        if store is not None:
-            states[lab] = (store.tok.clone(), store.con.clone())
-    if store is not None:
-        store.tok.copy_(start[0])
-        store.con.copy_(start[1])
-    return runs
-
-
-def calibration_grid(cfg: SpecConfig, model, grid: Sequence[int] | None = None) -> list[int]:
-    """The draft sizes a calibration of cfg measures: `grid` (default `engine.calibration.default_grid` of
-    the method and the model's device type), sorted, without the points above `max_draft_size(cfg, model)`
-    (a warning names them; if none is left, the largest allowed size alone). The grid is measured as given
-    (tau(g) curves are read off it); the fitted g* is then raised to its row bucket's edge (`calibrate`)."""
-    device = next(model.parameters()).device
-    grid = sorted({int(g) for g in (default_grid(cfg.method, device.type) if grid is None else grid)})
-    cap = max_draft_size(cfg, model)
-    if cap is not None and grid[-1] > cap:
-        kept = [g for g in grid if g <= cap] or [cap]
-        warnings.warn(f"{cfg.method} proposes at most {cap} draft tokens with this config and target "
-                      f"(engine.harness.max_draft_size); calibrating at {kept} instead of {grid}", stacklevel=2)
-        grid = kept
-    return grid
-
-
-def measure_grid(model, prompts: Sequence[torch.Tensor], method: str, grid: Sequence[int], *,
-                 cfg: SpecConfig | None = None, warmup_prompts: Sequence[torch.Tensor] = (), repeats: int = 1,
-                 eos_ids=None, progress: bool = True) -> list[dict]:
-    """tau(g) and s(g) for every g in grid (one row per g), measured through `engine.harness.generate`
-    with `draft_size=g`.
-
-    The store is warmed on `warmup_prompts` (untimed; also warms allocator and kernels); every g then
-    starts from that state (`round_robin`). Per g: tau over all decoding steps, s = median over prompts
-    and repeats of the seconds per decoding step, g_measured = draft tokens per decoding step."""
-    if len(grid) == 0:
-        raise CalibrationError("empty calibration grid; give at least one draft size")
-    if any(int(g) <= 0 for g in grid):
-        raise CalibrationError(f"draft sizes must be positive, got {list(grid)}")
-    if not prompts:
-        raise CalibrationError("no calibration prompts")
-    base = (cfg or SpecConfig.preset(method)).replace(method=method)
-    vocab = model.get_output_embeddings().weight.shape[0]
-    store = _store_of(model, base, vocab)
-    mid = int(sorted(grid)[len(grid) // 2])
-    run_prompts(model, list(warmup_prompts) or list(prompts[:1]), base.replace(draft_size=mid), eos_ids=eos_ids)
-    cfgs = {int(g): base.replace(draft_size=int(g)) for g in sorted(set(int(g) for g in grid))}
-    runs = round_robin(model, prompts, cfgs, store=store, repeats=repeats, eos_ids=eos_ids, progress=progress,
-                       desc=f"calibrate {method}")
-    return [{"g": g, **_summarise(r)} for g, r in runs.items()]
+def resolved_configs(cfg: SpecConfig, model, tokenizer=None, info=None, eos_ids=None) -> tuple[SpecConfig, SpecConfig]:
+    """(keyed, run) of cfg, both without a draft size, from the run's one resolution (`engine.resolve.resolve_run`,
+    as `engine.jobs.bench` resolves it): keyed, the config the record is keyed on - its head resolved (a shipped
+    head for eagle_head / eagle3_head None), frspec's list and dynaspec's fit as given, as a bench looks its size
+    up - and run, the config measured, with the list and fit resolved too (frspec's default ranking, dynaspec's
+    newest fit)."""
+    try:
+        res = resolve_run(cfg.replace(draft_size=1), model, tokenizer=tokenizer, info=info, eos_ids=eos_ids,
+                          calibration=NO_CALIBRATION, on_the_spot=False)
+    except ValueError as e:                                    # FrequencyError, DynaSpecError: the message says
+        raise CalibrationError(str(e)) from None
+    return res.keyed.replace(draft_size=None), res.cfg.replace(draft_size=None)
 
 
 def runnable_config(cfg: SpecConfig, model, tokenizer=None, info=None, eos_ids=None) -> SpecConfig:
-    """cfg with what a run fills in after its draft size is resolved, as `engine.jobs.bench` does (frspec's
-    default ranking: `engine.jobs.frequency.with_default_ranking`). The calibration key keeps None, the value a
-    bench resolves its draft size with (dynaspec's newest fit is found by the policy itself)."""
-    try:
-        return with_default_ranking(cfg, tokenizer, info, eos_ids or ())
-    except FrequencyError as e:
-        raise CalibrationError(str(e)) from None
+    """cfg as a run measures it (`resolved_configs`' run)."""
+    return resolved_configs(cfg, model, tokenizer, info, eos_ids)[1]
 
 
 def calibrate(model, prompts: Sequence[torch.Tensor], method: str = "unispec", *, grid: Sequence[int] | None = None,
@@ -220,16 +112,17 @@ def calibrate(model, prompts: Sequence[torch.Tensor], method: str = "unispec", *
         raise CalibrationError("empty calibration grid; give at least one draft size")
     if grid is not None and any(int(g) <= 0 for g in grid):
         raise CalibrationError(f"draft sizes must be positive, got {list(grid)}")
+    base, run = resolved_configs(base, model, tokenizer, info, eos_ids)
     grid = calibration_grid(base, model, grid)
     t0 = time.perf_counter()
-    run = runnable_config(base, model, tokenizer, info, eos_ids)
     rows = measure_grid(model, prompts, method, grid, cfg=run, warmup_prompts=warmup_prompts,
                         repeats=repeats, eos_ids=eos_ids, progress=progress)
     key = model_key(model, base)
     record = {
         "key": key, "model": model_id(model), "device": device_name(device),
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "method": method,
-        "config": calibration_fields(base), "fingerprint": config_fingerprint(base), "rows": rows,
+        "config": calibration_fields(base), "fingerprint": config_fingerprint(base),
+        "kernel_build": kernel_build(model, base), "rows": rows,
         "prompts": len(prompts), "repeats": repeats,
         "torch": torch.__version__, "threads": torch.get_num_threads(), "code": code_stamp(),
         "wallclock_s": time.perf_counter() - t0, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -246,24 +139,6 @@ def calibrate(model, prompts: Sequence[torch.Tensor], method: str = "unispec", *
 
 
 # ---- CLI -------------------------------------------------------------------------------------------------
-
-def calibration_pool(seed: int = 1) -> list:
-    """The `Prompt`s `calibration_prompts` draws from: one English training-corpus prompt per task."""
-    return load_prompts("train_corpus", languages=["en"], per_category=1, seed=seed)
-
-
-def calibration_prompts(tokenizer, info, n: int = 5, warmup: int = 2, max_new_tokens: int = 96,
-                        seed: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """n calibration + `warmup` warm-up prompts from the training corpus (English, one per task, drawn with
-    `seed`), never from the benchmark a calibrated g* is measured on. UniSpec App. F calibrates on UltraChat,
-    not available offline; the training corpus is its stand-in."""
-    pool = calibration_pool(seed)
-    rng = np.random.default_rng(seed)
-    pick = [pool[i] for i in rng.permutation(len(pool))[: n + warmup]]
-    enc = [torch.tensor(encode_prompt(tokenizer, info, p.turns[:1], [], max_new_tokens=max_new_tokens))
-           for p in pick]
-    return enc[:n], enc[n:]
-
 
 def calibrate_model(model: str = "smollm2-135m-instruct", method: str = "unispec", grid: Sequence[int] | None = None,
          pipeline: str = "default", mode: str | None = None, timing: str | None = None, prompts: int = 5,
@@ -291,7 +166,7 @@ def calibrate_model(model: str = "smollm2-135m-instruct", method: str = "unispec
           f"{rec['g_continuous']:.2f}); g* (grid) = {rec['g_star_grid']}; EAGLE total_token=-1 -> {eagle_n} "
           f"nodes = {eagle_n - 1} drafts")
     if compare:
-        store = _store_of(target, cfg, info.vocab_size)
+        store = store_of(target, cfg, info.vocab_size)
         sizes = {"fit": rec["g_star"], "grid": rec["g_star_grid"], "eagle": eagle_n - 1}
         cap = max_draft_size(cfg, target)
         if cap is not None:
@@ -300,7 +175,7 @@ def calibrate_model(model: str = "smollm2-135m-instruct", method: str = "unispec
         cfgs = {label: run.replace(draft_size=g) for label, g in sizes.items()}
         cfgs["ar"] = cfg.replace(method="ar", draft_size=None)
         runs = round_robin(target, cal, cfgs, store=store, repeats=repeats, eos_ids=eos, desc="compare")
-        rec["compare"] = {label: {"g": sizes.get(label, 0), **_summarise(r)} for label, r in runs.items()}
+        rec["compare"] = {label: {"g": sizes.get(label, 0), **summarise(r)} for label, r in runs.items()}
         ar_speed = rec["compare"]["ar"]["tokens_per_s"]
         for label, r in rec["compare"].items():
             print(f"  {label:>5}: g = {r['g']:>3}  tau {r['tau']:.2f}  {r['tokens_per_s']:.1f} tok/s  "

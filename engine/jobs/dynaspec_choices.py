@@ -3,7 +3,7 @@
     python -m specvocab.engine.jobs.dynaspec_choices --work-dir <fit work dir> --out DIR      # or: specvocab dynaspec choices
 
 One factor at a time around the fit's settings; each router is scored offline on the prompts the fit held out (its
-`split.json`; `engine.jobs.fit_dynaspec.router_metrics`). One Parquet file per setting; a rerun skips finished
+`split.json`; `engine.vocab.dynaspec_fit.router_metrics`). One Parquet file per setting; a rerun skips finished
 settings. Every row records the centre it was varied around (`centre_num_clusters`, `centre_router_width`,
 `centre_top_l`), which `sweeps.tables.choices_centre` reads.
 """
@@ -24,11 +24,11 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from specvocab.engine.artifacts import atomic_write, save_safetensors, sidecar_path
-from specvocab.engine.jobs.fit_dynaspec import (SPLIT_FILE, FitConfig, shard_prompt, cluster_targets, load_rows,
-                                      router_metrics, spherical_kmeans, train_router)
 from specvocab.engine.jobs.args import add_debug, check_at_least, check_out, parse_ints, run_main
 from specvocab.engine.models import load_model
 from specvocab.engine.vocab.dynaspec import ClusterLayout, DynaSpecError, k_max_for_tokens, tokens_for_k_max
+from specvocab.engine.vocab.dynaspec_fit import (SPLIT_FILE, RouterTraining, cluster_targets, load_rows,
+                                                 router_metrics, shard_prompt, spherical_kmeans, train_router)
 
 
 # --- sweeping what the paper leaves open (§4.2: M, router width, L; k_max at evaluation) ---------------------
@@ -60,9 +60,9 @@ class ChoicesConfig:
 
 
 def choice_settings(cfg: ChoicesConfig, base: dict) -> list[tuple[int, int, int]]:
-    """(M, width, L) triples: the centre (the fit's M and L, FitConfig's router width), then each factor varied
-    with the others at the centre."""
-    m0, w0, l0 = base["num_clusters"], base.get("router_width", FitConfig.router_width), base["top_l"]
+    """(M, width, L) triples: the centre (the fit's M and L, RouterTraining's router width), then each factor
+    varied with the others at the centre."""
+    m0, w0, l0 = base["num_clusters"], base.get("router_width", RouterTraining.router_width), base["top_l"]
     out = [(m0, w0, l0)]
     out += [(m, w0, l0) for m in cfg.num_clusters]
     out += [(m0, w, l0) for w in cfg.router_width]
@@ -159,14 +159,13 @@ def sweep_choices(cfg: ChoicesConfig) -> Path:
         if path.is_file():
             continue
         assign, km_s = _choice_clusters(work, base, weight, m)
-        fit_cfg = FitConfig(model=base["model"], num_clusters=m, router_width=w, top_l=el, epochs=cfg.epochs,
-                            seed=base["seed"], progress=cfg.progress)
+        training = RouterTraining(router_width=w, epochs=cfg.epochs, seed=base["seed"], progress=cfg.progress)
         # the router checkpoints live with the sweep that trains them: another sweep of the same fit (other
         # epochs, another split) must not resume them (train_router refuses other hyper-parameters or rows)
         sub = out / "_routers" / f"M{m}-w{w}-L{el}"
         sub.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        router, losses = train_router(fit_cfg, train_rows.first_l(el), weight, assign, sub)
+        router, losses = train_router(training, train_rows.first_l(el), weight, assign, sub)
         train_s = time.perf_counter() - t0
         layout = ClusterLayout.from_assign(assign, m)
         counts = cluster_targets(train_rows.first_l(el).top.long(), assign, m).sum(0)

@@ -1,399 +1,50 @@
 """Training data for draft heads: the target's features over training prompts, in resumable shards.
 
     python -m specvocab.engine.jobs.eagle_data --model smollm2-135m-instruct --source teacher,greedy --num-prompts 768
+    python -m specvocab.engine.jobs.eagle_data --model smollm2-135m-instruct --num-prompts all --eagle3-features --no-store-features
     specvocab train data --model smollm2-135m-instruct ...                  # the same
 
-**Data** (`make_data`). The target runs over prompts of the training corpus (`train_corpus` in the data root:
-disjoint from every benchmark, so nothing is fitted on the prompts it is evaluated on). Per prompt, one sample
-per source:
-- `teacher`: the prompt followed by the corpus's reference response, one prefill (fast);
-- `greedy`: the prompt followed by the target's own greedy continuation (batched `generate`, left-padded),
-  then one prefill over the whole sequence - the drafter imitates what it will verify (EAGLE §4; VocabTrim).
-A sample stores its token ids, `loss_mask` (1 on response tokens), the target's last hidden states `hidden`
-[L, d] (after the final norm: the input of its LM head, what `eagle` reads at decode time), the target's
-top-k logits at every position (`topk_ids`, `topk_logits`), and with `--eagle3-features` the low / mid /
-high layer features an EAGLE-3 head reads (layers 2, L/2 and L-3, as EAGLE-3 picks them). Samples are
-grouped into shards `train-NNNNN.safetensors` / `heldout-NNNNN.safetensors` (a held-out split by prompt),
-each written atomically (temp + rename) with its prompt ids in its metadata; `manifest.json` holds the
-settings, and a rerun with the same settings skips every finished shard.
-
-The heads are trained on it by `engine.jobs.train_eagle`.
+What a sample holds, the batched prefill, the shards and how a rerun resumes: `engine.train.data`. Options: the
+fields of `engine.train.data.DataConfig`; `--num-prompts all` takes every usable prompt of the corpus,
+`--no-store-features` writes the tokens only (a training run then computes the features of each batch).
+The heads are trained on it by `engine.jobs.train_eagle` and `engine.jobs.train_eagle3`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
-import numpy as np
-import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
-from tqdm.auto import tqdm
-
-from specvocab.engine.artifacts import (FINGERPRINT_KEY, atomic_write, head_fingerprint, save_safetensors)
-from specvocab.engine.models import cache_root, eos_token_ids, load_model
-from specvocab.engine.prompts import Prompt, PromptError, encode_prompt, load_prompts
-from specvocab.engine.target import decoder, lm_logits
-
-from specvocab.engine.drafters.eagle3 import eagle3_feature_layers
-from specvocab.engine.jobs.args import add_debug, add_fields, check_model, check_out, run_main, split_csv
-
-FORMAT = 1
-SOURCES = ("teacher", "greedy")
+from specvocab.engine.jobs.args import ArgumentError, add_debug, add_fields, check_model, check_out, run_main, split_csv
+from specvocab.engine.train.data import DataConfig, make_data
 
 
-class TrainError(ValueError):
-    """Training data or a training run cannot be made as asked; the message names the problem and the fix."""
-
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """What `make_data` runs. Defaults are sized for this 2-core CPU; a GPU user raises num_prompts."""
-
-    model: str
-    sources: tuple[str, ...] = ("teacher",)  # teacher | greedy (both: one sample of each per prompt)
-    prompts: str = "train_corpus"           # the training corpus: disjoint from every benchmark
-    languages: tuple[str, ...] | None = None
-    tasks: tuple[str, ...] | None = None
-    num_prompts: int = 512                  # prompts used (held-out ones included)
-    heldout_prompts: int = 16               # the held-out split (learning curve), the first of the shuffled prompts
-    max_tokens: int = 512                   # a sample is cut at this many tokens (prompt + response)
-    system_prompt: bool = False             # render prompts with the benchmarks' system prompt (FR-Spec's): off,
-                                            # since thousands of copies of one ~100-token preamble teach nothing
-    max_prompt_tokens: int = 384            # prompts longer than this are skipped (no room for a response)
-    greedy_new_tokens: int = 128            # the target's continuation per prompt (source `greedy`)
-    greedy_batch: int = 8                   # prompts per batched `generate`
-    prefill_tokens: int = 2048              # sequences per target forward: up to this many tokens (padded)
-    prompts_per_shard: int = 32
-    topk: int = 16                          # the target's top-k logits stored per position
-    eagle3_features: bool = False           # also store the low / mid / high layer features (EAGLE-3 heads)
-    feature_dtype: str = "bf16"             # storage of the features: bf16 halves the disk, error ~0.4% of RMS
-    seed: int = 0
-    out: str | None = None                  # default: <specvocab cache>/train/<model>
-    dtype: str | None = None                # the target's compute dtype (None: the machine's default)
-    device: str | None = None
-    threads: int | None = None
-    progress: bool = True
-
-    def key(self) -> dict:
-        """The settings a data folder depends on: a folder holds one of them."""
-        keep = ("model", "sources", "prompts", "languages", "tasks", "num_prompts", "heldout_prompts", "max_tokens",
-                "max_prompt_tokens", "greedy_new_tokens", "topk", "eagle3_features", "feature_dtype", "seed", "dtype", "system_prompt")
-        key = {k: (list(v) if isinstance(v, tuple) else v) for k, v in ((k, getattr(self, k)) for k in keep)}
-        if self.eagle3_features:      # folders written before the features were taken at layer inputs differ
-            key["eagle3_features_at"] = "layer inputs"
-        return key
-
-    def validate(self) -> "DataConfig":
-        bad = [s for s in self.sources if s not in SOURCES]
-        if bad or not self.sources:
-            raise TrainError(f"unknown data source(s) {bad or '(none)'}; choose from {list(SOURCES)}")
-        if self.feature_dtype not in DTYPES:
-            raise TrainError(f"feature_dtype {self.feature_dtype!r}: choose one of {list(DTYPES)}")
-        for name in ("num_prompts", "max_tokens", "greedy_new_tokens", "greedy_batch", "prompts_per_shard", "topk"):
-            if getattr(self, name) < 1:
-                raise TrainError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.heldout_prompts < self.num_prompts:
-            raise TrainError(f"heldout_prompts must be in [0, num_prompts), got {self.heldout_prompts} of "
-                             f"{self.num_prompts}")
-        return self
-
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def default_data_dir(model: str) -> Path:
-    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in model)
-    return cache_root() / "train" / safe
-
-
-@dataclass
-class Sample:
-    """One training sequence. Position i holds token x_i and the target's feature after reading x_0..x_i."""
-
-    prompt_id: str
-    source: str
-    input_ids: torch.Tensor          # [L] long
-    loss_mask: torch.Tensor          # [L] bool: x_i is a response token
-    hidden: torch.Tensor             # [L, d]
-    topk_ids: torch.Tensor           # [L, k] long: the target's top-k next tokens after x_0..x_i
-    topk_logits: torch.Tensor        # [L, k] fp32
-    extra: dict[str, torch.Tensor] = field(default_factory=dict)   # hidden_low / hidden_mid / hidden_high
-
-
-def data_used(train: Sequence[Sample], held: Sequence[Sample]) -> dict:
-    """What a training run read of a data folder (samples, prompts, tokens per split), for its summary and card."""
-    out = {}
-    for name, split in (("train", train), ("heldout", held)):
-        out.update({f"{name}_samples": len(split), f"{name}_prompts": len({s.prompt_id for s in split}),
-                    f"{name}_tokens": int(sum(s.input_ids.numel() for s in split))})
-    return out
-
-
-@torch.no_grad()
-def target_features(model, ids: Sequence[int], *, topk: int, eagle3: bool = False) -> dict[str, torch.Tensor]:
-    """One prefill of the target over ids: hidden [L, d] (its LM head's input), top-k logits [L, k] and, with
-    eagle3, the three layer features. Tensors on the CPU."""
-    return target_features_batch(model, [ids], topk=topk, eagle3=eagle3)[0]
-
-
-@torch.no_grad()
-def target_features_batch(model, seqs: Sequence[Sequence[int]], *, topk: int, eagle3: bool = False
-                          ) -> list[dict[str, torch.Tensor]]:
-    """`target_features` of several sequences in one forward: right-padded, so (causal attention) no real
-    position sees a pad and each row's features are its own; pad rows are dropped. Short sequences batched
-    run the matmuls at a useful size (the corpus's samples are ~200 tokens)."""
-    device = model.get_output_embeddings().weight.device
-    width = max(len(q) for q in seqs)
-    x = torch.zeros((len(seqs), width), dtype=torch.long)
-    for r, q in enumerate(seqs):
-        x[r, : len(q)] = torch.as_tensor(list(q))
-    out = decoder(model)(input_ids=x.to(device), use_cache=False, output_hidden_states=eagle3)
-    res = []
-    for r, q in enumerate(seqs):
-        hidden = out.last_hidden_state[r, : len(q)]
-        vals, idx = [], []
-        for a in range(0, hidden.shape[0], 256):                   # the LM head in chunks of rows
-            v, i = lm_logits(model, hidden[a:a + 256]).topk(topk, dim=-1)
-            vals.append(v)
-            idx.append(i)
-        f = {"hidden": hidden.cpu(), "topk_logits": torch.cat(vals).float().cpu(), "topk_ids": torch.cat(idx).cpu()}
-        if eagle3:
-            layers = eagle3_feature_layers(len(out.hidden_states) - 1)
-            for name, layer in zip(("hidden_low", "hidden_mid", "hidden_high"), layers):
-                # the residual stream ENTERING layer i, as the official EAGLE-3 target forward collects it:
-                # HF's hidden_states[i] ([0] is the embedding output, [i] layer i-1's output)
-                f[name] = out.hidden_states[layer][r, : len(q)].cpu()
-        res.append(f)
-    return res
-
-
-@torch.no_grad()
-def greedy_continuations(model, prompts: Sequence[Sequence[int]], new_tokens: int, eos_ids: Sequence[int],
-                         pad_id: int = 0) -> list[list[int]]:
-    """The target's greedy continuation of each prompt (batched, left-padded), cut after the first eos."""
-    device = model.get_output_embeddings().weight.device
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for r, p in enumerate(prompts):
-        ids[r, width - len(p):] = torch.as_tensor(list(p))
-        mask[r, width - len(p):] = 1
-    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
-                         do_sample=False, num_beams=1, pad_token_id=pad_id,
-                         eos_token_id=list(eos_ids) or None, top_p=None, top_k=None, temperature=None)
-    eos = set(int(e) for e in eos_ids)
-    conts = []
-    for row in out[:, width:].tolist():
-        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-        conts.append(row[:cut])
-    return conts
-
-
-def _response_ids(tokenizer, info, reference: str, eos_ids: Sequence[int]) -> list[int]:
-    if tokenizer is None:                       # random models: bytes, as their prompts are
-        ids = list(reference.encode("utf-8", "surrogateescape"))
-        ids = [i for i in ids if i < info.vocab_size]
-    else:
-        ids = tokenizer(reference, add_special_tokens=False)["input_ids"]
-    return [int(i) for i in ids] + ([int(eos_ids[0])] if eos_ids else [])
-
-
-def _training_prompts(cfg: DataConfig) -> list[Prompt]:
+def _num_prompts(text: str) -> int | None:
+    if text == "all":
+        return None
     try:
-        prompts = load_prompts(cfg.prompts, languages=cfg.languages, tasks=cfg.tasks)
-    except PromptError as e:
-        raise TrainError(f"cannot load the training prompts {cfg.prompts!r}: {e}") from e
-    if not prompts:
-        raise TrainError(f"prompt set {cfg.prompts!r} (languages={cfg.languages}, tasks={cfg.tasks}) is empty; "
-                         f"point --prompts at a non-empty training corpus or widen the filters")
-    perm = np.random.default_rng(cfg.seed).permutation(len(prompts))      # spread over languages and tasks
-    return [prompts[i] for i in perm]
-
-
-def _save_shard(samples: list[Sample], path: Path, feature_dtype: torch.dtype, meta: dict) -> None:
-    lengths = [s.input_ids.numel() for s in samples]
-    tensors = {
-        "offsets": torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64),
-        "input_ids": torch.cat([s.input_ids for s in samples]).to(torch.int32),
-        "loss_mask": torch.cat([s.loss_mask for s in samples]).to(torch.uint8),
-        "hidden": torch.cat([s.hidden for s in samples]).to(feature_dtype).contiguous(),
-        "topk_ids": torch.cat([s.topk_ids for s in samples]).to(torch.int32),
-        "topk_logits": torch.cat([s.topk_logits for s in samples]).float(),
-    }
-    for name in samples[0].extra:
-        tensors[name] = torch.cat([s.extra[name] for s in samples]).to(feature_dtype).contiguous()
-    meta = {**meta, "prompt_ids": [s.prompt_id for s in samples], "sources": [s.source for s in samples]}
-    save_safetensors(tensors, path, metadata={"specvocab": json.dumps(meta)})
-
-
-def load_shard(path: str | Path) -> list[Sample]:
-    """The samples of one shard; a damaged or foreign file raises TrainError naming it and the fix."""
-    path = Path(path)
-    fix = f"delete {path} and rerun `python -m specvocab.engine.jobs.eagle_data` with the same settings to write it again"
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = json.loads((f.metadata() or {}).get("specvocab", "null"))
-        t = load_file(str(path))
-    except Exception as e:   # safetensors raises several error types for a truncated or damaged file
-        raise TrainError(f"training shard {path} is not readable ({type(e).__name__}: {e}); {fix}") from None
-    need = {"offsets", "input_ids", "loss_mask", "hidden", "topk_ids", "topk_logits"}
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not need <= set(t):
-        raise TrainError(f"{path} is not a specvocab training shard of format {FORMAT} (missing "
-                         f"{sorted(need - set(t)) or 'metadata'}); {fix}")
-    off = t["offsets"].tolist()
-    n = t["input_ids"].numel()
-    if off[0] != 0 or off[-1] != n or any(b <= a for a, b in zip(off, off[1:])) or len(off) - 1 != len(meta["prompt_ids"]) \
-            or any(t[k].shape[0] != n for k in need - {"offsets"}):
-        raise TrainError(f"{path}: offsets and tensor lengths disagree (a torn or edited shard); {fix}")
-    extra = [k for k in ("hidden_low", "hidden_mid", "hidden_high") if k in t]
-    out = []
-    for j, (a, b) in enumerate(zip(off, off[1:])):
-        out.append(Sample(prompt_id=meta["prompt_ids"][j], source=meta["sources"][j],
-                          input_ids=t["input_ids"][a:b].long(), loss_mask=t["loss_mask"][a:b].bool(),
-                          hidden=t["hidden"][a:b], topk_ids=t["topk_ids"][a:b].long(),
-                          topk_logits=t["topk_logits"][a:b], extra={k: t[k][a:b] for k in extra}))
-    return out
-
-
-def read_manifest(folder: str | Path) -> dict:
-    folder = Path(folder)
-    path = folder / "manifest.json"
-    if not path.is_file():
-        raise TrainError(f"{folder} holds no training data (no manifest.json); make it with "
-                         f"`python -m specvocab.engine.jobs.eagle_data --model <name> --out {folder}`")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise TrainError(f"{path} is not valid JSON ({e}); delete the folder and make the data again") from None
-
-
-def load_split(folder: str | Path, split: str) -> list[Sample]:
-    """Every sample of `split` (train | heldout) in a data folder, shards in order."""
-    folder = Path(folder)
-    read_manifest(folder)
-    shards = sorted(folder.glob(f"{split}-*.safetensors"))
-    return [s for path in shards for s in load_shard(path)]
-
-
-def make_data(cfg: DataConfig) -> Path:
-    """Run the target over the training prompts and write the shards (see the module docstring). Returns the
-    data folder. Resumable: finished shards are kept; a folder made with other settings is refused."""
-    cfg.validate()
-    # what needs no model first: the prompts (an unknown set, an empty selection, a missing data root) and the
-    # settings of a folder written before
-    prompts = _training_prompts(cfg)
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
-    out = Path(cfg.out).expanduser() if cfg.out else default_data_dir(cfg.model)
-    out.mkdir(parents=True, exist_ok=True)
-    mpath = out / "manifest.json"
-    if mpath.is_file() and read_manifest(out).get("settings") != cfg.key():
-        raise TrainError(f"{out} holds training data made with other settings ({mpath}); pass another --out "
-                         f"or delete that folder")
-    model, tokenizer, info = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
-    weight = model.get_output_embeddings().weight
-    manifest = {"format": FORMAT, "settings": cfg.key(), "vocab_size": int(weight.shape[0]),
-                "hidden_size": int(weight.shape[1]), FINGERPRINT_KEY: head_fingerprint(weight),
-                "num_layers": info.num_layers}
-    if not mpath.is_file():
-        atomic_write(mpath, json.dumps(manifest, indent=1))
-    eos = eos_token_ids(model, tokenizer)
-    feature_dtype = DTYPES[cfg.feature_dtype]
-
-    # the prompts: encoded, too-long ones skipped, then split into held-out and train, then shards
-    chosen: list[tuple[Prompt, list[int]]] = []
-    skipped = 0
-    for p in prompts:
-        if len(chosen) == cfg.num_prompts:
-            break
-        try:
-            ids = encode_prompt(tokenizer, info, p.turns[:1], [], name=p.prompt_id,
-                                system_prompt=p.system_prompt if cfg.system_prompt else None)
-        except PromptError:
-            skipped += 1
-            continue
-        if len(ids) > cfg.max_prompt_tokens or ("teacher" in cfg.sources and not p.reference):
-            skipped += 1
-            continue
-        chosen.append((p, ids))
-    if not chosen:
-        raise TrainError(f"no prompt of {cfg.prompts!r} is usable (all longer than max_prompt_tokens="
-                         f"{cfg.max_prompt_tokens}, or without a reference response for source 'teacher')")
-    held, train = chosen[: cfg.heldout_prompts], chosen[cfg.heldout_prompts:]
-    jobs = [(f"heldout-{i // cfg.prompts_per_shard:05d}", held[i:i + cfg.prompts_per_shard])
-            for i in range(0, len(held), cfg.prompts_per_shard)]
-    jobs += [(f"train-{i // cfg.prompts_per_shard:05d}", train[i:i + cfg.prompts_per_shard])
-             for i in range(0, len(train), cfg.prompts_per_shard)]
-    todo = [(name, part) for name, part in jobs if not (out / f"{name}.safetensors").is_file()]
-    bar = tqdm(total=len(chosen), initial=len(chosen) - sum(len(p) for _, p in todo), unit="prompt",
-               desc=f"train data {cfg.model}", disable=not cfg.progress)
-    t0, tokens = time.perf_counter(), 0
-    for name, part in todo:
-        samples: list[Sample] = []
-        conts: dict[int, list[int]] = {}
-        if "greedy" in cfg.sources:
-            for a in range(0, len(part), cfg.greedy_batch):
-                batch = part[a:a + cfg.greedy_batch]
-                for j, c in enumerate(greedy_continuations(model, [ids for _, ids in batch], cfg.greedy_new_tokens,
-                                                           eos)):
-                    conts[a + j] = c
-        planned = []                             # (prompt, source, sequence, prompt length), in shard order
-        for j, (p, ids) in enumerate(part):
-            for source in cfg.sources:
-                resp = conts[j] if source == "greedy" else _response_ids(tokenizer, info, p.reference, eos)
-                seq = (ids + resp)[: cfg.max_tokens]
-                if len(seq) - len(ids) >= 2:
-                    planned.append((p, source, seq, len(ids)))
-        feats: dict[int, dict] = {}
-        order = sorted(range(len(planned)), key=lambda i: len(planned[i][2]))     # similar lengths together
-        while order:
-            width = len(planned[order[0]][2])
-            take = 1
-            while take < len(order) and (take + 1) * max(width, len(planned[order[take]][2])) <= cfg.prefill_tokens:
-                width = max(width, len(planned[order[take]][2]))
-                take += 1
-            group, order = order[:take], order[take:]
-            for i, f in zip(group, target_features_batch(model, [planned[i][2] for i in group], topk=cfg.topk,
-                                                          eagle3=cfg.eagle3_features)):
-                feats[i] = f
-            tokens += sum(len(planned[i][2]) for i in group)
-            bar.set_postfix(tokens=tokens, tok_per_s=f"{tokens / (time.perf_counter() - t0):.0f}")
-        for i, (p, source, seq, n_prompt) in enumerate(planned):
-            f = feats.pop(i)
-            mask = torch.zeros(len(seq), dtype=torch.bool)
-            mask[n_prompt:] = True
-            samples.append(Sample(prompt_id=str(p.prompt_id), source=source,
-                                  input_ids=torch.as_tensor(seq, dtype=torch.long), loss_mask=mask,
-                                  hidden=f.pop("hidden"), topk_ids=f.pop("topk_ids"),
-                                  topk_logits=f.pop("topk_logits"), extra=f))
-        bar.update(len(part))
-        if samples:
-            _save_shard(samples, out / f"{name}.safetensors", feature_dtype,
-                        {"format": FORMAT, "model": cfg.model, "shard": name})
-    bar.close()
-    n_train, n_held = (len(list(out.glob(f"{s}-*.safetensors"))) for s in ("train", "heldout"))
-    print(f"[train data] {out}: {n_train} train + {n_held} held-out shards, {len(chosen)} prompts "
-          f"({skipped} skipped as too long or without a reference), sources {','.join(cfg.sources)}")
-    return out
+        return int(text)
+    except ValueError:
+        raise ArgumentError(f"--num-prompts {text!r}: expected a number of prompts or 'all' — e.g. --num-prompts "
+                            f"512") from None
 
 
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(prog="python -m specvocab.engine.jobs.eagle_data", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
+    # ---- what is made
     ap.add_argument("--source", default="teacher", help="teacher | greedy | teacher,greedy")
-    add_fields(ap, DataConfig, {"model", "sources", "progress"})
+    ap.add_argument("--num-prompts", default="512", help="prompts used, held-out ones included, or 'all'")
+    ap.add_argument("--no-store-features", action="store_true", help="tokens only: features computed in training")
+    # ---- the rest of DataConfig
+    add_fields(ap, DataConfig, {"model", "sources", "progress", "num_prompts", "store_features"})
     ap.add_argument("--no-progress", action="store_true")
     add_debug(ap)
     args = vars(ap.parse_args(argv))
     progress = not args.pop("no_progress")
+    args["store_features"] = not args.pop("no_store_features")
+    args["num_prompts"] = _num_prompts(args["num_prompts"])
     args["sources"] = split_csv(args.pop("source"))
     for k in ("languages", "tasks"):
         args[k] = split_csv(args[k]) if args[k] else None

@@ -1,6 +1,6 @@
 """Forward benchmark: what one target forward of n new tokens costs, against this machine's limit.
 
-    python -m specvocab.engine.jobs.forward --model smollm2-135m-instruct --dtype fp32,bf16 --threads 1,2
+    python -m specvocab.engine.jobs.forward --model smollm2-135m-instruct --dtype fp32,bf16
     python -m specvocab.engine.jobs.forward --device cuda --dtype bf16 --random-weights --model DIR_WITH_CONFIG_JSON
 
 Per model, dtype, threads and backend it prints, in one run on one machine:
@@ -11,14 +11,17 @@ Per model, dtype, threads and backend it prints, in one run on one machine:
 - the bare-matmul time of the same weight matrices (`F.linear` over every layer's packed matrices and the
   LM head, nothing else; on a CPU also the small-row kernel's, kernels.cpu, over the same weights, in bf16
   or fp32), and forward / bare matmul of the path the backend ran;
-- verify(n) / verify(1).
+- verify(n) / verify(1);
+- ar tokens/s: a greedy `ar` decode of `--ar-tokens` tokens on `native` at each thread count (by default 1 and 2),
+  against the copy bound in tokens/s (the copy bandwidth measured at that thread count / the weight bytes a
+  token reads), and 2 threads' tokens/s over 1 thread's.
 Backends: `hf` (transformers, the reference), `native` (engine.native, fixed-shape verification: rows padded to
 the bucket, so n = 1 runs at 4 rows - except on a CPU where the kernels of kernels.cpu run, and a forward takes
-exactly its n rows: bf16 with AVX512-BF16, fp32 with AVX-512F or AVX2 + FMA; `kernel_isa` in the table says which
-build, and `SPECVOCAB_CPU_ISA=avx2` times what a CPU without AVX-512 runs), `native-blas` (the same with oneDNN's
-`F.linear` and the torch attention, `SpecConfig.cpu_kernels=False`), `native-compiled` (the same under
-torch.compile, `SpecConfig.compile`; its first forward per bucket, the compile, is printed apart as `compile s`),
-`native-graph` (the fixed-shape forward replayed as a CUDA graph: the default on CUDA; its captures are in
+exactly its n rows: bf16 with AVX512-BF16, fp32 with AVX-512F or AVX2 + FMA; `kernel_isa` in the table names the
+build of kernels.cpu's chain, and `SPECVOCAB_CPU_ISA=avx2` times what a CPU without AVX-512 runs), `native-blas`
+(the same with oneDNN's `F.linear` and the torch attention, `SpecConfig.cpu_kernels=False`), `native-compiled`
+(the same under torch.compile, `SpecConfig.compile`; its first forward per bucket, the compile, is printed apart as
+`compile s`), `native-graph` (the fixed-shape forward replayed as a CUDA graph: the default on CUDA; its captures are in
 `compile s` too) and `native-sdpa` (engine.native without the fixed shape). On an accelerator the fixed-shape
 backends run every n at the one row count a decode there uses (`engine.target.DEVICE_ROWS`), as a decode would;
 the bound is a device-memory copy, and every time is taken after a device synchronize. `--random-weights` times a
@@ -188,6 +191,19 @@ def row_invariance(model) -> dict[str, list[int]]:
     return native_row_invariance(native_model(model).linear_weights())
 
 
+def print_ar_scaling(ar: list[dict]) -> None:
+    """Each `ar` row of this run (native, per model, dtype and thread count): tokens/s against the copy bound at
+    its thread count, and against 1 thread's tokens/s (the target on a CPU with matrix units: 2 threads >= 1.7x).
+    Printed, never asserted."""
+    print("\nar tokens/s by thread count (measured above, in this run):")
+    one = {(r["model"], r["dtype"]): r["tok_s"] for r in ar if r["threads"] == 1}
+    for r in ar:
+        base = one.get((r["model"], r["dtype"]))
+        scale = f"; {r['tok_s'] / base:.2f}x 1 thread's" if base and r["threads"] > 1 else ""
+        print(f"  {r['model']}, {r['dtype']}, {r['threads']} thread(s): {r['tok_s']:.1f} tokens/s, "
+              f"{100 * r['tok_s'] / r['bound_tok_s']:.0f}% of the copy bound ({r['bound_tok_s']:.1f} tokens/s){scale}")
+
+
 def print_targets(rows: list[dict]) -> None:
     """The forward's targets, from this run's rows: an `ar` step (n = 1) on native bf16 against hf fp32
     (>= 2x), the native forward against its bare matmuls (<= 1.25x; the bare matmuls of the path it ran),
@@ -240,7 +256,7 @@ def main(argv=None) -> None:
                    "(engine.models.load_architecture): the same cost without the weights")
     g.add_argument("--device", default=None, help="cpu | cuda (default: this machine's, kernels.hardware)")
     g.add_argument("--dtype", default="fp32,bf16", help="comma-separated dtypes")
-    g.add_argument("--threads", default="1", help="comma-separated torch thread counts")
+    g.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
     g.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated, of {BACKENDS}")
     g.add_argument("--sizes", default=",".join(map(str, SIZES)), help="new tokens per forward")
     g = ap.add_argument_group("how")
@@ -249,6 +265,8 @@ def main(argv=None) -> None:
     g.add_argument("--copy-mb", type=int, default=256, help="size of the bandwidth-bound copy")
     g.add_argument("--decode", type=int, default=0, help="also time a whole greedy ar decode of this many "
                    "tokens per backend (tokens/s; 0 = no)")
+    g.add_argument("--ar-tokens", type=int, default=32, help="tokens of the ar decode timed on `native` at each "
+                   "thread count, against the copy bound (0 = no)")
     g.add_argument("--out", default=None, help="write the table here as Parquet (the decode table beside it, "
                    "<out stem>.decode.parquet)")
     add_debug(ap)
@@ -260,11 +278,11 @@ def main(argv=None) -> None:
     for d in dtypes:
         parse_dtype(d)
     for flag, value, least in (("--context", a.context, 0), ("--repeats", a.repeats, 1),
-                               ("--copy-mb", a.copy_mb, 1), ("--decode", a.decode, 0)):
+                               ("--copy-mb", a.copy_mb, 1), ("--decode", a.decode, 0), ("--ar-tokens", a.ar_tokens, 0)):
         check_at_least(flag, value, least)
     if a.out:
         check_out("--out", a.out, file=True)
-    rows, decodes = [], []
+    rows, decodes, ar = [], [], []
     device = parse_device(a.device)
     on_device = device.type != "cpu"
     unknown = [b for b in a.backends.split(",") if b not in BACKENDS]
@@ -283,7 +301,8 @@ def main(argv=None) -> None:
             bare = {n: bare_matmul_ms(model, n, a.repeats) for n in sizes}
             why_not = cpu.linear_reason(device, native_model(model).dtype)
             bare_k = {n: bare_matmul_ms(model, n, a.repeats, kernel=True) for n in sizes} if why_not is None else {}
-            build = (("avx512" if dtype in ("bf16", "bfloat16") else cpu.isa()) if bare_k else None)
+            op = "linear_bf16" if native_model(model).dtype == torch.bfloat16 else "linear_f32"
+            build = cpu.provider(op).name if bare_k else None                  # kernels.cpu's build that runs
             where = (torch.cuda.get_device_name(device) if device.type == "cuda" else f"{threads} thread(s)")
             print(f"\n{info.name} {dtype}, {where}, {a.context}-token cache: weights {wbytes / 1e6:.0f} MB, "
                   f"copy bandwidth {bw:.1f} GB/s -> bound {bound_ms:.3f} ms per forward"
@@ -320,14 +339,27 @@ def main(argv=None) -> None:
                     print(f"{'':15s} ar decode of {a.decode} tokens after {a.context}: {tps:.1f} tokens/s")
                     decodes.append(dict(model=info.name, device=str(device), dtype=dtype, threads=threads,
                                         backend=backend, kernel_isa=build if backend == "native" else None,
-                                        context=a.context, new_tokens=a.decode, tok_s=tps))
+                                        context=a.context, new_tokens=a.decode, tok_s=tps,
+                                        bound_tok_s=bw * 1e9 / wbytes))
                 for n in sizes:
                     rows.append(dict(model=info.name, device=str(device), dtype=dtype, threads=threads,
                                      backend=backend, kernel_isa=build if backend == "native" else None, n=n,
                                      context=a.context, ms=ms[n], bare_ms=path_bare[n], weight_bytes=wbytes,
                                      copy_gbs=bw, gbs=wbytes / (ms[n] / 1e3) / 1e9, first_s=timed[n][1]))
+            if a.ar_tokens and "native" in backends:      # the decode's own path, at this thread count
+                tps = decode_tok_s(model, "native", a.context, a.ar_tokens)
+                bound_tps = bw * 1e9 / wbytes                                   # a token reads every weight once
+                print(f"ar tokens/s (native, {threads} thread(s), {a.ar_tokens} tokens after {a.context}): "
+                      f"{tps:.1f}, {100 * tps / bound_tps:.0f}% of the copy bound ({bound_tps:.1f} tokens/s at "
+                      f"{bw:.1f} GB/s)")
+                ar.append(dict(model=info.name, device=str(device), dtype=dtype, threads=threads, backend="native",
+                               kernel_isa=build, context=a.context, new_tokens=a.ar_tokens, tok_s=tps,
+                               bound_tok_s=bound_tps))
         del model
     print_targets(rows)
+    if ar:
+        print_ar_scaling(ar)
+    decodes += ar
     if a.out:
         pl.DataFrame(rows).write_parquet(a.out)
         print(f"\nwrote {a.out}")

@@ -36,8 +36,9 @@ Policies (`cfg.vocab`):
 - `dynaspec`  DynaSpec (§4.2-4.3): per draft row, the clusters a router picks (`engine.vocab.dynaspec`).
 
 One module per policy: `base` (the protocol, full, oracle), `frspec`, `microspec`, `dynaspec`; this package
-exports their API and `make_policy`. The fitting of DynaSpec's clusters and router, and the counting of
-FR-Spec's lists, are jobs above the library (`engine.jobs.fit_dynaspec`, `engine.jobs.frequency`).
+exports their API and `make_policy`. DynaSpec's fitting (`dynaspec_fit`: k-means, the router's rows, training
+and held-out metrics) is not imported here; the jobs above the library run it and count FR-Spec's lists
+(`engine.jobs.fit_dynaspec`, `engine.jobs.frequency`).
 """
 
 from __future__ import annotations

@@ -35,11 +35,12 @@ are its shortlist, and the drafter's LM head scores only shortlisted tokens. Ver
 
 This module is the decode-time part: the cluster layout, the budget, the router's module, the union head, the
 fitted file's format and lookup, and the policy `DynaSpecVocab`. Fitting (k-means, row logging, router
-training) is the job `engine.jobs.fit_dynaspec` (`python -m specvocab.engine.jobs.fit_dynaspec --model M`, or
-`specvocab dynaspec fit`), which writes a `.safetensors` file with a JSON sidecar that `vocab="dynaspec"`
-loads; `engine.jobs.dynaspec_choices` sweeps the choices the paper leaves open. Where the paper is silent the
-defaults are choices, each said where it is set (`engine.jobs.fit_dynaspec.FitConfig`,
-`engine.config.SpecConfig`'s dynaspec_* fields).
+training and its held-out metrics) is `engine.vocab.dynaspec_fit`, which the job `engine.jobs.fit_dynaspec`
+runs (`python -m specvocab.engine.jobs.fit_dynaspec --model M`, or `specvocab dynaspec fit`) to write a
+`.safetensors` file with a JSON sidecar that `vocab="dynaspec"` loads; `engine.jobs.dynaspec_choices` sweeps the
+choices the paper leaves open. Where the paper is silent the defaults are choices, each said where it is set
+(`engine.jobs.fit_dynaspec.FitConfig`, `engine.vocab.dynaspec_fit.RouterTraining`, `engine.config.SpecConfig`'s
+dynaspec_* fields).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from specvocab.engine.atomic import safe_filename
 from specvocab.engine.artifacts import (FINGERPRINT_KEY, fingerprint_matches, save_safetensors, sidecar_path,
                               stored_fingerprint)
 from specvocab.engine.catalog import EAGLE3_FOLDER, SHIPPED_HEADS
@@ -316,8 +318,7 @@ def default_dynaspec_path(model: str, cfg: SpecConfig, key: dict | None = None) 
     """Where `fit` writes by default: <specvocab cache>/dynaspec/<model>-<drafter>-<digest>.safetensors."""
     key = key or drafter_key(cfg)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
-    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in model)
-    return cache_root() / "dynaspec" / f"{safe}-{key['drafter']}-{digest}.safetensors"
+    return cache_root() / "dynaspec" / f"{safe_filename(model)}-{key['drafter']}-{digest}.safetensors"
 
 
 SHIPPED_FITS = SHIPPED_HEADS                                 # engine/heads/<model>/dynaspec-*.safetensors

@@ -1,13 +1,14 @@
-"""How kernels.cpu builds and loads its C libraries: once across threads and processes, with a compiler that
-may hang or change, into a directory nobody else can write, and what the decode says when it runs torch instead.
+"""How kernels.cpu builds and loads its C libraries (kernels/cpu/compiler.py, kernels/cpu/builds.py): once across
+threads and processes, with a compiler that may hang or change, into a directory nobody else can write, and what the
+decode says when it runs torch instead.
 
 Each test starts from a process that tried no build (`fresh`), a fresh `$SPECVOCAB_CACHE` and a fresh system temp
-dir (so a fresh `kernels.cpu.private_dir()`). The real sources are built at -O0 (the same library in a fraction of
-the time); the rest build a one-function C file. `$CC` is a script that logs each compile (so "one compile" is
-counted, not timed) and can wait before it runs the real compiler, so that two builders really overlap.
+dir (so a fresh `kernels.cpu.compiler.private_dir()`). The real sources are built at -O0 (the same library in a
+fraction of the time); the rest build a one-function C file. `$CC` is a script that logs each compile (so "one
+compile" is counted, not timed) and can wait before it runs the real compiler, so that two builders really overlap.
 
 Mutants these tests were checked against (each fails at least one test here):
-- `_tried` / `_tried2` set before the build finishes (a second thread sees "tried", gets None) -> two threads
+- a library's result stored before the build finishes (a second thread sees it tried, gets None) -> two threads
 - no in-process lock (both threads build; each gets its own library object)             -> two threads
 - no file lock (two processes both compile)                                             -> two processes
 - no fallback directory (an unwritable cache is an error)                               -> read-only cache
@@ -41,6 +42,9 @@ import pytest
 import torch
 
 from specvocab.kernels import cpu
+from specvocab.kernels.cpu import compiler
+from specvocab.kernels.hardware import cpu_flags
+from specvocab.kernels.testing import cpu_as
 
 CPU = torch.device("cpu")
 REAL_CC = shutil.which("cc") or shutil.which("gcc")
@@ -51,20 +55,18 @@ needs_cc = pytest.mark.skipif(REAL_CC is None, reason="needs a C compiler (cc or
 
 
 def _needs_avx2():
-    if not set(cpu.AVX2_FLAGS) <= cpu.cpu_flags():
+    if not set(cpu.AVX2_FLAGS) <= cpu_flags():
         pytest.skip(f"needs AVX2 + FMA (this CPU: {cpu.cpu_isa()})")
 
 
 @pytest.fixture
 def fresh(tmp_path, monkeypatch):
     """kernels.cpu as in a process that tried no build and said nothing; a fresh cache and temp dir."""
-    for name, value in (("_tried", False), ("_lib", None), ("_why_not", None), ("_broken", None), ("_bf16", False),
-                        ("_tried2", False), ("_lib2", None), ("_why_not2", None), ("_broken2", None),
-                        ("_said", set()), ("_decode_said", False)):
-        monkeypatch.setattr(cpu, name, value)
+    cpu_as(monkeypatch)
     for var in (cpu.REQUIRE_ENV, cpu.CC_TIMEOUT_ENV, cpu.ISA_ENV, "CC"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("SPECVOCAB_CALIBRATION", raising=False)  # the calibration under it
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     return tmp_path
@@ -102,10 +104,10 @@ def _sos(d: Path) -> list[str]:
 # --- once, across threads and processes ---------------------------------------------------------------------
 
 @needs_cc
-@pytest.mark.parametrize("load,flags,name", [("_load", cpu.BUILD_FLAGS, "AVX-512F/BW/VL"),
-                                             ("_load_avx2", cpu.AVX2_FLAGS, "AVX2 + FMA")])
+@pytest.mark.parametrize("load,flags,name", [("avx512", cpu.BUILD_FLAGS, "AVX-512F/BW/VL"),
+                                             ("avx2", cpu.AVX2_FLAGS, "AVX2 + FMA")])
 def test_two_threads_building_at_once_both_get_the_library_from_one_compile(fresh, monkeypatch, load, flags, name):
-    if not set(flags) <= cpu.cpu_flags():
+    if not set(flags) <= cpu_flags():
         pytest.skip(f"needs {name} (this CPU: {cpu.cpu_isa()})")
     cc, log = _fake_cc(fresh, wait=1)                      # the first build is still compiling when the second asks
     monkeypatch.setenv("CC", str(cc))
@@ -113,15 +115,15 @@ def test_two_threads_building_at_once_both_get_the_library_from_one_compile(fres
 
     def build(i):
         start.wait()
-        got[i] = getattr(cpu, load)()
+        got[i] = cpu.builds.load(load)
 
     threads = [threading.Thread(target=build, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert got[0] is not None and got[0] is got[1], (cpu._why_not, cpu._why_not2)
-    assert (got[0].sv2_chunk() if load == "_load_avx2" else got[0].sv_block_outputs()) > 0   # it answers
+    assert got[0] is not None and got[0] is got[1], cpu.builds.library_reason(load)
+    assert (got[0].sv2_chunk() if load == "avx2" else got[0].sv_block_outputs()) > 0   # it answers
     assert _compiles(log) == 1
     assert len(_sos(fresh / "cache" / "kernels")) == 1
 
@@ -129,11 +131,11 @@ def test_two_threads_building_at_once_both_get_the_library_from_one_compile(fres
 _PROCESS = """
 import os, sys, time
 from pathlib import Path
-from specvocab.kernels import cpu
+from specvocab.kernels.cpu import compiler
 Path(sys.argv[1]).touch()
 while not os.path.exists(sys.argv[2]):
     time.sleep(0.01)
-print(cpu._library(Path(sys.argv[3]), {flags!r}, includes=()).sv_probe())
+print(compiler.library(Path(sys.argv[3]), {flags!r}).sv_probe())
 """
 
 
@@ -169,10 +171,11 @@ def test_a_cache_that_cannot_be_written_falls_back_to_a_private_dir_and_says_why
     mode 0700) with one line naming the cache and why; where that fails too, one error line names both."""
     (fresh / "file").write_text("")
     monkeypatch.setenv("SPECVOCAB_CACHE", str(fresh / "file" / "cache"))
+    monkeypatch.delenv("SPECVOCAB_CALIBRATION", raising=False)  # the calibration under it
     src = _probe(fresh)
     for _ in range(2):
-        assert cpu._library(src, TINY_FLAGS, includes=()).sv_probe() == 42
-    private = cpu.private_dir()
+        assert compiler.library(src, TINY_FLAGS).sv_probe() == 42
+    private = compiler.private_dir()
     assert private.parent == fresh / "tmp" and len(_sos(private)) == 1
     st = os.lstat(private)
     assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700
@@ -182,7 +185,7 @@ def test_a_cache_that_cannot_be_written_falls_back_to_a_private_dir_and_says_why
 
     monkeypatch.setattr(tempfile, "tempdir", str(fresh / "file"))       # the private dir under the file too
     with pytest.raises(cpu.CpuKernelError) as e:
-        cpu._library(src, TINY_FLAGS, includes=())
+        compiler.library(src, TINY_FLAGS)
     assert "\n" not in str(e.value) and str(e.value).count("cannot be made a directory") == 2
 
 
@@ -193,18 +196,19 @@ def test_a_private_dir_planted_by_someone_else_is_refused(fresh, monkeypatch, pl
     others, is not built in (and, the cache being unwritable too, one error line says both)."""
     (fresh / "file").write_text("")
     monkeypatch.setenv("SPECVOCAB_CACHE", str(fresh / "file" / "cache"))
+    monkeypatch.delenv("SPECVOCAB_CALIBRATION", raising=False)  # the calibration under it
     theirs = fresh / "theirs"
     theirs.mkdir(mode=0o700)
     if planted == "symlink":
-        cpu.private_dir().symlink_to(theirs)
-        expect = f"{cpu.private_dir()} is not a directory (a symlink)"
+        compiler.private_dir().symlink_to(theirs)
+        expect = f"{compiler.private_dir()} is not a directory (a symlink)"
     else:
-        cpu.private_dir().mkdir()
-        cpu.private_dir().chmod(0o777)
-        expect = f"{cpu.private_dir()} is writable by others (mode 777)"
+        compiler.private_dir().mkdir()
+        compiler.private_dir().chmod(0o777)
+        expect = f"{compiler.private_dir()} is writable by others (mode 777)"
     with pytest.raises(cpu.CpuKernelError, match="no directory to build the CPU kernels in") as e:
-        cpu._library(_probe(fresh), TINY_FLAGS, includes=())
-    assert expect in str(e.value) and _sos(theirs) == [] and _sos(cpu.private_dir()) == []
+        compiler.library(_probe(fresh), TINY_FLAGS)
+    assert expect in str(e.value) and _sos(theirs) == [] and _sos(compiler.private_dir()) == []
 
 
 @needs_cc
@@ -215,10 +219,10 @@ def test_a_cache_dir_others_can_write_is_refused_for_the_private_dir(fresh, caps
     shared = fresh / "cache" / "kernels"
     shared.mkdir(parents=True)
     shared.chmod(mode)
-    assert cpu._library(_probe(fresh), TINY_FLAGS, includes=()).sv_probe() == 42
-    assert _sos(shared) == [] and len(_sos(cpu.private_dir())) == 1
+    assert compiler.library(_probe(fresh), TINY_FLAGS).sv_probe() == 42
+    assert _sos(shared) == [] and len(_sos(compiler.private_dir())) == 1
     err = capsys.readouterr().err
-    assert f"{shared} is writable by {who} (mode {mode:o})" in err and str(cpu.private_dir()) in err
+    assert f"{shared} is writable by {who} (mode {mode:o})" in err and str(compiler.private_dir()) in err
 
 
 @needs_cc
@@ -226,16 +230,16 @@ def test_a_build_file_others_could_write_or_that_another_user_owns_is_built_agai
     cc, log = _fake_cc(fresh)
     monkeypatch.setenv("CC", str(cc))
     src = _probe(fresh)
-    cpu._library(src, TINY_FLAGS, includes=())
+    compiler.library(src, TINY_FLAGS)
     (so,) = (fresh / "cache" / "kernels").glob("*.so")
     assert stat.S_IMODE(so.stat().st_mode) == 0o755 and _compiles(log) == 1
     so.chmod(0o666)
-    cpu._library(src, TINY_FLAGS, includes=())
+    compiler.library(src, TINY_FLAGS)
     assert _compiles(log) == 2 and stat.S_IMODE(so.stat().st_mode) == 0o755
     assert f"{so} is writable by others (mode 666)" in capsys.readouterr().err
     if os.geteuid() == 0:                                  # only root can give a file to another user
         os.chown(so, 4242, -1)
-        cpu._library(src, TINY_FLAGS, includes=())
+        compiler.library(src, TINY_FLAGS)
         assert _compiles(log) == 3 and so.stat().st_uid == os.geteuid()
         assert "belongs to uid 4242" in capsys.readouterr().err
 
@@ -247,15 +251,15 @@ def test_another_compiler_version_or_path_is_another_build(fresh, monkeypatch):
     src = _probe(fresh)
     cc, log = _fake_cc(fresh, version="fakecc 1.0")
     monkeypatch.setenv("CC", str(cc))
-    cpu._library(src, TINY_FLAGS, includes=())
-    cpu._library(src, TINY_FLAGS, includes=())
+    compiler.library(src, TINY_FLAGS)
+    compiler.library(src, TINY_FLAGS)
     assert _compiles(log) == 1
     _fake_cc(fresh, version="fakecc 1.1")                  # the same path, upgraded
-    cpu._library(src, TINY_FLAGS, includes=())
+    compiler.library(src, TINY_FLAGS)
     assert _compiles(log) == 2
     other, log2 = _fake_cc(fresh, name="cc2", version="fakecc 1.1")   # the same version at another path
     monkeypatch.setenv("CC", str(other))
-    cpu._library(src, TINY_FLAGS, includes=())
+    compiler.library(src, TINY_FLAGS)
     assert _compiles(log2) == 1
     assert len(_sos(fresh / "cache" / "kernels")) == 3
 
@@ -280,7 +284,8 @@ def test_without_a_working_compiler_the_decode_runs_torch_and_says_so_once(fresh
     model = load_model("random-llama", dtype="fp32")[0]
     assert NativeModel(model).use_cpu_kernels(True) is False
     assert NativeModel(model).use_cpu_kernels(True) is False
-    assert cpu.isa() is None and expect in cpu._why_not2 and cpu._why_not2 in cpu.broken()
+    why = cpu.builds.library_reason("avx2")
+    assert cpu.isa() is None and expect in why and why in cpu.broken()
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "the CPU decode runs torch" in err[0] and expect in err[0]
     if compiler == "hangs":                                # the compiler's child was stopped with it
@@ -302,7 +307,7 @@ def test_without_a_working_compiler_the_decode_runs_torch_and_says_so_once(fresh
 def test_a_new_build_removes_stale_builds_of_its_source_under_the_file_lock(fresh, monkeypatch):
     d = fresh / "cache" / "kernels"
     d.mkdir(parents=True, mode=0o755)
-    old = time.time() - cpu.STALE_S - 3600
+    old = time.time() - compiler.STALE_S - 3600
     stale, recent = d / "probe-0123456789abcdef.so", d / "probe-fedcba9876543210.so"
     other = d / "cpu-0123456789abcdef.so"                  # another source's build
     partial = d / ".probe-0123456789abcdef.so.x1y2.tmp"
@@ -311,7 +316,7 @@ def test_a_new_build_removes_stale_builds_of_its_source_under_the_file_lock(fres
     for p in (stale, other, partial):
         os.utime(p, (old, old))
     held = []
-    real = cpu._remove_stale
+    real = compiler._remove_stale
 
     def check_lock(d_, stem, keep):                        # no other process may be loading one meanwhile
         probe = filelock.FileLock(str(d_ / f"{stem}.lock"), timeout=0)
@@ -323,8 +328,8 @@ def test_a_new_build_removes_stale_builds_of_its_source_under_the_file_lock(fres
             probe.release()
         real(d_, stem, keep)
 
-    monkeypatch.setattr(cpu, "_remove_stale", check_lock)
-    cpu._library(_probe(fresh), TINY_FLAGS, includes=())
+    monkeypatch.setattr(compiler, "_remove_stale", check_lock)
+    compiler.library(_probe(fresh), TINY_FLAGS)
     assert held == ["probe"]
     assert not stale.exists() and not partial.exists()
     assert recent.exists() and other.exists()             # another checkout's build; another source's
@@ -345,8 +350,7 @@ def test_require_kernels_turns_a_failed_build_into_an_error_but_not_a_missing_is
     monkeypatch.setenv(cpu.REQUIRE_ENV, "0")
     assert "did not run" in cpu.decode_reason(CPU, torch.float32)
     assert len(capsys.readouterr().err.splitlines()) == 1                   # said once, for all four
-    monkeypatch.setattr(cpu, "_tried2", False)
-    monkeypatch.setattr(cpu, "cpu_flags", lambda: {"sse4_2", "avx"})        # a CPU without AVX2: a fact, no error
+    cpu_as(monkeypatch, flags={"sse4_2", "avx"})                            # a CPU without AVX2: a fact, no error
     monkeypatch.setenv(cpu.REQUIRE_ENV, "1")
     assert "lacks avx2, fma" in cpu.decode_reason(CPU, torch.float32) and cpu.broken() == []
     monkeypatch.setenv(cpu.REQUIRE_ENV, "yes")
@@ -359,8 +363,7 @@ import pytest
 from specvocab.kernels import cpu
 
 def test_skips_over_a_failed_build():
-    cpu._load_avx2()
-    pytest.skip(f"needs AVX2 + FMA (this CPU: {cpu.cpu_isa()}): {cpu._why_not2}")
+    pytest.skip(f"needs AVX2 + FMA (this CPU: {cpu.cpu_isa()}): {cpu.builds.library_reason('avx2')}")
 
 def test_skips_for_a_missing_isa():
     pytest.skip("needs AVX512-BF16 (this CPU: avx2)")
@@ -385,10 +388,10 @@ def test_the_test_hook_fails_a_kernel_skip_over_a_failed_build_under_require(fre
 
     from tests import conftest                             # the same skip without the variable: a skip
     monkeypatch.setenv("CC", str(fresh / "no-such-cc"))
-    cpu._load_avx2()
+    why = cpu.builds.library_reason("avx2")
     assert cpu.broken()
     report = SimpleNamespace(skipped=True, outcome="skipped",
-                             longrepr=("x.py", 1, f"Skipped: needs AVX2 + FMA: {cpu._why_not2}"))
+                             longrepr=("x.py", 1, f"Skipped: needs AVX2 + FMA: {why}"))
     hook = conftest.pytest_runtest_makereport(None, None)
     next(hook)
     with pytest.raises(StopIteration):

@@ -1,0 +1,128 @@
+"""The model cards (`README.md`) a training run writes beside its head, and the learning-curve table."""
+
+from __future__ import annotations
+
+
+def eagle2_card(cfg, summary: dict, curve: list[dict]) -> str:
+    d, u = summary["data_settings"], summary["data_used"]
+    lines = [f"# EAGLE-2 draft head for `{cfg.model}`", "",
+             "An EAGLE-1/2 head (fc over [token embedding; target feature] + one Llama decoder layer without input "
+             "norm; the target's embedding and LM head are used frozen and not stored), in the official EAGLE "
+             "checkpoint layout. Made by `specvocab` (`engine.jobs.train_eagle`).", "",
+             "## Data", "",
+             f"- prompts: `{d['prompts']}` (the training corpus of the data root; disjoint from every benchmark), "
+             f"shuffled with seed {d['seed']}; used: {u['train_prompts']} prompts / {u['train_tokens']:,} tokens "
+             f"for training, {u['heldout_prompts']} prompts / {u['heldout_tokens']:,} tokens held out",
+             f"- sources: {', '.join(d['sources'])} ("
+             + "; ".join(x for x in ("teacher = the prompt + the corpus's reference response" if "teacher" in d["sources"] else "",
+                                     f"greedy = the prompt + the target's own greedy continuation, {d['greedy_new_tokens']} "
+                                     f"tokens" if "greedy" in d["sources"] else "") if x) + ")",
+             f"- sequences cut at {d['max_tokens']} tokens; prompts over {d['max_prompt_tokens']} tokens skipped", "",
+             "## Command", "", "```",
+             f"python -m specvocab.engine.jobs.eagle_data --model {cfg.model} --source {','.join(d['sources'])} "
+             f"--num-prompts {d['num_prompts']} --heldout-prompts {d['heldout_prompts']}"
+             + (f" --dtype {d['dtype']}" if d.get("dtype") else ""),
+             f"python -m specvocab.engine.jobs.train_eagle --model {cfg.model} --tokens {cfg.tokens} --batch-tokens "
+             f"{cfg.batch_tokens} --lr {cfg.lr} --out <dir>", "```", "",
+             "## Budget", "",
+             f"- {summary['tokens_seen']:,} training tokens in {summary['steps']} steps of ~{cfg.batch_tokens} tokens; "
+             f"{summary['train_seconds_this_run']:.0f} s of wall time in the run that finished it"
+             + (f" ({cfg.threads} CPU threads)" if cfg.threads else ""),
+             f"- loss: SmoothL1 on features / RMS x {cfg.w_reg} + cross-entropy on the target's top-k x {cfg.w_cls}; "
+             f"AdamW lr {cfg.lr}, betas {list(cfg.betas)}, warmup {cfg.warmup_steps} steps, cosine; "
+             f"feature noise U(-0.5, 0.5) x {cfg.noise} x RMS (EAGLE's code: x 0.2 x 512 / sequence length); "
+             f"gradients clipped to global norm {cfg.grad_clip} (EAGLE's code clips each element to +-0.5); "
+             f"trained from scratch, as EAGLE's heads are",
+             f"- loss on {'every position' if cfg.loss_on == 'all' else 'response positions'}; cross-entropy on "
+             f"{cfg.cls_rows or 'all'} random rows per step, LM-head matmul in {cfg.head_dtype}; the data's "
+             f"target ran in {d.get('dtype') or 'the default dtype'}", "",
+             "## Result (held-out prompts of the training corpus)", "",
+             f"- top-1 agreement with the target (teacher forced): {summary['heldout_top1']:.3f}",
+             f"- tau (tokens per draft-verify step, greedy, full vocabulary, depth {summary['eval']['eagle_depth']}, "
+             f"top-k {summary['eval']['eagle_topk']}, default draft size, {summary['eval']['prompts']} prompts x "
+             f"{summary['eval']['new_tokens']} tokens): {summary['heldout_tau']:.2f}", "",
+             "| tokens | held-out top-1 | held-out tau | held-out loss |", "|---|---|---|---|"]
+    lines += [f"| {p['tokens']:,} | {p['heldout_top1']:.3f} | {p['heldout_tau']:.2f} | {p['heldout_loss']:.3f} |"
+              for p in curve]
+    lines += ["", "## Reproducing", "",
+              "The same commands make the same data (fixed seeds, greedy decoding) and the same schedule; the head "
+              "is not bit-identical across machines or thread counts (CPU matmul reductions), so held-out top-1 "
+              "and tau are the figures to compare.", ""]
+    return "\n".join(lines)
+
+
+def learning_curve_table(curve: list[dict]) -> str:
+    lines = ["| tokens | held-out top-1 (step 0) | held-out top-1 (last TTT step) | held-out tau | held-out loss |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {p['tokens']:,} | {p['heldout_top1']:.3f} | {p['heldout_top1_last_step']:.3f} | "
+              f"{p['heldout_tau']:.2f} | {p['heldout_loss']:.3f} |" for p in curve]
+    return "\n".join(lines)
+
+
+def eagle3_card(cfg, summary: dict, curve: list[dict]) -> str:
+    d, u, dv = summary["data_settings"], summary["data_used"], summary["draft_vocab"]
+    sources = "; ".join(x for x in (
+        "teacher = the prompt + the corpus's reference response" if "teacher" in d["sources"] else "",
+        f"greedy = the prompt + the target's own greedy continuation, {d['greedy_new_tokens']} tokens"
+        if "greedy" in d["sources"] else "") if x)
+    lines = [f"# EAGLE-3 draft head for `{cfg.model}`", "",
+             "An EAGLE-3 head (fc over the target's low / mid / high layer features "
+             f"(the residual stream entering decoder layers {summary['feature_layers']}), one midlayer over "
+             "[embedding; hidden], norm, lm_head over its own draft vocabulary with d2t / t2d; the target's "
+             "embedding is used frozen and not stored), in the official EAGLE-3 checkpoint layout. Made by "
+             "`specvocab` (`engine.jobs.train_eagle3`).", "",
+             "## Data", "",
+             f"- prompts: `{d['prompts']}` (the training corpus of the data root; disjoint from every benchmark), "
+             f"shuffled with seed {d['seed']}; used: {u['train_prompts']} prompts / {u['train_tokens']:,} tokens "
+             f"for training, {u['heldout_prompts']} prompts / {u['heldout_tokens']:,} tokens held out",
+             f"- sources: {', '.join(d['sources'])} ({sources})",
+             f"- sequences cut at {d['max_tokens']} tokens; prompts over {d['max_prompt_tokens']} tokens skipped", "",
+             "## Draft vocabulary", "",
+             f"- {dv['size']:,} ids (asked: {dv['requested']:,}"
+             + (f"; the data holds only {dv['distinct_seen']:,} distinct counted tokens" if dv["distinct_seen"] else "")
+             + f"), the most frequent {'target top-1 tokens at the loss positions' if dv['counted'] == 'top1' else 'response tokens'} "
+             f"of the training split; they cover {dv['coverage']:.1%} of those tokens. Positions whose target top-1 "
+             "is outside it get no loss (as EAGLE-3's training).", "",
+             "## Command", "", "```",
+             f"python -m specvocab.engine.jobs.eagle_data --model {cfg.model} --source {','.join(d['sources'])} --eagle3-features "
+             f"--num-prompts {d['num_prompts']} --heldout-prompts {d['heldout_prompts']}"
+             + (f" --dtype {d['dtype']}" if d.get("dtype") else ""),
+             f"python -m specvocab.engine.jobs.train_eagle3 --model {cfg.model} --tokens {cfg.tokens} --batch-tokens "
+             f"{cfg.batch_tokens} --draft-vocab-size {cfg.draft_vocab_size} --ttt-steps {cfg.ttt_steps} --lr {cfg.lr} "
+             f"--out <dir>", "```", "",
+             "## Budget", "",
+             f"- {summary['tokens_seen']:,} training tokens in {summary['steps']} steps of ~{cfg.batch_tokens} tokens, "
+             f"each with {cfg.ttt_steps} training-time-test steps; {summary['train_seconds_total']:.0f} s of wall time "
+             f"over all runs" + (f" ({cfg.threads} CPU threads)" if cfg.threads else ""),
+             f"- loss: sum over TTT steps k of {cfg.step_weight}^k x cross-entropy against the target's top-k "
+             f"within the draft vocabulary (renormalised); AdamW lr {cfg.lr}, betas {list(cfg.betas)}, warmup "
+             f"{cfg.warmup_steps} steps, cosine; grad clip {cfg.grad_clip}; loss on "
+             f"{'every position' if cfg.loss_on == 'all' else 'response positions'}; LM-head matmul in "
+             f"{cfg.head_dtype}; lm_head initialised from {'the target LM head rows' if cfg.lm_head_init == 'target' else 'random'}", "",
+             "## Result (held-out prompts of the training corpus)", "",
+             f"- top-1 agreement with the target (teacher forced, step 0): {summary['heldout_top1']:.3f}; by TTT "
+             f"step: {', '.join(f'{a:.3f}' for a in summary['heldout_top1_by_step'])}",
+             f"- tau (tokens per draft-verify step, greedy, the `eagle3` drafter, full draft vocabulary, depth "
+             f"{summary['eval']['eagle_depth']}, top-k {summary['eval']['eagle_topk']}, default draft size, "
+             f"{summary['eval']['prompts']} prompts x {summary['eval']['new_tokens']} tokens): "
+             f"{summary['heldout_tau']:.2f}", "", learning_curve_table(curve), "",
+             "## What differs from EAGLE's own training code", "",
+             "- the target distribution is the target's top-k stored in the data shards (renormalised within the "
+             "draft vocabulary), not its full softmax;",
+             *(["- lm_head / norm start from the target's LM head and final norm (the official head starts "
+                "random);"] if cfg.lm_head_init == "target" else []),
+             "- learning rate, warmup and cosine schedule sized for a small head trained from scratch on a CPU "
+             "(official: 5e-5, 12k warmup steps, linear decay, fp16, 40 epochs);",
+             *(["- the loss covers the prompt's positions too (official: the response's only);"]
+               if cfg.loss_on == "all" else []),
+             *(["- the draft vocabulary is counted over the target's top-1 next tokens at the loss positions "
+                "(official: the response tokens; the same tokens on the target's own greedy continuations);"]
+               if dv["counted"] == "top1" else []),
+             "- config.json adds `eagle_config.eagle_aux_hidden_state_layer_ids` (SGLang / vLLM read it) and a "
+             "`specvocab` block; `embed_tokens.weight` is not stored (EAGLE's `ea_model.py` reads the target's "
+             "embedding itself, `load_emb=True`, and loads the head with strict=False; not tried in EAGLE's code "
+             "here).", "",
+             "## Reproducing", "",
+             "The same commands make the same data and the same schedule; a run interrupted and resumed gives the "
+             "same head bit for bit on one machine, not across machines or thread counts (CPU matmul reductions).", ""]
+    return "\n".join(lines)

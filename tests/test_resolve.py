@@ -34,6 +34,7 @@ def tiny():
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("SPECVOCAB_CALIBRATION", raising=False)  # the calibration under it
+    monkeypatch.setattr(calib, "_warned", set())     # the once-per-key warnings, as in a fresh process
     return tmp_path / "cache"
 
 

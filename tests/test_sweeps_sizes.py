@@ -231,12 +231,15 @@ def worker_cache(tmp_path_factory):
     """$SPECVOCAB_CACHE for this process and the Ray workers it starts (they inherit the environment
     `ray.init` sees): the machine's calibration cache, as the sweep's actors find it."""
     old = os.environ.get("SPECVOCAB_CACHE")
+    named = os.environ.pop("SPECVOCAB_CALIBRATION", None)       # the calibration under it, not the suite's file
     os.environ["SPECVOCAB_CACHE"] = str(tmp_path_factory.mktemp("cache"))
     yield Path(os.environ["SPECVOCAB_CACHE"])
     if old is None:
         del os.environ["SPECVOCAB_CACHE"]
     else:
         os.environ["SPECVOCAB_CACHE"] = old
+    if named is not None:
+        os.environ["SPECVOCAB_CALIBRATION"] = named
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@
 import json
 from collections import Counter
 
+import numpy as np
 import polars as pl
 import pytest
 import torch
@@ -321,3 +322,31 @@ def test_features_on_the_fly_train_the_head_a_stored_folder_trains(tmp_path):
     assert json.loads((b / "config.json").read_text())["specvocab"]["training"]["features"] == "on the fly"
     with pytest.raises(data_job.TrainError, match="vocab-count response"):
         t3.train_eagle3(t3.Train3Config(**TRAIN, data=str(tokens), out=str(tmp_path / "c")))
+
+
+def test_train_speed_measures_packing_and_both_dtypes(data_dir, target):
+    """`train_speed` on a real data folder: its packing figures are the padding of the batches the loop makes
+    (recomputed here from the lengths), grouping never pads more than random packing, both dtypes are timed, and
+    its FLOP count is the matmuls' (recomputed from the head's shapes: a count that forgets the backward or the
+    LM head fails)."""
+    from specvocab.engine.train.loop import length_grouped_batches
+    from specvocab.engine.train.speed import SpeedConfig, padding, step_flops, train_speed
+
+    out = train_speed(SpeedConfig(model="random-llama", data=str(data_dir), batch_tokens=400, group_batches=2,
+                                  draft_vocab_size=48, ttt_steps=3, head_dtype="fp32", steps=2, repeats=1,
+                                  progress=False))
+    lengths = np.array([s.input_ids.numel() for s in shard_files.load_split(data_dir, "train")])
+    pack = {r["setting"]: r for r in out.filter(pl.col("measure") == "packing").iter_rows(named=True)}
+    for name, group in (("random", 0), ("length-grouped", 2)):
+        want = padding(lengths, length_grouped_batches(lengths, np.random.default_rng(0), 400, group))
+        assert (pack[name]["padded_rows"], pack[name]["padded_scores"]) == pytest.approx(want)
+    assert pack["length-grouped"]["padded_scores"] <= pack["random"]["padded_scores"]
+    steps = out.filter(pl.col("measure") == "step")
+    assert sorted(steps["setting"]) == ["bf16", "fp32"] and (steps["step_s"] > 0).all()
+
+    head, _ = _head(target, shard_files.load_split(data_dir, "train"))
+    mid, lm = step_flops(head, 10, 3)
+    d, V = head.lm_head.weight.shape[1], head.lm_head.weight.shape[0]
+    layer = sum(m.weight.numel() for m in head.midlayer.modules() if isinstance(m, torch.nn.Linear))
+    assert lm == 6 * 10 * 3 * V * d
+    assert mid == 6 * 10 * (3 * layer + head.fc.weight.numel())

@@ -4,9 +4,12 @@ A head's recipe (`Recipe`: `engine.train.eagle2` for EAGLE-1/2, `engine.train.ea
 batch is made from samples, what one optimiser step's loss is, how the head is evaluated on held-out data and
 how a curve point is printed; `train_loop` does the rest the same way for both:
 
-- each epoch e packs a permutation of the training samples, seeded by seed + e, into batches of about
-  `batch_tokens` tokens (`pack_samples`); the run stops at `tokens` or after `max_epochs`;
-- AdamW with linear warmup and cosine decay (`lr_at`), gradients clipped by their global norm;
+- each epoch e packs the training samples, shuffled by a generator seeded by seed + e, into batches of about
+  `batch_tokens` tokens of similar-length sequences (`length_grouped_batches`); the run stops at `tokens` or
+  after `max_epochs`;
+- AdamW with linear warmup and cosine decay (`lr_at`), gradients clipped by their global norm; each step's
+  forward and backward under autocast in `compute_dtype` (`step_dtype`: bf16 where the machine has bf16 dot
+  products), with fp32 master weights and optimiser state;
 - a curve point (`Recipe.evaluate`) at step 0, every `eval_every` tokens and at the end, each written at once
   to `<out>/learning_curve.parquet`;
 - every `save_every` steps the state - head, optimiser, step, tokens, curve, per-step losses, the recipe's
@@ -34,8 +37,9 @@ from tqdm.auto import tqdm
 
 from specvocab.engine.artifacts import head_matches, save_torch
 from specvocab.engine.models import load_model
+from specvocab.kernels.hardware import CPU_BF16
 from specvocab.engine.train.data import featurizer
-from specvocab.engine.train.sample import Sample, TrainError, cache_dir, default_data_dir
+from specvocab.engine.train.sample import DTYPES, Sample, TrainError, cache_dir, default_data_dir
 from specvocab.engine.train.shards import load_split, read_manifest
 
 # settings that do not change what a run computes: a run resumed with other values of these continues
@@ -53,6 +57,11 @@ class RunSettings:
     eval_new_tokens: int = 48
     save_every: int = 50                    # optimiser steps between resumable checkpoints
     seed: int = 0
+    compute_dtype: str | None = None        # the head's matmuls in a training step, under torch.autocast (fp32
+                                            # master weights, softmax and loss): bf16 | fp32; None = bf16 on a
+                                            # CPU with bf16 dot products or a GPU, else fp32
+    group_batches: int = 64                 # batches per length-sorted group (`length_grouped_batches`); 0 =
+                                            # random packing
     threads: int | None = None
     progress: bool = True
 
@@ -84,7 +93,7 @@ def prepare_run(cfg, kind: str, *, eagle3: bool) -> RunInputs:
     data = Path(cfg.data).expanduser() if cfg.data else default_data_dir(cfg.model)
     manifest = read_manifest(data)
     if eagle3 and not manifest["settings"].get("eagle3_features"):
-        raise TrainError(f"the data in {data} has no EAGLE-3 features; make it with `{make} --out <another folder>`")
+        raise TrainError(f"the data in {data} has no EAGLE-3 features — make it with `{make} --out <another folder>`")
     out = Path(cfg.out).expanduser() if cfg.out else cache_dir(kind, cfg.model)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer, info = load_model(cfg.model, dtype="fp32")
@@ -92,11 +101,11 @@ def prepare_run(cfg, kind: str, *, eagle3: bool) -> RunInputs:
     weight = model.get_output_embeddings().weight.detach()
     if not head_matches(manifest, weight):
         raise TrainError(f"the data in {data} was made for model {manifest['settings']['model']!r} (vocabulary "
-                         f"{manifest['vocab_size']}, hidden {manifest['hidden_size']}), not for {cfg.model!r}; "
+                         f"{manifest['vocab_size']}, hidden {manifest['hidden_size']}), not for {cfg.model!r} — "
                          f"make data for this model with `{make}`")
     train, held = load_split(data, "train"), load_split(data, "heldout")
     if not train:
-        raise TrainError(f"{data} has no training shards; run `{make}`")
+        raise TrainError(f"{data} has no training shards — run `{make}`")
     return RunInputs(data=data, manifest=manifest, out=out, model=model, tokenizer=tokenizer, info=info,
                      weight=weight, train=train, held=held, featured=featurizer(manifest, cfg.model, eagle3))
 
@@ -117,11 +126,41 @@ def pack_samples(lengths: Sequence[int], order: Sequence[int], batch_tokens: int
     return batches
 
 
+def length_grouped_batches(lengths: Sequence[int], rng: np.random.Generator, batch_tokens: int,
+                           group_batches: int) -> list[list[int]]:
+    """One epoch's batches of about batch_tokens tokens whose sequences have similar lengths (the "group by
+    length" sampler of fairseq and transformers' Trainer): a permutation of the samples is cut into groups of
+    about group_batches * batch_tokens tokens, each group is sorted by length and packed (`pack_samples`), and
+    the batches of the epoch are shuffled. Attention pads each sequence of a batch to the batch's longest, so
+    this cuts the padded rows and attention scores (PERFORMANCE.md, "Training the heads").
+    group_batches <= 0: plain random packing."""
+    order = rng.permutation(len(lengths))
+    if group_batches <= 0:
+        return pack_samples(lengths, order, batch_tokens)
+    lengths = np.asarray(lengths)
+    group_of = (np.cumsum(lengths[order]) - 1) // (group_batches * batch_tokens)      # nondecreasing along order
+    batches = []
+    for group in np.split(order, np.flatnonzero(np.diff(group_of)) + 1):
+        batches += pack_samples(lengths, group[np.argsort(lengths[group], kind="stable")], batch_tokens)
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
 def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int) -> float:
     """Linear warmup over warmup_steps, then cosine decay to 0 at total_steps."""
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     return lr * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))))
+
+
+def step_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """The autocast dtype of a training step (`RunSettings.compute_dtype`): the named one, else bf16 on a GPU or
+    a CPU with bf16 dot products (`kernels.hardware.CPU_BF16`) and fp32 elsewhere (bf16 GEMMs are emulated
+    there)."""
+    if name is not None:
+        if name not in ("bf16", "fp32"):
+            raise TrainError(f"compute_dtype {name!r} is not a training dtype — pass bf16 or fp32")
+        return DTYPES[name]
+    return torch.bfloat16 if device.type == "cuda" or CPU_BF16 else torch.float32
 
 
 def run_key(cfg, manifest: dict) -> dict:
@@ -165,13 +204,14 @@ def train_loop(cfg, recipe: Recipe, lengths: Sequence[int], key: dict, out: Path
     grad_clip, eval_every, save_every, seed, progress)."""
     head = recipe.head
     params = [p for p in head.parameters() if p.requires_grad]
+    device, autocast = params[0].device, step_dtype(cfg.compute_dtype, params[0].device)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
     def schedule():
-        """Every optimiser step's samples: epoch e packs a permutation seeded by seed + e."""
+        """Every optimiser step's samples: epoch e's batches drawn with the generator seeded by seed + e."""
         for epoch in range(cfg.max_epochs):
-            yield from pack_samples(lengths, np.random.default_rng(cfg.seed + epoch).permutation(len(lengths)),
-                                    cfg.batch_tokens)
+            yield from length_grouped_batches(lengths, np.random.default_rng(cfg.seed + epoch), cfg.batch_tokens,
+                                              cfg.group_batches)
 
     steps_per_epoch = len(pack_samples(lengths, range(len(lengths)), cfg.batch_tokens))
     tokens_per_step = max(1, sum(int(n) for n in lengths) / steps_per_epoch)
@@ -183,12 +223,13 @@ def train_loop(cfg, recipe: Recipe, lengths: Sequence[int], key: dict, out: Path
         try:
             state = torch.load(state_path, map_location="cpu", weights_only=False)
         except Exception as e:
-            raise TrainError(f"{state_path} is not readable ({type(e).__name__}: {e}); delete it to start the "
+            raise TrainError(f"{state_path} is not readable ({type(e).__name__}: {e}) — delete it to start the "
                              f"run again") from None
         if state.get("run_key") != key:
-            raise TrainError(f"{state_path} is the state of a run with other settings; pass another --out or delete it")
+            raise TrainError(f"{state_path} is the state of a run with other settings — pass another --out or "
+                             f"delete it")
         if recipe.gen is not None and state.get("rng") is None:
-            raise TrainError(f"{state_path} holds no generator state, so its noise cannot be continued; delete it "
+            raise TrainError(f"{state_path} holds no generator state, so its noise cannot be continued — delete it "
                              f"to start the run again")
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
@@ -222,7 +263,8 @@ def train_loop(cfg, recipe: Recipe, lengths: Sequence[int], key: dict, out: Path
             g["lr"] = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=total_steps)
         batch = recipe.batch(b)
         opt.zero_grad(set_to_none=True)
-        r = recipe.step(batch)
+        with torch.autocast(device.type, dtype=autocast, enabled=autocast != torch.float32):
+            r = recipe.step(batch)
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         step += 1

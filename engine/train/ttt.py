@@ -45,12 +45,12 @@ def ttt_layer(head: Eagle3Head, emb: torch.Tensor, h: torch.Tensor, positions: t
     hd = attn.head_dim
     H, KV = head.config.num_attention_heads, head.config.num_key_value_heads
     x = torch.cat([ml.input_layernorm(emb), ml.hidden_norm(h)], dim=-1)               # [T, 2d]
-    xp = pad.pad(x)                                                                  # [B, Lm, 2d]
-    pp = pad.pad(positions)
-    q = attn.q_proj(xp).view(pad.B, pad.Lmax, H, hd).transpose(1, 2)                # [B, H, Lm, hd]
-    k = attn.k_proj(xp).view(pad.B, pad.Lmax, KV, hd).transpose(1, 2)
-    v = attn.v_proj(xp).view(pad.B, pad.Lmax, KV, hd).transpose(1, 2)
-    cos, sin = head.rotary_emb(xp, pp)
+    # the projections run on the T flat rows; only attention sees the padded [B, Lm] layout (a padded slot lies
+    # past its sequence's end, so causally no real row attends to it: its zeros change nothing)
+    q = pad.pad(attn.q_proj(x)).view(pad.B, pad.Lmax, H, hd).transpose(1, 2)           # [B, H, Lm, hd]
+    k = pad.pad(attn.k_proj(x)).view(pad.B, pad.Lmax, KV, hd).transpose(1, 2)
+    v = pad.pad(attn.v_proj(x)).view(pad.B, pad.Lmax, KV, hd).transpose(1, 2)
+    cos, sin = head.rotary_emb(v, pad.pad(positions))
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     k, v = repeat_kv(k, H // KV), repeat_kv(v, H // KV)
     steps = past + [(k, v)]
@@ -63,8 +63,7 @@ def ttt_layer(head: Eagle3Head, emb: torch.Tensor, h: torch.Tensor, positions: t
     out = w[..., : pad.Lmax] @ v0
     for j, (_, vj) in enumerate(steps[1:]):
         out = out + w[..., pad.Lmax + j, None] * vj
-    out = attn.o_proj(out.transpose(1, 2).reshape(pad.B, pad.Lmax, H * hd))
-    h = h + pad.flat(out)
+    h = h + attn.o_proj(pad.flat(out.transpose(1, 2).reshape(pad.B, pad.Lmax, H * hd)))
     return h + ml.mlp(ml.post_attention_layernorm(h)), (k, v)
 
 

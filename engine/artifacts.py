@@ -142,7 +142,7 @@ def fingerprint_matches(stored, weight: torch.Tensor, fingerprint=None) -> bool:
     if isinstance(stored, Mapping):
         return fingerprint_distance(stored, weight) <= FINGERPRINT_RTOL
     warnings.warn("an artifact holds an LM-head fingerprint of the older row-norm kind, which cannot tell a fine-tune "
-                  "of the same model from it; write the file again to store the new kind (EAGLE heads: "
+                  "of the same model from it — write the file again to store the new kind (EAGLE heads: "
                   "`python -m specvocab.engine.jobs.export_eagle`; DynaSpec fits: `python -m "
                   "specvocab.engine.jobs.fit_dynaspec`; EAGLE data: `python -m specvocab.engine.jobs.eagle_data`)", stacklevel=2)
     want = np.asarray(stored, dtype=np.float64)

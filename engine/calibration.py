@@ -163,7 +163,7 @@ def pipeline_of(pipeline: str | Pipeline, **overrides) -> Pipeline:
     """A Pipeline by name (or as given), with the non-None `overrides` (mode=, knots=, timing=) applied."""
     if isinstance(pipeline, str):
         if pipeline not in PIPELINES:
-            raise CalibrationError(f"unknown calibration pipeline {pipeline!r}; choose one of {sorted(PIPELINES)}")
+            raise CalibrationError(f"unknown calibration pipeline {pipeline!r} — choose one of {sorted(PIPELINES)}")
         pipeline = PIPELINES[pipeline]
     p = dataclasses.replace(pipeline, **{k: v for k, v in overrides.items() if v is not None})
     for name, allowed in (("knots", ("quantile", "uniform")), ("spline", ("adaptive", "sklearn")),
@@ -182,9 +182,9 @@ def _check_curve(g, y, what: str) -> tuple[np.ndarray, np.ndarray]:
     g = np.asarray(g, dtype=np.float64).reshape(-1)
     y = np.asarray(y, dtype=np.float64).reshape(-1)
     if g.size == 0:
-        raise CalibrationError(f"empty calibration grid for {what}; measure at least one draft size")
+        raise CalibrationError(f"empty calibration grid for {what} — measure at least one draft size")
     if g.size != y.size:
-        raise CalibrationError(f"{what}: {g.size} draft sizes but {y.size} measurements; pass one per size")
+        raise CalibrationError(f"{what}: {g.size} draft sizes but {y.size} measurements — pass one per size")
     if not np.all(np.isfinite(g)) or not np.all(np.isfinite(y)):
         raise CalibrationError(f"{what}: non-finite values in the grid or the measurements")
     if np.any(g <= 0):
@@ -312,7 +312,7 @@ def optimal_draft_size(g, tau, s, mode: str | None = None, knots: str | None = N
         tau_b, s_b = float(f_tau(best)), float(f_s(best))
         fit = DraftSizeFit(int(best), x, tau_b, s_b, tau_b / max(s_b, floor_s), "de")
     if fit.g_star <= 0:
-        raise CalibrationError(f"calibration gave g* = {fit.g_star} <= 0; the grid must hold positive sizes")
+        raise CalibrationError(f"calibration gave g* = {fit.g_star} <= 0 — the grid must hold positive sizes")
     return fit
 
 
@@ -324,7 +324,7 @@ def eagle_total_token(forward_s: Mapping[int, float], candidates: Sequence[int] 
         raise CalibrationError("EAGLE's heuristic needs one prior gain per candidate size")
     missing = [n for n in candidates if n not in forward_s]
     if missing:
-        raise CalibrationError(f"no forward time measured for {missing} tokens; time every candidate")
+        raise CalibrationError(f"no forward time measured for {missing} tokens — time every candidate")
     ratios = [forward_s[n] / x for n, x in zip(candidates, prior_gain)]
     return int(candidates[int(np.argmin(ratios))])
 
@@ -413,7 +413,7 @@ def load_calibrations(path: str | Path | None = None) -> dict:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise CalibrationError(f"the calibration cache {path} is corrupt ({e}); delete it and calibrate "
+        raise CalibrationError(f"the calibration cache {path} is corrupt ({e}) — delete it and calibrate "
                                f"again") from e
 
 
@@ -527,7 +527,7 @@ def calibration_source(path: str | Path | None = None) -> CalibrationSource:
     kind = "calibration-cache" if path is None else "calibration-file"
     if not file.is_file():
         if path is not None:
-            raise CalibrationError(f"calibration file {file} does not exist; give the calibration.json a "
+            raise CalibrationError(f"calibration file {file} does not exist — give the calibration.json a "
                                    f"calibrate run wrote (`python -m specvocab.engine.jobs.calibrate`)")
         return CalibrationSource({}, f"{kind}:none", str(file))
     return CalibrationSource(load_calibrations(file), f"{kind}:{file_sha(file)[:8]}", str(file))
@@ -553,11 +553,11 @@ def resolve_draft_size_source(cfg: SpecConfig, model, *, on_missing: str = "fall
     if cfg.draft_size is not None:
         return int(cfg.draft_size), "config"
     if cfg.method not in DRAFTING_METHODS:
-        raise CalibrationError(f"method {cfg.method!r} drafts nothing, so it has no draft size to resolve; the "
+        raise CalibrationError(f"method {cfg.method!r} drafts nothing, so it has no draft size to resolve — the "
                                f"drafting methods are {list(DRAFTING_METHODS)}")
     if model is None:
         raise CalibrationError("resolve_draft_size needs the target model (for its device and dtype) when "
-                               "cfg.draft_size is None; pass the model or set draft_size")
+                               "cfg.draft_size is None — pass the model or set draft_size")
     key = model_key(model, cfg)
     source = calibration_source() if source is None else source
     where = source.path or "no calibration file (this run reads none, not even this machine's cache)"
@@ -569,7 +569,7 @@ def resolve_draft_size_source(cfg: SpecConfig, model, *, on_missing: str = "fall
             made = f"code stamp {code}" if code else "no code stamp (an older version)"
             warnings.warn(f"the calibrated draft size g = {g} for {cfg.method} ({key}) was measured by other code "
                           f"({made}; this decoder's is {code_stamp()}): using it, but a kernel or drafter change "
-                          f"moves g*; re-measure with `{calibrate_command(cfg, model)}`", stacklevel=2)
+                          f"moves g* — re-measure with `{calibrate_command(cfg, model)}`", stacklevel=2)
         return g, source.label
     dev_type = next(model.parameters()).device.type
     if fallback is None:
@@ -577,7 +577,7 @@ def resolve_draft_size_source(cfg: SpecConfig, model, *, on_missing: str = "fall
     else:
         what = f"{cfg.method}'s uncalibrated default"
     msg = (f"no calibrated draft size for {cfg.method} on this model, device, dtype and config ({key}) in "
-           f"{where}; make one with `{calibrate_command(cfg, model)}` (a few minutes; UniSpec App. F), "
+           f"{where} — make one with `{calibrate_command(cfg, model)}` (a few minutes; UniSpec App. F), "
            f"or pass draft_size=")
     if on_missing == "error":
         raise CalibrationError(msg)
@@ -621,7 +621,8 @@ def refit(key: str, pipeline: str | None = None, mode: str | None = None, timing
     the other pipeline). Without `pipeline`, the record's own pipeline, mode and timing (unless given)."""
     rec = load_calibrations().get(key)
     if rec is None:
-        raise CalibrationError(f"no calibration {key!r} in {cache_file()}; run `python -m specvocab.engine.jobs.calibrate`")
+        raise CalibrationError(f"no calibration {key!r} in {cache_file()} — run "
+                               f"`python -m specvocab.engine.jobs.calibrate`")
     if pipeline is None:
         pipeline, rec_mode, rec_timing = _record_pipeline(rec)
         mode, timing = mode or rec_mode, timing or rec_timing

@@ -48,8 +48,8 @@ HF_METHODS = MethodNames(lambda s: s.runner == "hf", "run by transformers' gener
 REQUESTED_SIZE = {"frspec": "frspec_k", "microspec": "w_max", "oracle": "w_max"}
 
 # The draft size a method uses when `draft_size` is None and no calibration is cached for it, where it is a
-# fixed number (`engine.methods.SHIPPED` gives each its source; recycling's whole template and unispec's
-# per-device g are resolved in engine.harness.resolve_config)
+# fixed number (each method's description, `MethodSpec.default_draft_size`, gives its source; recycling's
+# whole template and unispec's per-device g are resolved in engine.harness.resolve_config)
 DEFAULT_DRAFT_SIZE = MethodTable(lambda s: s.default_draft_size if isinstance(s.default_draft_size, int) else None)
 
 _LABELS = {"method": "method", "vocab": "vocab policy"}      # how error messages name a field's values
@@ -148,7 +148,7 @@ class SpecConfig:
     def replace(self, **overrides) -> "SpecConfig":
         unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
         if unknown:
-            raise ConfigError(f"unknown config field(s) {sorted(unknown)}; valid fields: "
+            raise ConfigError(f"unknown config field(s) {sorted(unknown)} — valid fields: "
                               f"{sorted(f.name for f in dataclasses.fields(self))}")
         return dataclasses.replace(self, **overrides).validate()
 
@@ -158,16 +158,16 @@ class SpecConfig:
             return PRESETS[name].replace(**overrides)
         if name in METHODS:                                  # a method registered after PRESETS was built
             return cls(method=name).replace(**overrides)
-        raise ConfigError(f"unknown method/preset {name!r}; choose one of {sorted({*PRESETS, *METHODS})}")
+        raise ConfigError(f"unknown method/preset {name!r} — choose one of {sorted({*PRESETS, *METHODS})}")
 
     def validate(self) -> "SpecConfig":
         if self.method not in METHODS:
-            raise ConfigError(f"unknown {_LABELS['method']} {self.method!r}; choose one of {list(METHODS)} "
+            raise ConfigError(f"unknown {_LABELS['method']} {self.method!r} — choose one of {list(METHODS)} "
                               f"(field method; a new method is described with engine.methods.register_method)")
         for name, choices in LITERAL_FIELDS.items():
             value = getattr(self, name)
             if value not in choices:
-                raise ConfigError(f"unknown {_LABELS.get(name, name)} {value!r}; choose one of {list(choices)} "
+                raise ConfigError(f"unknown {_LABELS.get(name, name)} {value!r} — choose one of {list(choices)} "
                                   f"(field {name})")
         if self.max_new_tokens <= 0:
             raise ConfigError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
@@ -177,7 +177,7 @@ class SpecConfig:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.draft_size is not None and (isinstance(self.draft_size, bool) or self.draft_size <= 0):
             raise ConfigError(f"draft_size must be a positive number of draft tokens (root excluded), got "
-                              f"{self.draft_size!r}; pass None for the method's default")
+                              f"{self.draft_size!r} — pass None for the method's default")
         if self.verify_rows is not None and (isinstance(self.verify_rows, bool) or self.verify_rows < 4):
             raise ConfigError(f"verify_rows must be >= 4 (the smallest row count whose GEMMs are row-invariant "
                               f"in fp32) or None for a bucket per step, got {self.verify_rows!r}")
@@ -197,7 +197,7 @@ class SpecConfig:
     def require_draft_size(self) -> int:
         """`draft_size` of a resolved config; a clear error when it is still None (drafters call this)."""
         if self.draft_size is None:
-            raise ConfigError(f"{self.method}: draft_size is None; the method's default is resolved by "
+            raise ConfigError(f"{self.method}: draft_size is None — the method's default is resolved by "
                               f"specvocab.engine.harness.resolve_config(cfg, model=target) - generate() does this - so "
                               f"resolve the config first or set draft_size")
         return int(self.draft_size)

@@ -83,7 +83,7 @@ def dtype_name(dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     name = DTYPE_ALIASES.get(name, name)
     if name not in FRACTION_BITS:
-        raise DivergenceError(f"no rounding bound for dtype {dtype!r}; known: {list(FRACTION_BITS)} "
+        raise DivergenceError(f"no rounding bound for dtype {dtype!r} — known: {list(FRACTION_BITS)} "
                               f"(or {list(DTYPE_ALIASES)})")
     return name
 
@@ -214,7 +214,7 @@ def diagnose_rows(rows: list[dict], *, prompt_ids: Callable[[dict, list[list[int
             bound_to = r.get("dtype") or dtype
             if bound_to is None:
                 raise DivergenceError(f"row {r['method']} {r['run']} prompt {pid} turn {turn}: no dtype column and "
-                                      f"no dtype given; pass dtype= (the model's)")
+                                      f"no dtype given — pass dtype= (the model's)")
             margin, gap, top1 = margin_at(next_logits, ar_prompt, a["output_ids"], r["output_ids"], pos)
             forwards += top1 is not None
             r.update(first_divergence=pos, ar_margin=margin, ar_gap=gap,

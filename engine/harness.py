@@ -270,16 +270,16 @@ def generate(model, prompt_ids, cfg: SpecConfig | None = None, *, method: str | 
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).to(device)    # [L]
     L, T = prompt.numel(), cfg.max_new_tokens
     if L == 0:
-        raise ContextError("the prompt is empty; give at least one token (e.g. the BOS token)")
+        raise ContextError("the prompt is empty — give at least one token (e.g. the BOS token)")
     rows = model.get_input_embeddings().num_embeddings
     lo, hi = torch.stack([prompt.min(), prompt.max()]).tolist()             # one host sync per prompt
     if lo < 0 or hi >= rows:
         raise ContextError(f"the prompt holds token ids outside the model's vocabulary [0, {rows}) (min {lo}, "
-                           f"max {hi}); encode it with the model's own tokenizer")
+                           f"max {hi}) — encode it with the model's own tokenizer")
     ctx = max_context(model, info)
     if L + T > ctx:
         raise ContextError(f"prompt ({L}) + max_new_tokens ({T}) = {L + T} exceeds the model's context of "
-                           f"{ctx} tokens; shorten the prompt or lower max_new_tokens")
+                           f"{ctx} tokens — shorten the prompt or lower max_new_tokens")
     if cfg.method in HF_METHODS:
         if drafter is not None:
             raise HarnessError(f"{cfg.method} runs transformers' generate; it takes no drafter")
@@ -339,7 +339,7 @@ def _decode(model, prompt, cfg, drafter, eos, ctx, device) -> GenerateResult:
         n = tree.size
         if committed + n > ctx:
             raise ContextError(f"draft tree of {n} nodes after {committed} cached tokens exceeds the model's "
-                               f"context of {ctx}; lower draft_size or "
+                               f"context of {ctx} — lower draft_size or "
                                f"max_new_tokens")
         t1 = _clock(device)
         tokens = tree.tokens.to(device, non_blocking=True)     # [n]
@@ -416,7 +416,7 @@ def _generate_hf_prompt_lookup(model, prompt, cfg, eos) -> GenerateResult:
     """
     if not cfg.greedy:
         raise HarnessError("hf-prompt-lookup is greedy only (transformers' prompt lookup is a greedy "
-                           "baseline here); use temperature=0")
+                           "baseline here) — use temperature=0")
     device = prompt.device
     times: list[float] = []
     starts: list[float] = []

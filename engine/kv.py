@@ -51,7 +51,7 @@ def check_attention(config) -> None:
         if impl is not None and impl not in TREE_MASK_ATTENTION:
             raise AttentionImplementationError(
                 f"the model's attention implementation is {impl!r}, which ignores the custom 4D attention mask "
-                f"that tree verification passes (it would verify a tree as one chain); use one of "
+                f"that tree verification passes (it would verify a tree as one chain) — use one of "
                 f"{list(TREE_MASK_ATTENTION)}: load with attn_implementation='sdpa' (engine.models.load_model "
                 f"does) or call model.set_attn_implementation('sdpa')")
 
@@ -68,7 +68,7 @@ def layer_types(config) -> list[str]:
     bad = sorted(set(types) - set(SUPPORTED_LAYER_TYPES))
     if bad:
         raise CacheError(f"layer type(s) {bad} are not supported by tree verification (supported: "
-                         f"{list(SUPPORTED_LAYER_TYPES)}); use a model with full or sliding-window attention")
+                         f"{list(SUPPORTED_LAYER_TYPES)}) — use a model with full or sliding-window attention")
     return list(types)
 
 
@@ -79,12 +79,12 @@ def new_cache(model) -> DynamicCache:
     types = layer_types(model.config)
     cache = DynamicCache(config=model.config)
     if len(cache.layers) != len(types):
-        raise CacheError(f"DynamicCache built {len(cache.layers)} layers for a {len(types)}-layer model; "
+        raise CacheError(f"DynamicCache built {len(cache.layers)} layers for a {len(types)}-layer model — "
                          f"this transformers version lays caches out differently than engine.kv expects")
     for layer, t in zip(cache.layers, types):
         expected = DynamicSlidingWindowLayer if t == "sliding_attention" else DynamicLayer
         if type(layer) is not expected:
-            raise CacheError(f"cache layer {type(layer).__name__} for a {t} layer; engine.kv handles "
+            raise CacheError(f"cache layer {type(layer).__name__} for a {t} layer — engine.kv handles "
                              f"DynamicLayer and DynamicSlidingWindowLayer only")
         if t == "sliding_attention":
             layer.activate_past_recording()                      # keep tree entries until `compact`
@@ -138,15 +138,15 @@ def compact(cache: DynamicCache, committed: int, num_new: int, keep: list[int] |
     prefix = keep is None or keep == list(range(keep_n))         # a chain's accepted path needs no copy
     for i, layer in enumerate(cache.layers):
         if not layer.is_initialized:
-            raise CacheError(f"cache layer {i} was never written; run the prefill before compacting")
+            raise CacheError(f"cache layer {i} was never written — run the prefill before compacting")
         stored = layer.keys.shape[-2]
         old = stored - num_new                                   # entries before the forward
         if isinstance(layer, DynamicSlidingWindowLayer):
             if layer.cumulative_length != committed + num_new:
                 raise CacheError(f"sliding layer {i} has seen {layer.cumulative_length} tokens, expected "
-                                 f"{committed + num_new}; the cache is out of step with the harness")
+                                 f"{committed + num_new} — the cache is out of step with the harness")
         elif old != committed:
-            raise CacheError(f"layer {i} holds {stored} entries, expected {committed + num_new}; "
+            raise CacheError(f"layer {i} holds {stored} entries, expected {committed + num_new} — "
                              f"the cache is out of step with the harness")
         for name in ("keys", "values"):
             t = getattr(layer, name)                             # [1, h, stored, d]

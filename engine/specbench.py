@@ -73,7 +73,7 @@ def _sizes(row: dict) -> list[int]:
     if row["steps"] == row["new_tokens"]:                         # one token per step: ar's sizes are known
         return [1] * int(row["new_tokens"])
     raise SpecBenchError(f"{row['method']} run {row['run']!r} of {row['model']} ({row['prompt_set']} "
-                         f"{row['prompt_id']} turn {row['turn']}) has no step_sizes (its results.parquet holds none); "
+                         f"{row['prompt_id']} turn {row['turn']}) has no step_sizes (its results.parquet holds none) — "
                          f"bench it again (python -m specvocab.engine.jobs.bench ... --out NEW) to write its answer file")
 
 

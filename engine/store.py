@@ -78,7 +78,7 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str,
     lo, hi = torch.stack([ids.min(), ids.max()]).tolist()
     if lo < 0 or hi >= vocab_size:
         bad = ids[(ids < 0) | (ids >= vocab_size)].unique()[:5].tolist()
-        raise StoreError(f"{what} holds token ids outside the vocabulary [0, {vocab_size}), e.g. {bad}; {fix}")
+        raise StoreError(f"{what} holds token ids outside the vocabulary [0, {vocab_size}), e.g. {bad} — {fix}")
 
 
 def last_occurrence(tokens: torch.Tensor) -> torch.Tensor:
@@ -148,10 +148,10 @@ class SuccessorStore:
         n = tokens.numel()
         if top_ids.shape[0] != n or top_probs.shape[0] != n:
             raise StoreError(f"update of {n} rows got top_ids {tuple(top_ids.shape)} and top_probs "
-                             f"{tuple(top_probs.shape)}; pass one top-k row per token")
+                             f"{tuple(top_probs.shape)} — pass one top-k row per token")
         if top_ids.shape[-1] < self.k:
             raise StoreError(f"store has k={self.k} slots but the update has only {top_ids.shape[-1]} "
-                             f"candidates per row; compute top-{self.k} (or build the store with a smaller k)")
+                             f"candidates per row — compute top-{self.k} (or build the store with a smaller k)")
         if n == 0:
             return
         if check_ids:
@@ -166,7 +166,7 @@ class SuccessorStore:
                top_p: float = 1.0) -> None:
         """Overwrite rows `tokens [n]` with the top-k of `logits [n, V]` (`topk_probs`); last occurrence wins."""
         if logits.dim() != 2 or logits.shape[-1] != self.vocab_size:
-            raise StoreError(f"logits must be [n, {self.vocab_size}] for this store, got {tuple(logits.shape)}; "
+            raise StoreError(f"logits must be [n, {self.vocab_size}] for this store, got {tuple(logits.shape)} — "
                              f"was the store built for another vocabulary?")
         ids, probs = topk_probs(logits, self.k, temperature, top_p)
         self.update_topk(tokens, ids, probs)
@@ -186,7 +186,7 @@ def drafter_store(given: SuccessorStore | None, target, method: str, vocab_size:
         raise StoreError(f"store must be an engine.store.SuccessorStore, got {type(given).__name__}")
     if given.vocab_size != vocab_size:
         raise StoreError(f"the store given to the {method} drafter has {given.vocab_size} rows but the target's "
-                         f"vocabulary has {vocab_size} tokens; build it as SuccessorStore({vocab_size}, k) or "
+                         f"vocabulary has {vocab_size} tokens — build it as SuccessorStore({vocab_size}, k) or "
                          f"pass store=None to use the deployment store")
     check_token_ids(given.tok, vocab_size, f"the store given to the {method} drafter",
                     fix="fill it with token ids of the target's vocabulary")

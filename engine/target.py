@@ -304,14 +304,14 @@ def resolve_backend(model, backend: str = "auto") -> str:
     """"native" or "hf" for this model: `auto` picks native where it applies (one line when it cannot);
     `native` on a model it cannot run is an error naming the supported families."""
     if backend not in BACKENDS:
-        raise BackendError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
+        raise BackendError(f"unknown backend {backend!r} — choose one of {list(BACKENDS)}")
     if backend == "hf":
         return "hf"
     why = unsupported_reason(model)
     if why is None:
         return "native"
     if backend == "native":
-        raise NativeError(f"backend='native': {why}; use backend='hf' or 'auto'")
+        raise NativeError(f"backend='native': {why} — use backend='hf' or 'auto'")
     if why not in _warned:
         _warned.add(why)
         print(f"[specvocab] native forward unavailable ({why}); using transformers (backend='hf')",
@@ -372,7 +372,7 @@ def rows_error(nodes: int, rows: int, verify_rows: int | None) -> str:
     rows, the largest bucket there (`verify_rows`, or DEVICE_ROWS on an accelerator when it is None)."""
     where = f"verify_rows={verify_rows}" if verify_rows is not None else "DEVICE_ROWS on an accelerator"
     return (f"a draft tree of {nodes} nodes (root included) exceeds the largest verify bucket, {rows} rows "
-            f"({where}); lower draft_size to at most {rows - 1} or set verify_rows to at least {nodes}")
+            f"({where}) — lower draft_size to at most {rows - 1} or set verify_rows to at least {nodes}")
 
 
 def decode_rows(device: torch.device, fixed_shape: bool, rows: int | None) -> int | None:
@@ -388,7 +388,7 @@ def make_target(model, backend: str = "auto", fixed_shape: bool = True, rows: in
     """The Target for one decode (a fresh cache per `begin`)."""
     if resolve_backend(model, backend) == "native":
         if compile and not fixed_shape:
-            raise BackendError("compile=True compiles the fixed-shape decode forward; set fixed_shape=True "
+            raise BackendError("compile=True compiles the fixed-shape decode forward — set fixed_shape=True "
                                "or compile=False")
         return NativeTarget(model, fixed_shape=fixed_shape, rows=rows, compile=compile, cuda_graphs=cuda_graphs,
                             cpu_kernels=cpu_kernels)

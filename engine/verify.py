@@ -70,7 +70,7 @@ def warp_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> 
     mass reaches top_p (the token that crosses top_p is kept), like transformers' TopPLogitsWarper.
     """
     if temperature <= 0:
-        raise VerifyError(f"warp_probs needs temperature > 0 (got {temperature}); use verify_greedy for T = 0")
+        raise VerifyError(f"warp_probs needs temperature > 0 (got {temperature}) — use verify_greedy for T = 0")
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)

@@ -54,7 +54,7 @@ def _check(weight: torch.Tensor, packed: torch.Tensor, slots: torch.Tensor, toke
     if slots.dtype.is_floating_point or tokens.dtype.is_floating_point:
         raise GatherError(f"slots/tokens must be integer tensors, got {slots.dtype}/{tokens.dtype}")
     if weight.stride(1) != 1 or packed.stride(1) != 1:
-        raise GatherError("weight and packed need contiguous rows (stride 1 along d); call .contiguous()")
+        raise GatherError("weight and packed need contiguous rows (stride 1 along d) — call .contiguous()")
     if count is not None and count.numel() != 1:
         raise GatherError(f"count must be a 0-d (or 1-element) device tensor, got shape {tuple(count.shape)}")
     devices = {t.device for t in (weight, packed, slots, tokens) + ((count,) if count is not None else ())}

@@ -109,7 +109,7 @@ def default_dtype(env: str | None = None, cuda: bool = HAS_CUDA, cpu_bf16: bool 
     if env.strip():
         name = env.strip().lower().removeprefix("torch.")
         if name not in DTYPES:
-            raise HardwareError(f"{DTYPE_ENV}={env!r} is not a dtype; set it to one of {sorted(DTYPES)} or unset it")
+            raise HardwareError(f"{DTYPE_ENV}={env!r} is not a dtype — set it to one of {sorted(DTYPES)} or unset it")
         return DTYPES[name]
     if cuda:
         return torch.float16
@@ -131,7 +131,7 @@ def parse_dtype(value: str | torch.dtype | None) -> torch.dtype:
         return value
     name = str(value).strip().lower().removeprefix("torch.")
     if name not in DTYPES:
-        raise HardwareError(f"unknown dtype {value!r}; choose one of {sorted(DTYPES)} (default here: "
+        raise HardwareError(f"unknown dtype {value!r} — choose one of {sorted(DTYPES)} (default here: "
                             f"{str(DEFAULT_DTYPE).removeprefix('torch.')})")
     return DTYPES[name]
 
@@ -142,9 +142,9 @@ def check_dtype(dtype: torch.dtype, device: torch.device | str) -> None:
     emulated where the processor lacks them: slow, not wrong), so only the kind is checked there."""
     device = torch.device(device)
     if not dtype.is_floating_point:
-        raise HardwareError(f"dtype {dtype} is not a floating-point dtype; a model runs in one of fp32, bf16, fp16")
+        raise HardwareError(f"dtype {dtype} is not a floating-point dtype — a model runs in one of fp32, bf16, fp16")
     if device.type == "cuda" and dtype == torch.bfloat16 and HAS_CUDA and not torch.cuda.is_bf16_supported():
-        raise HardwareError(f"this GPU ({torch.cuda.get_device_name(device)}) has no bf16 support; pass "
+        raise HardwareError(f"this GPU ({torch.cuda.get_device_name(device)}) has no bf16 support — pass "
                             f"--dtype fp16 or fp32 (or set {DTYPE_ENV})")
 
 
@@ -155,9 +155,9 @@ def parse_device(value: str | torch.device | None) -> torch.device:
     try:
         device = torch.device(value)
     except (RuntimeError, TypeError) as e:
-        raise HardwareError(f"unknown device {value!r} ({e}); pass cpu, cuda or cuda:N") from None
+        raise HardwareError(f"unknown device {value!r} ({e}) — pass cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not HAS_CUDA:
-        raise HardwareError(f"device {value!r} asked for, but this machine has no CUDA; pass cpu or leave the "
+        raise HardwareError(f"device {value!r} asked for, but this machine has no CUDA — pass cpu or leave the "
                             f"device unset (default here: {DEVICE})")
     return device
 
@@ -195,7 +195,7 @@ def triton_enabled() -> bool:
     env = os.environ.get(ENV_VAR, "").strip().lower()
     if env:
         if env not in _BACKENDS:
-            raise KernelBackendError(f"{ENV_VAR}={env!r} is not a kernel backend; set it to one of "
+            raise KernelBackendError(f"{ENV_VAR}={env!r} is not a kernel backend — set it to one of "
                                      f"{list(_BACKENDS)} or unset it (default: triton on CUDA, torch on CPU)")
         return env == "triton"
     return HAS_CUDA
@@ -206,12 +206,12 @@ def check_triton_can_run(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.is_cuda:
             if triton_interpreted():
-                raise KernelBackendError("CUDA tensor passed to a Triton kernel while TRITON_INTERPRET=1; "
+                raise KernelBackendError("CUDA tensor passed to a Triton kernel while TRITON_INTERPRET=1 — "
                                          "unset TRITON_INTERPRET to run compiled kernels on the GPU")
             continue
         if t.device.type == "cpu" and not triton_interpreted():
             raise KernelBackendError(
-                "Triton kernel called on a CPU tensor without the interpreter; import `kernels.hardware` "
+                "Triton kernel called on a CPU tensor without the interpreter — import `kernels.hardware` "
                 "before anything defines Triton kernels on a CPU-only machine, set TRITON_INTERPRET=1, or use "
                 "the torch reference (use_triton(False) / SPECVOCAB_KERNELS=torch)")
         if t.device.type not in ("cpu", "cuda"):

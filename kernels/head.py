@@ -90,7 +90,7 @@ def _check(h: torch.Tensor, w: torch.Tensor, idx: torch.Tensor | None, name: str
     if h.dtype not in _FLOATS or w.dtype not in _FLOATS:
         raise HeadError(f"h and {name} must be fp32/fp16/bf16, got {h.dtype} and {w.dtype}")
     if h.dtype != w.dtype:
-        raise HeadError(f"h ({h.dtype}) and {name} ({w.dtype}) must share a dtype; cast h with .to({w.dtype})")
+        raise HeadError(f"h ({h.dtype}) and {name} ({w.dtype}) must share a dtype — cast h with .to({w.dtype})")
     if idx is not None and (idx.dim() != 1 or idx.dtype.is_floating_point or idx.dtype == torch.bool):
         raise HeadError(f"index/tok_of_slot must be a 1-d integer tensor, got {tuple(idx.shape)} {idx.dtype}")
     devices = {t.device for t in (h, w) + ((idx,) if idx is not None else ())}
@@ -103,7 +103,7 @@ def _launch(h2: torch.Tensor, w: torch.Tensor, idx: torch.Tensor | None, n_cols:
     r, d = h2.shape
     h2 = h2.contiguous()
     if w.stride(1) != 1:
-        raise HeadError("the weight/packed buffer needs contiguous rows (stride 1 along d); call .contiguous()")
+        raise HeadError("the weight/packed buffer needs contiguous rows (stride 1 along d) — call .contiguous()")
     out = torch.empty(r, n_cols, dtype=torch.float32, device=h2.device)
     if r == 0 or n_cols == 0:
         return out

@@ -40,7 +40,7 @@ class PackedLMHead:
         if weight.dim() != 2:
             raise WindowError(f"weight must be the [V, d] LM head, got {tuple(weight.shape)}")
         if mode not in MODES:
-            raise WindowError(f"unknown window mode {mode!r}; choose one of {list(MODES)}")
+            raise WindowError(f"unknown window mode {mode!r} — choose one of {list(MODES)}")
         self.weight = weight                                       # [V, d]
         self.dtype = dtype or weight.dtype
         self.device = weight.device

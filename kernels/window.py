@@ -115,7 +115,7 @@ def new_window_state(vocab_size: int, w_max: int, device: torch.device | str | N
                      mode: str = "eq4_exact") -> WindowState:
     """An empty window over a vocabulary of `vocab_size` tokens holding the last `w_max` stream entries."""
     if mode not in MODES:
-        raise WindowError(f"unknown window mode {mode!r}; choose one of {list(MODES)} (MicroSpec §3.2 Eq. 4)")
+        raise WindowError(f"unknown window mode {mode!r} — choose one of {list(MODES)} (MicroSpec §3.2 Eq. 4)")
     if vocab_size <= 0 or w_max <= 0:
         raise WindowError(f"vocab_size and w_max must be > 0, got {vocab_size} and {w_max}")
     device = torch.device(device) if device is not None else hardware.DEVICE

@@ -34,7 +34,7 @@ def build_index(traces: Sequence[Trace], stream: Literal["candidate", "generated
         return StreamIndex(candidate_stream(traces, k_pre, k_ver, sources, prefill_order, event_order))
     if stream == "generated":
         return StreamIndex(generated_stream(traces))
-    raise LocalityError(f"stream={stream!r}; choose 'candidate' (MicroSpec's S) or 'generated' (prompt ⊕ generated)")
+    raise LocalityError(f"stream={stream!r} — choose 'candidate' (MicroSpec's S) or 'generated' (prompt ⊕ generated)")
 
 
 def window_frame(index: StreamIndex, w_max) -> pl.DataFrame:

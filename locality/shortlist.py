@@ -47,7 +47,7 @@ def count_tokens(arrays: Iterable[np.ndarray], vocab_size: int) -> pl.DataFrame:
     ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)         # [n]
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         bad = int(ids.max()) if ids.max() >= vocab_size else int(ids.min())
-        raise ShortlistError(f"token id {bad} is outside the vocabulary [0, {vocab_size}); pass the tokenizer's "
+        raise ShortlistError(f"token id {bad} is outside the vocabulary [0, {vocab_size}) — pass the tokenizer's "
                              "full vocab size (len(tokenizer)), not the model's or a smaller one")
     count = np.bincount(ids, minlength=vocab_size)                                  # [V]
     first = np.arange(vocab_size, dtype=np.int64) + ids.size                         # unseen: after, by id
@@ -67,7 +67,7 @@ def ranking_from_traces(traces: Sequence[Trace], vocab_size: int,
     pick = {"generated": lambda t: [t.generated], "prompt": lambda t: [t.prompt],
             "prompt+generated": lambda t: [t.prompt, t.generated]}
     if what not in pick:
-        raise ShortlistError(f"what={what!r}; choose one of {sorted(pick)}")
+        raise ShortlistError(f"what={what!r} — choose one of {sorted(pick)}")
     return count_tokens([a for t in traces for a in pick[what](t)], vocab_size)
 
 
@@ -94,27 +94,27 @@ def load_ranking(path: str | Path, tokenizer: str | None = None, vocab_size: int
     path = Path(path)
     side = _sidecar(path)
     if not path.exists() or not side.exists():
-        raise ShortlistError(f"ranking {path} or its sidecar {side.name} is missing; write both with "
+        raise ShortlistError(f"ranking {path} or its sidecar {side.name} is missing — write both with "
                              "specvocab.locality.shortlist.save_ranking")
     meta = json.loads(side.read_text())
     if tokenizer is not None and meta.get("tokenizer") != tokenizer:
         raise ShortlistError(f"ranking {path} was counted with tokenizer {meta.get('tokenizer')!r}, not "
-                             f"{tokenizer!r}; recount the corpus with {tokenizer!r} (count_tokens + save_ranking)")
+                             f"{tokenizer!r} — recount the corpus with {tokenizer!r} (count_tokens + save_ranking)")
     if vocab_size is not None and meta.get("vocab_size") != vocab_size:
         raise ShortlistError(f"ranking {path} covers a vocabulary of {meta.get('vocab_size')} ids but the model "
-                             f"has {vocab_size}; recount with vocab_size={vocab_size} for this tokenizer")
+                             f"has {vocab_size} — recount with vocab_size={vocab_size} for this tokenizer")
     ranking = pl.read_parquet(path)
     _check_frame(ranking, str(path))
     if ranking.height != meta.get("vocab_size"):
         raise ShortlistError(f"{path} has {ranking.height} rows but its sidecar says vocab_size="
-                             f"{meta.get('vocab_size')}; the files are out of sync, write them again")
+                             f"{meta.get('vocab_size')} — the files are out of sync, write them again")
     return ranking
 
 
 def _check_frame(ranking: pl.DataFrame, what: str) -> None:
     missing = {"token_id", "count", "rank"} - set(ranking.columns)
     if missing:
-        raise ShortlistError(f"{what} lacks column(s) {sorted(missing)}; build rankings with count_tokens")
+        raise ShortlistError(f"{what} lacks column(s) {sorted(missing)} — build rankings with count_tokens")
 
 
 def shortlist(ranking: pl.DataFrame, k: int, always_include: Sequence[int] = ()) -> np.ndarray:
@@ -136,7 +136,7 @@ def token_ranks(ranking: pl.DataFrame, tokens: np.ndarray) -> np.ndarray:
     v = ranking.height
     if tokens.size and (tokens.min() < 0 or tokens.max() >= v):
         bad = int(tokens.min()) if tokens.min() < 0 else int(tokens.max())
-        raise ShortlistError(f"token id {bad} is outside the ranking's vocabulary of {v} ids; "
+        raise ShortlistError(f"token id {bad} is outside the ranking's vocabulary of {v} ids — "
                              "the ranking was made for another tokenizer")
     rank_of = np.empty(v, dtype=np.int64)
     rank_of[ranking["token_id"].to_numpy()] = ranking["rank"].to_numpy()

@@ -140,7 +140,7 @@ def check_windows(w_max) -> np.ndarray:
     """[nW] int64 window sizes, each >= 1."""
     ws = np.atleast_1d(np.asarray(w_max))
     if ws.size == 0:
-        raise LocalityError("w_max is empty; pass one or more window sizes, e.g. w_max=[1024, 3072]")
+        raise LocalityError("w_max is empty — pass one or more window sizes, e.g. w_max=[1024, 3072]")
     if not np.issubdtype(ws.dtype, np.integer) or (ws < 1).any():
         raise LocalityError(f"w_max must be integers >= 1 (stream entries), got {ws.tolist()}")
     return ws.astype(np.int64)
@@ -150,7 +150,7 @@ def check_traces(traces) -> list[Trace]:
     """A non-empty list of `Trace`s from any input `locality.trace.as_traces` accepts (Traces or token ids)."""
     traces = as_traces(traces)
     if not traces:
-        raise LocalityError("the trace list is empty; read some with locality.read_traces(path), record them "
+        raise LocalityError("the trace list is empty — read some with locality.read_traces(path), record them "
                             "with `specvocab record`, or pass token ids (one stream, or one per text)")
     return traces
 
@@ -166,7 +166,7 @@ def _check_trace_k(t: Trace, k: int, what: str, i: int) -> None:
     if k and t.k == 0:
         row = "prefill" if what == "k_pre" else "verify"
         raise LocalityError(f"traces[{i}] has no top-k rows (plain token ids) but the candidate stream takes the "
-                            f"top-{k} of every {row} row ({what}={k}); measure stream='generated' (the window "
+                            f"top-{k} of every {row} row ({what}={k}) — measure stream='generated' (the window "
                             "over the tokens themselves), pass k_pre=0, k_ver=0, or record traces with top-k rows "
                             "(`specvocab record`)")
     t.check_k(k, what)
@@ -239,7 +239,7 @@ def draft_positions(t: Trace) -> np.ndarray:
     if sizes is not None and len(sizes) == n and (np.asarray(sizes) >= 0).all() and sum(sizes) >= T:
         return np.minimum(np.cumsum(np.asarray(sizes, dtype=np.int64)), T) - 1
     raise TraceError(f"trace has {n} draft_tokens lists but {T} generated tokens and no meta['step_sizes'] "
-                     f"(tokens committed per step, {n} ints summing to >= {T}); record step_sizes with the "
+                     f"(tokens committed per step, {n} ints summing to >= {T}) — record step_sizes with the "
                      "draft trees, or store one list per generated token (see locality.stream)")
 
 
@@ -255,7 +255,7 @@ def step_bounds(t: Trace) -> np.ndarray:
     if sizes is None:
         if n is not None and n != T:
             raise TraceError(f"trace has {n} draft_tokens lists but {T} generated tokens and no "
-                             f"meta['step_sizes']; the engine event order needs the tokens committed per step "
+                             f"meta['step_sizes'] — the engine event order needs the tokens committed per step "
                              f"(engine.harness.GenerateResult.to_trace writes them)")
         return np.arange(T + 1, dtype=np.int64)
     a = np.asarray(sizes)
@@ -263,7 +263,7 @@ def step_bounds(t: Trace) -> np.ndarray:
             or (a < 1).any() or a.sum() < T or (T and a[0] != 1)):
         raise TraceError(f"meta['step_sizes'] = {list(sizes)} is not one int >= 1 per step "
                          f"({'any number of' if n is None else n} steps, the prefill's step 0 committing 1) "
-                         f"summing to >= {T} generated tokens; re-record the trace with "
+                         f"summing to >= {T} generated tokens — re-record the trace with "
                          f"specvocab.engine.harness.GenerateResult.to_trace")
     return np.concatenate([[0], np.minimum(np.cumsum(a.astype(np.int64)), T)])
 
@@ -309,11 +309,11 @@ def candidate_stream(traces: Sequence[Trace], k_pre: int = 3, k_ver: int = 3, so
     traces = check_traces(traces)
     k_pre, k_ver = check_k(k_pre, "k_pre"), check_k(k_ver, "k_ver")
     if sources not in SOURCES:
-        raise LocalityError(f"sources={sources!r}; choose one of {SOURCES} (MicroSpec Table 3)")
+        raise LocalityError(f"sources={sources!r} — choose one of {SOURCES} (MicroSpec Table 3)")
     if prefill_order not in ("first", "last"):
-        raise LocalityError(f"prefill_order={prefill_order!r}; choose 'first' or 'last'")
+        raise LocalityError(f"prefill_order={prefill_order!r} — choose 'first' or 'last'")
     if event_order not in EVENT_ORDERS:
-        raise LocalityError(f"event_order={event_order!r}; choose one of {EVENT_ORDERS} (see locality.stream)")
+        raise LocalityError(f"event_order={event_order!r} — choose one of {EVENT_ORDERS} (see locality.stream)")
     build = _token_stream if event_order == "token" else _engine_stream
     parts, queries = [], []
     for i, t in enumerate(traces):
@@ -380,7 +380,7 @@ class StreamIndex:
             tokens, qtok, U = inv[:N], inv[N:], int(inv.max(initial=-1)) + 1
             if rb + max(U - 1, 0).bit_length() + mb > 62:
                 raise LocalityError(f"{R} traces x {U} distinct tokens x streams of {int(lens.max())} entries "
-                                    "do not fit one int64 sort key; split the trace list")
+                                    "do not fit one int64 sort key — split the trace list")
         tb = max(U - 1, 0).bit_length() + mb                              # shift of the trace field
         entry_trace = np.repeat(np.arange(R, dtype=np.int64), lens)        # [N]
         local2 = 2 * (np.arange(N, dtype=np.int64) - s.bounds[entry_trace]) + 1
@@ -477,7 +477,7 @@ class StreamIndex:
     def _query_counts(self, per: str):
         """(Cq [N+R+1]: #counted queries at slots <= x, Cq at each repeat's own slot, counted query_pos)."""
         if per not in ("token", "step"):
-            raise LocalityError(f"per={per!r}; choose 'token' (every query) or 'step' (one per step)")
+            raise LocalityError(f"per={per!r} — choose 'token' (every query) or 'step' (one per step)")
         if per not in self._counted:
             s = self.stream
             sel = slice(None) if per == "token" else self.step_first

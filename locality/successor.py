@@ -43,7 +43,7 @@ def successor_ranks(traces: Sequence[Trace], k: int | None = None, persist: bool
     bare = next((i for i, t in enumerate(traces) if has_rows(t) and t.k == 0), None)
     if bare is not None:
         raise LocalityError(f"traces[{bare}] has no top-k rows (plain token ids) but the successor store is filled "
-                            "from them; record traces with top-k rows (`specvocab record`)")
+                            "from them — record traces with top-k rows (`specvocab record`)")
     ks = [t.k for t in traces if t.prefill_topk.shape[0] or t.step_topk.shape[0]]
     kk = min(ks) if k is None and ks else (k or 0)
     if k is not None:

@@ -141,7 +141,7 @@ def miss_ratio_curves(traces: Sequence[Trace], capacities=DEFAULT_CAPACITIES, by
         idx = build_index(sub, stream, k_pre, k_ver, sources, prefill_order, event_order)
         tokens = idx.tokens
         if tokens == 0:
-            raise LocalityError(f"group {values} has no generated tokens; drop empty traces or group differently")
+            raise LocalityError(f"group {values} has no generated tokens — drop empty traces or group differently")
         stack = np.sort(idx.stack_distance())
         distinct = idx.distinct_before()
         lru_mean = np.array([np.minimum(distinct, c).mean() for c in caps])

@@ -59,15 +59,15 @@ def check_ids(x: Any) -> np.ndarray:
     """[n] int64 ids of one token stream (a sequence of ints or a 1-D array), checked: integers >= 0."""
     a = np.asarray(x)
     if a.ndim != 1:
-        raise TraceError(f"a token stream must be 1-D (one id per token), got shape {a.shape}; pass several "
+        raise TraceError(f"a token stream must be 1-D (one id per token), got shape {a.shape} — pass several "
                          "texts as a list of streams or a 2-D array with one row per text")
     if a.size and (a.dtype == bool or not np.issubdtype(a.dtype, np.integer)):
-        raise TraceError(f"token ids must be integers, got dtype {a.dtype}; convert the stream with "
+        raise TraceError(f"token ids must be integers, got dtype {a.dtype} — convert the stream with "
                          "np.asarray(ids, dtype=np.int64)")
     a = a.astype(np.int64)
     if a.size and a.min() < 0:
         at = int(np.argmax(a < 0))
-        raise TraceError(f"token id {int(a[at])} at position {at} is negative; token ids index the vocabulary "
+        raise TraceError(f"token id {int(a[at])} at position {at} is negative — token ids index the vocabulary "
                          "(0 .. vocab_size - 1)")
     return a
 
@@ -103,10 +103,10 @@ def as_traces(traces: Any, prompt_len: int = 1, name: str = "traces") -> list[Tr
     if isinstance(traces, Trace):
         return [traces]
     if isinstance(traces, pl.DataFrame):
-        raise TraceError(f"{name} is a polars DataFrame; turn a trace table into Traces with "
+        raise TraceError(f"{name} is a polars DataFrame — turn a trace table into Traces with "
                          "locality.read_traces(path), or pass its token ids as one stream per text")
     if isinstance(traces, (str, bytes)) or not (hasattr(traces, "__iter__") or hasattr(traces, "__array__")):
-        raise TraceError(f"{name} has type {type(traces).__name__}; pass Traces (locality.read_traces), one stream "
+        raise TraceError(f"{name} has type {type(traces).__name__} — pass Traces (locality.read_traces), one stream "
                          "of token ids, or a list of streams (one per text)")
     if isinstance(traces, np.ndarray) or (hasattr(traces, "__array__") and not isinstance(traces, (list, tuple))):
         a = np.asarray(traces)
@@ -117,12 +117,12 @@ def as_traces(traces: Any, prompt_len: int = 1, name: str = "traces") -> list[Tr
     kinds = [token_kind(x) for x in items]
     bad = next((i for i, k in enumerate(kinds) if k not in _KINDS), None)
     if bad is not None:
-        raise TraceError(f"{name}[{bad}] has type {kinds[bad]}; pass Traces (locality.read_traces), one stream of "
+        raise TraceError(f"{name}[{bad}] has type {kinds[bad]} — pass Traces (locality.read_traces), one stream of "
                          "token ids, or a list of streams (one per text)")
     if len(set(kinds)) > 1:
         j = next(i for i, k in enumerate(kinds) if k != kinds[0])
         raise TraceError(f"{name} mixes kinds: {name}[0] is {_KINDS[kinds[0]]} but {name}[{j}] is "
-                         f"{_KINDS[kinds[j]]}; pass only Traces, one stream of ids, or only streams (one per text)")
+                         f"{_KINDS[kinds[j]]} — pass only Traces, one stream of ids, or only streams (one per text)")
     if not items or kinds[0] == "trace":
         return items
     if kinds[0] == "id":
@@ -198,7 +198,7 @@ class Trace:
                              f"got {prompt_len!r}")
         ids = check_ids(tokens)
         if len(ids) < prompt_len:
-            raise TraceError(f"a token stream of {len(ids)} id(s) is shorter than prompt_len={prompt_len}; a stream "
+            raise TraceError(f"a token stream of {len(ids)} id(s) is shorter than prompt_len={prompt_len} — a stream "
                              f"needs its prompt_len context id(s) before the first queried one")
         return cls(prompt=ids[:prompt_len], prefill_topk=np.zeros((prompt_len - 1, 0), dtype=np.int64),
                    generated=ids[prompt_len:], step_topk=np.zeros((len(ids) - prompt_len, 0), dtype=np.int64),
@@ -212,7 +212,7 @@ class Trace:
 
     def check_k(self, k: int, what: str = "K") -> None:
         if k > self.k:
-            raise TraceError(f"{what}={k} is larger than the K={self.k} this trace was recorded with; "
+            raise TraceError(f"{what}={k} is larger than the K={self.k} this trace was recorded with — "
                              f"re-record with `python -m specvocab.engine.jobs.record --topk {k}` or ask for {what} <= {self.k}")
 
     def to_row(self) -> dict:
@@ -234,7 +234,7 @@ class Trace:
     def from_row(cls, row: dict) -> "Trace":
         missing = [c for c in ("prompt", "prefill_topk", "generated", "step_topk") if c not in row]
         if missing:
-            raise TraceError(f"trace row lacks column(s) {missing}; a trace file needs "
+            raise TraceError(f"trace row lacks column(s) {missing} — a trace file needs "
                              f"prompt, prefill_topk, generated, step_topk (see locality.trace)")
         meta = {c: row[c] for c in META_COLUMNS if row.get(c) is not None}
         if row.get("meta_json"):
@@ -279,14 +279,16 @@ def read_traces(path: str | Path | Sequence[str | Path]) -> list[Trace]:
     if path.is_dir():
         files = [f for f in sorted(path.rglob("*.parquet")) if _is_trace_file(f)]
         if not files:
-            raise TraceError(f"no Parquet trace files under {path}; record some with `python -m specvocab.engine.jobs.record`")
+            raise TraceError(f"no Parquet trace files under {path} — record some with "
+                             f"`python -m specvocab.engine.jobs.record`")
         return [t for f in files for t in read_traces(f)]
     if not path.exists():
-        raise TraceError(f"trace file {path} does not exist; record traces with `python -m specvocab.engine.jobs.record`")
+        raise TraceError(f"trace file {path} does not exist — record traces with "
+                         f"`python -m specvocab.engine.jobs.record`")
     try:
         df = pl.read_parquet(path)
     except Exception as e:  # polars raises several error types for a non-Parquet file
-        raise TraceError(f"{path} is not a readable Parquet trace file ({type(e).__name__}: {e}); "
+        raise TraceError(f"{path} is not a readable Parquet trace file ({type(e).__name__}: {e}) — "
                          f"delete it and re-record with `python -m specvocab.engine.jobs.record`") from e
     try:
         return _frame_traces(df)

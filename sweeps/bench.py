@@ -108,7 +108,7 @@ def main(out: str | Path | None = None, typical: str | Path | None = None, k: in
          per_category: int = 4, max_new_tokens: int = 256) -> dict:
     root = Path(out) if out else Path(tempfile.mkdtemp(prefix="sweeps-bench-"))
     if root.exists() and any(root.iterdir()):
-        raise SystemExit(f"{root} is not empty; pass a new folder to --out")
+        raise SystemExit(f"{root} is not empty — pass a new folder to --out")
     sweep = bench_sweep(k, per_category, max_new_tokens)
     coverage = sweep.by_kind("coverage")
     n = len(coverage)

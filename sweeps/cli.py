@@ -40,6 +40,7 @@ VERBS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "data": ("specvocab.engine.jobs.eagle_data", "the target's features over training prompts, in resumable shards"),
         "eagle": ("specvocab.engine.jobs.train_eagle", "train an EAGLE-2 draft head on a data folder"),
         "eagle3": ("specvocab.engine.jobs.train_eagle3", "train an EAGLE-3 draft head (TTT, own draft vocabulary) on a data folder"),
+        "speed": ("specvocab.engine.jobs.train_speed", "what an EAGLE-3 training step costs here, against the GEMM bound"),
     },
     "dynaspec": {
         "fit": ("specvocab.engine.jobs.fit_dynaspec", "fit DynaSpec's clusters and router for a model and drafter"),

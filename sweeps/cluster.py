@@ -48,7 +48,7 @@ def start_local(num_cpus: int | None = None, **kwargs) -> None:
         except Exception as e:  # Ray raises a bare Exception when its raylet misses the 30 s start deadline
             ray.shutdown()
             if "timed out during startup" not in str(e) or attempt == STARTS - 1:
-                raise SweepError(f"could not start a local Ray ({e}); on a loaded machine try again") from e
+                raise SweepError(f"could not start a local Ray ({e}) — on a loaded machine try again") from e
     nodes = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
     if nodes != {LOOPBACK}:
         ray.shutdown()
@@ -101,14 +101,14 @@ def attach(address: str, timeout_s: float = 5.0) -> None:
             with socket.create_connection(hp, timeout=timeout_s):
                 pass
         except OSError as e:
-            raise SweepError(f"cannot reach the Ray cluster at {address} ({e}); start one with "
+            raise SweepError(f"cannot reach the Ray cluster at {address} ({e}) — start one with "
                              f"`ray start --head`, check the address, or leave --address out to run on a "
                              f"local Ray") from None
     try:
         runtime_env = checkout_runtime_env()
         ray.init(address=address, log_to_driver=False, **({"runtime_env": runtime_env} if runtime_env else {}))
     except (ConnectionError, RuntimeError, ValueError) as e:
-        raise SweepError(f"cannot connect to the Ray cluster at {address!r} ({type(e).__name__}: {e}); with "
+        raise SweepError(f"cannot connect to the Ray cluster at {address!r} ({type(e).__name__}: {e}) — with "
                          f"`auto`, run inside the cluster (`ray job submit ... --address auto`) or pass its "
                          f"host:port") from None
 

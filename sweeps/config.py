@@ -159,7 +159,7 @@ def _check_model(spec: dict, i: int) -> ModelSpec:
     for key, values in check_params(spec.get("params", {}), where).items():
         if len(values) != 1 or isinstance(spec["params"][key], list):
             raise SweepError(f"{where}.params.{key}: a model's params are single values (e.g. the layers its "
-                             f"drafter skips); put grid axes in a [[bench]] entry's params")
+                             f"drafter skips) — put grid axes in a [[bench]] entry's params")
         params[key] = values[0]
     memory = _memory(spec["memory"], f"{where}.memory") if "memory" in spec else None
     num_cpus = spec.get("num_cpus")
@@ -177,7 +177,7 @@ def _memory(value, where: str) -> int:
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", value) if isinstance(value, str) else None
     if m and m.group(2).lower() in MEMORY_UNITS and float(m.group(1)) > 0:
         return int(float(m.group(1)) * MEMORY_UNITS[m.group(2).lower()])
-    raise SweepError(f"{where}: {value!r} is not a memory size; give bytes (an integer) or a string such as "
+    raise SweepError(f"{where}: {value!r} is not a memory size — give bytes (an integer) or a string such as "
                      f"\"24GiB\", \"512MiB\" or \"8GB\"")
 
 
@@ -222,7 +222,7 @@ def _check_prompts(spec: dict, i: int) -> PromptEntry:
         raise SweepError(f"{where} (prompt set {name!r}): {e}{fix}") from None
     if not prompts:
         raise SweepError(f"{where}: prompt set {name!r} with categories {cats} and languages {langs} selects no "
-                         f"prompts (no prompt has both); widen one of the two filters")
+                         f"prompts (no prompt has both) — widen one of the two filters")
     if split == "none":
         values: tuple = (None,)
     else:
@@ -261,11 +261,11 @@ def parse_sweep(config: dict, default_name: str = "sweep") -> Sweep:
     kinds = as_list(top.get("kinds", default_kinds), "[sweep].kinds", str)
     for k in kinds:
         if k not in KINDS:
-            raise SweepError(f"[sweep].kinds: unknown kind {k!r}{suggest(k, KINDS)}; choose from {list(KINDS)}")
+            raise SweepError(f"[sweep].kinds: unknown kind {k!r}{suggest(k, KINDS)} — choose from {list(KINDS)}")
     kinds = [k for k in KINDS if k in kinds]
     if "coverage" in kinds and "record" not in kinds:
         raise SweepError("[sweep].kinds has 'coverage' without 'record': coverage cells read the traces the "
-                         "record cells write; add 'record'")
+                         "record cells write — add 'record'")
     max_new = check_int(top.get("max_new_tokens", 128), "[sweep].max_new_tokens")
     repeats = check_int(top.get("repeats", 1), "[sweep].repeats")
     warmup = check_int(top.get("warmup", 1), "[sweep].warmup", 0)
@@ -296,11 +296,11 @@ def parse_sweep(config: dict, default_name: str = "sweep") -> Sweep:
     calibration = top.get("calibration")
     if calibration is not None:
         if not isinstance(calibration, str) or not calibration:
-            raise SweepError(f"[sweep].calibration: {calibration!r} is not a path; give the calibration.json a "
+            raise SweepError(f"[sweep].calibration: {calibration!r} is not a path — give the calibration.json a "
                              f"calibrate run wrote (its records give the bench cells' draft sizes)")
         calibration = str(Path(calibration).expanduser().resolve())
         if not Path(calibration).is_file():
-            raise SweepError(f"[sweep].calibration: {calibration} does not exist; give the calibration.json a "
+            raise SweepError(f"[sweep].calibration: {calibration} does not exist — give the calibration.json a "
                              f"calibrate run wrote, or leave the key out")
 
     model_specs = config.get("models")
@@ -310,7 +310,7 @@ def parse_sweep(config: dict, default_name: str = "sweep") -> Sweep:
     labels = [m.label for m in models]
     dup = sorted({x for x in labels if labels.count(x) > 1})
     if dup:
-        raise SweepError(f"[[models]]: label(s) {dup} appear more than once; give each entry its own `label`")
+        raise SweepError(f"[[models]]: label(s) {dup} appear more than once — give each entry its own `label`")
 
     needs_prompts = any(k in kinds for k in ("record", "bench"))
     prompt_specs = config.get("prompts", [])

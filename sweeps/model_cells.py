@@ -192,7 +192,7 @@ def bench_cell(p: dict, loaded, method: str, threads: int | None, warmup: int | 
         except BenchError as e:
             if not isinstance(e.__cause__, MissingCalibration):
                 raise
-            raise SweepError(f"{e.__cause__} ([sweep] calibration); calibrate here (a [[calibrate]] entry), give a "
+            raise SweepError(f"{e.__cause__} ([sweep] calibration) — calibrate here (a [[calibrate]] entry), give a "
                              f"file made on this machine, or set params.draft_size") from None
 
 

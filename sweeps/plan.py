@@ -62,7 +62,7 @@ def expand_cells(config: dict, kinds: list[str], models: list[ModelSpec], entrie
     ids = [c.id for c in cells]
     if len(set(ids)) != len(ids):
         dup = sorted({c.describe() for c in cells if ids.count(c.id) > 1})
-        raise SweepError(f"the grid repeats cells ({dup[:3]}); remove the duplicate values")
+        raise SweepError(f"the grid repeats cells ({dup[:3]}) — remove the duplicate values")
     return cells
 
 
@@ -76,7 +76,7 @@ def _methods(entry: dict, where: str) -> list[str]:
         raise SweepError(f"{where}: needs `methods` (some of {have})")
     for m in methods:
         if m not in have:
-            raise SweepError(f"{where}: unknown method {m!r}{suggest(m, have)}; choose from {have}")
+            raise SweepError(f"{where}: unknown method {m!r}{suggest(m, have)} — choose from {have}")
     return methods
 
 
@@ -87,20 +87,20 @@ def _policy_points(b: dict, where: str, section: str, methods: list[str], m: Mod
     policies = as_list(b.get("policies", ["full"]), f"{where}.policies", str)
     for p in policies:
         if p not in POLICIES:
-            raise SweepError(f"{where}.policies: unknown vocabulary policy {p!r}{suggest(p, POLICIES)}; "
+            raise SweepError(f"{where}.policies: unknown vocabulary policy {p!r}{suggest(p, POLICIES)} — "
                              f"choose from {list(POLICIES)}")
     sizes = positive_ints(b["vocab_sizes"], f"{where}.vocab_sizes") if "vocab_sizes" in b else [None]
     axes = {**{k: [v] for k, v in m.params.items()}, **check_params(b.get("params", {}), where)}
     for method in methods:
         if method not in DRAFTERS and policies != ["full"]:
             raise SweepError(f"{where}: vocabulary policies {policies} restrict the LM head of a drafter "
-                             f"({', '.join(DRAFTERS)}); {method!r} has none - put it in its own [[{section}]] entry "
+                             f"({', '.join(DRAFTERS)}) — {method!r} has none - put it in its own [[{section}]] entry "
                              f"without `policies`")
         for policy in policies:
             size_field = REQUESTED_SIZE.get(policy)
             for size in (sizes if size_field else [None]):
                 if size_field and size is not None and size_field in axes:
-                    raise SweepError(f"{where}: both vocab_sizes and params.{size_field} set the {policy} size; "
+                    raise SweepError(f"{where}: both vocab_sizes and params.{size_field} set the {policy} size — "
                                      f"keep one")
                 for point in grid_points(axes):
                     yield method, policy, size_field, size, point
@@ -109,12 +109,12 @@ def _policy_points(b: dict, where: str, section: str, methods: list[str], m: Mod
 def _check_eagle_head(cfg: SpecConfig, m: ModelSpec, where: str) -> None:
     if cfg.method == "eagle" and not cfg.eagle_head and m.name not in shipped_heads():
         raise SweepError(f"{where}: eagle needs a draft head for {m.name!r}: params.eagle_head = a local EAGLE "
-                         f"checkpoint folder or hub id (heads ship for {sorted(shipped_heads())} only; train one "
+                         f"checkpoint folder or hub id (heads ship for {sorted(shipped_heads())} only — train one "
                          f"with `python -m specvocab.engine.jobs.train_eagle`)")
     if cfg.method == "eagle3" and not cfg.eagle3_head and m.name not in shipped_eagle3_heads():
         raise SweepError(f"{where}: eagle3 needs an EAGLE-3 head for {m.name!r}: params.eagle3_head = a local "
                          f"EAGLE-3 checkpoint folder or hub id (EAGLE-3 heads ship for "
-                         f"{sorted(shipped_eagle3_heads()) or 'no model yet'}; train one with `python -m "
+                         f"{sorted(shipped_eagle3_heads()) or 'no model yet'} — train one with `python -m "
                          f"specvocab.engine.jobs.train_eagle3`)")
 
 
@@ -135,7 +135,7 @@ def _calibrated_by(method: str, cfg: SpecConfig, calibrations: list[Cell], where
     nearest = min(diffs, key=len)
     what = ", ".join(f"{k} = {v!r} here, {w!r} there" for k, (v, w) in sorted(nearest.items()))
     raise SweepError(f"{where}: the sweep calibrates {method!r} for this model, but no [[calibrate]] cell has this "
-                     f"bench point's settings (nearest: {what}); a bench cell without draft_size runs at the g* "
+                     f"bench point's settings (nearest: {what}) — a bench cell without draft_size runs at the g* "
                      f"calibrated for its own settings - add a [[calibrate]] entry with the same params / policies "
                      f"/ vocab_sizes, or set params.draft_size for a hand-set size")
 
@@ -147,7 +147,7 @@ def _bench_cells(config, m: ModelSpec, base: dict, entries, max_new, repeats, wa
     warm-up), and runs at its g* - calibrating on the spot."""
     benches = config.get("bench", [])
     if not isinstance(benches, list) or not benches:
-        raise SweepError("[sweep].kinds lists 'bench' but there is no [[bench]] entry; add one with `methods`")
+        raise SweepError("[sweep].kinds lists 'bench' but there is no [[bench]] entry — add one with `methods`")
     cells = []
     for i, b in enumerate(benches):
         where = f"[[bench]] #{i + 1}"
@@ -198,7 +198,7 @@ def _calibrate_cells(config, m: ModelSpec, base: dict, max_new) -> list[Cell]:
     default "full") as well as its `policy` / `vocab_size` columns, like a bench cell's."""
     cals = config.get("calibrate", [])
     if not isinstance(cals, list) or not cals:
-        raise SweepError("[sweep].kinds lists 'calibrate' but there is no [[calibrate]] entry; add one with "
+        raise SweepError("[sweep].kinds lists 'calibrate' but there is no [[calibrate]] entry — add one with "
                          "`methods = [\"unispec\"]`")
     cells = []
     for i, c in enumerate(cals):
@@ -206,11 +206,11 @@ def _calibrate_cells(config, m: ModelSpec, base: dict, max_new) -> list[Cell]:
         check_keys(c, SECTION_KEYS["calibrate"], where)
         methods = _methods(c, where)
         if "draft_size" in c.get("params", {}):
-            raise SweepError(f"{where}.params: draft_size is what a calibration measures (its `grid`); leave it "
+            raise SweepError(f"{where}.params: draft_size is what a calibration measures (its `grid`) — leave it "
                              f"out")
         for method in methods:
             if method not in DRAFTING_METHODS:
-                raise SweepError(f"{where}: {method!r} drafts nothing, so it has no draft size to calibrate; "
+                raise SweepError(f"{where}: {method!r} drafts nothing, so it has no draft size to calibrate — "
                                  f"calibrate some of {list(DRAFTING_METHODS)}")
         grid = sorted(set(positive_ints(c["grid"], f"{where}.grid"))) if "grid" in c else None
         n = check_int(c.get("prompts", 5), f"{where}.prompts")
@@ -239,7 +239,7 @@ def _coverage_cells(config, models, entries, record_ids, record_topk) -> list[Ce
     for k in k_pre + k_ver:
         if k > record_topk:
             raise SweepError(f"[coverage]: k_pre / k_ver {k} exceeds the recorded top-K ([record].topk = "
-                             f"{record_topk}); raise topk or lower k")
+                             f"{record_topk}) — raise topk or lower k")
     sources = check_choices(opt["sources"], "[coverage].sources", SOURCES, "a candidate-stream source")
     by = check_choices(opt["by"], "[coverage].by", BY, "a recorded trace field")
     shortlist_k = sorted(set(positive_ints(opt["shortlist_k"], "[coverage].shortlist_k")))

@@ -63,14 +63,14 @@ def notebooks(folder: str | Path = NOTEBOOKS, only: Sequence[str] | None = None)
     """The figure notebooks `NN_*.py` in `folder`, in order; `only`: their numbers or stems ("01", "03_methods")."""
     found = sorted(Path(folder).glob("[0-9][0-9]_*.py"))
     if not found:
-        raise SweepError(f"no figure notebooks (NN_*.py) in {folder}; the default is the package's own "
+        raise SweepError(f"no figure notebooks (NN_*.py) in {folder} — the default is the package's own "
                          f"({NOTEBOOKS})")
     if only:
         want = [str(o).strip() for o in only if str(o).strip()]
         picked = [p for p in found if p.stem[:2] in want or p.stem in want]
         unknown = [w for w in want if not any(p.stem[:2] == w or p.stem == w for p in found)]
         if unknown:
-            raise SweepError(f"--only {unknown}: no such notebook; have {[p.stem for p in found]}")
+            raise SweepError(f"--only {unknown}: no such notebook — have {[p.stem for p in found]}")
         found = picked
     return found
 
@@ -79,11 +79,12 @@ def check_results(results_dir: str | Path) -> Path:
     """`results_dir` resolved, or SweepError when it holds no sweep results."""
     path = Path(results_dir).expanduser().resolve()
     if not path.is_dir():
-        raise SweepError(f"{path} is not a folder; pass the --out folder of `python -m specvocab.sweeps.run CONFIG --out DIR`")
+        raise SweepError(f"{path} is not a folder — pass the --out folder of "
+                         f"`python -m specvocab.sweeps.run CONFIG --out DIR`")
     if not result_files(path):
         what = "an unfinished sweep (no cell finished yet)" if (path / MANIFEST).is_file() else "not a sweep's output"
-        raise SweepError(f"{path} holds no sweep results ({what}); run `python -m specvocab.sweeps.run CONFIG --out {path}` "
-                         f"first, then render")
+        raise SweepError(f"{path} holds no sweep results ({what}) — run "
+                         f"`python -m specvocab.sweeps.run CONFIG --out {path}` first, then render")
     return path
 
 
@@ -140,7 +141,7 @@ def render(results_dir: str | Path, out_dir: str | Path | None = None, only: Seq
     """Execute every figure notebook on `results_dir`, `jobs` at a time (default: one per CPU, at most one
     per notebook); returns what each wrote, in notebook order (see the module docstring)."""
     if papermill is None:
-        raise SweepError(f"rendering needs the notebooks extra ({_IMPORT_ERROR}); pip install -e '.[notebooks]'")
+        raise SweepError(f"rendering needs the notebooks extra ({_IMPORT_ERROR}) — pip install -e '.[notebooks]'")
     results = check_results(results_dir)
     out = Path(out_dir).expanduser().resolve() if out_dir else results / "figures"
     executed_dir = out / "notebooks"

@@ -213,7 +213,7 @@ def lock_output(out: str | Path) -> OutputLock:
         except (OSError, json.JSONDecodeError):
             who = {}
         raise SweepError(f"{out} is in use by another sweeps.run driver (pid {who.get('pid', '?')} on host "
-                         f"{who.get('host', '?')}, since {who.get('since', '?')}); wait for it to finish or stop "
+                         f"{who.get('host', '?')}, since {who.get('since', '?')}) — wait for it to finish or stop "
                          f"it, or use another --out. Two drivers on one folder would run the same cells "
                          f"twice") from None
     atomic_write(owner, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
@@ -281,7 +281,7 @@ def check_output_folder(out: Path) -> None:
     if (out / MANIFEST).is_file() or not out.exists():
         return
     if not out.is_dir() or any(p.name not in (LOCK, LOCK_OWNER) for p in out.iterdir()):
-        raise SweepError(f"{out} exists and is not a sweep output folder (no {MANIFEST}); pick a new or empty "
+        raise SweepError(f"{out} exists and is not a sweep output folder (no {MANIFEST}) — pick a new or empty "
                          f"folder for --out. Nothing was deleted")
 
 
@@ -303,12 +303,12 @@ def prepare_output(out: str | Path, sweep, *, extend: bool = False, strict_prove
         try:
             old = json.loads(manifest.read_text())
         except (OSError, json.JSONDecodeError) as e:
-            raise SweepError(f"{manifest} is unreadable ({e}); it marks {out} as a sweep's output folder. Point "
+            raise SweepError(f"{manifest} is unreadable ({e}) — it marks {out} as a sweep's output folder. Point "
                              f"--out at another folder; nothing was deleted") from None
         changed = differences(old["provenance"], prov) if old.get("provenance") else []
         if changed and strict_provenance:
             raise SweepError(f"{out} was started under another environment: {'; '.join(changed)}. With "
-                             f"--strict-provenance that is refused; run without it to resume anyway (a warning), "
+                             f"--strict-provenance that is refused — run without it to resume anyway (a warning), "
                              f"or use another --out")
         if changed:
             print(f"warning: {out} was started under another environment: {'; '.join(changed)}; results in it "
@@ -324,7 +324,7 @@ def prepare_output(out: str | Path, sweep, *, extend: bool = False, strict_prove
                                  f"folder to start over.{hint}")
             if why is not None:
                 raise SweepError(f"--extend: this config does not extend the one in {out}: {why}. Nothing was "
-                                 f"changed; use another --out")
+                                 f"changed — use another --out")
             stamp = time.strftime("%Y%m%dT%H%M%S")
             for c in replaced:
                 src = cell_path(out, c)
@@ -391,7 +391,7 @@ def results_path(results_dir: str | Path, kinds: Sequence[str] = ()) -> Path:
         missing = [k for k in kinds if not result_files(path, k)]
         if not path.is_dir():
             print(f"missing: no folder {path} (results_dir {str(results_dir)!r}; a relative one is resolved "
-                  f"against ${RESULTS_ENV} or the checkout's root); run `python -m specvocab.sweeps.run CONFIG "
+                  f"against ${RESULTS_ENV} or the checkout's root) — run `python -m specvocab.sweeps.run CONFIG "
                   f"--out {path}` or set results_dir")
         elif missing:
             try:
@@ -447,15 +447,15 @@ def load(out: str | Path, kind: str, *, analysis: str | None = None, stream: str
     means pool several streams."""
     out = Path(out)
     if not out.is_dir():
-        raise SweepError(f"{out} is not a folder; pass the --out folder of `python -m specvocab.sweeps.run`")
+        raise SweepError(f"{out} is not a folder — pass the --out folder of `python -m specvocab.sweeps.run`")
     files = result_files(out, kind)
     if not files:
         kinds = sorted({p.name.split("=", 1)[1] for p in out.glob("kind=*")})
-        raise SweepError(f"no {kind!r} results under {out} (kinds present: {kinds or 'none'}); run the sweep "
+        raise SweepError(f"no {kind!r} results under {out} (kinds present: {kinds or 'none'}) — run the sweep "
                          f"with that kind first")
     if analysis is not None or stream is not None:
         if kind != "coverage":
-            raise SweepError(f"analysis= and stream= select coverage rows; load(DIR, {kind!r}) takes neither")
+            raise SweepError(f"analysis= and stream= select coverage rows — load(DIR, {kind!r}) takes neither")
         return coverage_analysis(out, files, analysis, stream)
     lazy = _scan(files)
     return with_exact_verdicts(with_diagnoses(lazy, out)) if kind == "bench" else lazy
@@ -513,7 +513,7 @@ def coverage_analysis(out: str | Path, files: Sequence[Path], analysis: str | No
     mine = by_analysis.get(analysis, [])
     if not mine:
         raise SweepError(f"no {analysis!r} coverage cells under {out} (analyses present: "
-                         f"{sorted(a for a in by_analysis if a)}); add it to [coverage] analyses and rerun with "
+                         f"{sorted(a for a in by_analysis if a)}) — add it to [coverage] analyses and rerun with "
                          f"--extend")
     frame = _scan(mine).filter(pl.col("analysis") == analysis).collect()
     frame = frame.with_columns(pl.col(c).str.json_decode(dtype) for c, dtype in LIST_PARAMS.items()
@@ -524,7 +524,7 @@ def coverage_analysis(out: str | Path, files: Sequence[Path], analysis: str | No
             have = frame.select(*STREAM).unique().sort(*STREAM).rows()
             d = SpecConfig()
             raise SweepError(f"no {analysis!r} rows at the papers' stream ((k_pre, k_ver, sources) = "
-                             f"{(d.k_pre, d.k_ver, d.sources)}); this sweep has {have}: pass stream=None and "
+                             f"{(d.k_pre, d.k_ver, d.sources)}) — this sweep has {have}: pass stream=None and "
                              f"filter those columns")
         frame = at
     frame = with_task(frame).drop("panel")

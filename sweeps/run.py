@@ -176,7 +176,7 @@ def run_sweep(sweep: Sweep, out: str | Path, *, address: str | None = None, max_
     mixed = mixed_sources(sweep)
     if mixed and strict:
         raise SweepError(f"the models of this sweep would run with draft sizes from different sources "
-                         f"({'; '.join(mixed)}); "
+                         f"({'; '.join(mixed)}) — "
                          f"--strict refuses that: give every model the same source (a [[calibrate]] entry, "
                          f"[sweep] calibration = FILE or params.draft_size), or run without --strict")
     if mixed and show:
@@ -184,7 +184,7 @@ def run_sweep(sweep: Sweep, out: str | Path, *, address: str | None = None, max_
                          "compare a measured g* with a guess; --strict refuses this):", *[f"  {m}" for m in mixed]]),
               file=sys.stderr, flush=True)
     if address is not None and not Path(out).expanduser().is_absolute():
-        raise SweepError(f"--out {out} is a relative path; with --address give an absolute one (the driver of "
+        raise SweepError(f"--out {out} is a relative path — with --address give an absolute one (the driver of "
                          f"a cluster job runs in a copy of the working dir, so a relative folder would land "
                          f"there and vanish with it), e.g. --out /shared/results/{sweep.name}")
     out = Path(out).expanduser().resolve()
@@ -282,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(plan_table(sweep))
             if a.strict and mixed_sources(sweep):
                 raise SweepError(f"--strict: the models of this sweep would run with draft sizes from different "
-                                 f"sources ({'; '.join(mixed_sources(sweep))}); give every model the same source")
+                                 f"sources ({'; '.join(mixed_sources(sweep))}) — give every model the same source")
             return 0
         summary = run_sweep(sweep, a.out, address=a.address, max_workers=a.max_workers, num_cpus=a.num_cpus,
                             progress=a.progress, extend=a.extend, strict_provenance=a.strict_provenance,

@@ -200,7 +200,7 @@ class ModelPhases:
         self._fail(cell, error, e)
         if n >= limit:
             self._stop(spec, f"its actors died {n} times ([sweep] max_crashes = {limit}; the last: "
-                             f"{error_text(e)}); fix the cause (memory? see the full errors) and run the same "
+                             f"{error_text(e)}) — fix the cause (memory? see the full errors) and run the same "
                              f"command again")
 
     def _expire(self, spec, inflight: dict, pool: list) -> None:

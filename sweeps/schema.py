@@ -133,14 +133,14 @@ def check_keys(table: dict, allowed: set[str], where: str) -> None:
         raise SweepError(f"{where} must be a table, got {type(table).__name__}")
     for key in table:
         if key not in allowed:
-            raise SweepError(f"{where}: unknown key {key!r}{suggest(key, allowed)}; valid keys: {sorted(allowed)}")
+            raise SweepError(f"{where}: unknown key {key!r}{suggest(key, allowed)} — valid keys: {sorted(allowed)}")
 
 
 def as_list(value, where: str, kind=None) -> list:
     """A scalar or a list of scalars -> a non-empty list (of `kind`, if given)."""
     out = value if isinstance(value, list) else [value]
     if not out:
-        raise SweepError(f"{where} is an empty list; give at least one value or leave the key out")
+        raise SweepError(f"{where} is an empty list — give at least one value or leave the key out")
     if kind is not None:
         for v in out:
             if isinstance(v, bool) or not isinstance(v, kind):
@@ -154,7 +154,7 @@ def check_choices(value, where: str, allowed, what: str) -> list[str]:
     out = as_list(value, where, str)
     for v in out:
         if v not in allowed:
-            raise SweepError(f"{where}: {v!r} is not {what}{suggest(v, allowed)}; choose from {list(allowed)}")
+            raise SweepError(f"{where}: {v!r} is not {what}{suggest(v, allowed)} — choose from {list(allowed)}")
     return out
 
 
@@ -183,7 +183,7 @@ def check_params(params: dict, where: str) -> dict[str, list]:
             raise SweepError(f"{where}.params: {key!r} is set by the sweep itself ({RESERVED_FIELDS[key]}), "
                              f"not through params")
         if key not in fields:
-            raise SweepError(f"{where}.params: {key!r} is not a SpecConfig field{suggest(key, fields)}; valid "
+            raise SweepError(f"{where}.params: {key!r} is not a SpecConfig field{suggest(key, fields)} — valid "
                              f"fields: {sorted(fields - set(RESERVED_FIELDS))}")
         out[key] = as_list(value, f"{where}.params.{key}")
     return out

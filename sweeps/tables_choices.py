@@ -24,7 +24,7 @@ def read_choices(folder: str | Path) -> pl.DataFrame | None:
     one printed line saying how to make them."""
     files = sorted(Path(folder).expanduser().glob("*.parquet"))
     if not files:
-        print(f"skipped the DynaSpec choices: no Parquet files in {folder}; make them with `"
+        print(f"skipped the DynaSpec choices: no Parquet files in {folder} — make them with `"
               f"{CHOICES_COMMAND.format(folder=folder)}` (FITWORK: the work dir of `python -m specvocab.engine.jobs.fit_dynaspec`, "
               f"<fitted file>.work)")
         return None

@@ -28,7 +28,7 @@ def read(results_dir: str | Path, kind: str, columns: Sequence[str] | None = Non
     """`sweeps.load(results_dir, kind)` collected (only `columns`, those present, when given), or None with
     a printed line when the sweep has no results of that kind - a notebook draws what it has."""
     if kind not in KINDS:
-        raise ValueError(f"unknown result kind {kind!r}; choose from {list(KINDS)}")
+        raise ValueError(f"unknown result kind {kind!r} — choose from {list(KINDS)}")
     try:
         lazy = load(results_dir, kind)
     except SweepError as e:

@@ -209,3 +209,54 @@ def tiny_dynaspec_fit(folder: Path, out: Path, *, epochs: int = 2):
                      prompts=str(prompts), num_prompts=4, heldout=0.25, max_new_tokens=12, num_clusters=16,
                      kmeans_iters=5, router_width=16, top_l=4, epochs=epochs, batch_size=32, k_max=4, out=str(out),
                      threads=None, progress=False)
+
+
+def greedy_accept(tree: DraftTree, logits: torch.Tensor):
+    """(accepted node indices, new tokens) of greedy verification (`engine.verify.verify_greedy`)."""
+    from specvocab.engine.verify import verify_greedy
+    return verify_greedy(tree.tokens, tree.parents, logits)
+
+
+def deepest_accept(tree: DraftTree, logits: torch.Tensor):
+    """(accepted, new) forced to the path to the tree's deepest node plus the target's next token there, so that
+    several draft tokens enter the context every step whatever the target says."""
+    from specvocab.engine.verify import tree_layout
+    accepted = torch.tensor(tree.path_to(int(tree_layout(tree.parents)[0].argmax())))
+    return accepted, torch.cat([tree.tokens[accepted[1:]], logits[accepted[-1]].argmax()[None]])
+
+
+def drive_steps(model, drafter: Drafter, prompt: torch.Tensor, steps: int, accept=greedy_accept):
+    """Decode step by step through the harness's hf pieces (prefill, forward_tree, KV compaction, observe), the
+    accepted path chosen by `accept(tree, logits) -> (accepted, new)`; yields (committed ids, tree, target logits
+    [n, V]) before each step's observe."""
+    from specvocab.engine import kv
+    from specvocab.engine.harness import forward_tree, prefill
+    from specvocab.engine.tree import StepResult
+    with torch.inference_mode():
+        cache = kv.new_cache(model)
+        hidden, logits = prefill(model, prompt, cache)
+        drafter.begin(prompt, logits, hidden)
+        ids = torch.cat([prompt, logits[-1].argmax()[None]])
+        committed = prompt.numel()
+        for _ in range(steps):
+            tree = drafter.propose(ids)
+            h, lg = forward_tree(model, cache, committed, tree.tokens, tree.parents)
+            accepted, new = accept(tree, lg)
+            yield ids, tree, lg
+            committed = kv.compact(cache, committed, tree.size, accepted.tolist())
+            drafter.observe(StepResult(tree=tree, logits=lg, hidden=h, accepted=accepted, new_tokens=new))
+            ids = torch.cat([ids, new])
+
+
+def dies_at_call(real, n: int, counts=lambda *a, **k: True):
+    """A stand-in for `real` that raises KeyboardInterrupt (a killed run) at its n-th call that `counts(*args,
+    **kwargs)` accepts, and otherwise calls `real`."""
+    calls = {"n": 0}
+
+    def stand_in(*a, **k):
+        if counts(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == n:
+                raise KeyboardInterrupt
+        return real(*a, **k)
+    return stand_in

@@ -14,9 +14,9 @@ import torch
 
 from specvocab.engine import calibration as calib
 from specvocab.engine.config import SpecConfig
-from tests import test_calibrate
+from tests import test_calibration
 
-cache_dir, tiny = test_calibrate.cache_dir, test_calibrate.tiny    # its fixtures: a private cache, a tiny model
+cache_dir, tiny = test_calibration.cache_dir, test_calibration.tiny    # its fixtures: a private cache, a tiny model
 
 
 def test_a_g_star_measured_by_other_code_is_used_with_one_warning_naming_the_command(cache_dir, tiny):

@@ -8,9 +8,11 @@
   control per verb shows that a good command line does reach the loader.
 """
 
+import ast
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -380,7 +382,7 @@ def test_module_form_refuses_in_one_line_before_the_model(tmp_path):
                tmp_path)
     assert out.returncode == 2, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and out.stdout == ""
-    assert out.stderr.startswith("error: unknown prompt set 'nope'; use one of ('spec_bench',")
+    assert out.stderr.startswith("error: unknown prompt set 'nope' — use one of ('spec_bench',")
     # an error class defined by the module run as __main__ (its BenchError) is the package's too
     out = _run(["-m", "specvocab.engine.jobs.bench", "--model", "random-llama", "--methods", "nope"], tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
@@ -403,3 +405,58 @@ def test_render_refuses_in_one_line_and_debug_shows_the_traceback(capsys, tmp_pa
     assert cli.main(["render", str(tmp_path / "nowhere"), "--debug"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" in err and "SweepError" in err and err.strip().splitlines()[-1].startswith("error: ")
+
+
+# --- every message names the problem, then " — ", then the fix -------------------------------------------------
+
+LIBRARY = ("engine", "kernels", "locality", "sweeps", "specvocab", "notebooks")
+FIX_WORDS = ("pass", "run", "use", "set", "choose", "install", "delete", "make", "give", "drop", "rename", "add",
+             "check", "remove", "call", "start", "build", "fit", "train", "name", "put", "load", "resolve")
+OLD_SEPARATOR = re.compile(r"; (?:%s)\b" % "|".join(FIX_WORDS))
+
+
+def _message(node: ast.expr) -> str | None:
+    """The text of a message written as a literal, an f-string (each {expression} as "{}") or a sum of them."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _message(node.left), _message(node.right)
+        return None if left is None or right is None else left + right
+    return None
+
+
+def library_messages() -> list[tuple[str, str]]:
+    """(file:line, text) of every exception the library builds with a literal or f-string message: a call of a
+    name ending in Error or Exception, or SystemExit, whose first argument is that message."""
+    found = []
+    for top in LIBRARY:
+        assert (ROOT / top).is_dir(), f"{top}/ is gone from the checkout - update LIBRARY in this test"
+        for path in sorted((ROOT / top).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not (isinstance(node, ast.Call) and node.args):
+                    continue
+                func = node.func
+                name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+                if name.endswith(("Error", "Exception")) or name == "SystemExit":
+                    text = _message(node.args[0])
+                    if text is not None:
+                        found.append((f"{path.relative_to(ROOT)}:{node.lineno}", text))
+    return found
+
+
+def test_error_messages_separate_the_problem_from_its_fix_with_a_dash():
+    """`error: <what> — <the fix>`: no message of the library puts its fix after "; " (a "; " between facts
+    stays). The walk itself must see the messages: those raised in engine/harness.py, engine/jobs/args.py
+    and sweeps/results.py are among them, and an f-string over several lines reads as one text."""
+    call = ast.parse('raise E(f"{x} is empty; "\n        f"pass {y}" + "!")').body[0].exc
+    assert _message(call.args[0]) == "{} is empty; pass {}!" and OLD_SEPARATOR.search(_message(call.args[0]))
+    messages = library_messages()
+    files = {where.rsplit(":", 1)[0] for where, _ in messages}
+    assert {"engine/harness.py", "engine/jobs/args.py", "sweeps/results.py"} <= files, sorted(files)[:20]
+    assert any(" — " in text for _, text in messages)
+    offenders = [f"{where}: ...{text[max(0, m.start() - 30):m.end() + 20]}..." for where, text in messages
+                 for m in OLD_SEPARATOR.finditer(text)]
+    assert not offenders, ('these messages put their fix after "; " - write " — " instead:\n'
+                           + "\n".join(offenders))

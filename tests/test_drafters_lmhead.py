@@ -16,16 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from specvocab.engine import kv
 from specvocab.engine.config import SpecConfig
 from specvocab.engine.drafters import make_drafter
 from specvocab.engine.drafters.eagle import EagleDrafter, EagleHead, load_eagle_head, random_eagle_head
 from specvocab.engine.drafters.layerskip import LayerSkipDrafter, parse_layers
 from specvocab.engine.drafters.lmhead import DrafterError, PhaseTimer, expand_tree
-from specvocab.engine.harness import forward_tree, generate, prefill
+from specvocab.engine.harness import generate
 from specvocab.engine.models import load_model
-from specvocab.engine.verify import verify_greedy
-from tests.engine_testing import VOCAB_VARIANTS, assert_lossless_under_every_policy
+from tests.engine_testing import VOCAB_VARIANTS, assert_lossless_under_every_policy, drive_steps
 
 ARCHS = ("random-llama", "random-gemma3", "random-qwen3")
 V = 384
@@ -294,25 +292,6 @@ def test_oracle_proposes_what_full_proposes(tiny):
 
 # --- drive a drafter step by step through the harness's pieces ------------------------------------------------
 
-def _drive(model, drafter, prompt, steps):
-    """Yield (committed ids, tree, target logits [n, V]) for each step of greedy decoding."""
-    with torch.inference_mode():
-        cache = kv.new_cache(model)
-        hidden, logits = prefill(model, prompt, cache)
-        drafter.begin(prompt, logits, hidden)
-        ids = torch.cat([prompt, logits[-1].argmax()[None]])
-        committed = prompt.numel()
-        for _ in range(steps):
-            tree = drafter.propose(ids)
-            h, lg = forward_tree(model, cache, committed, tree.tokens, tree.parents)
-            accepted, new = verify_greedy(tree.tokens, tree.parents, lg)
-            yield ids, tree, lg
-            committed = kv.compact(cache, committed, tree.size, accepted.tolist())
-            from specvocab.engine.tree import StepResult
-            drafter.observe(StepResult(tree=tree, logits=lg, hidden=h, accepted=accepted, new_tokens=new))
-            ids = torch.cat([ids, new])
-
-
 def _child_logp(tree):
     """log p(child | parent's path) of every non-root node, from the tree's cumulative scores."""
     p = tree.parents
@@ -324,7 +303,7 @@ def test_layerskip_with_every_layer_is_the_target(arch):
     model, _, _ = load_model(arch, vocab_size=V, hidden_size=48, num_layers=3, seed=11)
     drafter = make_drafter(model, SpecConfig.preset("layerskip", drafter_layers="all", draft_size=59))
     accepted_total = 0
-    for ids, tree, lg in _drive(model, drafter, _prompt(3, n=37), steps=4):   # 37 > Gemma's window of 16
+    for ids, tree, lg in drive_steps(model, drafter, _prompt(3, n=37), steps=4):   # 37 > Gemma's window of 16
         target = torch.log_softmax(lg.double(), -1)[tree.parents[1:], tree.tokens[1:]]
         torch.testing.assert_close(_child_logp(tree), target, atol=2e-4, rtol=0)
         accepted_total += 1
@@ -363,7 +342,7 @@ def test_eagle_matches_a_cache_free_reference(arch):
                                                     draft_size=11))
     with torch.no_grad():                     # a sharper head, so that scores are far from uniform
         drafter.eagle.fc.weight.mul_(20)
-    for ids, tree, _ in _drive(model, drafter, _prompt(5, n=20), steps=3):
+    for ids, tree, _ in drive_steps(model, drafter, _prompt(5, n=20), steps=3):
         children = tree.children()
         for node in range(tree.size):
             if not children[node]:

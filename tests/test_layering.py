@@ -1,15 +1,13 @@
 """The layers point one way: `locality` is pure (token ids and polars frames in, frames out) and loads
 nothing from `engine` or `kernels`, nor torch or transformers; `engine` may use `locality`, not the reverse; the
 library never imports the jobs above it, and no job imports another job (what two jobs share is library code).
-Files a reader can hold: none over MAX_LINES but the exceptions listed here with their reasons. One
-safe-filename rule (`engine.atomic.safe_filename`). Each rule's checker is also run on a synthetic tree that
-breaks it."""
+Each rule's checker is also run on a synthetic tree that breaks it. The rules on files - sizes, names, the
+safe-filename rule - are `tests/test_house_rules.py`."""
 
 import ast
 import importlib
 import json
 import pkgutil
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -463,107 +461,3 @@ def test_no_module_imports_another_modules_private_helper():
 def test_the_private_import_check_sees_one(tmp_path):
     (tmp_path / "m.py").write_text("from specvocab.engine.drafters.eagle import EagleHead, _helper\nfrom os import _exit\n")
     assert _private_imports([tmp_path / "m.py"]) == ["m.py: specvocab.engine.drafters.eagle._helper"]
-
-
-# --- files a reader can hold: MAX_LINES, and the files allowed past it with their reasons ----------------------
-# A file's own docstring cannot excuse it: an exception is an entry here, with the lines it may not pass (its
-# size when listed plus a little, to the next 50) and why it is one file. The test fails on a file over
-# MAX_LINES not listed, on a listed file over its own limit, and on an entry whose file is back under MAX_LINES
-# or gone (the list only shrinks).
-
-MAX_LINES = 600
-OVERSIZE = {
-    "sweeps/charts.py": (950, "one builder per figure of the five notebooks beside the shared pieces they all use "
-                              "(split by notebook, each part would import the others' pieces)"),
-    "engine/native.py": (850, "the decoder, its fixed-shape attention, the cache and the CUDA graphs that replay "
-                              "the forward all read one packed layout and one cache layout"),
-    "engine/calibration.py": (700, "the fits, the cache's keys and records, and the one resolution of a run's draft "
-                                   "size and its source read and write one record format"),
-    "engine/metrics.py": (650, "the one place that holds every measure, its interval and the comparisons built on "
-                               "them (STYLE.md 14)"),
-    "engine/jobs/bench.py": (700, "one bench: the runs it plans, the decode loop over prompts and runs, the "
-                                  "diagnosis of rows that differ from ar's and the CLI share the Run records and "
-                                  "the row schema"),
-    "tests/test_engine_bench.py": (850, "every behaviour of the bench job, on the one random model fixture it "
-                                        "shares"),
-    "tests/test_native.py": (850, "parity, row invariance and losslessness share the tree helpers above their "
-                                  "tests"),
-}
-
-
-def line_counts(root: Path) -> dict[str, int]:
-    """{path relative to `root`: lines} of every .py file in `root`'s folders (hidden folders, build/ and
-    results/ left out)."""
-    out = {}
-    for path in sorted(root.glob("*/**/*.py")):
-        rel = path.relative_to(root)
-        if any(part.startswith(".") or part in ("build", "results") for part in rel.parts):
-            continue
-        out[rel.as_posix()] = path.read_text().count("\n")
-    return out
-
-
-def oversize(counts: dict[str, int], allowed: dict[str, tuple[int, str]], limit: int = MAX_LINES) -> list[str]:
-    """What breaks the size rule: a file over `limit` not in `allowed`, a listed file over its own limit, a
-    listed file no longer over `limit` (or gone)."""
-    bad = [f"{p}: {n} lines > {limit} (split it, or list it in OVERSIZE with its reason)"
-           for p, n in counts.items() if n > limit and p not in allowed]
-    bad += [f"{p}: {counts[p]} lines > its listed {cap}" for p, (cap, _) in allowed.items()
-            if p in counts and counts[p] > cap]
-    bad += [f"{p}: listed in OVERSIZE but {counts.get(p, 'no')} lines: remove the entry" for p in allowed
-            if counts.get(p, 0) <= limit]
-    return bad
-
-
-def test_no_file_over_max_lines_but_the_listed_exceptions():
-    counts = line_counts(ROOT)
-    assert "sweeps/tables.py" in counts and "tests/test_layering.py" in counts      # the walk sees the tree
-    assert all(reason and cap > MAX_LINES for cap, reason in OVERSIZE.values())
-    assert oversize(counts, OVERSIZE) == []
-
-
-def test_the_size_rule_fails_an_oversize_file_whatever_its_docstring_says(tmp_path):
-    """The rule's power, on a synthetic tree: a file one line over MAX_LINES fails even when its docstring
-    pleads "Over 600 lines on purpose"; a file at MAX_LINES passes; a listed file fails past its own limit, and
-    an entry whose file shrank back is stale."""
-    (tmp_path / "pkg" / "sub").mkdir(parents=True)
-    plea = '"""Over 600 lines on purpose: one reader holds it all."""\n'
-    (tmp_path / "pkg" / "big.py").write_text(plea + "x = 1\n" * MAX_LINES)                 # MAX_LINES + 1 lines
-    (tmp_path / "pkg" / "sub" / "edge.py").write_text("x = 1\n" * MAX_LINES)               # exactly MAX_LINES
-    (tmp_path / ".hidden").mkdir()
-    (tmp_path / ".hidden" / "skip.py").write_text("x = 1\n" * (MAX_LINES + 5))
-    counts = line_counts(tmp_path)
-    assert counts == {"pkg/big.py": MAX_LINES + 1, "pkg/sub/edge.py": MAX_LINES}
-    assert [b.split(":")[0] for b in oversize(counts, {})] == ["pkg/big.py"]
-    assert oversize(counts, {"pkg/big.py": (MAX_LINES + 1, "why")}) == []
-    assert [b.split(":")[0] for b in oversize(counts, {"pkg/big.py": (MAX_LINES, "why")})] == ["pkg/big.py"]
-    stale = oversize(counts, {"pkg/big.py": (700, "why"), "pkg/sub/edge.py": (700, "why"), "gone.py": (700, "why")})
-    assert [b.split(":")[0] for b in stale] == ["pkg/sub/edge.py", "gone.py"]
-
-
-# --- one rule for naming a file after a model, tokenizer or run: engine.atomic.safe_filename ----------------------
-
-# a character filter that turns a name into a file name: `ch.isalnum() or ch in "-_."`, or a regex class of the
-# safe characters `[^A-Za-z0-9...]`
-FILENAME_RULE = re.compile(r"\.isalnum\(\)\s+or\s+\w+\s+in\s+['\"][-_.]+['\"]|\[\^A-Za-z0-9")
-
-
-def filename_rules(root: Path) -> set[str]:
-    """The files under `root`'s engine/, sweeps/, kernels/, locality/ that write the safe-filename rule again."""
-    return {p.relative_to(root).as_posix() for d in ("engine", "sweeps", "kernels", "locality")
-            for p in sorted((root / d).rglob("*.py")) if FILENAME_RULE.search(p.read_text())}
-
-
-def test_the_safe_filename_rule_is_written_once():
-    assert filename_rules(ROOT) == set(), "call engine.atomic.safe_filename instead"
-    assert "def safe_filename(" in (ROOT / "engine" / "atomic.py").read_text()
-
-
-def test_the_filename_rule_check_sees_a_copy(tmp_path):
-    (tmp_path / "engine" / "jobs").mkdir(parents=True)
-    (tmp_path / "sweeps").mkdir()
-    (tmp_path / "engine" / "jobs" / "a.py").write_text(
-        'safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in model)\n')
-    (tmp_path / "sweeps" / "b.py").write_text('name = re.sub(r"[^A-Za-z0-9._-]", "-", str(value))\n')
-    (tmp_path / "sweeps" / "c.py").write_text('from specvocab.engine.atomic import safe_filename\nx = "a".isalnum()\n')
-    assert filename_rules(tmp_path) == {"engine/jobs/a.py", "sweeps/b.py"}

@@ -1,9 +1,11 @@
 """The method registry (`engine.methods`): a method defined in this one file - a drafter that proposes a fixed
 chain and its description - runs through the bench and the sweep's Table 2 builders with no other file edited,
 its output is ar's token for token, and its description (default draft size, cap, display name, order) is what
-the harness, the bench and the tables use; each shipped description agrees with its code; the registry's views
-are live, its errors clear, and it loads without torch."""
+the harness, the bench and the tables use; a shipped method is one file too - its drafter module's `METHOD`, read
+from the source without importing it, is what importing the module gives - and each shipped description agrees
+with its code; the registry's views are live, its errors clear, and it loads without torch."""
 
+import importlib
 import json
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 import specvocab.engine.config as config
+import specvocab.engine.methods as methods
 import specvocab.engine.metrics as metrics
 from specvocab.engine import harness
 from specvocab.engine.calibration import NO_CALIBRATION
@@ -21,8 +24,8 @@ from specvocab.engine.config import ConfigError, SpecConfig, calibration_fields
 from specvocab.engine.drafters import available_methods, drafter_factory, make_drafter
 from specvocab.engine.drafters.lmhead import LMHeadDrafter
 from specvocab.engine.jobs.bench import BenchError, plan_runs, run_bench
-from specvocab.engine.methods import (SHIPPED, MethodSpec, UnknownMethodError, forget_method, method_names,
-                                      method_spec, register_method)
+from specvocab.engine.methods import (NO_DRAFTER, MethodSpec, UnknownMethodError, drafter_sources, forget_method,
+                                      method_names, method_spec, read_method, register_method, shipped_specs)
 from specvocab.engine.models import load_model
 from specvocab.engine.tree import DraftTree, Drafter
 from specvocab.sweeps import tables
@@ -127,7 +130,7 @@ def test_a_registered_method_is_in_every_view_while_registered(toy):
 
 # --- the shipped descriptions agree with their code ---------------------------------------------------------
 
-SHIPPED_NAMES = [s.name for s in SHIPPED]
+SHIPPED_NAMES = [s.name for s in shipped_specs()]
 FIELDS = {f for f in SpecConfig.__dataclass_fields__}
 
 
@@ -159,7 +162,7 @@ def test_display_names_and_orders_are_distinct_and_ar_comes_first():
     assert method_names()[0] == "ar" and not method_spec("ar").drafts
 
 
-@pytest.mark.parametrize("name", [s.name for s in SHIPPED if s.lm_head])
+@pytest.mark.parametrize("name", [s.name for s in shipped_specs() if s.lm_head])
 def test_a_method_with_an_lm_head_drafts_from_the_policy_it_is_given(name, loaded):
     """lm_head=True: the drafter restricts its head to `cfg.vocab` (its statistics report the active vocabulary,
     at most the window) and stays lossless."""
@@ -175,7 +178,7 @@ def test_a_method_with_an_lm_head_drafts_from_the_policy_it_is_given(name, loade
 
 
 def test_the_caps_are_the_descriptions():
-    for spec in SHIPPED:
+    for spec in shipped_specs():
         cfg = SpecConfig.preset(spec.name, eagle_depth=3, eagle_topk=4, store_k=3, tree_depth=2)
         assert harness.max_draft_size(cfg) == spec.draft_size_cap(cfg)
     # a description's own cap is what the harness returns without a model
@@ -185,6 +188,120 @@ def test_the_caps_are_the_descriptions():
         assert harness.max_draft_size(SpecConfig.preset("capped")) == 11
     finally:
         forget_method("capped")
+
+
+# --- a shipped method is one file: its drafter module's METHOD, read without importing it ---------------------
+
+WITH_DRAFTER = ["ar", "pld", "recycling", "unispec", "layerskip", "eagle", "eagle3", "merged"]
+
+
+def test_the_shipped_methods_are_the_drafter_modules_descriptions_and_no_drafter():
+    assert sorted(SHIPPED_NAMES) == sorted([*WITH_DRAFTER, *(s.name for s in NO_DRAFTER)])
+    assert [s.name for s in NO_DRAFTER] == ["hf-prompt-lookup"]
+
+
+@pytest.mark.parametrize("module", sorted(drafter_sources()))
+def test_importing_a_drafter_module_gives_the_description_read_from_its_source(module):
+    """The registry's reading of `METHOD = ...` (ast, no import) equals executing the module: every field, the
+    callables included; a module without METHOD (lmhead) describes no method."""
+    imported = importlib.import_module(f"{methods.DRAFTERS_PACKAGE}.{module}")
+    name = module.replace("_", "-")
+    if name not in WITH_DRAFTER:
+        assert not hasattr(imported, "METHOD") and name not in method_names()
+        return
+    assert imported.METHOD == method_spec(name)
+    assert imported.METHOD.name == name
+
+
+def test_merged_is_keyed_by_its_sources_fields():
+    fields = method_spec("merged").calibration_fields
+    assert fields[0] == "merge_sources" and len(set(fields)) == len(fields)
+    assert set(fields) - {"merge_sources"} == {f for m in config.MERGE_SOURCES
+                                               for f in method_spec(m).calibration_fields}
+
+
+def test_reading_the_methods_loads_neither_torch_nor_a_drafter():
+    """A process that reads the registry through the config (a sweep's planner) lists every method without
+    importing torch or any drafter module."""
+    names, loaded = _in_a_fresh_process("import json, sys; import specvocab.engine.config as c; "
+                                        "names = list(c.METHODS); print(json.dumps([names, sorted(k for k in "
+                                        "sys.modules if k == 'torch' or k.startswith('specvocab.engine.drafters'))]))")
+    assert names == list(method_names()) and loaded == []
+
+
+def _in_a_fresh_process(code: str):
+    """The JSON on the last line `code` prints, run by a fresh interpreter in the checkout."""
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(config.__file__).parents[1], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+FAKE_DRAFTERS = {
+    # read before beta (sorted), yet its key names beta's fields: a description reads another's on demand
+    "alpha.py": 'METHOD = MethodSpec("alpha", order=51, calibration_fields=("merge_sources", '
+                '*calibration_fields_of("beta")))\n',
+    "beta.py": "import torch\n\nMETHOD = MethodSpec('beta', order=50, max_draft_size=eagle_candidates,\n"
+               "                    calibration_fields=(*SAMPLING, 'store_k'))\n\ndef f(): pass\n",
+    "helper.py": "import torch\nLIMIT = 3\n",
+}
+
+
+@pytest.fixture()
+def fake_drafters(tmp_path, monkeypatch):
+    """The registry as a fresh process sees it, its drafter modules being the files written to the returned
+    folder (read on the next registry read)."""
+    monkeypatch.setattr(methods, "drafter_sources", lambda: {p.stem: p for p in sorted(tmp_path.glob("*.py"))})
+    monkeypatch.setattr(methods, "_SOURCES", None)
+    monkeypatch.setattr(methods, "_READ", {})
+    monkeypatch.setattr(methods, "_REGISTRY", {s.name: s for s in NO_DRAFTER})
+    return tmp_path
+
+
+def test_the_registry_reads_each_drafter_source_once_in_any_order(fake_drafters):
+    for name, text in FAKE_DRAFTERS.items():
+        (fake_drafters / name).write_text(text)
+    assert method_names() == ("hf-prompt-lookup", "beta", "alpha")
+    beta = method_spec("beta")
+    assert beta == MethodSpec("beta", order=50, max_draft_size=methods.eagle_candidates,
+                              calibration_fields=("temperature", "top_p", "store_k"))
+    assert method_spec("alpha").calibration_fields == ("merge_sources", "temperature", "top_p", "store_k")
+    assert [s.name for s in shipped_specs()] == ["hf-prompt-lookup", "beta", "alpha"]
+    with pytest.raises(UnknownMethodError, match="ships with the package"):
+        forget_method("beta")
+    with pytest.raises(UnknownMethodError, match="described twice"):
+        register_method(MethodSpec("beta", order=7))
+
+
+@pytest.mark.parametrize("text, match", [
+    ("METHOD = MethodSpec('mine', order=50, default_draft_size=helper)\n\ndef helper(cfg): return 3\n",
+     r"mine\.py: METHOD uses 'helper'.*literal, a 'module:attribute' string, or a public name of engine\.methods"),
+    # no builtins: what a description may name is engine.methods' public names
+    ("METHOD = MethodSpec('mine', order=50, calibration_fields=tuple(['temperature']))\n", r"mine\.py.*'tuple'"),
+    ("METHOD = MethodSpec('mine', order=50)\nMETHOD = MethodSpec('mine', order=51)\n", "METHOD 2 times"),
+    ("METHOD = ('mine', 50)\n", "is a tuple, not a MethodSpec"),
+])
+def test_a_description_the_reader_cannot_evaluate_is_a_clear_error(tmp_path, text, match):
+    path = tmp_path / "mine.py"
+    path.write_text(text)
+    with pytest.raises(UnknownMethodError, match=match):
+        read_method(path)
+
+
+def test_a_drafter_source_describing_another_method_fails_the_registry_read(fake_drafters):
+    (fake_drafters / "mine.py").write_text("METHOD = MethodSpec('yours', order=50)\n")
+    for _ in range(2):                   # the next read reports the same error, never a partial registry
+        with pytest.raises(UnknownMethodError, match=r"mine\.py describes method 'yours'.*yours\.py"):
+            method_names()
+
+
+def test_descriptions_that_read_each_other_are_a_clear_error(fake_drafters):
+    (fake_drafters / "one.py").write_text("METHOD = MethodSpec('one', order=50, calibration_fields="
+                                          "calibration_fields_of('two'))\n")
+    (fake_drafters / "two.py").write_text("METHOD = MethodSpec('two', order=51, calibration_fields="
+                                          "calibration_fields_of('one'))\n")
+    with pytest.raises(UnknownMethodError, match="one -> two -> one read each other"):
+        method_names()
 
 
 # --- the registry's rules ------------------------------------------------------------------------------------
@@ -224,10 +341,6 @@ def test_a_description_names_its_code_lazily():
 
 
 def test_the_registry_loads_without_torch_or_the_engine():
-    root = Path(config.__file__).parents[1]
-    out = subprocess.run([sys.executable, "-c", "import json, sys; import specvocab.engine.methods as m; "
-                          "print(json.dumps(sorted(k for k in sys.modules if k == 'torch' or "
-                          "k.startswith('specvocab.engine.'))))"],
-                         cwd=root, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["specvocab.engine.methods"]
+    loaded = _in_a_fresh_process("import json, sys; import specvocab.engine.methods as m; print(json.dumps(sorted("
+                                 "k for k in sys.modules if k == 'torch' or k.startswith('specvocab.engine.'))))")
+    assert loaded == ["specvocab.engine.methods"]

@@ -679,7 +679,7 @@ def test_a_tree_larger_than_fixed_rows_is_a_clear_error(monkeypatch):
     prefills = []
     real = NativeTarget.prefill
     monkeypatch.setattr(NativeTarget, "prefill", lambda self, *a, **kw: prefills.append(1) or real(self, *a, **kw))
-    want = ("a draft tree of 13 nodes (root included) exceeds the largest verify bucket, 8 rows (verify_rows=8); "
+    want = ("a draft tree of 13 nodes (root included) exceeds the largest verify bucket, 8 rows (verify_rows=8) — "
             "lower draft_size to at most 7 or set verify_rows to at least 13")
     with pytest.raises(BackendError) as e:
         generate(model, [1, 2, 3], method="unispec", max_new_tokens=8, eos_ids=[], draft_size=12,

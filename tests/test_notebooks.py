@@ -74,7 +74,7 @@ split = "language"
 
 def dynaspec_choices(folder: Path, out: Path) -> Path:
     """A tiny DynaSpec fit on the random model and its sweep of M, router width and L into `out` (as
-    `tests/test_fit_dynaspec.py`'s end-to-end test: 4 prompts, 16 clusters; here one epoch): 4 settings, one
+    `tests/test_vocab_dynaspec_fit.py`'s end-to-end test: 4 prompts, 16 clusters; here one epoch): 4 settings, one
     Parquet file each, every one at 4 token budgets."""
     fitted = folder / "fitted.safetensors"
     cfg = tiny_dynaspec_fit(folder, fitted, epochs=1)

@@ -314,7 +314,7 @@ def test_address_needs_an_absolute_out(tmp_path, capsys):
 
     config = write_toml(tmp_path, tiny_toml(kinds=("record",)))
     assert main([str(config), "--out", "results/x", "--address", "auto"]) == 2
-    assert "--out results/x is a relative path; with --address give an absolute one" in capsys.readouterr().err
+    assert "--out results/x is a relative path — with --address give an absolute one" in capsys.readouterr().err
 
 
 def test_attaching_from_a_checkout_ships_it_unless_inside_a_ray_job(monkeypatch):

@@ -34,6 +34,7 @@ from specvocab.engine.artifacts import FINGERPRINT_KEY, head_fingerprint, head_m
 from specvocab.engine.models import eos_token_ids, load_model
 from specvocab.engine.vocab.frspec import eagle3_maps
 from tests.eagle3_testing import midlayer_reference
+from tests.engine_testing import dies_at_call
 
 DATA = dict(model="random-llama", num_prompts=6, heldout_prompts=2, max_tokens=160, max_prompt_tokens=120,
             greedy_new_tokens=12, greedy_batch=3, prompts_per_shard=2, topk=8, progress=False)
@@ -237,20 +238,12 @@ def test_a_head_trained_here_is_refused_on_another_target(trained, target):
 def test_interrupted_training_resumes_bit_for_bit(data_dir, trained, tmp_path, monkeypatch):
     cfg = dict(TRAIN, data=str(data_dir))
     whole = trained                                           # the same settings, uninterrupted
-    real, calls = t3.ttt_loss, {"n": 0}
-
-    def dies_at_step_4(*a, **k):
-        if k.get("backward", True):                           # training steps only
-            calls["n"] += 1
-            if calls["n"] == 4:
-                raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(t3, "ttt_loss", dies_at_step_4)
+    # killed at the 4th training step (the held-out evaluation's calls run without backward)
+    monkeypatch.setattr(t3, "ttt_loss", dies_at_call(t3.ttt_loss, 4, lambda *a, **k: k.get("backward", True)))
     with pytest.raises(KeyboardInterrupt):
         t3.train_eagle3(t3.Train3Config(**cfg, out=str(tmp_path / "cut")))
     assert torch.load(tmp_path / "cut" / "train_state.pt", weights_only=False)["step"] == 2
-    monkeypatch.setattr(t3, "ttt_loss", real)
+    monkeypatch.undo()
     resumed = t3.train_eagle3(t3.Train3Config(**cfg, out=str(tmp_path / "cut")))
     a = torch.load(whole / "train_state.pt", weights_only=False)
     b = torch.load(resumed / "train_state.pt", weights_only=False)

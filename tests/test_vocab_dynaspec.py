@@ -193,12 +193,23 @@ def test_find_fitted_matches_head_and_drafter(tiny, tmp_path):
         find_fitted(weight, cfg.replace(eagle_depth=3), tmp_path)
 
 
-def test_policy_without_a_file_names_the_fit_command(tiny, tmp_path, monkeypatch):
-    _, weight, _ = tiny
+def test_the_policy_looks_up_no_fit_and_the_resolution_names_the_fit_command(tiny, tmp_path, monkeypatch):
+    """The policy takes a resolved `dynaspec_file` (or `fitted`) and looks nothing up, even with a matching fit
+    in the cache; the run's resolution (`engine.resolve.resolve_run`) finds the fit, or names the command that
+    makes one."""
+    from specvocab.engine.resolve import resolve_run
+    model, weight, fitted = tiny
     monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path))
     monkeypatch.delenv("SPECVOCAB_CALIBRATION", raising=False)  # the calibration under it
+    cfg = SpecConfig.preset("layerskip", vocab="dynaspec", drafter_layers="skip:1", draft_size=4)
     with pytest.raises(DynaSpecError, match="python -m specvocab.engine.jobs.fit_dynaspec"):
-        make_policy(SpecConfig.preset("layerskip", vocab="dynaspec"), weight)
+        resolve_run(cfg, model)
+    path = save_dynaspec(fitted, tmp_path / "dynaspec" / "fit.safetensors")
+    with pytest.raises(DynaSpecError, match=r"dynaspec_file=None.*not resolved.*resolve_run.*dynaspec_file=<path>"):
+        make_policy(cfg, weight)
+    run = resolve_run(cfg, model).cfg
+    assert run.dynaspec_file == str(path)
+    assert torch.equal(make_policy(run, weight).head.router.fc2.weight, fitted.router.fc2.weight)   # that fit
 
 
 # --- CUDA: the router on its own stream -------------------------------------------------------------------------
@@ -248,16 +259,18 @@ def test_a_retrained_head_or_another_depth_does_not_reuse_a_stale_router(tmp_pat
     folder = tmp_path / "head"
     save_eagle_head(random_eagle_head(model, seed=0), folder, target_name="random-llama", target_weight=weight)
     from specvocab.engine.drafters.eagle import load_eagle_head
+    from specvocab.engine.resolve import resolve_run
     monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("SPECVOCAB_CALIBRATION", raising=False)  # the calibration under it
     fit = _eagle_fit(model, tmp_path / "cache" / "dynaspec", load_eagle_head(str(folder)), depth=3)
     cfg = SpecConfig.preset("eagle", vocab="dynaspec", eagle_head=str(folder), eagle_depth=3, draft_size=8)
-    assert EagleDrafter(model, cfg).policy.head is not None                     # found for its own head and depth
+    run = resolve_run(cfg, model).cfg                                          # found for its own head and depth
+    assert run.dynaspec_file == str(fit) and EagleDrafter(model, run).policy.head is not None
     with pytest.raises(DynaSpecError, match="none is in"):                     # the default depth 5: not this fit
-        EagleDrafter(model, cfg.replace(eagle_depth=5))
+        resolve_run(cfg.replace(eagle_depth=5), model)
     save_eagle_head(random_eagle_head(model, seed=1), folder, target_name="random-llama", target_weight=weight)
     with pytest.raises(DynaSpecError, match="none is in"):                     # retrained into the same folder
-        EagleDrafter(model, cfg)
+        resolve_run(cfg, model)
     # an explicit file is checked against the drafter too, with a clear message
     with pytest.raises(DynaSpecError, match="fitted for drafter .*not for this one"):
         EagleDrafter(model, cfg.replace(dynaspec_file=str(fit)))

@@ -1,18 +1,28 @@
 """Drafters: one per method, found by `make_drafter(target, cfg)` through `cfg.method`'s description
 (`engine.methods.method_spec`).
 
-A method's description names its drafter (`MethodSpec.drafter`: a factory, or "module:attribute"), or leaves it
-to the module `engine/drafters/<method>.py` (a '-' in the method name becomes '_') whose `Drafter` subclass is
-decorated with `@register_drafter("<method>")`; `make_drafter` imports that module on first use.
+Adding a method: a shipped method is one file, `engine/drafters/<method>.py` (a '-' in the method name becomes
+'_'), holding its drafter - a `Drafter` subclass decorated with `@register_drafter("<method>")`, imported by
+`make_drafter` on first use - and its description, a module-level `METHOD = MethodSpec(...)` near the top that
+`engine.methods` reads from the source without importing the module (so the config, a sweep's planner and the
+tables learn the method without torch). The expression may use only `engine.methods`' public names, literals and
+"module:attribute" strings for the module's own functions:
 
     from specvocab.engine.drafters import register_drafter
+    from specvocab.engine.methods import SAMPLING, STORE, TARGET, MethodSpec
     from specvocab.engine.tree import Drafter
+
+    METHOD = MethodSpec("recycling", order=30, default_draft_size="specvocab.engine.drafters.recycling:whole_template",
+                        calibration_fields=(*SAMPLING, *TARGET, *STORE, "recycling_tree"))
 
     @register_drafter("recycling")
     class RecyclingDrafter(Drafter):
         ...
 
-`hf-prompt-lookup` has no drafter: `engine.generate` hands it to transformers' own `generate`.
+A module without METHOD is a helper (lmhead.py: the LM-head drafters' base). A description may instead name its
+drafter (`MethodSpec.drafter`: a factory, or "module:attribute"), as a method registered at run time does
+(`engine.methods.register_method`). `hf-prompt-lookup` has no drafter: `engine.generate` hands it to
+transformers' own `generate`.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ def register_drafter(name: str):
     """Class decorator (or factory decorator): `factory(target, cfg) -> Drafter` serves method `name`."""
     def deco(factory):
         if name in _REGISTRY and _REGISTRY[name] is not factory:
-            raise UnknownMethodError(f"method {name!r} is registered twice ({_REGISTRY[name]} and {factory}); "
+            raise UnknownMethodError(f"method {name!r} is registered twice ({_REGISTRY[name]} and {factory}) — "
                                      f"rename one of them")
         _REGISTRY[name] = factory
         if isinstance(factory, type) and getattr(factory, "name", "base") == "base":
@@ -58,13 +68,13 @@ def drafter_factory(name: str) -> Callable:
     (`engine.methods.MethodSpec.drafter`), else the class `engine/drafters/<name>.py` registers."""
     if name not in method_names():
         raise UnknownMethodError(
-            f"method {name!r} has no drafter yet (no description); available: {available_methods()}. To add it, "
+            f"method {name!r} has no drafter yet (no description) — available: {available_methods()}. To add it, "
             f"describe it with engine.methods.register_method(MethodSpec({name!r}, order=...)) and write its "
             f"drafter: engine/drafters/{name.replace('-', '_')}.py with a Drafter subclass decorated "
             f"@register_drafter({name!r}), or MethodSpec(drafter=...)")
     spec = method_spec(name)
     if spec.runner == "hf":
-        raise UnknownMethodError(f"{name!r} runs transformers' own generate and has no drafter; "
+        raise UnknownMethodError(f"{name!r} runs transformers' own generate and has no drafter — "
                                  f"call engine.generate(model, prompt_ids, method={name!r})")
     if spec.drafter is not None:
         return load(spec.drafter) if isinstance(spec.drafter, str) else spec.drafter
@@ -78,11 +88,11 @@ def drafter_factory(name: str) -> Callable:
             if e.name != module:
                 raise                                            # the module exists but an import inside failed
             raise UnknownMethodError(
-                f"method {name!r} has no drafter yet (no module {module}); available: {available_methods()}. "
+                f"method {name!r} has no drafter yet (no module {module}) — available: {available_methods()}. "
                 f"To add it, write engine/drafters/{name.replace('-', '_')}.py with a Drafter subclass "
                 f"decorated @register_drafter({name!r}), or name it in its MethodSpec (drafter=)") from None
         if name not in _REGISTRY:
-            raise UnknownMethodError(f"{module} was imported but registers no drafter for {name!r}; decorate its "
+            raise UnknownMethodError(f"{module} was imported but registers no drafter for {name!r} — decorate its "
                                      f"Drafter subclass with @register_drafter({name!r})")
     return _REGISTRY[name]
 

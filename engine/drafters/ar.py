@@ -5,7 +5,11 @@ from __future__ import annotations
 import torch
 
 from specvocab.engine.drafters import register_drafter
+from specvocab.engine.methods import SAMPLING, TARGET, MethodSpec
 from specvocab.engine.tree import DraftTree, Drafter
+
+# the method's description (engine.methods: read from this source without importing it); its drafter: ARDrafter
+METHOD = MethodSpec("ar", order=0, drafts=False, calibration_fields=(*SAMPLING, *TARGET))
 
 
 @register_drafter("ar")

@@ -55,11 +55,18 @@ from specvocab.engine.drafters import register_drafter
 from specvocab.engine.catalog import SHIPPED_PREFIX, shipped_heads
 from specvocab.engine.drafters.lmhead import DraftKVCache, DrafterError, Expansion, LMHeadDrafter, attention_bias
 from specvocab.engine.drafters.layerskip import text_config
+from specvocab.engine.methods import SAMPLING, TARGET, TREE, MethodSpec, eagle_candidates
 from specvocab.engine.target import cache_kwarg
 from specvocab.engine.vocab.dynaspec import drafter_key as dynaspec_drafter_key
 from specvocab.engine.tree import StepResult
 from specvocab.kernels import cpu as cpu_kernels
 from specvocab.engine.native import BLOCK, TAIL_BLOCKS
+
+# the method's description (engine.methods: read from this source without importing it); its drafter: EagleDrafter.
+# Uncalibrated g: 59 = EAGLE-2's 60 draft tokens (MicroSpec §4.1, FR-Spec §4.1) minus the root; cap: EAGLE-2's
+# candidates at the config's depth and top-k.
+METHOD = MethodSpec("eagle", order=70, lm_head=True, default_draft_size=59, max_draft_size=eagle_candidates,
+                    calibration_fields=(*SAMPLING, *TARGET, *TREE, "eagle_head", "vocab"))
 
 FUSED_CHUNK = 32      # rows of a causal run (the prompt) per fused call: the kernel reads a row's last 2 BLOCKs by slot
 
@@ -99,7 +106,7 @@ def llama_config(values: dict):
     kept = {k: values[k] for k in _CONFIG_KEYS if values.get(k) is not None}
     missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size") if k not in kept]
     if missing:
-        raise DrafterError(f"the EAGLE config.json lacks {missing}; it must be a Llama-style config of the draft head")
+        raise DrafterError(f"the EAGLE config.json lacks {missing} — it must be a Llama-style config of the draft head")
     cfg = LlamaConfig(num_hidden_layers=1, **kept)
     cfg._attn_implementation = "sdpa"
     return cfg
@@ -165,7 +172,7 @@ def resolve_head_dir(source: str, field: str = "eagle_head", layout: str = "EAGL
         name = source[len(SHIPPED_PREFIX):]
         shipped = shipped_heads() if shipped is None else shipped
         if name not in shipped:
-            raise DrafterError(f"{field}={source!r}: no {layout} head ships for {name!r}; shipped: "
+            raise DrafterError(f"{field}={source!r}: no {layout} head ships for {name!r} — shipped: "
                                f"{[SHIPPED_PREFIX + n for n in shipped] or 'none'}")
         return shipped[name]
     path = Path(source).expanduser()
@@ -175,7 +182,7 @@ def resolve_head_dir(source: str, field: str = "eagle_head", layout: str = "EAGL
         return Path(snapshot_download(source, allow_patterns=["config.json", "*.bin", "*.safetensors", "*.json"]))
     except Exception as e:   # offline, unknown repo, auth: all end here
         raise DrafterError(f"{field}={source!r} is neither a local directory nor a downloadable hub repo "
-                           f"({type(e).__name__}: {e}); download the {layout} checkpoint where a hub is reachable "
+                           f"({type(e).__name__}: {e}) — download the {layout} checkpoint where a hub is reachable "
                            f"and pass its local directory") from None
 
 
@@ -189,7 +196,7 @@ def read_state_dict(path: Path, layout: str = "EAGLE-1/2") -> dict[str, torch.Te
              or [f for f in sorted(path.glob("*.safetensors")) if not f.name.startswith("dynaspec")]
              or sorted(path.glob("pytorch_model*.bin")))
     if not files:
-        raise DrafterError(f"{path} holds no *.safetensors or pytorch_model*.bin; an {layout} checkpoint "
+        raise DrafterError(f"{path} holds no *.safetensors or pytorch_model*.bin — an {layout} checkpoint "
                            f"directory has config.json plus pytorch_model.bin or model.safetensors")
     key = tuple((str(f.resolve()), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
     if key in _STATE_CACHE:
@@ -242,7 +249,7 @@ def save_eagle_head(head: EagleHead, folder: str | Path, *, target_name: str, ta
     d = head.hidden_size
     if head.embed_scale is None:
         raise DrafterError("this head's embedding scale is unknown (its config.json records neither "
-                           "embed_scale_folded nor weights_id); set head.embed_scale = "
+                           "embed_scale_folded nor weights_id) — set head.embed_scale = "
                            "specvocab.engine.drafters.eagle.embed_scale(target) first (python -m specvocab.engine.jobs.export_eagle does)")
     scale = float(head.embed_scale)
     if scale != 1.0:       # the stored-dtype values, scaled in fp32: loading divides and rounds back exactly
@@ -286,7 +293,7 @@ def check_head_target(head_source: str, block: dict | None, target, *, field: st
     if not head_matches(block, weight):
         raise DrafterError(f"{field}={head_source!r} was trained for {block.get('target')!r} (vocabulary "
                            f"{block.get('vocab_size')}, hidden {block.get('hidden_size')}), not for this target "
-                           f"(LM head {tuple(weight.shape)}, other weights); leave {field} unset to take the head "
+                           f"(LM head {tuple(weight.shape)}, other weights) — leave {field} unset to take the head "
                            f"shipped for this target, if one ships (engine.resolve.resolve_run), or train one with "
                            f"{retrain}")
 
@@ -296,14 +303,14 @@ def load_eagle_head(source: str) -> EagleHead:
     path = resolve_head_dir(source)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
-        raise DrafterError(f"{path} has no config.json; an EAGLE-1/2 checkpoint directory needs one")
+        raise DrafterError(f"{path} has no config.json — an EAGLE-1/2 checkpoint directory needs one")
     values = json.loads(cfg_file.read_text())
     if values.get("num_hidden_layers", 1) != 1:
-        raise DrafterError(f"{source}: config.json has num_hidden_layers={values['num_hidden_layers']}; "
+        raise DrafterError(f"{source}: config.json has num_hidden_layers={values['num_hidden_layers']} — "
                            f"this loader reads one-layer EAGLE-1/2 heads")
     state = read_state_dict(path)
     if any(k.startswith("midlayer.") or k == "d2t" for k in state):
-        raise DrafterError(f"{source} is an EAGLE-3 checkpoint (midlayer/d2t keys); eagle here reads EAGLE-1/2 heads")
+        raise DrafterError(f"{source} is an EAGLE-3 checkpoint (midlayer/d2t keys) — eagle here reads EAGLE-1/2 heads")
     state = {k.removeprefix("model."): v for k, v in state.items()}
     head = EagleHead(llama_config(values), bias="fc.bias" in state, qkv_bias=bool(values.get("qkv_bias", False))
                      or "layers.0.self_attn.q_proj.bias" in state, with_embedding="embed_tokens.weight" in state)
@@ -316,7 +323,7 @@ def load_eagle_head(source: str) -> EagleHead:
                            f"unexpected {result.unexpected_keys}")
     if block and block.get("weights_id") and _weights_ids(path) != {block["weights_id"]}:
         raise DrafterError(f"{source}: config.json and the weights beside it come from different saves (a save "
-                           f"stopped between the two files); save the head again (save_eagle_head)")
+                           f"stopped between the two files) — save the head again (save_eagle_head)")
     scale = float((block or {}).get("embed_scale_folded", 1.0))
     if scale != 1.0:                                # undo save_eagle_head's folding (its docstring)
         stored = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(values.get("torch_dtype"), torch.float32)
@@ -447,7 +454,7 @@ class EagleTreeDrafter(LMHeadDrafter):
         if self.pending is None or tokens.numel() != self.pending.shape[0]:
             raise DrafterError(f"{self.name} holds target features for "
                                f"{0 if self.pending is None else self.pending.shape[0]} positions but "
-                               f"{tokens.numel()} new committed tokens arrived; propose() must follow begin() or "
+                               f"{tokens.numel()} new committed tokens arrived — propose() must follow begin() or "
                                f"observe()")
         h = self._feed(tokens, self.pending)
         self.pending = None
@@ -486,11 +493,11 @@ class EagleDrafter(EagleTreeDrafter):
         t = text_config(target)
         out_emb = target.get_output_embeddings().weight                # [V, d]
         if head.hidden_size != t.hidden_size or head.fc.in_features != 2 * t.hidden_size:
-            raise DrafterError(f"the EAGLE head has hidden size {head.hidden_size} but the target's is {t.hidden_size}; "
-                               f"use the EAGLE checkpoint trained for this target")
+            raise DrafterError(f"the EAGLE head has hidden size {head.hidden_size} but the target's is "
+                               f"{t.hidden_size} — use the EAGLE checkpoint trained for this target")
         if head.config.vocab_size != out_emb.shape[0]:
             raise DrafterError(f"the EAGLE head's vocabulary ({head.config.vocab_size}) differs from the target's "
-                               f"({out_emb.shape[0]}); use the EAGLE checkpoint trained for this target")
+                               f"({out_emb.shape[0]}) — use the EAGLE checkpoint trained for this target")
         self.head_sha = head_digest(head)                              # before the cast: the file's weights
         self.eagle = head.to(device=self.device, dtype=out_emb.dtype).eval()
         if cfg.cpu_kernels:                                            # bf16 / fp32 on a CPU: kernels.cpu's linear
@@ -519,7 +526,7 @@ class EagleDrafter(EagleTreeDrafter):
             have = embed_scale(target)
             if abs(have / head.embed_scale - 1) > 1e-6:
                 raise DrafterError(f"the EAGLE head was trained on token embeddings scaled by {head.embed_scale:g} but "
-                                   f"this target's input embedding scales by {have:g}; use the head trained for it")
+                                   f"this target's input embedding scales by {have:g} — use the head trained for it")
             return target.get_input_embeddings()
         if head.embed_tokens is not None:
             return head.embed_tokens
@@ -542,7 +549,7 @@ class EagleDrafter(EagleTreeDrafter):
     def _prompt_features(self, prompt_ids, prefill_hidden):
         if prefill_hidden is None or prefill_hidden.shape[0] != prompt_ids.numel():
             raise DrafterError("eagle needs the target's hidden states at every prompt position (prefill_hidden "
-                               "[L, d]); run it through engine.harness.generate, which passes them")
+                               "[L, d]) — run it through engine.harness.generate, which passes them")
         return prefill_hidden
 
     def _step_features(self, step):

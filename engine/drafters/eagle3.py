@@ -59,6 +59,7 @@ from specvocab.engine.drafters.eagle import (EagleTreeDrafter, check_head_target
                                    read_state_dict, resolve_head_dir)
 from specvocab.engine.drafters.layerskip import text_config
 from specvocab.engine.drafters.lmhead import DrafterError
+from specvocab.engine.methods import SAMPLING, TARGET, TREE, MethodSpec, eagle_candidates
 from specvocab.engine.target import cache_kwarg, decoder, native_model, resolve_backend
 from specvocab.engine.vocab import DynaSpecVocab, FrSpecVocab, MicroSpecVocab, OracleVocab, VocabError, VocabPolicy
 from specvocab.engine.vocab.dynaspec import drafter_key as dynaspec_drafter_key
@@ -66,6 +67,12 @@ from specvocab.kernels import cpu as cpu_kernels
 from specvocab.kernels.head import packed_head
 from specvocab.kernels.streams import PackedLMHead
 from specvocab.kernels.window import GatherList
+
+# the method's description (engine.methods: read from this source without importing it); its drafter: Eagle3Drafter.
+# Uncalibrated g: 59 = EAGLE-2's 60 draft tokens (MicroSpec §4.1, FR-Spec §4.1) minus the root; cap: EAGLE-2's
+# candidates at the config's depth and top-k.
+METHOD = MethodSpec("eagle3", order=80, lm_head=True, default_draft_size=59, max_draft_size=eagle_candidates,
+                    calibration_fields=(*SAMPLING, *TARGET, *TREE, "eagle3_head", "vocab"))
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"      # `architectures` of the released heads' config.json
 
@@ -115,12 +122,12 @@ class FeatureTap:
         if missing:
             raise DrafterError(f"eagle3 has no target features for decoder layers {missing} from the target's last "
                                f"forward: the target ran outside the feature tap (its native forward was rebuilt, "
-                               f"or another backend ran it); build the drafter for the model and backend that "
+                               f"or another backend ran it) — build the drafter for the model and backend that "
                                f"decode, through engine.harness.generate")
         feats = [self.latest[i] for i in self.layers]
         if any(f.shape[0] < n for f in feats):
             raise DrafterError(f"eagle3 expected target features for {n} rows but the target's last forward ran "
-                               f"{min(f.shape[0] for f in feats)}; propose() and observe() must follow the "
+                               f"{min(f.shape[0] for f in feats)} — propose() and observe() must follow the "
                                f"target's forward of the same tree")
         self.latest.clear()
         return torch.cat([f[:n] for f in feats], dim=-1)
@@ -195,14 +202,14 @@ def check_maps(d2t: torch.Tensor, t2d: torch.Tensor, source: str = "the EAGLE-3 
     V = t2d.numel()
     if target.numel() and (int(target.min()) < 0 or int(target.max()) >= V):
         bad = target[(target < 0) | (target >= V)][:5].tolist()
-        raise DrafterError(f"{source}: d2t maps draft ids to target ids {bad} outside the vocabulary [0, {V}); the "
+        raise DrafterError(f"{source}: d2t maps draft ids to target ids {bad} outside the vocabulary [0, {V}) — the "
                            f"head was made for another tokenizer or its d2t is corrupt")
     marked = torch.zeros(V, dtype=torch.bool, device=t2d.device)
     marked[target.to(t2d.device)] = True
     if int(marked.sum()) != d2t.numel() or not torch.equal(marked, t2d.bool()):
         raise DrafterError(f"{source}: d2t and t2d disagree - t2d must be exactly the set {{i + d2t[i]}} "
                            f"({d2t.numel()} draft ids name {int(marked.sum())} distinct target ids, t2d marks "
-                           f"{int(t2d.sum())}, {int((marked != t2d.bool()).sum())} ids differ); export both maps "
+                           f"{int(t2d.sum())}, {int((marked != t2d.bool()).sum())} ids differ) — export both maps "
                            f"from one token list (engine.frequency.eagle3_maps)")
 
 
@@ -211,10 +218,10 @@ def load_eagle3_head(source: str) -> Eagle3Head:
     path = resolve_head_dir(source, field="eagle3_head", layout="EAGLE-3", shipped=shipped_eagle3_heads())
     cfg_file = path / "config.json"
     if not cfg_file.exists():
-        raise DrafterError(f"{path} has no config.json; an EAGLE-3 checkpoint directory needs one")
+        raise DrafterError(f"{path} has no config.json — an EAGLE-3 checkpoint directory needs one")
     values = json.loads(cfg_file.read_text())
     if values.get("num_hidden_layers", 1) != 1:
-        raise DrafterError(f"{source}: config.json has num_hidden_layers={values['num_hidden_layers']}; this "
+        raise DrafterError(f"{source}: config.json has num_hidden_layers={values['num_hidden_layers']} — this "
                            f"loader reads one-layer EAGLE-3 heads (one midlayer)")
     state = {k.removeprefix("model."): v for k, v in read_state_dict(path, layout="EAGLE-3").items()}
     if not any(k.startswith("midlayer.") for k in state):
@@ -226,13 +233,13 @@ def load_eagle3_head(source: str) -> Eagle3Head:
     lm_rows = state["lm_head.weight"].shape[0] if "lm_head.weight" in state else None
     if lm_rows is not None and lm_rows != draft_vocab:
         raise DrafterError(f"{source}: config.json says draft_vocab_size={draft_vocab} but lm_head.weight has "
-                           f"{lm_rows} rows; the config and the weights come from different heads")
+                           f"{lm_rows} rows — the config and the weights come from different heads")
     if "d2t" not in state and "t2d" not in state and vocab is not None and draft_vocab == vocab:
         state["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)            # the whole vocabulary: identity maps
         state["t2d"] = torch.ones(vocab, dtype=torch.bool)
     for name, size, what in (("d2t", draft_vocab, "draft_vocab_size"), ("t2d", vocab, "vocab_size")):
         if name not in state:
-            raise DrafterError(f"{source} holds no {name} tensor; an EAGLE-3 head over a draft vocabulary of "
+            raise DrafterError(f"{source} holds no {name} tensor — an EAGLE-3 head over a draft vocabulary of "
                                f"{draft_vocab} < {vocab} ids needs d2t and t2d")
         if state[name].numel() != size:
             raise DrafterError(f"{source}: {name} has {state[name].numel()} entries but config.json's {what} is "
@@ -332,7 +339,7 @@ class DraftFrSpecVocab(FrSpecVocab):
         self.k = int(self.ids.numel())
         if self.k == 0:
             raise VocabError(f"none of the frequency list's top {self.candidates} ids is in the EAGLE-3 head's draft "
-                             f"vocabulary ({maps.d2t.numel()} ids); raise frspec_k or use a list counted with the "
+                             f"vocabulary ({maps.d2t.numel()} ids) — raise frspec_k or use a list counted with the "
                              f"target's tokenizer")
         self.packed = lm_head[maps.row_of_target[self.ids]].contiguous()     # [K', d]
         self.mask &= maps.t2d
@@ -447,7 +454,7 @@ def make_eagle3_policy(cfg, lm_head: torch.Tensor, maps: DraftVocab, *, timer=No
     """The policy `cfg.vocab` inside an EAGLE-3 head's draft vocabulary (module docstring). dynaspec needs `embed`
     (the target's LM-head rows, E(x) by target id) and the drafter's `drafter_key`."""
     if cfg.vocab not in _DRAFT_POLICIES:
-        raise VocabError(f"unknown vocab policy {cfg.vocab!r} for eagle3; choose one of {list(_DRAFT_POLICIES)}")
+        raise VocabError(f"unknown vocab policy {cfg.vocab!r} for eagle3 — choose one of {list(_DRAFT_POLICIES)}")
     if cfg.vocab == "dynaspec":
         return DraftDynaSpecVocab(lm_head, cfg, maps, embed=embed, drafter_key=drafter_key, timer=timer)
     return _DRAFT_POLICIES[cfg.vocab](lm_head, cfg, maps, timer=timer)
@@ -481,16 +488,16 @@ class Eagle3Drafter(EagleTreeDrafter):
         V = target.get_output_embeddings().weight.shape[0]
         if head.target_hidden_size != t.hidden_size:
             raise DrafterError(f"the EAGLE-3 head reads target features of width {head.target_hidden_size} (fc takes "
-                               f"3 x {head.target_hidden_size}) but the target's hidden size is {t.hidden_size}; use "
+                               f"3 x {head.target_hidden_size}) but the target's hidden size is {t.hidden_size} — use "
                                f"the EAGLE-3 checkpoint trained for this target")
         if head.config.vocab_size != V or head.t2d.numel() != V:
             raise DrafterError(f"the EAGLE-3 head's vocabulary ({head.config.vocab_size}) differs from the target's "
-                               f"({V}); use the EAGLE-3 checkpoint trained for this target")
+                               f"({V}) — use the EAGLE-3 checkpoint trained for this target")
         check_maps(head.d2t, head.t2d, f"eagle3_head={self.head_source!r}")
         embed = head.embed_tokens if head.embed_tokens is not None else target.get_input_embeddings()
         if embed.weight.shape[1] != head.hidden_size:
             raise DrafterError(f"the EAGLE-3 head has hidden size {head.hidden_size} and no embed_tokens.weight of its "
-                               f"own, but the target's embedding is {embed.weight.shape[1]} wide; the checkpoint must "
+                               f"own, but the target's embedding is {embed.weight.shape[1]} wide — the checkpoint must "
                                f"carry its embedding")
         dtype = target.get_output_embeddings().weight.dtype
         self.head_sha = head_digest(head)                              # before the cast: the file's weights
@@ -507,7 +514,7 @@ class Eagle3Drafter(EagleTreeDrafter):
         L = t.num_hidden_layers
         layers = getattr(head, "feature_layers", None) or eagle3_feature_layers(L)
         if len(layers) != 3 or not all(0 <= int(i) < L for i in layers):
-            raise DrafterError(f"the EAGLE-3 head reads target layers {list(layers)}; the target has {L} decoder "
+            raise DrafterError(f"the EAGLE-3 head reads target layers {list(layers)} — the target has {L} decoder "
                                f"layers and an EAGLE-3 head reads three of them")
         self.feature_layers = tuple(int(i) for i in layers)
         self.tap = FeatureTap(target, self.feature_layers, cfg.backend)

@@ -33,9 +33,16 @@ import torch
 
 from specvocab.engine.drafters import register_drafter
 from specvocab.engine.drafters.lmhead import DraftKVCache, DrafterError, Expansion, LMHeadDrafter, attention_bias
+from specvocab.engine.methods import SAMPLING, TARGET, TREE, MethodSpec, eagle_candidates
 from specvocab.engine.native import NativeModel
 from specvocab.engine.target import cache_kwarg, native_model, resolve_backend
 from specvocab.engine.tree import StepResult
+
+# the method's description (engine.methods: read from this source without importing it); its drafter: LayerSkipDrafter.
+# Uncalibrated g: 59 = EAGLE-2's 60 draft tokens (MicroSpec §4.1, FR-Spec §4.1) minus the root; cap: EAGLE-2's
+# candidates at the config's depth and top-k.
+METHOD = MethodSpec("layerskip", order=60, lm_head=True, default_draft_size=59, max_draft_size=eagle_candidates,
+                    calibration_fields=(*SAMPLING, *TARGET, *TREE, "drafter_layers", "vocab"))
 
 
 def parse_layers(spec: str, num_layers: int) -> list[int]:
@@ -64,13 +71,13 @@ def parse_layers(spec: str, num_layers: int) -> list[int]:
                 raise DrafterError(f"drafter_layers={spec!r}: every:s needs s >= 1")
             kept = list(range(0, num_layers, s))
         else:
-            raise DrafterError(f"drafter_layers={spec!r} is not understood; use {forms}")
+            raise DrafterError(f"drafter_layers={spec!r} is not understood — use {forms}")
     except ValueError as e:
         if isinstance(e, DrafterError):
             raise
-        raise DrafterError(f"drafter_layers={spec!r}: layer numbers must be integers; use {forms}") from None
+        raise DrafterError(f"drafter_layers={spec!r}: layer numbers must be integers — use {forms}") from None
     if not kept:
-        raise DrafterError(f"drafter_layers={spec!r} keeps no layer of the target's {num_layers}; keep at least one")
+        raise DrafterError(f"drafter_layers={spec!r} keeps no layer of the target's {num_layers} — keep at least one")
     return kept
 
 
@@ -78,7 +85,7 @@ def decoder_of(model):
     dec = model.model if hasattr(model, "model") else model.get_decoder()
     for name in ("layers", "norm", "embed_tokens"):
         if not hasattr(dec, name):
-            raise DrafterError(f"{type(model).__name__} has no decoder with `{name}`; layerskip/eagle support "
+            raise DrafterError(f"{type(model).__name__} has no decoder with `{name}` — layerskip/eagle support "
                                f"decoder-only transformers models laid out like Llama, Qwen and Gemma 3")
     return dec
 
@@ -168,7 +175,7 @@ class LayerSkipDrafter(LMHeadDrafter):
         self.cache.crop(self.n_ctx)                                  # drop any tree rows left over
         if ids.numel() <= self.n_ctx:
             raise DrafterError(f"propose got {ids.numel()} committed ids but the drafter already holds "
-                               f"{self.n_ctx}; call begin() for a new prompt")
+                               f"{self.n_ctx} — call begin() for a new prompt")
         return self._feed(ids[self.n_ctx:])[-1:]                     # [1, d] at the root
 
     def _forward_tree(self, tokens, parent_h, tree_mask, depth):

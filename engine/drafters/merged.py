@@ -41,7 +41,7 @@ accepted path the target produced): EAGLE re-runs the accepted path with the tar
 every verified row into its store, MicroSpec's window takes the tree's tokens.
 
 Draft size: g = `draft_size`, the merged tree's draft nodes (root excluded); left None, the calibrated g* of the
-merged method itself (its calibration key holds `merge_sources` and every source's fields, `engine.methods`), else
+merged method itself (its calibration key holds `merge_sources` and every source's fields, `METHOD` below), else
 the per-device fallback. A run resolved by `engine.resolve.resolve_run` on this machine's cache first calibrates
 on the spot each source that has no record, so the profiles above are measured, not assumed.
 
@@ -65,9 +65,15 @@ from specvocab.engine.calibration import CalibrationSource, calibration_source, 
 from specvocab.engine.config import SpecConfig
 from specvocab.engine.drafters import make_drafter, register_drafter
 from specvocab.engine.drafters.lmhead import DrafterError
-from specvocab.engine.methods import MERGE_HEADS, MERGE_SOURCES
+from specvocab.engine.methods import MERGE_HEADS, MERGE_SOURCES, MethodSpec, calibration_fields_of
 from specvocab.engine.shipped import default_eagle3_head, default_eagle_head
 from specvocab.engine.tree import Drafter, DraftTree, StepResult
+
+# the method's description (engine.methods: read from this source without importing it); its drafter:
+# MergedDrafter. Calibration key: `merge_sources` and every source's fields (whichever it names); uncalibrated g:
+# the per-device fallback; no cap of its own (each source drafts up to g, the union is cut at g).
+METHOD = MethodSpec("merged", order=90,
+                    calibration_fields=("merge_sources", *calibration_fields_of(*MERGE_SOURCES)))
 
 PRIOR_WEIGHT = 4.0          # pseudo-counts of a source's prior profile against its measured acceptance
 UNCALIBRATED_GAIN = 0.5     # a_s(r) before any measurement for a source with no calibration record
@@ -84,13 +90,13 @@ def parse_sources(text: str) -> tuple[str, ...]:
     names = tuple(s.strip() for s in str(text).split("+") if s.strip())
     unknown = [s for s in names if s not in MERGE_SOURCES]
     if not names or unknown:
-        raise MergeError(f"merge_sources={text!r}: {'unknown source(s) ' + str(unknown) if unknown else 'no source'}; "
+        raise MergeError(f"merge_sources={text!r}: {'unknown source(s) ' + str(unknown) if unknown else 'no source'} — "
                          f"join sources from {list(MERGE_SOURCES)} with '+', e.g. 'eagle3+pld+unispec'")
     if len(set(names)) != len(names):
-        raise MergeError(f"merge_sources={text!r} names a source twice; name each once")
+        raise MergeError(f"merge_sources={text!r} names a source twice — name each once")
     heads = [s for s in names if s in MERGE_HEADS]
     if len(heads) > 1:
-        raise MergeError(f"merge_sources={text!r} names two draft heads {heads}; a merged tree takes one head "
+        raise MergeError(f"merge_sources={text!r} names two draft heads {heads} — a merged tree takes one head "
                          f"(eagle3 or eagle) plus the n-gram sources")
     return names
 
@@ -133,7 +139,7 @@ def merge_trees(trees: Sequence[DraftTree], gains: Sequence[Sequence[float]], g:
         raise MergeError("merge_trees needs at least one source tree")
     root = int(trees[0].tokens[0])
     if any(int(t.tokens[0]) != root for t in trees):
-        raise MergeError(f"the source trees have different roots {[int(t.tokens[0]) for t in trees]}; every source "
+        raise MergeError(f"the source trees have different roots {[int(t.tokens[0]) for t in trees]} — every source "
                          f"drafts from the same last committed token")
     ranks = [ranked_nodes(t) for t in trees]
     toks = [t.tokens.tolist() for t in trees]
@@ -326,7 +332,7 @@ class MergedDrafter(Drafter):
         t0 = time.perf_counter()
         for name, t in zip(self.sources, trees):
             if t.draft_probs is not None:
-                raise MergeError(f"source {name!r} proposed sampled children (draft_probs); a merged tree verifies "
+                raise MergeError(f"source {name!r} proposed sampled children (draft_probs) — a merged tree verifies "
                                  f"point-mass candidates only")
         self._last = merge_trees(trees, self.gains(), self.g)
         self._t["merge"] += time.perf_counter() - t0

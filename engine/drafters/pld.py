@@ -14,7 +14,13 @@ from __future__ import annotations
 import torch
 
 from specvocab.engine.drafters import register_drafter
+from specvocab.engine.methods import SAMPLING, TARGET, MethodSpec
 from specvocab.engine.tree import DraftTree, Drafter
+
+# the method's description (engine.methods: read from this source without importing it); its drafter:
+# PromptLookupDrafter. Uncalibrated g: 10 = transformers' `prompt_lookup_num_tokens` (Saxena 2023's setting).
+METHOD = MethodSpec("pld", order=10, default_draft_size=10,
+                    calibration_fields=(*SAMPLING, *TARGET, "pld_max_ngram", "pld_min_ngram"))
 
 
 def prompt_lookup(ids: torch.Tensor, min_ngram: int, max_ngram: int, num_draft: int) -> torch.Tensor:

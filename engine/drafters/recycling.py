@@ -32,7 +32,15 @@ import torch
 from specvocab.engine.drafters.unispec import accepted_last_order
 from specvocab.engine.store import SuccessorStore, check_token_ids, drafter_store, prompt_rows, rows_tokens, topk_probs
 from specvocab.engine.drafters import register_drafter
+from specvocab.engine.methods import SAMPLING, STORE, TARGET, MethodSpec
 from specvocab.engine.tree import Drafter, DraftTree, StepResult
+
+# the method's description (engine.methods: read from this source without importing it); its drafter:
+# RecyclingDrafter. Uncalibrated g and cap: its whole static template (Token Recycling's Figure 5 tree: 80 nodes),
+# named as strings so that reading the description imports nothing.
+METHOD = MethodSpec("recycling", order=30, default_draft_size="specvocab.engine.drafters.recycling:whole_template",
+                    max_draft_size="specvocab.engine.drafters.recycling:template_cap",
+                    calibration_fields=(*SAMPLING, *TARGET, *STORE, "recycling_tree"))
 
 # Children per node, level by level (root first), BFS order. Token Recycling Figure 5: 80 nodes, depth 6.
 TEMPLATES: dict[str, list[list[int]]] = {
@@ -105,18 +113,18 @@ class Template:
 def template_size(name: str) -> int:
     """Draft nodes of template `name` (root excluded): recycling's draft size when none is given."""
     if name not in TEMPLATES:
-        raise RecyclingError(f"unknown recycling_tree {name!r}; choose one of {sorted(TEMPLATES)}")
+        raise RecyclingError(f"unknown recycling_tree {name!r} — choose one of {sorted(TEMPLATES)}")
     return sum(sum(level) for level in TEMPLATES[name])
 
 
 def whole_template(cfg) -> int:
-    """recycling's uncalibrated draft size: every node of `cfg.recycling_tree` (engine.methods)."""
+    """recycling's uncalibrated draft size: every node of `cfg.recycling_tree` (`METHOD`)."""
     return template_size(cfg.recycling_tree)
 
 
 def template_cap(cfg) -> int | None:
     """recycling's largest draft size: the nodes of `cfg.recycling_tree`; None for a template it does not know
-    (the drafter rejects it when built) (engine.methods)."""
+    (the drafter rejects it when built) (`METHOD`)."""
     return template_size(cfg.recycling_tree) if cfg.recycling_tree in TEMPLATES else None
 
 
@@ -162,10 +170,10 @@ class RecyclingDrafter(Drafter):
         g = cfg.require_draft_size()
         if g > size:
             raise RecyclingError(f"draft_size={g} exceeds the {size} nodes of template "
-                                 f"{cfg.recycling_tree!r}; pass draft_size <= {size} or None (whole template)")
+                                 f"{cfg.recycling_tree!r} — pass draft_size <= {size} or None (whole template)")
         if full.max_slot > cfg.store_k:
             raise RecyclingError(f"template {cfg.recycling_tree!r} uses {full.max_slot} store slots per node "
-                                 f"but store_k={cfg.store_k}; set store_k >= {full.max_slot}")
+                                 f"but store_k={cfg.store_k} — set store_k >= {full.max_slot}")
         self.template = full.truncated(g)
         self._given_store = store                       # checked against the vocabulary in begin()
         self._store = store
@@ -174,7 +182,7 @@ class RecyclingDrafter(Drafter):
     @property
     def store(self) -> SuccessorStore:
         if self._store is None:
-            raise RecyclingError("the store is made in begin() from the prefill logits' width; call begin first")
+            raise RecyclingError("the store is made in begin() from the prefill logits' width — call begin first")
         return self._store
 
     # the prefill's logits at the last occurrence of each prompt token only: the store keeps one row per token,
@@ -189,7 +197,7 @@ class RecyclingDrafter(Drafter):
                                     prefill_logits.device)
         if self.store.k < self.template.max_slot:
             raise RecyclingError(f"the given store has k={self.store.k} slots per row but the template reads "
-                                 f"{self.template.max_slot}; build it with k >= {self.template.max_slot}")
+                                 f"{self.template.max_slot} — build it with k >= {self.template.max_slot}")
         if self.cfg.store_persistence == "per_prompt":
             self.store.reset()
         prompt_ids = prompt_ids.reshape(-1)

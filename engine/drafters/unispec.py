@@ -29,8 +29,16 @@ import torch
 
 from specvocab.engine.store import SuccessorStore, check_token_ids, drafter_store, prompt_rows, rows_tokens, topk_probs
 from specvocab.engine.drafters import register_drafter
+from specvocab.engine.methods import SAMPLING, STORE, TARGET, MethodSpec, unispec_candidates
 from specvocab.engine.tree import Drafter, DraftTree, StepResult
 from specvocab.kernels import cpu as cpu_kernels
+
+# the method's description (engine.methods: read from this source without importing it); its drafter:
+# UniSpecDrafter. Uncalibrated g: the per-device fallback (engine.calibration.FALLBACK_DRAFT_SIZE); cap: the
+# candidate pool (App. A, Alg. 1).
+METHOD = MethodSpec("unispec", order=40, max_draft_size=unispec_candidates,
+                    calibration_fields=(*SAMPLING, *TARGET, *STORE, "tree_depth", "threshold_r", "confidence",
+                                        "broaden_first_level", "threshold_scope", "cache_exclude_root"))
 
 
 class UniSpecError(ValueError):
@@ -211,7 +219,7 @@ class UniSpecDrafter(Drafter):
     @property
     def store(self) -> SuccessorStore:
         if self._store is None:
-            raise UniSpecError("the store is made in begin() from the prefill logits' width; call begin first")
+            raise UniSpecError("the store is made in begin() from the prefill logits' width — call begin first")
         return self._store
 
     def _ensure_store(self, vocab_size: int, device) -> None:
@@ -246,7 +254,7 @@ class UniSpecDrafter(Drafter):
         cache = (self.cache_tok, self.cache_con) if cfg.broaden_first_level else (None, None)
         tree = None
         if cfg.cpu_kernels and self.store.device.type == "cpu" and cpu_kernels.available_portable() is None:
-            out = cpu_kernels.unispec_tree(         # the same tree in one C call (tests/test_unispec_tree.py)
+            out = cpu_kernels.unispec_tree(         # the same tree in one C call (tests/test_drafters_unispec.py)
                 int(ids[-1]), self.store.tok, self.store.con, *cache, k=cfg.store_k, depth=cfg.tree_depth,
                 r=cfg.threshold_r, g=self.draft_size, path=cfg.confidence == "path",
                 min_score=cfg.threshold_r if cfg.threshold_scope == "expand+select" else 0.0,

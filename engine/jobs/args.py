@@ -76,6 +76,15 @@ def split_csv(v):
     return tuple(x for x in v.split(",") if x) if isinstance(v, str) else v
 
 
+def config_job(module: str, doc: str, cls, run, skip):
+    """The `main(argv=None)` of the job `module` (its `python -m` name) that is one config dataclass and one
+    function (`config_main`), described by the first line of its docstring `doc`."""
+    def main(argv: list[str] | None = None):
+        return config_main(argv, prog=f"python -m {module}", description=doc.split("\n")[0], cls=cls, run=run,
+                           skip=skip)
+    return main
+
+
 def config_main(argv, *, prog: str, description: str, cls, run, skip):
     """`main(argv)` of a job that is one config dataclass and one function: `--model` plus a flag per field of
     `cls` (not in `skip`), `--no-progress` and `--debug`; the model name and an `out` folder are checked before

@@ -185,11 +185,11 @@ def _names(value: str | Sequence[str] | None) -> list[str]:
 def _methods(methods: str | Sequence[str]) -> list[str]:
     names = _names(methods)
     if not names:
-        raise BenchError("no methods given; pass e.g. --methods ar,pld")
+        raise BenchError("no methods given — pass e.g. --methods ar,pld")
     have = available_methods()
     missing = [m for m in names if m not in have]
     if missing:
-        raise BenchError(f"method(s) {missing} cannot run yet (no drafter registered); available: {have}")
+        raise BenchError(f"method(s) {missing} cannot run yet (no drafter registered) — available: {have}")
     return list(dict.fromkeys(names))
 
 
@@ -220,13 +220,13 @@ def plan_runs(methods: str | Sequence[str] | None, drafter: str | None = None,
     vocabs = _names(vocab)
     if drafter is None and vocabs:
         raise BenchError(f"--vocab {','.join(vocabs)} needs --drafter: the vocabulary policies restrict a "
-                         f"drafter's LM head; pass --drafter {' or --drafter '.join(DRAFTERS)}")
+                         f"drafter's LM head — pass --drafter {' or --drafter '.join(DRAFTERS)}")
     if drafter is not None and drafter not in DRAFTERS:
-        raise BenchError(f"unknown drafter {drafter!r}; --drafter takes one of {list(DRAFTERS)} (drafters with an "
+        raise BenchError(f"unknown drafter {drafter!r} — --drafter takes one of {list(DRAFTERS)} (drafters with an "
                          f"LM head; other methods go in --methods)")
     bad = [v for v in vocabs if policy(v) not in POLICIES]
     if bad:
-        raise BenchError(f"unknown vocab(s) {bad}; --vocab takes a comma list of {list(POLICIES)}, "
+        raise BenchError(f"unknown vocab(s) {bad} — --vocab takes a comma list of {list(POLICIES)}, "
                          f"optionally sized: frspec:K (top-K shortlist), microspec:W (w_max) or dynaspec:N "
                          f"(about N tokens per row at draft steps 0-1)")
     # eagle's head (`eagle_head`, None = the drafter's default) is checked by building the drafter once the
@@ -377,7 +377,7 @@ def _bench(runs: list[Run], model, prompts, *, per_category, categories, languag
             missing = [c for c in (*RUN_KEY, "policy", "vocab_size", "turn") if c not in old.columns]
             if missing or "question_id" in old.columns:
                 raise BenchError(f"cannot resume {path}: it was written by an older engine.jobs.bench (columns "
-                                 f"question_id / vocab, turns from 0; missing {missing}); bench into a new "
+                                 f"question_id / vocab, turns from 0; missing {missing}) — bench into a new "
                                  f"--out folder, or delete the file to start over")
             rows = old.to_dicts()
             done = {tuple(str(r[k]) for k in RUN_KEY) for r in rows}
@@ -512,7 +512,7 @@ def diagnose(frame: pl.DataFrame, loaded, prompts: str | Path | Sequence[Prompt]
         else:
             prompt_list = list(prompts)
     except ValueError as e:                                      # PromptError: an unknown set or a bad file
-        raise BenchError(f"diagnose cannot rebuild the rows' prompts: {e}; pass prompts= (the prompt set's name "
+        raise BenchError(f"diagnose cannot rebuild the rows' prompts: {e} — pass prompts= (the prompt set's name "
                          f"or the .jsonl file the bench read)") from e
     try:
         cfg = SpecConfig.preset("ar", **(config or {}))

@@ -103,13 +103,13 @@ def calibrate(model, prompts: Sequence[torch.Tensor], method: str = "unispec", *
     tokenizer, info: the model's, for frspec's default ranking (`runnable_config`). Returns the
     calibration record (UniSpec App. F: the grid, tau_i, s_i, the fits' g*, the config, the machine)."""
     if method not in DRAFTING_METHODS:
-        raise CalibrationError(f"method {method!r} drafts nothing: there is no draft size to calibrate; choose one "
+        raise CalibrationError(f"method {method!r} drafts nothing: there is no draft size to calibrate — choose one "
                                f"of {list(DRAFTING_METHODS)}")
     p = pipeline_of(pipeline, mode=mode, timing=timing)
     base = (cfg or SpecConfig.preset(method)).replace(method=method, draft_size=None)
     device = next(model.parameters()).device
     if grid is not None and len(grid) == 0:
-        raise CalibrationError("empty calibration grid; give at least one draft size")
+        raise CalibrationError("empty calibration grid — give at least one draft size")
     if grid is not None and any(int(g) <= 0 for g in grid):
         raise CalibrationError(f"draft sizes must be positive, got {list(grid)}")
     base, run = resolved_configs(base, model, tokenizer, info, eos_ids)

@@ -11,16 +11,11 @@ from __future__ import annotations
 
 import sys
 
-import polars as pl
-
-from specvocab.engine.jobs.args import config_main, run_main
+from specvocab.engine.jobs.args import config_job, run_main
 from specvocab.engine.train.compare import CompareConfig, compare_heads
 
-
-def main(argv: list[str] | None = None) -> pl.DataFrame:
-    return config_main(argv, prog="python -m specvocab.engine.jobs.compare_heads", description=__doc__.split("\n")[0],
-                       cls=CompareConfig, run=compare_heads, skip={"model", "progress"})
-
+main = config_job("specvocab.engine.jobs.compare_heads", __doc__, CompareConfig, compare_heads,
+                  skip={"model", "progress"})
 
 if __name__ == "__main__":
     sys.exit(run_main(main))

@@ -74,7 +74,7 @@ def choice_settings(cfg: ChoicesConfig, base: dict) -> list[tuple[int, int, int]
             uniq.append(s)
     for m, w, el in uniq:
         if el > base["top_l"]:
-            raise DynaSpecError(f"top_l={el} is more than the {base['top_l']} tokens per row the fit logged; "
+            raise DynaSpecError(f"top_l={el} is more than the {base['top_l']} tokens per row the fit logged — "
                                 f"sweep L <= {base['top_l']} or refit with a larger --top-l")
         if m < 1 or w < 1 or el < 1:
             raise DynaSpecError(f"M, router width and L must be >= 1, got M={m}, width={w}, L={el}")
@@ -120,7 +120,7 @@ def fit_split(work: Path, shards: list[Path], heldout: float | None = None) -> t
     by_id = {shard_prompt(s): s for s in shards}
     missing = [p for p in split["train_prompt_ids"] + split["heldout_prompt_ids"] if p not in by_id]
     if missing:
-        raise DynaSpecError(f"{path} names logged prompts {missing[:5]} that {work} has no log shard for; "
+        raise DynaSpecError(f"{path} names logged prompts {missing[:5]} that {work} has no log shard for — "
                             f"rerun the fit on this work dir")
     return [by_id[p] for p in split["train_prompt_ids"]], [by_id[p] for p in split["heldout_prompt_ids"]]
 
@@ -132,16 +132,16 @@ def sweep_choices(cfg: ChoicesConfig) -> Path:
     key_file = work / "fit.json"
     shards = sorted(work.glob("log-*.safetensors"))
     if not key_file.is_file() or not shards:
-        raise DynaSpecError(f"{work} is not a DynaSpec fit's work dir (it needs fit.json and log-*.safetensors); "
+        raise DynaSpecError(f"{work} is not a DynaSpec fit's work dir (it needs fit.json and log-*.safetensors) — "
                             f"run `python -m specvocab.engine.jobs.fit_dynaspec --model M --work-dir {work}` first")
     base = json.loads(key_file.read_text())
     settings = choice_settings(cfg, base)
     if len(shards) < 2:
-        raise DynaSpecError(f"{work} holds {len(shards)} logged prompt; the sweep needs 2 or more (train + held out)")
+        raise DynaSpecError(f"{work} holds {len(shards)} logged prompt — the sweep needs 2 or more (train + held out)")
     train_shards, held_shards = fit_split(work, shards, cfg.heldout)
     if not train_shards or not held_shards:
         raise DynaSpecError(f"the split of {work} leaves {len(train_shards)} training and {len(held_shards)} "
-                            f"held-out prompts; the sweep needs both")
+                            f"held-out prompts — the sweep needs both")
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     model, _, _ = load_model(base["model"])

@@ -82,7 +82,7 @@ class FitConfig:
         """The settings checked before anything loads: a drafter with an LM head, the logging runs' SpecConfig,
         the sizes, the held-out fraction, the k-means seeding; DynaSpecError / ConfigError name the bad one."""
         if self.drafter not in DRAFTERS:
-            raise DynaSpecError(f"drafter {self.drafter!r} has no LM head to restrict; use {', '.join(DRAFTERS)}")
+            raise DynaSpecError(f"drafter {self.drafter!r} has no LM head to restrict — use {', '.join(DRAFTERS)}")
         self.spec_config()
         for name in ("num_prompts", "max_new_tokens", "max_prompt_tokens", "num_clusters", "kmeans_iters",
                      "router_width", "top_l", "epochs", "batch_size", "k_max"):
@@ -91,7 +91,7 @@ class FitConfig:
         if not 0 <= self.heldout < 1:
             raise DynaSpecError(f"heldout must be a fraction in [0, 1), got {self.heldout}")
         if self.kmeans_init not in ("k-means++", "random"):
-            raise DynaSpecError(f"unknown k-means init {self.kmeans_init!r}; choose 'k-means++' or 'random'")
+            raise DynaSpecError(f"unknown k-means init {self.kmeans_init!r} — choose 'k-means++' or 'random'")
         return self
 
     def router_training(self) -> RouterTraining:
@@ -111,7 +111,7 @@ def _select_prompts(cfg: FitConfig):
     except PromptError as e:
         raise DynaSpecError(f"cannot load the training prompts {cfg.prompts!r}: {e}") from e
     if not prompts:
-        raise DynaSpecError(f"prompt set {cfg.prompts!r} is empty; point --prompts at a non-empty training corpus")
+        raise DynaSpecError(f"prompt set {cfg.prompts!r} is empty — point --prompts at a non-empty training corpus")
     perm = np.random.default_rng(cfg.seed).permutation(len(prompts))          # spread over languages and tasks
     return [prompts[i] for i in perm]
 
@@ -149,7 +149,7 @@ def log_rows(cfg: FitConfig, model, tokenizer, info, work: Path) -> list[Path]:
         if drafter is None:
             drafter = make_drafter(model, spec)
             if not hasattr(drafter, "policy"):
-                raise DynaSpecError(f"drafter {cfg.drafter!r} has no LM head to restrict; use layerskip, eagle or "
+                raise DynaSpecError(f"drafter {cfg.drafter!r} has no LM head to restrict — use layerskip, eagle or "
                                     f"eagle3")
             logger = RouterDataLogger(drafter.policy, cfg.top_l, to_row=head_rows(drafter, model)[2])
             drafter.policy = logger
@@ -166,7 +166,7 @@ def log_rows(cfg: FitConfig, model, tokenizer, info, work: Path) -> list[Path]:
     bar.close()
     if not shards:
         raise DynaSpecError(f"no prompt of {cfg.prompts!r} could be logged (all longer than max_prompt_tokens="
-                            f"{cfg.max_prompt_tokens}?); raise --max-prompt-tokens or use another corpus")
+                            f"{cfg.max_prompt_tokens}?) — raise --max-prompt-tokens or use another corpus")
     return shards
 
 
@@ -184,7 +184,7 @@ def fit(cfg: FitConfig) -> Path:
     spec = resolve_config(cfg.spec_config(), model=model)
     drafter = make_drafter(model, spec)
     if not hasattr(drafter, "drafter_key"):
-        raise DynaSpecError(f"drafter {cfg.drafter!r} has no LM head to restrict; use layerskip, eagle or eagle3")
+        raise DynaSpecError(f"drafter {cfg.drafter!r} has no LM head to restrict — use layerskip, eagle or eagle3")
     key_of_drafter = drafter.drafter_key()       # eagle/eagle3: the head's hash and the depth (a run checks both)
     weight, embed, _ = head_rows(drafter, model)  # [K, d] the rows clustered; [V, d] E(x) by target id
     del drafter
@@ -194,7 +194,7 @@ def fit(cfg: FitConfig) -> Path:
     key_file = work / "fit.json"
     key = cfg.data_key()
     if key_file.is_file() and json.loads(key_file.read_text()) != key:
-        raise DynaSpecError(f"work dir {work} holds a fit with other settings ({key_file}); delete it or pass "
+        raise DynaSpecError(f"work dir {work} holds a fit with other settings ({key_file}) — delete it or pass "
                             f"another --work-dir")
     key_file.write_text(json.dumps(key, indent=1, sort_keys=True))
 
@@ -222,7 +222,7 @@ def fit(cfg: FitConfig) -> Path:
     train_rows, held_rows = load_rows(shards[: len(shards) - n_held]), load_rows(shards[len(shards) - n_held:])
     write_split(work, shards[: len(shards) - n_held], shards[len(shards) - n_held:], cfg.heldout)
     if not train_rows:
-        raise DynaSpecError("no training rows were logged; raise --num-prompts")
+        raise DynaSpecError("no training rows were logged — raise --num-prompts")
     router, losses = train_router(cfg.router_training(), train_rows, weight, assign, work, embed=embed)
 
     layout = ClusterLayout.from_assign(assign, cfg.num_clusters)

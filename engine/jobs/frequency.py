@@ -73,7 +73,7 @@ def generation_arrays(traces: Sequence[Trace], tokenizer_name: str | None = None
         other = sorted({str(t.meta["tokenizer"]) for t in traces
                         if t.meta.get("tokenizer") and t.meta["tokenizer"] != tokenizer_name})
         if other:
-            raise FrequencyError(f"traces were recorded with tokenizer(s) {other}, not {tokenizer_name!r}; their ids "
+            raise FrequencyError(f"traces were recorded with tokenizer(s) {other}, not {tokenizer_name!r} — their ids "
                                  f"mean other tokens: record them again with the target")
     return [np.asarray(t.generated, dtype=np.int64) for t in traces]
 
@@ -85,7 +85,7 @@ def check_lists(sizes: Sequence[int], exports: Sequence[str]) -> None:
     writes; the CLI checks it before the model loads)."""
     unknown = sorted(set(exports) - {"eagle3"})
     if unknown:
-        raise FrequencyError(f"unknown export(s) {unknown}; choose from ['eagle3'] (the SGLang token map is the "
+        raise FrequencyError(f"unknown export(s) {unknown} — choose from ['eagle3'] (the SGLang token map is the "
                              f"frspec-k<K>.pt list itself)")
     for k in sizes:
         if isinstance(k, bool) or int(k) < 1:

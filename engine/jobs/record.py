@@ -82,7 +82,7 @@ def _resumable(old: list[Trace], info, max_new_tokens: int, topk: int, path) -> 
         got = (t.meta.get("model"), t.meta.get("max_new_tokens"), t.meta.get("topk"))
         if got != (info.name, max_new_tokens, topk):
             raise RecordError(f"{path} holds traces recorded with (model, max_new_tokens, topk) = {got}, not "
-                             f"{(info.name, max_new_tokens, topk)}; pass another --out or drop --resume")
+                             f"{(info.name, max_new_tokens, topk)} — pass another --out or drop --resume")
     return old
 
 

@@ -27,7 +27,7 @@ def read_rows(source: str | Path) -> pl.DataFrame:
     if (source / "sweep.json").is_file():
         raise SpecBenchError(f"{source} is a sweep folder: `python -m specvocab.sweeps.render {source}` writes its answer "
                              f"files to {source}/spec_bench_answers (with its figures)")
-    raise SpecBenchError(f"{source}: no results.parquet (an engine.jobs.bench --out folder); pass one, or a "
+    raise SpecBenchError(f"{source}: no results.parquet (an engine.jobs.bench --out folder) — pass one, or a "
                          f"results .parquet file")
 
 

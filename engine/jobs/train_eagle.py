@@ -10,16 +10,12 @@ checkpoints and resume are `engine.train.loop`. Options: the fields of `engine.t
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from specvocab.engine.jobs.args import config_main, run_main
+from specvocab.engine.jobs.args import config_job, run_main
 from specvocab.engine.train.eagle2 import TrainConfig, train_eagle
 
-
-def main(argv: list[str] | None = None) -> Path:
-    return config_main(argv, prog="python -m specvocab.engine.jobs.train_eagle", description=__doc__.split("\n")[0],
-                       cls=TrainConfig, run=train_eagle, skip={"model", "betas", "progress"})
-
+main = config_job("specvocab.engine.jobs.train_eagle", __doc__, TrainConfig, train_eagle,
+                  skip={"model", "betas", "progress"})
 
 if __name__ == "__main__":
     sys.exit(run_main(main))

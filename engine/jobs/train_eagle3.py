@@ -12,16 +12,12 @@ The recipe (draft vocabulary, training-time test, loss, and where it differs fro
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from specvocab.engine.jobs.args import config_main, run_main
+from specvocab.engine.jobs.args import config_job, run_main
 from specvocab.engine.train.eagle3 import Train3Config, train_eagle3
 
-
-def main(argv: list[str] | None = None) -> Path:
-    return config_main(argv, prog="python -m specvocab.engine.jobs.train_eagle3", description=__doc__.split("\n")[0],
-                       cls=Train3Config, run=train_eagle3, skip={"model", "betas", "progress"})
-
+main = config_job("specvocab.engine.jobs.train_eagle3", __doc__, Train3Config, train_eagle3,
+                  skip={"model", "betas", "progress"})
 
 if __name__ == "__main__":
     sys.exit(run_main(main))

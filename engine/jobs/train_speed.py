@@ -11,16 +11,10 @@ from __future__ import annotations
 
 import sys
 
-import polars as pl
-
-from specvocab.engine.jobs.args import config_main, run_main
+from specvocab.engine.jobs.args import config_job, run_main
 from specvocab.engine.train.speed import SpeedConfig, train_speed
 
-
-def main(argv: list[str] | None = None) -> pl.DataFrame:
-    return config_main(argv, prog="python -m specvocab.engine.jobs.train_speed", description=__doc__.split("\n")[0],
-                       cls=SpeedConfig, run=train_speed, skip={"model", "progress"})
-
+main = config_job("specvocab.engine.jobs.train_speed", __doc__, SpeedConfig, train_speed, skip={"model", "progress"})
 
 if __name__ == "__main__":
     sys.exit(run_main(main))

@@ -20,7 +20,7 @@ def counted_tokens(s: Sample, how: str, loss_on: str = "all") -> torch.Tensor:
         return s.input_ids[s.loss_mask]
     if s.topk_ids is None:
         raise TrainError("vocab_count 'top1' needs the target's top-1 at every position, which a tokens-only data "
-                         "folder does not store; pass --vocab-count response")
+                         "folder does not store — pass --vocab-count response")
     top1 = s.topk_ids[1:, 0]
     return top1[s.loss_mask[1:]] if loss_on == "response" else top1
 
@@ -70,7 +70,7 @@ def make_batch3(samples: Sequence[Sample], maps: DraftVocab, steps: int, loss_on
     parts = []
     for j, s in enumerate(x for x in samples if x.input_ids.numel() >= 2):
         if any(f not in s.extra for f in FEATURES):
-            raise TrainError("the data folder holds no EAGLE-3 features (hidden_low / mid / high); make it with "
+            raise TrainError("the data folder holds no EAGLE-3 features (hidden_low / mid / high) — make it with "
                              "`python -m specvocab.engine.jobs.eagle_data --eagle3-features` into another --out")
         L = s.input_ids.numel()
         p = torch.arange(L - 1)

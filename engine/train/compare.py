@@ -49,7 +49,7 @@ def compare_heads(cfg: CompareConfig, loaded=None) -> pl.DataFrame:
     eos = eos_token_ids(model, tok)
     prompts = heldout_prompts(load_split(cfg.data, "heldout"), read_manifest(cfg.data), cfg.prompts)
     if not prompts:
-        raise TrainError(f"{cfg.data} has no held-out prompts; make the data with --heldout-prompts N")
+        raise TrainError(f"{cfg.data} has no held-out prompts — make the data with --heldout-prompts N")
     tree = dict(max_new_tokens=cfg.new_tokens, eagle_depth=cfg.eagle_depth, draft_size=cfg.draft_size)
     runs = {"ar": SpecConfig.preset("ar", max_new_tokens=cfg.new_tokens),
             "eagle": SpecConfig.preset("eagle", eagle_head=cfg.eagle_head, **tree),

@@ -88,7 +88,7 @@ class DataConfig:
     def validate(self) -> "DataConfig":
         bad = [s for s in self.sources if s not in SOURCES]
         if bad or not self.sources:
-            raise TrainError(f"unknown data source(s) {bad or '(none)'}; choose from {list(SOURCES)}")
+            raise TrainError(f"unknown data source(s) {bad or '(none)'} — choose from {list(SOURCES)}")
         if self.feature_dtype not in DTYPES:
             raise TrainError(f"feature_dtype {self.feature_dtype!r}: choose one of {list(DTYPES)}")
         for name in ("max_tokens", "greedy_new_tokens", "greedy_batch", "prompts_per_shard", "topk"):
@@ -100,7 +100,7 @@ class DataConfig:
             raise TrainError(f"heldout_prompts must be in [0, num_prompts), got {self.heldout_prompts} of "
                              f"{self.num_prompts}")
         if not self.store_features and "greedy" in self.sources:
-            raise TrainError("source 'greedy' needs store_features: its continuations are generated once; "
+            raise TrainError("source 'greedy' needs store_features: its continuations are generated once — "
                              "use --source teacher with features on the fly")
         return self
 
@@ -180,7 +180,7 @@ def _training_prompts(cfg: DataConfig) -> list[Prompt]:
     except PromptError as e:
         raise TrainError(f"cannot load the training prompts {cfg.prompts!r}: {e}") from e
     if not prompts:
-        raise TrainError(f"prompt set {cfg.prompts!r} (languages={cfg.languages}, tasks={cfg.tasks}) is empty; "
+        raise TrainError(f"prompt set {cfg.prompts!r} (languages={cfg.languages}, tasks={cfg.tasks}) is empty — "
                          f"point --prompts at a non-empty training corpus or widen the filters")
     perm = np.random.default_rng(cfg.seed).permutation(len(prompts))      # spread over languages and tasks
     return [prompts[i] for i in perm]
@@ -199,7 +199,7 @@ def make_data(cfg: DataConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     mpath = out / "manifest.json"
     if mpath.is_file() and read_manifest(out).get("settings") != cfg.key():
-        raise TrainError(f"{out} holds training data made with other settings ({mpath}); pass another --out "
+        raise TrainError(f"{out} holds training data made with other settings ({mpath}) — pass another --out "
                          f"or delete that folder")
     model, tokenizer, info = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
     weight = model.get_output_embeddings().weight

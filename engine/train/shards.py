@@ -52,19 +52,19 @@ def load_shard(path: str | Path) -> list[Sample]:
             meta = json.loads((f.metadata() or {}).get("specvocab", "null"))
         t = load_file(str(path))
     except Exception as e:   # safetensors raises several error types for a truncated or damaged file
-        raise TrainError(f"training shard {path} is not readable ({type(e).__name__}: {e}); {fix}") from None
+        raise TrainError(f"training shard {path} is not readable ({type(e).__name__}: {e}) — {fix}") from None
     need = {"offsets", "input_ids", "loss_mask"}
     has_features = "hidden" in t
     if has_features:
         need |= set(FEATURE_KEYS)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or not need <= set(t):
         raise TrainError(f"{path} is not a specvocab training shard of format {FORMAT} (missing "
-                         f"{sorted(need - set(t)) or 'metadata'}); {fix}")
+                         f"{sorted(need - set(t)) or 'metadata'}) — {fix}")
     off = t["offsets"].tolist()
     n = t["input_ids"].numel()
     if off[0] != 0 or off[-1] != n or any(b <= a for a, b in zip(off, off[1:])) \
             or len(off) - 1 != len(meta.get("prompt_ids", ())) or any(t[k].shape[0] != n for k in need - {"offsets"}):
-        raise TrainError(f"{path}: offsets and tensor lengths disagree (a torn or edited shard); {fix}")
+        raise TrainError(f"{path}: offsets and tensor lengths disagree (a torn or edited shard) — {fix}")
     extra = [k for k in FEATURES if k in t]
     out = []
     for j, (a, b) in enumerate(zip(off, off[1:])):
@@ -82,12 +82,12 @@ def read_manifest(folder: str | Path) -> dict:
     folder = Path(folder)
     path = folder / "manifest.json"
     if not path.is_file():
-        raise TrainError(f"{folder} holds no training data (no manifest.json); make it with "
+        raise TrainError(f"{folder} holds no training data (no manifest.json) — make it with "
                          f"`python -m specvocab.engine.jobs.eagle_data --model <name> --out {folder}`")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise TrainError(f"{path} is not valid JSON ({e}); delete the folder and make the data again") from None
+        raise TrainError(f"{path} is not valid JSON ({e}) — delete the folder and make the data again") from None
 
 
 def load_split(folder: str | Path, split: str) -> list[Sample]:

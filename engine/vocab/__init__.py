@@ -69,6 +69,6 @@ def make_policy(cfg, weight: torch.Tensor, *, softcap: float | None = None, time
     against: `drafter_key` (`engine.vocab.dynaspec.drafter_key` with the head's hash; dynaspec) and the target's
     `tokenizer` name (`engine.models.ModelInfo.tokenizer_name`; frspec refuses a list made for another)."""
     if cfg.vocab not in _POLICIES:
-        raise VocabError(f"unknown vocab policy {cfg.vocab!r}; choose one of {list(POLICIES)}")
+        raise VocabError(f"unknown vocab policy {cfg.vocab!r} — choose one of {list(POLICIES)}")
     extra = {"dynaspec": {"drafter_key": drafter_key}, "frspec": {"tokenizer": tokenizer}}.get(cfg.vocab, {})
     return _POLICIES[cfg.vocab](weight, cfg, softcap=softcap, timer=timer, **extra)

@@ -108,7 +108,7 @@ class VocabPolicy:
     # helpers ----------------------------------------------------------------------------------------
     def _check_h(self, h: torch.Tensor) -> torch.Tensor:
         if h.shape[-1] != self.hidden_size:
-            raise VocabError(f"hidden states have width {h.shape[-1]} but the LM head expects d={self.hidden_size}; "
+            raise VocabError(f"hidden states have width {h.shape[-1]} but the LM head expects d={self.hidden_size} — "
                              f"the drafter's hidden size must match the head it projects with")
         return h.to(self.weight.dtype)
 
@@ -156,4 +156,4 @@ class OracleVocab(VocabPolicy):
 def check_w_max(w_max: int, vocab_size: int) -> None:
     if w_max <= 0 or w_max > vocab_size:
         raise VocabError(f"w_max={w_max} must be in [1, V={vocab_size}] (the window can never hold more distinct "
-                         f"tokens than the vocabulary); the paper uses 3072 for V of 128k-152k")
+                         f"tokens than the vocabulary) — the paper uses 3072 for V of 128k-152k")

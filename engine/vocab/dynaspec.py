@@ -117,7 +117,7 @@ def cluster_budget(t: int, k_max: int, budget: str = "position", *, k_min: int =
     "position" (DynaSpec-PA, §4.2): k_max for t in {0, 1}, floor(k_max / ((t + 1) * 2)) for t >= 2.
     "fixed" (DynaSpec-F, Fig. 2): k_max at every t. Clamped to [k_min, num_clusters]."""
     if budget not in BUDGETS:
-        raise DynaSpecError(f"unknown budget {budget!r}; choose 'position' (DynaSpec-PA) or 'fixed' (DynaSpec-F)")
+        raise DynaSpecError(f"unknown budget {budget!r} — choose 'position' (DynaSpec-PA) or 'fixed' (DynaSpec-F)")
     if t < 0 or k_max < 1 or k_min < 1:
         raise DynaSpecError(f"need t >= 0, k_max >= 1 and k_min >= 1, got t={t}, k_max={k_max}, k_min={k_min}")
     k = k_max if budget == "fixed" or t < 2 else k_max // ((t + 1) * 2)
@@ -229,11 +229,12 @@ def read_sidecar(path: str | Path) -> dict:
         meta = json.loads(side.read_text())
     except FileNotFoundError:
         raise DynaSpecError(f"{side} is missing: a fitted DynaSpec is `{Path(path).name}` plus its JSON sidecar "
-                            f"`{side.name}`; fit again with `python -m specvocab.engine.jobs.fit_dynaspec`") from None
+                            f"`{side.name}` — fit again with `python -m specvocab.engine.jobs.fit_dynaspec`") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DynaSpecError(f"{side} is not valid JSON ({e}); fit again with `python -m specvocab.engine.jobs.fit_dynaspec`") from None
+        raise DynaSpecError(f"{side} is not valid JSON ({e}) — fit again with "
+                            f"`python -m specvocab.engine.jobs.fit_dynaspec`") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("method") != "dynaspec":
-        raise DynaSpecError(f"{side} is not a DynaSpec sidecar of format {FORMAT}; fit again with "
+        raise DynaSpecError(f"{side} is not a DynaSpec sidecar of format {FORMAT} — fit again with "
                             f"`python -m specvocab.engine.jobs.fit_dynaspec`")
     return meta
 
@@ -246,28 +247,29 @@ def check_head(meta: dict, weight: torch.Tensor, where: str = "this DynaSpec",
     fix = "fit one for this model with `python -m specvocab.engine.jobs.fit_dynaspec --model <name>`"
     if (meta["vocab_size"], meta["hidden_size"]) != tuple(weight.shape):
         raise DynaSpecError(f"{where} was fitted for model {model!r} with vocabulary {meta['vocab_size']} and hidden "
-                            f"size {meta['hidden_size']}, but this LM head is {weight.shape[0]} x {weight.shape[1]}; "
+                            f"size {meta['hidden_size']}, but this LM head is {weight.shape[0]} x {weight.shape[1]} — "
                             f"{fix}")
     if not fingerprint_matches(stored_fingerprint(meta), weight, fingerprint):
         raise DynaSpecError(f"{where} was fitted for model {model!r}, whose LM head has the same shape as this one "
-                            f"but other weights (LM-head fingerprint differs); {fix}")
+                            f"but other weights (LM-head fingerprint differs) — {fix}")
 
 
 def load_dynaspec(path: str | Path, weight: torch.Tensor | None = None) -> FittedDynaSpec:
     """A fitted DynaSpec from `path` (+ `path.json`); with `weight`, checked against that LM head."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise DynaSpecError(f"fitted DynaSpec {path} does not exist; fit one with `python -m specvocab.engine.jobs.fit_dynaspec "
-                            f"--model <name>` (it is written under {cache_root() / 'dynaspec'})")
+        raise DynaSpecError(f"fitted DynaSpec {path} does not exist — fit one with "
+                            f"`python -m specvocab.engine.jobs.fit_dynaspec --model <name>` (it is written under "
+                            f"{cache_root() / 'dynaspec'})")
     meta = read_sidecar(path)
     try:
         with safe_open(str(path), framework="pt") as f:
             file_id = (f.metadata() or {}).get("fit_id")
         tensors = load_file(str(path))
     except Exception as e:   # safetensors raises several error types for a damaged file
-        raise DynaSpecError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e}); fit again") from e
+        raise DynaSpecError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e}) — fit again") from e
     if file_id != meta.get("fit_id"):
-        raise DynaSpecError(f"{path} and its sidecar {sidecar_path(path).name} come from different fits; fit again")
+        raise DynaSpecError(f"{path} and its sidecar {sidecar_path(path).name} come from different fits — fit again")
     if weight is not None:
         check_head(meta, weight, where=str(path))
     router = Router(meta["hidden_size"], meta["num_clusters"], meta["router_width"])
@@ -275,10 +277,11 @@ def load_dynaspec(path: str | Path, weight: torch.Tensor | None = None) -> Fitte
     try:
         router.load_state_dict(state)
     except RuntimeError as e:
-        raise DynaSpecError(f"{path}: router tensors do not match the sidecar's sizes ({e}); fit again") from None
+        raise DynaSpecError(f"{path}: router tensors do not match the sidecar's sizes ({e}) — fit again") from None
     assign = tensors["assign"].long()
     if assign.numel() != meta["vocab_size"]:
-        raise DynaSpecError(f"{path}: {assign.numel()} cluster ids for a vocabulary of {meta['vocab_size']}; fit again")
+        raise DynaSpecError(f"{path}: {assign.numel()} cluster ids for a vocabulary of {meta['vocab_size']} — fit "
+                            f"again")
     return FittedDynaSpec(assign=assign, router=router.eval(), meta=meta)
 
 
@@ -309,9 +312,9 @@ def check_drafter(meta: dict, key: dict, where: str) -> None:
     if not key_matches(meta.get("drafter_config"), key):
         raise DynaSpecError(f"{where} was fitted for drafter {meta.get('drafter_config')}, not for this one {key} "
                             f"(another head, another eagle_depth or layer choice, or a fit whose key records neither "
-                            f"the head's hash nor the depth): its router would score steps and states it never saw; fit one "
-                            f"for this drafter with `python -m specvocab.engine.jobs.fit_dynaspec --model <name> --drafter "
-                            f"{key['drafter']}` (with the same --set eagle_depth=...)")
+                            f"the head's hash nor the depth): its router would score steps and states it never saw "
+                            f"— fit one for this drafter with `python -m specvocab.engine.jobs.fit_dynaspec --model "
+                            f"<name> --drafter {key['drafter']}` (with the same --set eagle_depth=...)")
 
 
 def default_dynaspec_path(model: str, cfg: SpecConfig, key: dict | None = None) -> Path:
@@ -347,8 +350,8 @@ def find_fitted(weight: torch.Tensor, cfg: SpecConfig, folder: str | Path | None
             found.append((meta.get("created", 0), path.name, path))
     if not found:
         raise DynaSpecError(f"vocab='dynaspec' needs a fitted DynaSpec for this model and drafter {key}, and none is "
-                            f"in {folder}; fit one with `python -m specvocab.engine.jobs.fit_dynaspec --model <name> --drafter "
-                            f"{key['drafter']}` or pass dynaspec_file=<path>")
+                            f"in {folder} — fit one with `python -m specvocab.engine.jobs.fit_dynaspec --model "
+                            f"<name> --drafter {key['drafter']}` or pass dynaspec_file=<path>")
     return max(found)[2]
 
 
@@ -397,7 +400,7 @@ class DynaSpecHead:
                  k_min: int = 1, embed: torch.Tensor | None = None):
         if fitted.vocab_size != weight.shape[0] or fitted.router.hidden_size != weight.shape[1]:
             raise DynaSpecError(f"this DynaSpec is for V={fitted.vocab_size}, d={fitted.router.hidden_size}, but the "
-                                f"LM head is {weight.shape[0]} x {weight.shape[1]}; fit one for this model")
+                                f"LM head is {weight.shape[0]} x {weight.shape[1]} — fit one for this model")
         cluster_budget(0, k_max, budget, k_min=k_min)                             # validates the arguments
         self.weight = weight                                                      # [K, d] clustered rows
         self.embed = weight if embed is None else embed                           # [V_tokens, d] E(x)
@@ -495,9 +498,10 @@ class DynaSpecVocab(VocabPolicy):
     Before the backbone runs a tree level the drafter calls `route(tokens, parent_h, t)`: the router picks
     each row's top-k_c(t) clusters (`dynaspec_k_max`, `dynaspec_budget`, `dynaspec_k_min`), on its own
     stream on CUDA. `logits(h)` runs the head once over the union of the level's shortlists, each row
-    masked to its own. The clusters and router come from `cfg.dynaspec_file`, or when None from the newest
-    DynaSpec in `<specvocab cache>/dynaspec/` fitted for this LM head and drafter (`find_fitted`); an explicit
-    file is checked against the drafter too (`check_drafter`: head hash, depth, layer choice).
+    masked to its own. The clusters and router come from `fitted`, else from `cfg.dynaspec_file` of a resolved
+    config (`engine.resolve.resolve_run` fills it with the newest fit for this LM head and drafter,
+    `find_fitted`; the policy looks nothing up), checked against the drafter (`check_drafter`: head hash, depth,
+    layer choice); a config left unresolved is a DynaSpecError naming the fix.
     Active vocab of a step = its mean per-row shortlist (the paper's "vocab size", Table 1); coverage counts
     committed tokens inside the union of the step's shortlists; `stats()` adds `mean_row_vocab` (over all
     rows) and `mean_union_vocab` / `max_union_vocab` (rows of W the head read per call)."""
@@ -509,7 +513,11 @@ class DynaSpecVocab(VocabPolicy):
         super().__init__(weight, cfg, softcap=softcap, timer=timer)
         key = drafter_key or globals()["drafter_key"](cfg)
         if fitted is None:
-            path = cfg.dynaspec_file or find_fitted(weight, cfg, key=key)
+            path = cfg.dynaspec_file
+            if not path:
+                raise DynaSpecError("vocab='dynaspec' with dynaspec_file=None: the config was not resolved — resolve "
+                                    "the run first (engine.resolve.resolve_run(cfg, model) picks the newest fit for "
+                                    "this head and drafter) or pass dynaspec_file=<path>")
             fitted = load_dynaspec(path, weight)
             check_drafter(fitted.meta, key, str(path))
         self.head = DynaSpecHead(fitted, weight, k_max=cfg.dynaspec_k_max, budget=cfg.dynaspec_budget,

@@ -131,7 +131,7 @@ def spherical_kmeans(x: torch.Tensor, num_clusters: int, *, iters: int = 25, see
     elif init == "random":
         c = x[torch.randperm(n, generator=gen)[:num_clusters].to(x.device)].clone()
     else:
-        raise DynaSpecError(f"unknown k-means init {init!r}; choose 'k-means++', 'random' or a centroid tensor")
+        raise DynaSpecError(f"unknown k-means init {init!r} — choose 'k-means++', 'random' or a centroid tensor")
     assign, converged, it = None, False, 0
     for it in range(1, iters + 1):
         new_assign, best = _nearest(x, c)
@@ -190,7 +190,7 @@ class RouterRows:
         names = [f.name for f in dataclasses.fields(cls)]
         missing = [n for n in names if n not in tensors]
         if missing:
-            raise DynaSpecError(f"{where} lacks {missing}: not a DynaSpec log shard; delete it and fit again")
+            raise DynaSpecError(f"{where} lacks {missing}: not a DynaSpec log shard — delete it and fit again")
         return cls(**{n: tensors[n] for n in names})
 
     @classmethod
@@ -227,7 +227,7 @@ class RouterDataLogger:
     def head_topk(self, h, k):
         logp, ids = self.inner.head_topk(h, max(k, self.top_l))                 # [r, K] sorted, best first
         if self._pending is None or self._pending[0].numel() != h.shape[0]:
-            raise DynaSpecError("the drafter ran its head without routing the rows first; log with a drafter "
+            raise DynaSpecError("the drafter ran its head without routing the rows first — log with a drafter "
                                 "built on LMHeadDrafter (layerskip, eagle, eagle3)")
         tokens, parent_h, t = self._pending
         self._pending = None
@@ -362,7 +362,7 @@ def train_router(cfg: RouterTraining, train: RouterRows, weight: torch.Tensor, a
         if saved != hparams:
             what = ("it records none (written before they were checked)" if saved is None else
                     ", ".join(f"{k} {saved.get(k)!r} -> {v!r}" for k, v in hparams.items() if saved.get(k) != v))
-            raise DynaSpecError(f"{ckpt} is a router training with other hyper-parameters ({what}); resume it with "
+            raise DynaSpecError(f"{ckpt} is a router training with other hyper-parameters ({what}) — resume it with "
                                 f"its own settings, or delete it to train from scratch")
         router.load_state_dict(state["router"])
         opt.load_state_dict(state["opt"])

@@ -46,18 +46,18 @@ def save_token_map(ids: Sequence[int], path: str | Path, *, tokenizer: str, voca
 def check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
     a = np.asarray(ids, dtype=np.int64)
     if a.size == 0:
-        raise FrequencyError(f"{what}: the list is empty; count a non-empty corpus")
+        raise FrequencyError(f"{what}: the list is empty — count a non-empty corpus")
     if a.min() < 0 or a.max() >= vocab_size:
         raise FrequencyError(f"{what}: token id {int(a.max() if a.max() >= vocab_size else a.min())} is outside the "
-                             f"vocabulary of {vocab_size}; count with the target's own tokenizer")
+                             f"vocabulary of {vocab_size} — count with the target's own tokenizer")
     if np.unique(a).size != a.size:
-        raise FrequencyError(f"{what}: the list repeats token ids; a shortlist holds each id once")
+        raise FrequencyError(f"{what}: the list repeats token ids — a shortlist holds each id once")
 
 
 def read_map_meta(path: Path, tokenizer: str | None, vocab_size: int | None, fmt: str) -> dict:
     side = sidecar_path(path)
     if not path.exists():
-        raise FrequencyError(f"{path} does not exist; write it with `python -m specvocab.engine.jobs.frequency`")
+        raise FrequencyError(f"{path} does not exist — write it with `python -m specvocab.engine.jobs.frequency`")
     meta = json.loads(side.read_text()) if side.exists() else {}
     if side.exists() and meta.get("format") != fmt:
         raise FrequencyError(f"{path} is a {meta.get('format')!r} file, not a {fmt!r} one")
@@ -66,7 +66,8 @@ def read_map_meta(path: Path, tokenizer: str | None, vocab_size: int | None, fmt
                              f"other tokens. Count a list with {tokenizer!r} (python -m specvocab.engine.jobs.frequency --model ...)")
     if vocab_size is not None and "vocab_size" in meta and meta["vocab_size"] != vocab_size:
         raise FrequencyError(f"{path} was made for a vocabulary of {meta['vocab_size']} ids but the target has "
-                             f"{vocab_size}; count a list with the target's tokenizer (python -m specvocab.engine.jobs.frequency)")
+                             f"{vocab_size} — count a list with the target's tokenizer "
+                             f"(python -m specvocab.engine.jobs.frequency)")
     return meta
 
 
@@ -80,7 +81,7 @@ def load_token_map(path: str | Path, *, tokenizer: str | None = None, vocab_size
     if vocab_size is not None:
         check_ids(ids, vocab_size, str(path))
     if meta and meta.get("size") != ids.size:
-        raise FrequencyError(f"{path} holds {ids.size} ids but its sidecar says {meta.get('size')}; the files are out "
+        raise FrequencyError(f"{path} holds {ids.size} ids but its sidecar says {meta.get('size')} — the files are out "
                              f"of sync, write them again")
     return ids
 
@@ -114,16 +115,16 @@ def load_eagle3_maps(path: str | Path, *, tokenizer: str | None = None,
     read_map_meta(path, tokenizer, vocab_size, "eagle3")
     obj = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(obj, dict) or "d2t" not in obj or "t2d" not in obj:
-        raise FrequencyError(f"{path} holds no d2t / t2d tensors; write it with save_eagle3_maps")
+        raise FrequencyError(f"{path} holds no d2t / t2d tensors — write it with save_eagle3_maps")
     d2t, t2d = obj["d2t"].long().reshape(-1), obj["t2d"].bool().reshape(-1)
     if vocab_size is not None and t2d.numel() != vocab_size:
-        raise FrequencyError(f"{path}: t2d covers {t2d.numel()} target ids but the target has {vocab_size}; export "
+        raise FrequencyError(f"{path}: t2d covers {t2d.numel()} target ids but the target has {vocab_size} — export "
                              f"the maps with the target's tokenizer")
     target = d2t + torch.arange(d2t.numel())
     if int(t2d.sum()) != d2t.numel() or (target.numel() and (bool((target.diff() <= 0).any())
                                                               or int(target.max()) >= t2d.numel()
                                                               or not bool(t2d[target].all()))):
-        raise FrequencyError(f"{path}: d2t and t2d disagree (t2d.sum()={int(t2d.sum())}, K={d2t.numel()}); they must "
+        raise FrequencyError(f"{path}: d2t and t2d disagree (t2d.sum()={int(t2d.sum())}, K={d2t.numel()}) — they must "
                              f"name the same target ids, d2t in ascending order")
     return d2t, t2d
 
@@ -140,15 +141,16 @@ def load_frequency_ranking(path: str | Path, vocab_size: int | None = None, *,
     through `load_token_map` (`torch.load(weights_only=True)`: no pickled code runs)."""
     path = Path(path)
     if not path.exists():
-        raise VocabError(f"frequency file {path} does not exist; build one with `python -m specvocab.engine.jobs.frequency` "
-                         f"and pass frequency_file=<path>")
+        raise VocabError(f"frequency file {path} does not exist — build one with "
+                         f"`python -m specvocab.engine.jobs.frequency` and pass frequency_file=<path>")
     side = path.with_name(path.name + ".json")
     if path.suffix != ".parquet" and side.exists():
         meta = json.loads(side.read_text())
         made_for = meta.get("vocab_size")
         if vocab_size is not None and made_for not in (None, vocab_size):
             raise VocabError(f"frequency file {path} was made for a vocabulary of {made_for} ids but the model has "
-                             f"{vocab_size}; count a list with the target's tokenizer (python -m specvocab.engine.jobs.frequency)")
+                             f"{vocab_size} — count a list with the target's tokenizer "
+                             f"(python -m specvocab.engine.jobs.frequency)")
         if tokenizer and meta.get("tokenizer") not in (None, tokenizer):
             raise FrequencyError(f"frequency file {path} was made for tokenizer {meta['tokenizer']!r}, not this "
                                  f"target's {tokenizer!r}: its ids mean other tokens. Count a list with "
@@ -163,7 +165,7 @@ def load_frequency_ranking(path: str | Path, vocab_size: int | None = None, *,
             ranking = load_token_map(path, tokenizer=tokenizer or None, vocab_size=vocab_size)
         except pickle.UnpicklingError as e:
             raise FrequencyError(f"frequency file {path} is not a plain list of token ids (torch.load with "
-                                 f"weights_only=True refused it: {str(e).splitlines()[0]}); write it with "
+                                 f"weights_only=True refused it: {str(e).splitlines()[0]}) — write it with "
                                  f"specvocab.engine.vocab.save_token_map") from None
     elif path.suffix == ".txt":
         ranking = np.loadtxt(path, dtype=np.int64, ndmin=1)
@@ -172,7 +174,7 @@ def load_frequency_ranking(path: str | Path, vocab_size: int | None = None, *,
                          f"(.parquet), or .npy, .pt or .txt (token ids, most frequent first)")
     ranking = np.asarray(ranking.tolist() if hasattr(ranking, "tolist") else ranking, dtype=np.int64).reshape(-1)
     if ranking.size == 0:
-        raise VocabError(f"frequency file {path} holds no token ids; rebuild it from a non-empty corpus")
+        raise VocabError(f"frequency file {path} holds no token ids — rebuild it from a non-empty corpus")
     return ranking
 
 
@@ -197,7 +199,7 @@ class FrSpecVocab(VocabPolicy):
         ranking = torch.as_tensor(np.asarray(ranking), dtype=torch.long).reshape(-1)
         if ranking.numel() and (int(ranking.max()) >= self.vocab_size or int(ranking.min()) < 0):
             raise VocabError(f"the frequency ranking holds token id {int(ranking.max())} outside this model's "
-                             f"vocabulary of {self.vocab_size}; build it with the same tokenizer as the target")
+                             f"vocabulary of {self.vocab_size} — build it with the same tokenizer as the target")
         _, first = np.unique(ranking.numpy(), return_index=True)
         ranking = ranking[np.sort(first)]                       # keep-first, in case of repeats
         self.k = min(cfg.frspec_k, self.vocab_size, ranking.numel())   # K clipped to V (and to what is ranked)

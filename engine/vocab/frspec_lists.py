@@ -65,7 +65,7 @@ def _pluck(value, parts: Sequence[str], where: str) -> list:
     head, rest = parts[0], parts[1:]
     if isinstance(value, dict):
         if head not in value:
-            raise FrequencyError(f"{where} has no field {head!r} (keys: {sorted(value)}); pass --text-field / "
+            raise FrequencyError(f"{where} has no field {head!r} (keys: {sorted(value)}) — pass --text-field / "
                                  "field= as a dotted path, e.g. turns or choices.*.turns")
         return _pluck(value[head], rest, where)
     if isinstance(value, list):
@@ -73,9 +73,9 @@ def _pluck(value, parts: Sequence[str], where: str) -> list:
             return [v for item in value for v in _pluck(item, rest, where)]
         if head.lstrip("-").isdigit():
             if not -len(value) <= int(head) < len(value):
-                raise FrequencyError(f"{where}: a list of {len(value)} has no index {head}; use * for every element")
+                raise FrequencyError(f"{where}: a list of {len(value)} has no index {head} — use * for every element")
             return _pluck(value[int(head)], rest, where)
-    raise FrequencyError(f"{where}: cannot take {head!r} of a {type(value).__name__}; use a key for objects, "
+    raise FrequencyError(f"{where}: cannot take {head!r} of a {type(value).__name__} — use a key for objects, "
                          "an index or * for lists")
 
 
@@ -95,12 +95,12 @@ def read_texts(path: str | Path, field: str = "turns") -> list[str]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise FrequencyError(f"{where} is not JSON ({e}); pass a JSONL file, one object per line") from None
+                raise FrequencyError(f"{where} is not JSON ({e}) — pass a JSONL file, one object per line") from None
             for v in _pluck(row, field.split("."), where):
                 vals = v if isinstance(v, list) else [v]
                 bad = [x for x in vals if not isinstance(x, str)]
                 if bad:
-                    raise FrequencyError(f"{where}: field {field!r} holds a {type(bad[0]).__name__}, not text; "
+                    raise FrequencyError(f"{where}: field {field!r} holds a {type(bad[0]).__name__}, not text — "
                                          "point --text-field at strings or lists of strings")
                 texts.extend(vals)
     return texts
@@ -111,7 +111,7 @@ def corpus_texts(name: str = "train_corpus", *, languages: Sequence[str] | None 
     """The texts of one corpus of `CORPORA`, read from the data root. For `train_corpus`: every prompt and,
     with `responses`, every reference response, filtered by language and task."""
     if name not in CORPORA:
-        raise FrequencyError(f"unknown corpus {name!r}; choose from {sorted(CORPORA)}")
+        raise FrequencyError(f"unknown corpus {name!r} — choose from {sorted(CORPORA)}")
     if name == "train_corpus":
         prompts = load_prompts("train_corpus", languages=languages, tasks=tasks)
         return [t for p in prompts for t in (*p.turns, *([p.reference] if responses and p.reference else []))]
@@ -129,7 +129,7 @@ def _encode(tokenizer, text: str) -> list[int]:
             return tokenizer.encode(text)                                   # e.g. engine.prompts.ByteTokenizer
     if callable(tokenizer):
         return tokenizer(text)
-    raise FrequencyError(f"tokenizer {type(tokenizer).__name__} has no encode(text) and is not callable; pass a "
+    raise FrequencyError(f"tokenizer {type(tokenizer).__name__} has no encode(text) and is not callable — pass a "
                          "Hugging Face tokenizer, an object with encode(text) -> ids, or a function text -> ids")
 
 
@@ -140,7 +140,7 @@ def tokenize_texts(texts: Iterable[str], tokenizer, batch: int = 512) -> list[np
     texts = list(texts)
     for i, text in enumerate(texts):
         if not isinstance(text, str):
-            raise FrequencyError(f"text {i} is a {type(text).__name__}, not a str; pass strings (read_texts "
+            raise FrequencyError(f"text {i} is a {type(text).__name__}, not a str — pass strings (read_texts "
                                  "flattens lists of turns)")
     if callable(tokenizer) and callable(getattr(tokenizer, "batch_decode", None)):     # Hugging Face: batched
         ids = [row for s in range(0, len(texts), batch)
@@ -198,7 +198,7 @@ def frequency_list(ranking: pl.DataFrame, keep: Sequence[int] = ()) -> np.ndarra
     keep = list(dict.fromkeys(int(k) for k in keep))
     bad = [k for k in keep if not 0 <= k < vocab_size]
     if bad:
-        raise FrequencyError(f"kept token id(s) {bad} are outside the vocabulary of {vocab_size}; the tokenizer "
+        raise FrequencyError(f"kept token id(s) {bad} are outside the vocabulary of {vocab_size} — the tokenizer "
                              f"and the ranking do not belong together")
     ranked = ranking.filter(pl.col("count") > 0).sort("rank")["token_id"].to_numpy()
     rest = ranked[~np.isin(ranked, np.asarray(keep, dtype=np.int64))]
@@ -228,11 +228,11 @@ def default_frequency_file(tokenizer, tokenizer_name: str, vocab_size: int,
         tokenizer, tokenizer_name = ByteTokenizer(), tokenizer_name or "bytes"
     if not tokenizer_name:
         raise FrequencyError("default_frequency_file needs the tokenizer's name (ModelInfo.tokenizer_name) to key its "
-                             "cache; pass tokenizer_name=...")
+                             "cache — pass tokenizer_name=...")
     corpora = tuple(corpora)
     unknown = [c for c in corpora if c not in CORPORA]
     if unknown or not corpora:
-        raise FrequencyError(f"unknown corpus {unknown or '(none)'}; choose from {sorted(CORPORA)}")
+        raise FrequencyError(f"unknown corpus {unknown or '(none)'} — choose from {sorted(CORPORA)}")
     if not allow_evaluation_data:
         refuse_evaluation(set(corpora), "corpora")
     keep = kept_special_ids(tokenizer, eos_ids)

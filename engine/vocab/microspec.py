@@ -50,7 +50,7 @@ def prefill_entries(prompt_ids: torch.Tensor, prefill_topk: torch.Tensor, source
     if sources == "ext":
         return ordered_unique(prefill_topk[-1])
     if sources not in ("ctx+ext", "ctx"):
-        raise VocabError(f"unknown sources {sources!r}; choose ctx+ext, ctx or ext (MicroSpec §4.5, Table 3)")
+        raise VocabError(f"unknown sources {sources!r} — choose ctx+ext, ctx or ext (MicroSpec §4.5, Table 3)")
     return torch.cat([prompt_ids, ordered_unique(prefill_topk.reshape(-1), keep=order)])
 
 
@@ -68,7 +68,8 @@ def ver_row_index(accepted: torch.Tensor, n: int, ver_rows: str) -> torch.Tensor
         return accepted[-1:]
     if ver_rows == "all_tree":
         return torch.arange(n, device=accepted.device)
-    raise VocabError(f"unknown ver_rows {ver_rows!r}; choose accepted_path, last or all_tree (the paper does not say which verify rows; accepted_path is our default)")
+    raise VocabError(f"unknown ver_rows {ver_rows!r} — choose accepted_path, last or all_tree (the paper does not say "
+                     f"which verify rows; accepted_path is our default)")
 
 
 class MicroSpecVocab(VocabPolicy):
@@ -86,12 +87,12 @@ class MicroSpecVocab(VocabPolicy):
         check_w_max(cfg.w_max, self.vocab_size)
         for name in ("k_pre", "k_ver"):
             if getattr(cfg, name) > self.vocab_size:
-                raise VocabError(f"{name}={getattr(cfg, name)} is larger than the vocabulary ({self.vocab_size}); "
+                raise VocabError(f"{name}={getattr(cfg, name)} is larger than the vocabulary ({self.vocab_size}) — "
                                  f"use {name} <= {self.vocab_size} (the paper uses 3)")
         if cfg.sources not in ("ctx+ext", "ctx", "ext"):
-            raise VocabError(f"unknown sources {cfg.sources!r}; choose ctx+ext, ctx or ext")
+            raise VocabError(f"unknown sources {cfg.sources!r} — choose ctx+ext, ctx or ext")
         if cfg.draft_tree_tokens not in ("final", "all_expanded"):
-            raise VocabError(f"unknown draft_tree_tokens {cfg.draft_tree_tokens!r}; choose final or all_expanded (A2)")
+            raise VocabError(f"unknown draft_tree_tokens {cfg.draft_tree_tokens!r} — choose final or all_expanded (A2)")
         ver_row_index(torch.zeros(1, dtype=torch.long), 1, cfg.ver_rows)   # validates the name
         self.head = PackedLMHead(weight, cfg.w_max, mode=cfg.window_mode)
         self.w_max = cfg.w_max
@@ -102,7 +103,7 @@ class MicroSpecVocab(VocabPolicy):
         VocabPolicy.begin(self, prompt_ids, None)
         if prefill_topk.shape[-1] < self.cfg.k_pre:
             raise VocabError(f"k_pre={self.cfg.k_pre} is larger than the K={prefill_topk.shape[-1]} top-k ids "
-                             f"available per prompt position; record more (record_topk / --topk) or lower k_pre")
+                             f"available per prompt position — record more (record_topk / --topk) or lower k_pre")
         entries = prefill_entries(prompt_ids.to(self.device), prefill_topk[:, : self.cfg.k_pre], self.cfg.sources,
                                   self.cfg.prefill_order)
         with self.timer.phase("gather"):
@@ -114,7 +115,7 @@ class MicroSpecVocab(VocabPolicy):
             return                                              # Ctx. Only: I stays Unique(Suffix(S_init))
         if ver_topk.shape[-1] < self.cfg.k_ver:
             raise VocabError(f"k_ver={self.cfg.k_ver} is larger than the K={ver_topk.shape[-1]} top-k ids available "
-                             f"per verify row; record more (record_topk / --topk) or lower k_ver")
+                             f"per verify row — record more (record_topk / --topk) or lower k_ver")
         with self.timer.phase("gather"):
             entries = step_entries(draft_tokens.to(self.device), ver_topk[:, : self.cfg.k_ver])   # -1 padded
             # All of them: the window skips the -1 lanes before it keeps the last w_max entries (Eq. 4), so
@@ -132,7 +133,7 @@ class MicroSpecVocab(VocabPolicy):
         if prefill_logits is None or prefill_logits.dim() != 2 or prefill_logits.shape[0] != prompt_ids.numel():
             got = None if prefill_logits is None else tuple(prefill_logits.shape)
             raise VocabError(f"microspec needs the target's logits at all {prompt_ids.numel()} prompt positions "
-                             f"([L, V], Eq. 2), got {got}; run the prefill LM head over every position")
+                             f"([L, V], Eq. 2), got {got} — run the prefill LM head over every position")
         with self.timer.phase("gather"):
             topk = cpu_kernels.topk(prefill_logits, self.cfg.k_pre)[1]          # [L, k_pre] (C on CPU: one pass)
         self.begin_ids(prompt_ids, topk)
@@ -189,9 +190,9 @@ def replay_trace(policy: "MicroSpecVocab", trace, event_order: str = "token") ->
     T = len(trace.generated)
     drafts = trace.draft_tokens
     if event_order not in ("token", "engine"):
-        raise VocabError(f"event_order={event_order!r}; choose 'token' or 'engine' (see locality.stream)")
+        raise VocabError(f"event_order={event_order!r} — choose 'token' or 'engine' (see locality.stream)")
     if event_order == "token" and drafts is not None and len(drafts) != T:
-        raise VocabError(f"the trace has {len(drafts)} draft_tokens lists for {T} generated tokens; the token "
+        raise VocabError(f"the trace has {len(drafts)} draft_tokens lists for {T} generated tokens — the token "
                          f"order needs one list per generated token (replay one list per step with "
                          f"event_order='engine')")
     trace.check_k(max(cfg.k_pre, cfg.k_ver if cfg.sources != "ctx" else 0), "k_pre/k_ver")

@@ -222,7 +222,7 @@ def asked() -> str:
     """`$SPECVOCAB_CPU_ISA`, checked: one of ISAS ("auto" when unset)."""
     value = isa_env()
     if value not in ISAS:
-        raise CpuKernelError(f"{ISA_ENV}={value!r} is not one of {list(ISAS)}; unset it (auto: the first build of "
+        raise CpuKernelError(f"{ISA_ENV}={value!r} is not one of {list(ISAS)} — unset it (auto: the first build of "
                              f"the chain this CPU runs) or choose one")
     return value
 

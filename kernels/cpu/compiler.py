@@ -64,7 +64,7 @@ def _cc_timeout() -> float:
     except ValueError:
         seconds = float("nan")
     if not seconds > 0:
-        raise CpuKernelError(f"{CC_TIMEOUT_ENV}={raw!r} is not a positive number of seconds; set one or unset it "
+        raise CpuKernelError(f"{CC_TIMEOUT_ENV}={raw!r} is not a positive number of seconds — set one or unset it "
                              f"(default {CC_TIMEOUT_S:g})")
     return seconds
 
@@ -74,7 +74,7 @@ def _compiler() -> list[str]:
     cc = os.environ.get("CC", "").strip()
     argv = shlex.split(cc) if cc else [shutil.which("cc") or shutil.which("gcc") or ""]
     if not argv or not argv[0]:
-        raise CpuKernelError("no C compiler (cc / gcc / $CC) to build the CPU kernels; install gcc or set $CC")
+        raise CpuKernelError("no C compiler (cc / gcc / $CC) to build the CPU kernels — install gcc or set $CC")
     return argv
 
 
@@ -93,7 +93,7 @@ def _run(argv: list[str], what: str) -> subprocess.CompletedProcess:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
     except OSError as e:
-        raise CpuKernelError(f"the C compiler {argv[0]} did not run ({e.strerror or e}); install gcc or set $CC") \
+        raise CpuKernelError(f"the C compiler {argv[0]} did not run ({e.strerror or e}) — install gcc or set $CC") \
             from None
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -103,7 +103,7 @@ def _run(argv: list[str], what: str) -> subprocess.CompletedProcess:
         proc.wait()
         proc.stdout.close()
         proc.stderr.close()
-        raise CpuKernelError(f"{what}: the C compiler {argv[0]} took over {timeout:g} s and was stopped; set "
+        raise CpuKernelError(f"{what}: the C compiler {argv[0]} took over {timeout:g} s and was stopped — set "
                              f"{CC_TIMEOUT_ENV} higher (seconds) or $CC to another compiler") from None
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
@@ -178,7 +178,7 @@ def _build_in(d: Path, source: Path, flags: tuple[str, ...], cc: list[str], tag:
     try:
         lock.acquire()
     except filelock.Timeout:
-        raise CpuKernelError(f"another process has held {lock.lock_file} for over {lock.timeout:g} s; remove it "
+        raise CpuKernelError(f"another process has held {lock.lock_file} for over {lock.timeout:g} s — remove it "
                              f"if no build of {source.name} is running") from None
     try:
         why = _untrusted(out, os.stat(out)) if out.exists() else "missing"

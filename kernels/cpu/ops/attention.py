@@ -26,6 +26,8 @@ reduction tree, a vector exp, the values by one FMA chain per dim over the keys 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from specvocab.kernels.cpu import builds
@@ -60,23 +62,10 @@ def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, committed_blo
     q: it is bf16), kc / vc [kvh, capacity, hd] bf16 (one layer's cache; committed slot = logical position),
     committed_blocks: blocks of BLOCK positions read where they lie; idx [n, T BLOCK] the cache slot of each
     position of the next T blocks (the tail: two, or as many as a deep draft tree reaches; `tail_blocks`) for each
-    row, ok [n, T BLOCK] whether it is in the row's context; positions [n] the rows' logical positions; window: sliding-window length (None = full attention). Returns fp32
-    [n, H, hd]; reference `attention_reference`."""
-    n, H, hd = q.shape
-    kvh, cap = kc.shape[0], kc.shape[1]
-    if kc.dtype != torch.bfloat16 or vc.dtype != torch.bfloat16 or not takes_head_dim(hd) or H % kvh:
-        raise CpuKernelError(f"attention takes a bf16 cache with head_dim a multiple of 16 up to 256; got "
-                             f"{kc.dtype}, head_dim {hd}, {H} heads over {kvh} KV heads")
-    if not (kc.is_contiguous() and vc.is_contiguous()):
-        raise CpuKernelError("attention reads each layer's cache in place: give contiguous [kvh, capacity, hd]")
-    tb = tail_blocks(idx, ok, n)
-    qf, pos, slots, okb = _inputs(q, positions, idx, ok)
-    out = torch.empty(n, H, hd, dtype=torch.float32)
-    fn, _ = builds.function("attention_bf16")
-    fn(qf.data_ptr(), kc.data_ptr(), vc.data_ptr(), pos.data_ptr(), slots.data_ptr(), okb.data_ptr(),
-       out.data_ptr(), n, H, kvh, hd, cap, committed_blocks, tb, int(window or 0), float(scale),
-       threads or torch.get_num_threads())
-    return out
+    row, ok [n, T BLOCK] whether it is in the row's context; positions [n] the rows' logical positions; window:
+    sliding-window length (None = full attention). Returns fp32 [n, H, hd]; reference `attention_reference`."""
+    return _attend("attention", "attention_bf16", torch.bfloat16, "a bf16", takes_head_dim,
+                   "a multiple of 16 up to 256", q, kc, vc, committed_blocks, positions, idx, ok, window, scale, threads)
 
 
 def attention_f32(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, committed_blocks: int,
@@ -85,21 +74,31 @@ def attention_f32(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, committed
     """`attention` over an fp32 cache (the same rules, keys and order; the weights stay fp32, as the torch path's
     do in fp32): the exact decode's attention of an fp32 model. q [n, H, hd] fp32, kc / vc [kvh, capacity, hd]
     fp32, the rest as `attention`. Returns fp32 [n, H, hd]; reference `attention_reference`."""
+    return _attend("attention_f32", "attention_f32", torch.float32, "an fp32", lambda hd: hd % 8 == 0,
+                   "a multiple of 8", q, kc, vc, committed_blocks, positions, idx, ok, window, scale, threads)
+
+
+def _attend(name: str, kernel: str, dtype: torch.dtype, dtype_words: str, takes: Callable[[int], bool], rule: str,
+            q, kc, vc, committed_blocks, positions, idx, ok, window, scale, threads) -> torch.Tensor:
+    """The launcher of `attention` / `attention_f32` (`name`): checks the cache (`dtype`, head sizes `takes`
+    accepts, described as `rule`; whole KV groups; contiguous) and the tail (`tail_blocks`), allocates the fp32
+    output [n, H, hd] and runs the build's function `kernel`, whose nonzero return is a failed scratch
+    allocation."""
     n, H, hd = q.shape
     kvh, cap = kc.shape[0], kc.shape[1]
-    if kc.dtype != torch.float32 or vc.dtype != torch.float32 or hd % 8 or H % kvh:
-        raise CpuKernelError(f"attention_f32 takes an fp32 cache with head_dim a multiple of 8; got {kc.dtype}, "
-                             f"head_dim {hd}, {H} heads over {kvh} KV heads")
+    if kc.dtype != dtype or vc.dtype != dtype or not takes(hd) or H % kvh:
+        raise CpuKernelError(f"{name} takes {dtype_words} cache with head_dim {rule}; got {kc.dtype}, head_dim {hd}, "
+                             f"{H} heads over {kvh} KV heads")
     if not (kc.is_contiguous() and vc.is_contiguous()):
-        raise CpuKernelError("attention_f32 reads each layer's cache in place: give contiguous [kvh, capacity, hd]")
+        raise CpuKernelError(f"{name} reads each layer's cache in place: give contiguous [kvh, capacity, hd]")
     tb = tail_blocks(idx, ok, n)
     qf, pos, slots, okb = _inputs(q, positions, idx, ok)
     out = torch.empty(n, H, hd, dtype=torch.float32)
-    fn, _ = builds.function("attention_f32")
+    fn, _ = builds.function(kernel)
     if fn(qf.data_ptr(), kc.data_ptr(), vc.data_ptr(), pos.data_ptr(), slots.data_ptr(), okb.data_ptr(),
           out.data_ptr(), n, H, kvh, hd, cap, committed_blocks, tb, int(window or 0), float(scale),
-          threads or torch.get_num_threads()):
-        raise CpuKernelError("attention_f32 could not allocate its scratch (out of memory)")
+          threads or torch.get_num_threads()):                        # the bf16 kernel returns nothing (None)
+        raise CpuKernelError(f"{name} could not allocate its scratch (out of memory)")
     return out
 
 

@@ -1,6 +1,6 @@
 """UniSpec's draft tree in one C call (kernels/cpu_portable.c `sv_unispec_tree`, in either library). Its
 reference is the vectorised `engine.drafters.unispec.build_unispec_tree`, which calls this where it runs (CPU
-stores, `available_portable()` None); tests/test_unispec_tree.py compares the two node for node."""
+stores, `available_portable()` None); tests/test_drafters_unispec.py compares the two node for node."""
 
 from __future__ import annotations
 

@@ -280,7 +280,7 @@ def test_without_a_working_compiler_the_decode_runs_torch_and_says_so_once(fresh
         cc, _ = _fake_cc(fresh, body=f"sleep 600 &\necho $! > {pid}\nwait")
         monkeypatch.setenv("CC", str(cc))
         monkeypatch.setenv(cpu.CC_TIMEOUT_ENV, "0.5")
-        expect = f"took over 0.5 s and was stopped; set {cpu.CC_TIMEOUT_ENV} higher"
+        expect = f"took over 0.5 s and was stopped — set {cpu.CC_TIMEOUT_ENV} higher"
     model = load_model("random-llama", dtype="fp32")[0]
     assert NativeModel(model).use_cpu_kernels(True) is False
     assert NativeModel(model).use_cpu_kernels(True) is False

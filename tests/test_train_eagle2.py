@@ -30,6 +30,7 @@ import specvocab.engine.train.data as data_job
 import specvocab.engine.train.eagle2 as tr
 from specvocab.engine.train import shards as shard_files
 from specvocab.engine.train.losses import reference_head_ce
+from tests.engine_testing import dies_at_call
 
 OFFICIAL_KEYS = {"fc.weight", "fc.bias", "layers.0.post_attention_layernorm.weight",
                  *(f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
@@ -171,21 +172,13 @@ def test_interrupted_training_resumes_to_the_same_run(data_dir, tmp_path, monkey
     noise generator's state in the checkpoint (reseeding it on resume draws other noise)."""
     full = tr.train_eagle(tr.TrainConfig(**TRAIN, data=str(data_dir), out=str(tmp_path / "full")))
     out = tmp_path / "head"
-    real, calls = tr.eagle_loss, {"n": 0}
-
-    def dies_at_step_5(*a, **k):
-        if k.get("gen") is not None:                      # training steps only, not the held-out evaluation
-            calls["n"] += 1
-            if calls["n"] == 5:
-                raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(tr, "eagle_loss", dies_at_step_5)
+    # killed at the 5th training step (the held-out evaluation's calls pass no noise generator)
+    monkeypatch.setattr(tr, "eagle_loss", dies_at_call(tr.eagle_loss, 5, lambda *a, **k: k.get("gen") is not None))
     with pytest.raises(KeyboardInterrupt):
         tr.train_eagle(tr.TrainConfig(**TRAIN, data=str(data_dir), out=str(out)))
     state = torch.load(out / "train_state.pt", weights_only=False)
     assert state["step"] == 4 and len(state["losses"]) == 4   # the checkpoint before the crash
-    monkeypatch.setattr(tr, "eagle_loss", real)
+    monkeypatch.undo()
     tr.train_eagle(tr.TrainConfig(**TRAIN, data=str(data_dir), out=str(out)))
     a = torch.load(full / "train_state.pt", weights_only=False)
     b = torch.load(out / "train_state.pt", weights_only=False)

@@ -7,9 +7,9 @@ import torch
 
 from specvocab.engine import SpecConfig, generate
 from specvocab.engine.divergence import classify, first_divergence, margin_at, next_logits
-from specvocab.engine.jobs.frequency import with_default_ranking
 from specvocab.engine.models import eos_token_ids
 from specvocab.engine.prompts import encode_prompt, load_prompts
+from specvocab.engine.resolve import resolve_run
 from tests.engine_testing import OracleTreeDrafter
 
 T = 24
@@ -79,9 +79,10 @@ def test_the_shipped_eagle3_head_is_the_default_and_lossless_with_every_policy(r
     ar = generate(model, ids, method="ar", tokenizer=tok, info=info, max_new_tokens=T).output_ids.tolist()
     taus = {}
     for vocab in ("full", "frspec", "dynaspec", "microspec"):
-        # frspec: the training corpus's list for this tokenizer, as bench and the sweeps give it
-        cfg = with_default_ranking(SpecConfig.preset("eagle3", vocab=vocab, eagle_depth=3, draft_size=8,
-                                                     max_new_tokens=T), tok, info, eos_token_ids(model, tok))
+        # the run's one resolution, as bench and the sweeps give it: frspec the training corpus's list for this
+        # tokenizer, dynaspec the fit shipped beside the head
+        cfg = resolve_run(SpecConfig.preset("eagle3", vocab=vocab, eagle_depth=3, draft_size=8, max_new_tokens=T),
+                          model, tokenizer=tok, info=info, eos_ids=eos_token_ids(model, tok)).cfg
         res = generate(model, ids, cfg, tokenizer=tok, info=info)
         assert res.output_ids.tolist() == ar, vocab
         taus[vocab] = res.tau

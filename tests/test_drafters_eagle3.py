@@ -27,14 +27,12 @@ from specvocab.engine.drafters import make_drafter
 from specvocab.engine.drafters.eagle3 import Eagle3Drafter, eagle3_feature_layers, load_eagle3_head
 from specvocab.engine.drafters.lmhead import DrafterError
 from specvocab.engine.harness import forward_tree, generate, prefill
-from specvocab.engine import kv
 from specvocab.engine.models import load_model
 from specvocab.engine.target import make_target
-from specvocab.engine.tree import StepResult
 from specvocab.engine.verify import tree_layout
 from specvocab.engine.vocab.dynaspec import DynaSpecError, FittedDynaSpec, Router, save_dynaspec
 from tests.eagle3_testing import official_state, reference_logp, target_features, write_checkpoint
-from tests.engine_testing import assert_lossless_under_every_policy
+from tests.engine_testing import assert_lossless_under_every_policy, deepest_accept, drive_steps
 
 V = 384
 ARCHS = ("random-llama", "random-gemma3", "random-qwen3")
@@ -67,28 +65,6 @@ def _child_logp(tree):
     return (tree.scores[1:].double() / tree.scores[p[1:]].double()).log()
 
 
-def _drive_forced(model, drafter, prompt, steps):
-    """Greedy-style steps through the harness's hf pieces, except that the accepted path is forced to the tree's
-    deepest node (so several draft tokens enter the context each step) plus the target's next token; yields
-    (committed ids, tree) before each observe."""
-    with torch.inference_mode():
-        cache = kv.new_cache(model)
-        hidden, logits = prefill(model, prompt, cache)
-        drafter.begin(prompt, logits, hidden)
-        ids = torch.cat([prompt, logits[-1].argmax()[None]])
-        committed = prompt.numel()
-        for _ in range(steps):
-            tree = drafter.propose(ids)
-            h, lg = forward_tree(model, cache, committed, tree.tokens, tree.parents)
-            yield ids, tree
-            deepest = int(tree_layout(tree.parents)[0].argmax())
-            accepted = torch.tensor(tree.path_to(deepest))
-            new = torch.cat([tree.tokens[accepted[1:]], lg[accepted[-1]].argmax()[None]])
-            committed = kv.compact(cache, committed, tree.size, accepted.tolist())
-            drafter.observe(StepResult(tree=tree, logits=lg, hidden=h, accepted=accepted, new_tokens=new))
-            ids = torch.cat([ids, new])
-
-
 @pytest.mark.parametrize("arch,fmt,hidden", [("random-llama", "safetensors", None), ("random-qwen3", "bin", None),
                                               ("random-llama", "safetensors", 32)])
 def test_drafts_equal_a_plain_reference_of_the_checkpoint(tmp_path, arch, fmt, hidden):
@@ -107,7 +83,7 @@ def test_drafts_equal_a_plain_reference_of_the_checkpoint(tmp_path, arch, fmt, h
     t2d = state["t2d"]
     checked = 0
     # all steps first: the reference's own target forwards would replace the features the drafter reads next
-    for ids, tree in list(_drive_forced(model, drafter, _prompt(5, n=20), steps=3)):
+    for ids, tree, _ in list(drive_steps(model, drafter, _prompt(5, n=20), steps=3, accept=deepest_accept)):
         assert bool(t2d[tree.tokens[1:]].all())                  # every draft token is in the draft vocabulary
         children = tree.children()
         for node in range(tree.size):
@@ -294,9 +270,12 @@ def test_missing_head_hub_offline_and_dynaspec_name_the_fix(tmp_path, llama_head
         make_drafter(model, SpecConfig.preset("eagle3", eagle3_head="nobody/no-such-eagle3-head", draft_size=8))
     with pytest.raises(DrafterError, match="no EAGLE-3 head ships"):
         load_eagle3_head("specvocab:random-llama")
+    from specvocab.engine.resolve import resolve_run
     with pytest.raises(DynaSpecError, match="needs a fitted DynaSpec for this model and drafter.*'drafter': "
                                             "'eagle3'.*--drafter eagle3"):
-        make_drafter(model, _cfg(folder, vocab="dynaspec"))
+        resolve_run(_cfg(folder, vocab="dynaspec"), model)          # the run's resolution looks the fit up
+    with pytest.raises(DynaSpecError, match="dynaspec_file=None.*resolve_run"):
+        make_drafter(model, _cfg(folder, vocab="dynaspec"))         # the drafter's policy never does
     assert isinstance(make_drafter(model, SpecConfig.preset("eagle3", eagle3_head="random", draft_size=8)),
                       Eagle3Drafter)
 

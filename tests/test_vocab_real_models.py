@@ -7,8 +7,10 @@ token-for-token check, not speed)."""
 import numpy as np
 import pytest
 
+from specvocab.engine.config import SpecConfig
 from specvocab.engine.harness import generate
 from specvocab.engine.prompts import encode_prompt, load_prompts
+from specvocab.engine.resolve import resolve_run
 from specvocab.engine.shipped import SHIPPED_HEADS
 from specvocab.locality.shortlist import count_tokens, save_ranking
 
@@ -46,6 +48,10 @@ def test_real_models_lossless_every_policy(case, method):
     fitted = any((SHIPPED_HEADS / info.name).glob("dynaspec-eagle*.safetensors"))
     policies = POLICIES + ([dict(vocab="dynaspec")] if method == "eagle" and fitted else [])
     for policy in policies:
+        if policy["vocab"] == "dynaspec":               # the fit the run's one resolution picks: the shipped one
+            tree = {k: v for k, v in SMALL_TREE.items() if k != "eos_ids"}
+            fit = resolve_run(SpecConfig.preset(method, vocab="dynaspec", **tree), model).vocab_file
+            policy = {**policy, "dynaspec_file": fit}
         out = generate(model, ids, method=method, tokenizer=tok, info=info, frequency_file=ranking,
                        **{**SMALL_TREE, **extra, **policy})
         T = extra.get("max_new_tokens", SMALL_TREE["max_new_tokens"])

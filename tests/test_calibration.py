@@ -22,6 +22,7 @@ from specvocab.engine.harness import bucket_edge, generate, resolve_config
 from specvocab.engine.models import load_model
 from specvocab.engine.native import BLOCK
 from specvocab.engine.target import pads_rows
+from tests.calibration_testing import cache_dir, tiny  # noqa: F401 (fixtures)
 
 
 def true_optimum(tau_fn, s_fn, lo, hi):
@@ -131,19 +132,6 @@ def test_eagle_heuristic():
     assert calib.eagle_total_token(knee) == 50                    # 0.031 / 1.07 is the smallest ratio
     with pytest.raises(calib.CalibrationError, match="no forward time"):
         calib.eagle_total_token({40: 0.1})
-
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECVOCAB_CACHE", str(tmp_path))
-    monkeypatch.delenv("SPECVOCAB_CALIBRATION", raising=False)  # the calibration under it
-    return tmp_path
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    model, _, info = load_model("random-llama", vocab_size=300, hidden_size=32, num_layers=1)
-    return model, info
 
 
 def test_every_config_field_is_in_or_out_of_the_calibration_key():

@@ -14,9 +14,7 @@ import torch
 
 from specvocab.engine import calibration as calib
 from specvocab.engine.config import SpecConfig
-from tests import test_calibration
-
-cache_dir, tiny = test_calibration.cache_dir, test_calibration.tiny    # its fixtures: a private cache, a tiny model
+from tests.calibration_testing import cache_dir, tiny  # noqa: F401 (fixtures: a private cache, a tiny model)
 
 
 def test_a_g_star_measured_by_other_code_is_used_with_one_warning_naming_the_command(cache_dir, tiny):

@@ -4,6 +4,7 @@ test. Each rule's checker is also run on a synthetic tree that breaks it."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -166,3 +167,30 @@ def test_the_naming_check_sees_a_misnamed_file(tmp_path):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text("")
     assert misnamed_tests(tmp_path, {"test_speed.py": "a property"}) == ["test_pld.py", "test_run.py"]
+
+
+def cross_test_imports(root: Path) -> list[str]:
+    """The test modules of `root`/tests that import another test module (a shared check belongs in a
+    tests/*_testing.py module, defined once)."""
+    bad = []
+    for t in sorted((root / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(t.read_text())):
+            names = ([node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                     if isinstance(node, ast.ImportFrom) else
+                     [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            if any(re.match(r"tests\.test_", n) for n in names):
+                bad.append(t.name)
+                break
+    return bad
+
+
+def test_no_test_module_imports_another():
+    assert cross_test_imports(ROOT) == [], "move the shared check into a tests/*_testing.py module"
+
+
+def test_the_test_import_check_sees_one(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("from tests.test_b import helper\n")
+    (tmp_path / "tests" / "test_b.py").write_text("from tests import test_c\n")
+    (tmp_path / "tests" / "test_c.py").write_text("from tests.engine_testing import drive_steps\nimport tests.x\n")
+    assert cross_test_imports(tmp_path) == ["test_a.py", "test_b.py"]

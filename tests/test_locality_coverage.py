@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests import locality_reference as ref
+from tests.locality_testing import random_trace, random_traces, spec_traces
 from specvocab.locality import (LocalityError, Trace, TraceError, candidate_stream, coverage, coverage_by, coverage_report,
                       generated_stream)
 from specvocab.locality.bench import one_pass, simulate_per_step, synthetic_traces, word_traces
@@ -22,24 +23,6 @@ PARAGRAPHS = [
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\nprint(add(1, 2), sub(3, 4))\n"
     "for i in range(10):\n    print(add(i, i), sub(i, 1))\n" * 3,
 ]
-
-
-def random_trace(rng, V=12, K=4, draft=None, L=None, T=None, meta=None):
-    """Small vocabulary to force repeats; top-K rows without repeats inside a row."""
-    K = min(K, V)
-    L = int(rng.integers(1, 12)) if L is None else L
-    T = int(rng.integers(0, 15)) if T is None else T
-    rows = lambda n: np.array([rng.permutation(V)[:K] for _ in range(n)], dtype=np.int64).reshape(n, K)  # noqa
-    draft = bool(rng.integers(0, 2)) if draft is None else draft
-    return Trace(prompt=rng.integers(0, V, L), prefill_topk=rows(L - 1), generated=rng.integers(0, V, T),
-                 step_topk=rows(T), meta=meta or {},
-                 draft_tokens=[rng.integers(0, V, rng.integers(0, 6)) for _ in range(T)] if draft else None)
-
-
-def random_traces(seed, n=None, **kw):
-    rng = np.random.default_rng(seed)
-    return [random_trace(rng, meta={"category": ["qa", "code", "math"][i % 3], "language": ["en", "de"][i % 2]},
-                         **kw) for i in range(int(rng.integers(1, 7)) if n is None else n)]
 
 
 WS = [1, 2, 3, 5, 8, 13, 21, 40, 100, 10_000]
@@ -176,25 +159,6 @@ def test_draft_lists_per_step_with_step_sizes(seed):
         c, a, n = ref.coverage(trs, w, k_pre=2, k_ver=3)
         if n:
             assert (f["coverage"][0] * n, f["mean_active_vocab"][0] * n) == pytest.approx((c, a))
-
-
-def spec_traces(seed, n=4, V=12, cut=True):
-    """Speculative traces as the harness writes them: step 0 commits one token, later steps 1-4; the last
-    step may be recorded whole past the end (cut at an eos / max_new_tokens)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        t = random_trace(rng, V=V, draft=False, meta={"category": ["qa", "code"][i % 2]})
-        T = len(t.generated)
-        sizes = [1] if T else []
-        while sum(sizes) < T:
-            sizes.append(int(rng.integers(1, 5)))
-        if not cut and sum(sizes) > T:
-            sizes[-1] -= sum(sizes) - T
-        t.draft_tokens = [np.zeros(0, np.int64)] + [rng.integers(0, V, rng.integers(0, 7)) for _ in sizes[1:]]
-        t.meta["step_sizes"] = sizes
-        out.append(t)
-    return out
 
 
 @pytest.mark.parametrize("seed", range(10))

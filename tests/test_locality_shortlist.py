@@ -10,7 +10,7 @@ from specvocab.locality import (ShortlistError, count_tokens, load_ranking, rank
 from specvocab.locality.shortlist import main as shortlist_main
 from specvocab.locality.shortlist import shortlist
 from tests import locality_reference as ref
-from tests.test_locality_coverage import random_traces
+from tests.locality_testing import random_traces
 
 
 # --- static shortlists -------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import pytest
 
 from specvocab.locality import Trace, TraceError, successor_coverage, successor_ranks
 from tests import locality_reference as ref
-from tests.test_locality_coverage import random_trace, random_traces
+from tests.locality_testing import random_trace, random_traces
 
 
 @pytest.mark.parametrize("seed", range(10))

@@ -8,7 +8,7 @@ from specvocab.locality import (LocalityError, StreamIndex, candidate_stream, co
                       miss_ratio_curves, token_distances)
 from specvocab.locality.stream import range_count_less
 from tests import locality_reference as ref
-from tests.test_locality_coverage import random_traces
+from tests.locality_testing import random_traces
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -39,7 +39,7 @@ def test_token_distances_match_reference(seed, stream):
 
 
 def test_token_distances_in_the_engine_order():
-    from tests.test_locality_coverage import spec_traces
+    from tests.locality_testing import spec_traces
 
     trs = spec_traces(4)
     d = token_distances(trs, "candidate", k_pre=2, k_ver=2, event_order="engine")

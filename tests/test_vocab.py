@@ -23,7 +23,7 @@ from specvocab.locality.stream import candidate_stream
 from specvocab.locality.trace import Trace, TraceError
 from tests.engine_testing import untie_head
 from tests.locality_reference import ordered_unique as py_ordered_unique
-from tests.test_drafters_lmhead import _drive
+from tests.engine_testing import drive_steps
 
 V, D = 60, 8
 
@@ -288,7 +288,7 @@ def test_draft_tokens_come_from_the_active_vocab():
     drafter = make_drafter(model, _cfg(w_max=48, drafter_layers="skip:1", eagle_depth=3, draft_size=15))
     prompt = torch.randint(0, 300, (30,), generator=torch.Generator().manual_seed(3))
     steps = 0
-    for ids, tree, _ in _drive(model, drafter, prompt, steps=5):
+    for ids, tree, _ in drive_steps(model, drafter, prompt, steps=5):
         assert bool(drafter.policy.active_mask()[tree.tokens[1:]].all())
         steps += 1
     stats = drafter.stats()

@@ -260,3 +260,14 @@ def dies_at_call(real, n: int, counts=lambda *a, **k: True):
                 raise KeyboardInterrupt
         return real(*a, **k)
     return stand_in
+
+
+def assert_trained_head_lossless(model, method: str, head: str, vocabs=("full", "microspec")):
+    """A trained head loaded through its drafter (`method`: eagle | eagle3, `head`: its folder) decodes exactly
+    `ar`'s tokens on model under each draft vocabulary."""
+    prompt = torch.arange(3, 40)
+    ar = generate(model, prompt, method="ar", max_new_tokens=20, eos_ids=[])
+    for vocab in vocabs:
+        res = generate(model, prompt, method=method, **{f"{method}_head": head}, vocab=vocab, w_max=64,
+                       max_new_tokens=20, eos_ids=[])
+        assert res.output_ids.tolist() == ar.output_ids.tolist(), vocab

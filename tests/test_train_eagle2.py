@@ -30,7 +30,7 @@ import specvocab.engine.train.data as data_job
 import specvocab.engine.train.eagle2 as tr
 from specvocab.engine.train import shards as shard_files
 from specvocab.engine.train.losses import reference_head_ce
-from tests.engine_testing import dies_at_call
+from tests.engine_testing import assert_trained_head_lossless, dies_at_call
 
 OFFICIAL_KEYS = {"fc.weight", "fc.bias", "layers.0.post_attention_layernorm.weight",
                  *(f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
@@ -157,13 +157,7 @@ def test_training_lowers_the_loss_and_saves_the_eagle_layout(data_dir, tmp_path)
     assert cfg["num_hidden_layers"] == 1 and cfg["architectures"] == ["LlamaForCausalLM"]
     assert "tau" in (out / "README.md").read_text()
     # loads back through the drafter and decodes losslessly
-    model, _, _ = load_model("random-llama")
-    prompt = torch.arange(3, 40)
-    ar = generate(model, prompt, method="ar", max_new_tokens=20, eos_ids=[])
-    for vocab in ("full", "microspec"):
-        res = generate(model, prompt, method="eagle", eagle_head=str(out), vocab=vocab, w_max=64,
-                       max_new_tokens=20, eos_ids=[])
-        assert res.output_ids.tolist() == ar.output_ids.tolist()
+    assert_trained_head_lossless(load_model("random-llama")[0], "eagle", str(out))
 
 
 def test_interrupted_training_resumes_to_the_same_run(data_dir, tmp_path, monkeypatch):

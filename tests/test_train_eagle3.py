@@ -34,7 +34,7 @@ from specvocab.engine.artifacts import FINGERPRINT_KEY, head_fingerprint, head_m
 from specvocab.engine.models import eos_token_ids, load_model
 from specvocab.engine.vocab.frspec import eagle3_maps
 from tests.eagle3_testing import midlayer_reference
-from tests.engine_testing import dies_at_call
+from tests.engine_testing import assert_trained_head_lossless, dies_at_call
 
 DATA = dict(model="random-llama", num_prompts=6, heldout_prompts=2, max_tokens=160, max_prompt_tokens=120,
             greedy_new_tokens=12, greedy_batch=3, prompts_per_shard=2, topk=8, progress=False)
@@ -203,12 +203,7 @@ def test_a_run_learns_saves_the_official_layout_and_decodes_losslessly(trained, 
     assert "tau" in card and "differs from EAGLE" in card
     head = load_eagle3_head(str(trained))
     assert head.draft_vocab_size == 48
-    prompt = torch.arange(3, 40)
-    ar = generate(target, prompt, method="ar", max_new_tokens=20, eos_ids=[])
-    for vocab in ("full", "microspec"):
-        res = generate(target, prompt, method="eagle3", eagle3_head=str(trained), vocab=vocab, w_max=64,
-                       max_new_tokens=20, eos_ids=[])
-        assert res.output_ids.tolist() == ar.output_ids.tolist()
+    assert_trained_head_lossless(target, "eagle3", str(trained))
     # the curve's last tau is the saved checkpoint's
     manifest = shard_files.read_manifest(cfg["specvocab"]["training"]["data"])
     held = shard_files.load_split(cfg["specvocab"]["training"]["data"], "heldout")

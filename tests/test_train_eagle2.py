@@ -108,6 +108,32 @@ def test_greedy_samples_are_the_targets_greedy_continuation(data_dir):
         assert cont == ar.output_ids.tolist()[: len(cont)]
 
 
+def test_greedy_batches_are_length_sorted_and_each_continuation_stays_with_its_prompt(tmp_path, monkeypatch):
+    """The batched generation sees prompts of similar lengths together, and the continuation of each prompt lands
+    in that prompt's sample (a random model's continuations repeat one token whatever the prompt, so a fake
+    generator that answers each prompt with its own reversed tail tells them apart)."""
+    calls = []
+
+    def fake(model, prompts, new_tokens, eos_ids, pad_id=0):
+        calls.append([len(q) for q in prompts])
+        return [list(q[::-1][:new_tokens]) for q in prompts]
+
+    monkeypatch.setattr(data_job, "greedy_continuations", fake)
+    out = data_job.make_data(data_job.DataConfig(**{**DATA, "prompts_per_shard": 4, "greedy_batch": 2},
+                                                 sources=("greedy",), store_features=False, out=str(tmp_path / "g")))
+    samples = shard_files.load_split(out, "heldout") + shard_files.load_split(out, "train")
+    assert len(samples) == DATA["num_prompts"]
+    for s in samples:
+        n = int((~s.loss_mask).sum())
+        prompt = s.input_ids[:n].tolist()
+        assert s.input_ids[n:].tolist() == prompt[::-1][:DATA["greedy_new_tokens"]]
+    flat = [n for c in calls for n in c]
+    assert sorted(flat) == sorted(int((~s.loss_mask).sum()) for s in samples)
+    train_calls = calls[1:]                              # the held-out shard first, then the one train shard
+    assert [n for c in train_calls for n in c] == sorted(n for c in train_calls for n in c)
+    assert max(len(c) for c in calls) == 2
+
+
 def test_data_resumes_and_refuses_other_settings(tmp_path):
     out = tmp_path / "d"
     cfg = data_job.DataConfig(**DATA, out=str(out))
@@ -426,15 +452,16 @@ def test_batched_features_equal_a_direct_forward_of_each_sequence():
 
 
 def test_tokens_only_folder_gets_the_stored_features_on_the_fly(tmp_path):
-    """A folder written without features holds the same samples as one with them, and `with_features` gives them
-    the features that folder stores; a folder of one kind is refused as the other's resume."""
-    cfg = dict(DATA, eagle3_features=True, feature_dtype="fp32")
+    """A folder written without features holds the same samples as one with them, the target's greedy
+    continuations included, and `with_features` gives them the features that folder stores; a folder of one kind
+    is refused as the other's resume."""
+    cfg = dict(DATA, sources=("teacher", "greedy"), eagle3_features=True, feature_dtype="fp32")
     stored = data_job.make_data(data_job.DataConfig(**cfg, out=str(tmp_path / "s")))
     tokens = data_job.make_data(data_job.DataConfig(**cfg, store_features=False, out=str(tmp_path / "t")))
     assert sum(p.stat().st_size for p in tokens.glob("*.safetensors")) * 10 < \
         sum(p.stat().st_size for p in stored.glob("*.safetensors"))
     a, b = shard_files.load_split(stored, "train"), shard_files.load_split(tokens, "train")
-    assert all(s.hidden is None and not s.extra for s in b)
+    assert all(s.hidden is None and not s.extra for s in b) and {s.source for s in b} == {"teacher", "greedy"}
     model, _, _ = load_model("random-llama", dtype="fp32")
     filled = data_job.with_features(model, b, topk=DATA["topk"], eagle3=True, prefill_tokens=100)
     for x, y in zip(a, filled):
@@ -446,8 +473,6 @@ def test_tokens_only_folder_gets_the_stored_features_on_the_fly(tmp_path):
             torch.testing.assert_close(y.extra[k], x.extra[k], rtol=1e-4, atol=1e-4)
     with pytest.raises(data_job.TrainError, match="other settings"):
         data_job.make_data(data_job.DataConfig(**cfg, store_features=False, out=str(tmp_path / "s")))
-    with pytest.raises(data_job.TrainError, match="greedy.*store_features"):
-        data_job.DataConfig(model="random-llama", sources=("greedy",), store_features=False).validate()
 
 
 def test_a_damaged_shard_is_named(tmp_path):

@@ -11,7 +11,8 @@ A sample stores its token ids, `loss_mask` (1 on response tokens), the target's 
 top-k logits at every position (`topk_ids`, `topk_logits`), and with `eagle3_features` the low / mid / high
 layer features an EAGLE-3 head reads (layers 2, L/2 and L-3, as EAGLE-3 picks them). With
 `store_features=False` a shard holds the tokens only and a training run computes the features of each batch
-with the same prefill (`with_features`): no disk for them, one more target prefill per training token.
+with the same prefill (`with_features`): no disk for them, one more target prefill per training token. The
+greedy continuations are generated once either way and stored as tokens.
 
 The prefill is batched: sequences sorted by length and grouped into right-padded forwards of up to
 `prefill_tokens` tokens (`prefill_groups`), the large-row path of the target (oneDNN GEMMs in the target's
@@ -99,9 +100,6 @@ class DataConfig:
         if self.heldout_prompts < 0 or (self.num_prompts is not None and self.heldout_prompts >= self.num_prompts):
             raise TrainError(f"heldout_prompts must be in [0, num_prompts), got {self.heldout_prompts} of "
                              f"{self.num_prompts}")
-        if not self.store_features and "greedy" in self.sources:
-            raise TrainError("source 'greedy' needs store_features: its continuations are generated once — "
-                             "use --source teacher with features on the fly")
         return self
 
 
@@ -238,16 +236,20 @@ def make_data(cfg: DataConfig) -> Path:
     todo = [(name, part) for name, part in jobs if not (out / f"{name}.safetensors").is_file()]
     bar = tqdm(total=len(chosen), initial=len(chosen) - sum(len(p) for _, p in todo), unit="prompt",
                desc=f"train data {cfg.model}", disable=not cfg.progress)
-    t0, tokens = time.perf_counter(), 0
+    t0, tokens, generated, gen_seconds = time.perf_counter(), 0, 0, 0.0
     for name, part in todo:
         samples: list[Sample] = []
         conts: dict[int, list[int]] = {}
-        if "greedy" in cfg.sources:
-            for a in range(0, len(part), cfg.greedy_batch):
-                batch = part[a:a + cfg.greedy_batch]
-                for j, c in enumerate(greedy_continuations(model, [ids for _, ids in batch], cfg.greedy_new_tokens,
-                                                           eos)):
-                    conts[a + j] = c
+        if "greedy" in cfg.sources:             # batches of similar prompt lengths: little left padding
+            t1 = time.perf_counter()
+            by_len = sorted(range(len(part)), key=lambda j: len(part[j][1]))
+            for a in range(0, len(by_len), cfg.greedy_batch):
+                batch = by_len[a:a + cfg.greedy_batch]
+                for j, c in zip(batch, greedy_continuations(model, [part[j][1] for j in batch],
+                                                             cfg.greedy_new_tokens, eos)):
+                    conts[j] = c
+            generated += sum(len(c) for c in conts.values())
+            gen_seconds += time.perf_counter() - t1
         planned = []                             # (prompt, source, sequence, prompt length), in shard order
         for j, (p, ids) in enumerate(part):
             for source in cfg.sources:
@@ -285,6 +287,9 @@ def make_data(cfg: DataConfig) -> Path:
     print(f"[train data] this run: {tokens:,} tokens in {seconds:.1f} s = {tokens / max(seconds, 1e-9):,.0f} "
           f"tokens/s ({'features stored' if cfg.store_features else 'tokens only'}, "
           f"{next(model.parameters()).dtype}, {torch.get_num_threads()} threads)", flush=True)
+    if generated:
+        print(f"[train data] of which greedy continuations: {generated:,} tokens generated in {gen_seconds:.1f} s = "
+              f"{generated / max(gen_seconds, 1e-9):,.0f} tokens/s (batches of {cfg.greedy_batch})", flush=True)
     return out
 
 

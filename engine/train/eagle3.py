@@ -139,6 +139,9 @@ def train_eagle3(cfg: Train3Config) -> Path:
                                                cfg.draft_vocab_coverage)
     total_counted = int(sum(counted_tokens(s, cfg.vocab_count, cfg.loss_on).numel() for s in train))
     d2t, t2d = eagle3_maps(vocab_ids, V)
+    covered = float(vocab_counts.sum() / max(total_counted, 1))
+    print(f"[train eagle3] draft vocabulary: {d2t.numel():,} ids, covering {covered:.1%} of the {total_counted:,} "
+          f"counted tokens ({cfg.vocab_count})", flush=True)
     embed = model.get_input_embeddings()
     layers = eagle3_feature_layers(info.num_layers)
     head = new_eagle3_head(model, d2t, t2d, cfg.seed, cfg.lm_head_init).float().train()
@@ -182,7 +185,7 @@ def train_eagle3(cfg: Train3Config) -> Path:
     summary = {"target": cfg.model, "data": str(data), "data_settings": manifest["settings"],
                "data_used": data_used(train, held),
                "draft_vocab": {"size": int(d2t.numel()), "requested": cfg.draft_vocab_size, "counted": cfg.vocab_count,
-                               "coverage": float(vocab_counts.sum() / max(total_counted, 1)),
+                               "coverage": covered,
                                "coverage_asked": cfg.draft_vocab_coverage,
                                "distinct_seen": int(len(vocab_ids)) if len(vocab_ids) < cfg.draft_vocab_size
                                and cfg.draft_vocab_coverage is None else None},

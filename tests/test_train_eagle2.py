@@ -475,6 +475,27 @@ def test_tokens_only_folder_gets_the_stored_features_on_the_fly(tmp_path):
         data_job.make_data(data_job.DataConfig(**cfg, store_features=False, out=str(tmp_path / "s")))
 
 
+def test_features_for_a_response_loss_run_the_lm_head_on_the_response_only(tmp_path, monkeypatch):
+    """`response_topk_only` (a run whose loss is on the response): the top-k at the response's positions equal
+    the full computation's, the prompt's are zeros, every other feature is unchanged, and the target's LM head
+    sees the response's rows only (the point: it is most of a large vocabulary's prefill)."""
+    cfg = dict(DATA, eagle3_features=True, feature_dtype="fp32", store_features=False)
+    samples = shard_files.load_split(data_job.make_data(data_job.DataConfig(**cfg, out=str(tmp_path / "t"))), "train")
+    model, _, _ = load_model("random-llama", dtype="fp32")
+    full = data_job.with_features(model, samples, topk=DATA["topk"], eagle3=True)
+    seen = []
+    real = data_job.lm_logits
+    monkeypatch.setattr(data_job, "lm_logits", lambda m, h: seen.append(h.shape[0]) or real(m, h))
+    part = data_job.with_features(model, samples, topk=DATA["topk"], eagle3=True, response_topk_only=True)
+    assert sum(seen) == sum(int(s.loss_mask.sum()) for s in samples) < sum(s.input_ids.numel() for s in samples)
+    for x, y in zip(full, part):
+        m = x.loss_mask
+        torch.testing.assert_close(y.topk_logits[m], x.topk_logits[m], rtol=1e-5, atol=1e-5)   # another M: any
+        assert torch.equal(y.topk_ids[m][:, 0], x.topk_ids[m][:, 0])                          # CPU's GEMM order
+        assert not y.topk_ids[~m].any() and not y.topk_logits[~m].any()
+        assert torch.equal(y.hidden, x.hidden) and all(torch.equal(y.extra[k], x.extra[k]) for k in x.extra)
+
+
 def test_a_damaged_shard_is_named(tmp_path):
     """A shard whose offsets disagree with its tensors, or that is not a shard, raises naming that file."""
     from safetensors.torch import load_file, save_file

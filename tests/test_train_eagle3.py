@@ -27,6 +27,7 @@ from specvocab.engine.train import shards as shard_files
 from specvocab.engine.train.eagle3_head import eagle3_config_dict
 from specvocab.engine.train.evaluate import heldout_tau
 from specvocab.engine.train.sample import FEATURES
+import specvocab.engine.train.ttt as ttt
 from specvocab.engine.train.ttt import ttt_forward
 from specvocab.engine.drafters.eagle3 import DraftVocab, load_eagle3_head
 from specvocab.engine.harness import generate
@@ -172,6 +173,39 @@ def test_loss_equals_reference_and_masks_out_of_vocabulary_targets(data_dir, tar
         err = float((p.grad - ref_grads[n]).abs().max() / ref_grads[n].abs().max())
         assert err < 1e-6, (n, err)                            # the target's p is computed in fp32
     assert not batch.mask[~maps.t2d[batch.top1]].any()        # no loss where the target's top-1 is outside
+
+
+def test_steps_past_0_run_only_the_rows_they_score(data_dir, target, monkeypatch):
+    """With the loss on the response only, TTT steps >= 1 run just the rows scored at some step >= 1 (a prompt's
+    early rows drop out after step 0): their outputs, the loss and every gradient equal those of running every
+    row, and the rows left out stay zeros."""
+    train = shard_files.load_split(data_dir, "train")
+    samples = [s for s in train if s.source == "teacher"][:3]
+    head, maps = _head(target, train, k=40)
+    steps = 3
+    batch = t3.make_batch3(samples, maps, steps, loss_on="response", dtype=torch.float64)
+    embed = lambda t: target.get_input_embeddings()(t).double()
+    keep = ttt.scored_rows(batch, steps)
+    prompt_rows = sum(int((~s.loss_mask).sum()) for s in samples)
+    assert keep is not None and keep.numel() < batch.rows - prompt_rows + len(samples) * steps
+    out = torch.ones(batch.rows, dtype=torch.bool)
+    out[keep] = False
+
+    def run():
+        head.zero_grad()
+        outs = ttt_forward(head, embed, batch)
+        res = t3.ttt_loss(head, embed, batch, head_dtype=torch.float64, chunk=7)
+        return outs, res, {n: p.grad.clone() for n, p in head.named_parameters()}
+
+    outs, res, grads = run()
+    monkeypatch.setattr(ttt, "scored_rows", lambda batch, steps: None)
+    ref_outs, ref, ref_grads = run()
+    assert res["loss"] == pytest.approx(ref["loss"], rel=1e-9) and res["counted"] == ref["counted"]
+    for k in range(steps):
+        torch.testing.assert_close(outs[k][keep], ref_outs[k][keep], rtol=1e-9, atol=1e-9)
+        assert k == 0 or not outs[k][out].any()
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-7, atol=1e-9)
 
 
 def test_a_tiny_overfit_run_lowers_the_loss(data_dir, target):
@@ -332,9 +366,16 @@ def test_train_speed_measures_packing_and_both_dtypes(data_dir, target):
     steps = out.filter(pl.col("measure") == "step")
     assert sorted(steps["setting"]) == ["bf16", "fp32"] and (steps["step_s"] > 0).all()
 
-    head, _ = _head(target, shard_files.load_split(data_dir, "train"))
-    mid, lm = step_flops(head, 10, 3)
+    train = shard_files.load_split(data_dir, "train")
+    head, maps = _head(target, train)
     d, V = head.lm_head.weight.shape[1], head.lm_head.weight.shape[0]
     layer = sum(m.weight.numel() for m in head.midlayer.modules() if isinstance(m, torch.nn.Linear))
-    assert lm == 6 * 10 * 3 * V * d
-    assert mid == 6 * 10 * (3 * layer + head.fc.weight.numel())
+    for loss_on in ("all", "response"):
+        batch = t3.make_batch3(train[:3], maps, 3, loss_on)
+        later = ttt.scored_rows(batch, 3)
+        later = batch.rows if later is None else later.numel()
+        mid, lm = step_flops(head, batch)
+        assert lm == 6 * int(batch.mask.sum()) * V * d
+        assert mid == 6 * (batch.rows * (layer + head.fc.weight.numel()) + 2 * later * layer)
+        if loss_on == "response":
+            assert later < batch.rows

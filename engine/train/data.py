@@ -111,11 +111,13 @@ def target_features(model, ids: Sequence[int], *, topk: int, eagle3: bool = Fals
 
 
 @torch.no_grad()
-def target_features_batch(model, seqs: Sequence[Sequence[int]], *, topk: int, eagle3: bool = False
-                          ) -> list[dict[str, torch.Tensor]]:
+def target_features_batch(model, seqs: Sequence[Sequence[int]], *, topk: int, eagle3: bool = False,
+                          topk_at: Sequence[torch.Tensor] | None = None) -> list[dict[str, torch.Tensor]]:
     """`target_features` of several sequences in one forward: right-padded, so (causal attention) no real
     position sees a pad and each row's features are its own; pad rows are dropped. Short sequences batched
-    run the matmuls at a useful size (the corpus's samples are ~200 tokens)."""
+    run the matmuls at a useful size (the corpus's samples are ~200 tokens). topk_at: per sequence, the
+    positions [L] bool whose top-k a loss reads; the LM head runs only there, the other rows' top-k are zeros
+    (by default every position)."""
     device = model.get_output_embeddings().weight.device
     width = max(len(q) for q in seqs)
     x = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -125,12 +127,17 @@ def target_features_batch(model, seqs: Sequence[Sequence[int]], *, topk: int, ea
     res = []
     for r, q in enumerate(seqs):
         hidden = out.last_hidden_state[r, : len(q)]
-        vals, idx = [], []
-        for a in range(0, hidden.shape[0], 256):                   # the LM head in chunks of rows
-            v, i = lm_logits(model, hidden[a:a + 256]).topk(topk, dim=-1)
-            vals.append(v)
-            idx.append(i)
-        f = {"hidden": hidden.cpu(), "topk_logits": torch.cat(vals).float().cpu(), "topk_ids": torch.cat(idx).cpu()}
+        at = None if topk_at is None else topk_at[r].to(hidden.device).nonzero().flatten()
+        rows = hidden if at is None else hidden[at]
+        vals = torch.zeros((rows.shape[0], topk), dtype=torch.float32, device=hidden.device)
+        idx = torch.zeros((rows.shape[0], topk), dtype=torch.long, device=hidden.device)
+        for a in range(0, rows.shape[0], 256):                     # the LM head in chunks of rows
+            v, i = lm_logits(model, rows[a:a + 256]).topk(topk, dim=-1)
+            vals[a:a + 256], idx[a:a + 256] = v.float(), i
+        if at is not None:
+            vals = vals.new_zeros((len(q), topk)).index_copy(0, at, vals)
+            idx = idx.new_zeros((len(q), topk)).index_copy(0, at, idx)
+        f = {"hidden": hidden.cpu(), "topk_logits": vals.cpu(), "topk_ids": idx.cpu()}
         if eagle3:
             layers = eagle3_feature_layers(len(out.hidden_states) - 1)
             for name, layer in zip(FEATURES, layers):
@@ -308,27 +315,31 @@ def prefill_groups(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return groups
 
 
-def featurizer(manifest: dict, model_name: str, eagle3: bool):
+def featurizer(manifest: dict, model_name: str, eagle3: bool, loss_on: str = "all"):
     """samples -> samples with features, for a training run on the data folder of `manifest`: as they are where
     the folder stores features, else computed now by the target loaded in the folder's dtype (the features a
-    stored folder would hold)."""
+    stored folder would hold; with loss_on "response", the top-k at the response's positions only)."""
     if manifest["settings"].get("store_features", True):
         return list
     model = load_model(model_name, dtype=manifest["settings"].get("dtype"))[0]
     topk = manifest["settings"]["topk"]
-    return lambda samples: with_features(model, samples, topk=topk, eagle3=eagle3)
+    return lambda samples: with_features(model, samples, topk=topk, eagle3=eagle3,
+                                         response_topk_only=loss_on == "response")
 
 
-def with_features(model, samples: Sequence[Sample], *, topk: int, eagle3: bool, prefill_tokens: int = 2048
-                  ) -> list[Sample]:
+def with_features(model, samples: Sequence[Sample], *, topk: int, eagle3: bool, prefill_tokens: int = 2048,
+                  response_topk_only: bool = False) -> list[Sample]:
     """`samples` with the target's features computed now (the prefill `make_data` stores), for a folder that
-    stores tokens only; samples that carry features are returned as they are. Features in the target's dtype."""
+    stores tokens only; samples that carry features are returned as they are. Features in the target's dtype.
+    response_topk_only: the top-k only at the response's positions (a loss on the response reads no other;
+    the rest are zeros), which spares the target's LM head on the prompt's rows."""
     todo = [i for i, s in enumerate(samples) if s.hidden is None]
     out = list(samples)
     for group in prefill_groups([samples[todo[g]].input_ids.numel() for g in range(len(todo))], prefill_tokens):
         idx = [todo[g] for g in group]
+        at = [samples[i].loss_mask for i in idx] if response_topk_only else None
         for i, f in zip(idx, target_features_batch(model, [samples[i].input_ids.tolist() for i in idx], topk=topk,
-                                                   eagle3=eagle3)):
+                                                   eagle3=eagle3, topk_at=at)):
             s = samples[i]
             out[i] = Sample(prompt_id=s.prompt_id, source=s.source, input_ids=s.input_ids, loss_mask=s.loss_mask,
                             hidden=f.pop("hidden"), topk_ids=f.pop("topk_ids"), topk_logits=f.pop("topk_logits"),

@@ -107,7 +107,8 @@ def prepare_run(cfg, kind: str, *, eagle3: bool) -> RunInputs:
     if not train:
         raise TrainError(f"{data} has no training shards — run `{make}`")
     return RunInputs(data=data, manifest=manifest, out=out, model=model, tokenizer=tokenizer, info=info,
-                     weight=weight, train=train, held=held, featured=featurizer(manifest, cfg.model, eagle3))
+                     weight=weight, train=train, held=held,
+                     featured=featurizer(manifest, cfg.model, eagle3, cfg.loss_on))
 
 
 def pack_samples(lengths: Sequence[int], order: Sequence[int], batch_tokens: int) -> list[list[int]]:

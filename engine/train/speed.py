@@ -29,13 +29,13 @@ from tqdm.auto import tqdm
 
 from specvocab.engine.drafters.eagle3 import DraftVocab
 from specvocab.engine.models import load_model
-from specvocab.engine.train.batch3 import draft_vocabulary, make_batch3
+from specvocab.engine.train.batch3 import Batch3, draft_vocabulary, make_batch3
 from specvocab.engine.train.data import featurizer
 from specvocab.engine.train.eagle3_head import new_eagle3_head
 from specvocab.engine.train.loop import length_grouped_batches, pack_samples, step_dtype
 from specvocab.engine.train.sample import DTYPES, TrainError
 from specvocab.engine.train.shards import load_split, read_manifest
-from specvocab.engine.train.ttt import ttt_loss
+from specvocab.engine.train.ttt import scored_rows, ttt_loss
 from specvocab.engine.vocab.frspec import eagle3_maps
 
 
@@ -49,6 +49,7 @@ class SpeedConfig:
     draft_vocab_coverage: float | None = None
     vocab_count: str = "top1"
     ttt_steps: int = 7
+    loss_on: str = "all"                    # as Train3Config: "response" runs fewer rows (ttt.scored_rows)
     head_dtype: str = "bf16"
     steps: int = 4                          # batches timed
     repeats: int = 2                        # rounds of every dtype over the batches, interleaved
@@ -74,11 +75,16 @@ def gemm_rate(rows: int, cols: int, inner: int, dtype: torch.dtype, seconds: flo
     return 2 * rows * cols * inner * n / (time.perf_counter() - t0)
 
 
-def step_flops(head, rows: int, steps: int) -> tuple[int, int]:
-    """Matmul FLOPs of one TTT forward and backward (3x the forward) over `rows` rows: (the midlayer's linears at
-    each of `steps` steps and fc once, the LM head at each step)."""
+def step_flops(head, batch: Batch3) -> tuple[int, int]:
+    """Matmul FLOPs of one TTT forward and backward (3x the forward) of a batch, as `ttt_loss` runs it: (fc and
+    the midlayer's linears over every row at step 0, the linears over `scored_rows` at each later step; the LM
+    head over each step's loss rows)."""
+    steps = batch.tokens.shape[0]
     linear = sum(m.weight.numel() for m in head.midlayer.modules() if isinstance(m, torch.nn.Linear))
-    return 6 * rows * (steps * linear + head.fc.weight.numel()), 6 * rows * steps * head.lm_head.weight.numel()
+    keep = scored_rows(batch, steps)
+    later = batch.rows if keep is None else keep.numel()
+    mid = 6 * (batch.rows * (linear + head.fc.weight.numel()) + later * (steps - 1) * linear)
+    return mid, 6 * int(batch.mask.sum()) * head.lm_head.weight.numel()
 
 
 def train_speed(cfg: SpeedConfig) -> pl.DataFrame:
@@ -102,18 +108,18 @@ def train_speed(cfg: SpeedConfig) -> pl.DataFrame:
     model, _, _ = load_model(cfg.model, dtype="fp32")
     model.requires_grad_(False)
     V = model.get_output_embeddings().weight.shape[0]
-    ids, _ = draft_vocabulary(train, V, cfg.draft_vocab_size, cfg.vocab_count, "all", cfg.draft_vocab_coverage)
+    ids, _ = draft_vocabulary(train, V, cfg.draft_vocab_size, cfg.vocab_count, cfg.loss_on,
+                              cfg.draft_vocab_coverage)
     head = new_eagle3_head(model, *eagle3_maps(ids, V)).float().train()
     maps, embed = DraftVocab.of(head, "cpu"), model.get_input_embeddings()
-    featured = featurizer(manifest, cfg.model, eagle3=True)
+    featured = featurizer(manifest, cfg.model, eagle3=True, loss_on=cfg.loss_on)
     chosen = length_grouped_batches(lengths, np.random.default_rng(0), cfg.batch_tokens, cfg.group_batches)
     chosen = chosen[:cfg.steps]
     t0 = time.perf_counter()
-    batches = [make_batch3(featured([train[i] for i in b]), maps, cfg.ttt_steps) for b in chosen]
+    batches = [make_batch3(featured([train[i] for i in b]), maps, cfg.ttt_steps, cfg.loss_on) for b in chosen]
     feature_s = (time.perf_counter() - t0) / len(batches)
     tokens = sum(int(lengths[b].sum()) for b in chosen) / len(batches)
-    mid_flops, head_flops = (sum(f) / len(batches) for f in zip(*(step_flops(head, b.rows, cfg.ttt_steps)
-                                                                   for b in batches)))
+    mid_flops, head_flops = (sum(f) / len(batches) for f in zip(*(step_flops(head, b) for b in batches)))
 
     dtypes = ("fp32", "bf16")
     spent = dict.fromkeys(dtypes, 0.0)
@@ -137,7 +143,7 @@ def train_speed(cfg: SpeedConfig) -> pl.DataFrame:
     out = pl.DataFrame(rows, infer_schema_length=None)
     default = {torch.bfloat16: "bf16", torch.float32: "fp32"}[step_dtype(None, torch.device("cpu"))]
     print(f"train speed: {cfg.model}, EAGLE-3 head over a {ids.size:,}-token draft vocabulary, {cfg.ttt_steps} TTT "
-          f"steps, {torch.get_num_threads()} thread(s); {len(batches)} batches of {tokens:,.0f} tokens on average, "
+          f"steps, loss on {cfg.loss_on}, {torch.get_num_threads()} thread(s); {len(batches)} batches of {tokens:,.0f} tokens on average, "
           f"features {'computed by the target' if not manifest['settings'].get('store_features', True) else 'read'}"
           f" in {feature_s:.2f} s per batch; the loop's default compute dtype here: {default}")
     print("packing over one epoch (padded / real): rows and attention scores")

@@ -20,12 +20,13 @@ from specvocab.engine.train.losses import chunked_head_ce
 
 
 class _Padded:
-    """Flat rows [T, ...] <-> per-sequence right-padded [B, Lmax, ...] (attention runs per sequence)."""
+    """Flat rows [T, ...] <-> per-sequence right-padded [B, Lmax, ...] (attention runs per sequence): row r sits
+    in sequence seg[r] at slot slot[r]."""
 
-    def __init__(self, seg: torch.Tensor, pos: torch.Tensor):
-        self.B = int(seg.max()) + 1 if seg.numel() else 0
-        self.Lmax = int(pos.max()) + 1 if pos.numel() else 0
-        self.index = seg * self.Lmax + pos
+    def __init__(self, seg: torch.Tensor, slot: torch.Tensor, B: int | None = None):
+        self.B = (int(seg.max()) + 1 if seg.numel() else 0) if B is None else B
+        self.Lmax = int(slot.max()) + 1 if slot.numel() else 0
+        self.index = seg * self.Lmax + slot
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         out = x.new_zeros((self.B * self.Lmax, *x.shape[1:]))
@@ -36,10 +37,13 @@ class _Padded:
 
 
 def ttt_layer(head: Eagle3Head, emb: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, pad: _Padded,
-              past: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """One TTT step of the midlayer over flat rows (emb, h [T, d] at positions [T]) -> (h' [T, d], this step's
-    (keys, values) [B, H, Lmax, hd]). past: the earlier steps' keys / values; past[0] (step 0) is attended
-    causally within each sequence, past[1:] and this step's own key only at the row itself."""
+              past: list[tuple[torch.Tensor, torch.Tensor]], last_key: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """One TTT step of the midlayer over flat rows (emb, h [T, d] at positions [T], laid out by `pad`) -> (h'
+    [T, d], this step's (keys, values) [B, H, Lmax, hd]). past: the earlier steps' keys / values; past[0] (step
+    0, one slot per position) is attended causally within each sequence, up to each row's `last_key` [T] (by
+    default its slot: `pad` is step 0's layout), past[1:] and this step's own key only at the row itself (they
+    share `pad`'s layout)."""
     ml = head.midlayer
     attn = ml.self_attn
     hd = attn.head_dim
@@ -55,31 +59,59 @@ def ttt_layer(head: Eagle3Head, emb: torch.Tensor, h: torch.Tensor, positions: t
     k, v = repeat_kv(k, H // KV), repeat_kv(v, H // KV)
     steps = past + [(k, v)]
     k0, v0 = steps[0]
-    scores = (q @ k0.transpose(2, 3)) * attn.scaling                                 # [B, H, Lm, Lm]
-    causal = torch.ones(pad.Lmax, pad.Lmax, dtype=torch.bool, device=q.device).triu(1)
+    L0 = k0.shape[2]
+    scores = (q @ k0.transpose(2, 3)) * attn.scaling                                 # [B, H, Lm, L0]
+    if last_key is None:
+        causal = torch.ones(pad.Lmax, L0, dtype=torch.bool, device=q.device).triu(1)
+    else:                                  # a row attends to its sequence's step-0 keys 0..last_key
+        causal = (torch.arange(L0, device=q.device)[None, None] > pad.pad(last_key)[:, :, None])[:, None]
     scores = scores.masked_fill(causal, float("-inf"))
     diag = [((q * kj).sum(-1) * attn.scaling)[..., None] for kj, _ in steps[1:]]       # [B, H, Lm, 1] each
     w = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)
-    out = w[..., : pad.Lmax] @ v0
+    out = w[..., :L0] @ v0
     for j, (_, vj) in enumerate(steps[1:]):
-        out = out + w[..., pad.Lmax + j, None] * vj
+        out = out + w[..., L0 + j, None] * vj
     h = h + attn.o_proj(pad.flat(out.transpose(1, 2).reshape(pad.B, pad.Lmax, H * hd)))
     return h + ml.mlp(ml.post_attention_layernorm(h)), (k, v)
 
 
+def scored_rows(batch: Batch3, steps: int) -> torch.Tensor | None:
+    """The rows steps 1.. must run: those scored (loss or agreement) at some step >= 1 - a row's step k reads
+    only the step-0 keys and its own earlier steps, so the others feed nothing that counts. With the loss on
+    the response only, a long prompt's rows drop out after step 0. None: every row."""
+    if steps < 2:
+        return None
+    keep = batch.counted[1:steps].any(0)
+    return None if bool(keep.all()) else keep.nonzero().flatten()
+
+
 def ttt_forward(head: Eagle3Head, embed, batch: Batch3, steps: int | None = None) -> list[torch.Tensor]:
     """The midlayer outputs [T, d] of TTT steps 0..steps-1: step 0 on fc(target features), step k on the
-    midlayer output of step k-1 (the head's own hidden), tokens and positions shifted by k."""
+    midlayer output of step k-1 (the head's own hidden), tokens and positions shifted by k. Steps >= 1 run only
+    the rows `scored_rows` keeps; the others' outputs are zeros (nothing reads them)."""
     steps = batch.tokens.shape[0] if steps is None else steps
     pad = _Padded(batch.seg, batch.pos)
     h = head.fc(batch.feats)
+    keep = scored_rows(batch, steps)
+    rows, sub, T = None, pad, batch.rows
     past: list[tuple[torch.Tensor, torch.Tensor]] = []
     outs = []
     for k in range(steps):
-        emb = embed(batch.tokens[k]).to(h.dtype)
-        h, kv = ttt_layer(head, emb, h, batch.pos + k, pad, past)
+        if k == 1 and keep is not None:         # the kept rows, in each sequence's order, in their own layout
+            seg = batch.seg[keep]
+            counts = torch.bincount(seg, minlength=pad.B)
+            sub = _Padded(seg, torch.arange(seg.numel()) - (counts.cumsum(0) - counts)[seg], B=pad.B)
+            rows, h = keep, h[keep]
+        if rows is not None and rows.numel() == 0:             # nothing scored past step 0
+            outs.append(h.new_zeros((T, h.shape[1])))
+            continue
+        tokens, pos = batch.tokens[k], batch.pos
+        if rows is not None:
+            tokens, pos = tokens[rows], pos[rows]
+        emb = embed(tokens).to(h.dtype)
+        h, kv = ttt_layer(head, emb, h, pos + k, sub, past, last_key=None if rows is None else pos)
         past.append(kv)
-        outs.append(h)
+        outs.append(h if rows is None else h.new_zeros((T, h.shape[1])).index_copy(0, rows, h))
     return outs
 
 

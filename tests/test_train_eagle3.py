@@ -12,7 +12,9 @@
 - an interrupted run resumes bit for bit; the CLI verb.
 """
 
+import dataclasses
 import json
+import types
 from collections import Counter
 
 import numpy as np
@@ -287,6 +289,50 @@ def test_interrupted_training_resumes_bit_for_bit(data_dir, trained, tmp_path, m
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     with pytest.raises(data_job.TrainError, match="other settings"):
         t3.train_eagle3(t3.Train3Config(**{**cfg, "lr": 0.5}, out=str(tmp_path / "cut")))
+
+
+def test_a_run_sliced_by_run_minutes_ends_as_the_whole_run(data_dir, trained, tmp_path, monkeypatch):
+    """`run_minutes` stops a run on the way as if its budget ended there: a curve point at that step, the state,
+    and a head whose card says the budget is not spent. The same command again continues from the checkpoint
+    and ends with the uninterrupted run's head, bit for bit, its curve holding the stop's point besides."""
+    import specvocab.engine.train.loop as loop_module
+    cfg = dict(TRAIN, data=str(data_dir), out=str(tmp_path / "sliced"))
+    clock = iter(range(0, 10 ** 6, 20))                          # each reading of the clock: 20 s later
+    monkeypatch.setattr(loop_module, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    out = t3.train_eagle3(t3.Train3Config(**cfg, run_minutes=1))
+    stopped = torch.load(out / "train_state.pt", weights_only=False)
+    whole = torch.load(trained / "train_state.pt", weights_only=False)
+    assert 0 < stopped["step"] < whole["step"] and stopped["curve"][-1]["step"] == stopped["step"]
+    assert "a run stopped on the way" in (out / "README.md").read_text()
+    monkeypatch.undo()
+    t3.train_eagle3(t3.Train3Config(**cfg))
+    end = torch.load(out / "train_state.pt", weights_only=False)
+    assert end["step"] == whole["step"] and "a run stopped on the way" not in (out / "README.md").read_text()
+    for name in whole["head"]:
+        assert torch.equal(end["head"][name], whole["head"][name]), name
+    assert [p["step"] for p in end["curve"]] == sorted({p["step"] for p in whole["curve"]} | {stopped["step"]})
+
+
+def test_a_cards_commands_make_the_same_data_and_run(data_dir, trained, monkeypatch):
+    """The model card's two commands, parsed by their jobs, give back the data folder's settings and the run's
+    config (a card that drops a changed setting - the draft vocabulary's coverage, the loss's rows - fails)."""
+    import shlex
+    import specvocab.engine.jobs.eagle_data as eagle_data_job
+    from specvocab.engine.jobs.args import config_main
+    from specvocab.engine.train.cards import data_command, train_command
+    settings = shard_files.read_manifest(data_dir)["settings"]
+    cfg = t3.Train3Config(**{**TRAIN, "draft_vocab_coverage": 0.9, "loss_on": "response", "vocab_count": "response",
+                             "threads": 1}, data="D", out="O")
+    monkeypatch.setattr(eagle_data_job, "make_data", lambda c: c)
+    made = eagle_data_job.main(shlex.split(data_command("random-llama", settings).replace("<data>", "D"))[3:])
+    assert made.key() == settings
+    parsed = config_main(shlex.split(train_command("train_eagle3", cfg).replace("<data>", "D")
+                                     .replace("<dir>", "O"))[3:], prog="p", description="", cls=t3.Train3Config,
+                         run=lambda c: c, skip={"model", "betas", "progress"})
+    assert parsed == dataclasses.replace(cfg, progress=True)
+    card = (trained / "README.md").read_text()
+    assert train_command("train_eagle3", t3.Train3Config(**TRAIN, data="x")).replace("--data <data> ", "") \
+        .split(" --out")[0].split("--model random-llama ")[1] in card
 
 
 def test_data_without_eagle3_features_is_refused(tmp_path):

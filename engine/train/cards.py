@@ -2,6 +2,53 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from specvocab.engine.train.data import DataConfig
+# fields a card's command does not repeat: where things go, how the run shows progress, how it was sliced
+_NOT_IN_COMMAND = ("model", "data", "out", "progress", "run_minutes", "device", "betas")  # betas: in the loss line
+
+
+def changed_flags(cls, values: dict) -> list[str]:
+    """The `--flag value` words (as `engine.jobs.args.add_fields` names them) for each field of dataclass `cls`
+    whose value in `values` is not the field's default: the command line that sets what `values` holds."""
+    words = []
+    for f in dataclasses.fields(cls):
+        if f.name in _NOT_IN_COMMAND or f.name not in values or f.default is dataclasses.MISSING:
+            continue
+        v, d = values[f.name], f.default
+        v, d = (list(x) if isinstance(x, tuple) else x for x in (v, d))
+        if v == d or v is None or (isinstance(v, bool) and not v):   # a True default has no flag to undo it
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        words.append(flag if isinstance(v, bool) else f"{flag} {','.join(map(str, v)) if isinstance(v, list) else v}")
+    return words
+
+
+def data_command(model: str, settings: dict) -> str:
+    """The `eagle_data` command that makes a data folder of these settings (its manifest's)."""
+    rest = {k: v for k, v in settings.items() if k not in ("sources", "num_prompts", "store_features")}
+    return " ".join([f"python -m specvocab.engine.jobs.eagle_data --model {model}",
+                     f"--source {','.join(settings['sources'])}",
+                     f"--num-prompts {settings['num_prompts'] if settings['num_prompts'] is not None else 'all'}",
+                     *(["--no-store-features"] if settings.get("store_features", True) is False else []),
+                     *changed_flags(DataConfig, rest), "--out <data>"])
+
+
+def train_command(job: str, cfg) -> str:
+    """The `job` command (train_eagle | train_eagle3) that runs cfg's training on the folder `<data>`."""
+    return " ".join([f"python -m specvocab.engine.jobs.{job} --model {cfg.model} --data <data>",
+                     *changed_flags(type(cfg), dataclasses.asdict(cfg)), "--out <dir>"])
+
+
+def budget_line(cfg, summary: dict) -> str:
+    """The tokens and steps behind the head, and whether the run's budget is spent or the run goes on."""
+    line = f"- {summary['tokens_seen']:,} training tokens in {summary['steps']} steps of ~{cfg.batch_tokens} tokens"
+    if not summary.get("finished", True):
+        line += (f" (a run stopped on the way: its budget is {cfg.tokens:,} tokens; the same command continues it "
+                 f"from the checkpoint)")
+    return line
+
 
 def eagle2_card(cfg, summary: dict, curve: list[dict]) -> str:
     d, u = summary["data_settings"], summary["data_used"]
@@ -18,15 +65,9 @@ def eagle2_card(cfg, summary: dict, curve: list[dict]) -> str:
                                      f"greedy = the prompt + the target's own greedy continuation, {d['greedy_new_tokens']} "
                                      f"tokens" if "greedy" in d["sources"] else "") if x) + ")",
              f"- sequences cut at {d['max_tokens']} tokens; prompts over {d['max_prompt_tokens']} tokens skipped", "",
-             "## Command", "", "```",
-             f"python -m specvocab.engine.jobs.eagle_data --model {cfg.model} --source {','.join(d['sources'])} "
-             f"--num-prompts {d['num_prompts']} --heldout-prompts {d['heldout_prompts']}"
-             + (f" --dtype {d['dtype']}" if d.get("dtype") else ""),
-             f"python -m specvocab.engine.jobs.train_eagle --model {cfg.model} --tokens {cfg.tokens} --batch-tokens "
-             f"{cfg.batch_tokens} --lr {cfg.lr} --out <dir>", "```", "",
+             "## Command", "", "```", data_command(cfg.model, d), train_command("train_eagle", cfg), "```", "",
              "## Budget", "",
-             f"- {summary['tokens_seen']:,} training tokens in {summary['steps']} steps of ~{cfg.batch_tokens} tokens; "
-             f"{summary['train_seconds_this_run']:.0f} s of wall time in the run that finished it"
+             f"{budget_line(cfg, summary)}; {summary['train_seconds_this_run']:.0f} s of wall time in the run that finished it"
              + (f" ({cfg.threads} CPU threads)" if cfg.threads else ""),
              f"- loss: SmoothL1 on features / RMS x {cfg.w_reg} + cross-entropy on the target's top-k x {cfg.w_cls}; "
              f"AdamW lr {cfg.lr}, betas {list(cfg.betas)}, warmup {cfg.warmup_steps} steps, cosine; "
@@ -83,16 +124,9 @@ def eagle3_card(cfg, summary: dict, curve: list[dict]) -> str:
              + f"), the most frequent {'target top-1 tokens at the loss positions' if dv['counted'] == 'top1' else 'response tokens'} "
              f"of the training split; they cover {dv['coverage']:.1%} of those tokens. Positions whose target top-1 "
              "is outside it get no loss (as EAGLE-3's training).", "",
-             "## Command", "", "```",
-             f"python -m specvocab.engine.jobs.eagle_data --model {cfg.model} --source {','.join(d['sources'])} --eagle3-features "
-             f"--num-prompts {d['num_prompts']} --heldout-prompts {d['heldout_prompts']}"
-             + (f" --dtype {d['dtype']}" if d.get("dtype") else ""),
-             f"python -m specvocab.engine.jobs.train_eagle3 --model {cfg.model} --tokens {cfg.tokens} --batch-tokens "
-             f"{cfg.batch_tokens} --draft-vocab-size {cfg.draft_vocab_size} --ttt-steps {cfg.ttt_steps} --lr {cfg.lr} "
-             f"--out <dir>", "```", "",
+             "## Command", "", "```", data_command(cfg.model, d), train_command("train_eagle3", cfg), "```", "",
              "## Budget", "",
-             f"- {summary['tokens_seen']:,} training tokens in {summary['steps']} steps of ~{cfg.batch_tokens} tokens, "
-             f"each with {cfg.ttt_steps} training-time-test steps; {summary['train_seconds_total']:.0f} s of wall time "
+             f"{budget_line(cfg, summary)}, each with {cfg.ttt_steps} training-time-test steps; {summary['train_seconds_total']:.0f} s of wall time "
              f"over all runs" + (f" ({cfg.threads} CPU threads)" if cfg.threads else ""),
              f"- loss: sum over TTT steps k of {cfg.step_weight}^k x cross-entropy against the target's top-k "
              f"within the draft vocabulary (renormalised); AdamW lr {cfg.lr}, betas {list(cfg.betas)}, warmup "

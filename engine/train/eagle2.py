@@ -228,7 +228,8 @@ def train_eagle(cfg: TrainConfig) -> Path:
     point = res.curve[-1]
     summary = {"target": cfg.model, "data": str(data), "data_settings": manifest["settings"],
                "data_used": data_used(train, held),
-               "tokens_seen": res.tokens_seen, "steps": res.step, "train_seconds_this_run": round(res.seconds_this_run, 1),
+               "tokens_seen": res.tokens_seen, "steps": res.step, "finished": res.finished,
+               "train_seconds_this_run": round(res.seconds_this_run, 1),
                "train_seconds_total": round(res.seconds_total, 1),
                "heldout_top1": point["heldout_top1"], "heldout_tau": point["heldout_tau"],
                "eval": {"prompts": len(held_prompts), "new_tokens": cfg.eval_new_tokens, "vocab": "full",

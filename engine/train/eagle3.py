@@ -198,7 +198,7 @@ def train_eagle3(cfg: Train3Config) -> Path:
                                "distinct_seen": int(len(vocab_ids)) if len(vocab_ids) < cfg.draft_vocab_size
                                and cfg.draft_vocab_coverage is None else None},
                "feature_layers": list(layers), "features": "stored" if stores_features(manifest) else "on the fly",
-               "tokens_seen": res.tokens_seen, "steps": res.step,
+               "tokens_seen": res.tokens_seen, "steps": res.step, "finished": res.finished,
                "train_seconds_this_run": round(res.seconds_this_run, 1),
                "train_seconds_total": round(res.seconds_total, 1),
                "heldout_top1": point["heldout_top1"], "heldout_top1_by_step": point["heldout_top1_by_step"],

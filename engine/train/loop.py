@@ -15,7 +15,9 @@ how a curve point is printed; `train_loop` does the rest the same way for both:
 - every `save_every` steps the state - head, optimiser, step, tokens, curve, per-step losses, the recipe's
   generator and torch's RNG, wall seconds - goes to `<out>/train_state.pt` (atomically). A run started again
   with the same settings resumes from it and ends where the uninterrupted run ends, bit for bit on one machine;
-  other settings are refused. The state file carries everything, so a run moves between machines with it.
+  other settings are refused. The state file carries everything, so a run moves between machines with it;
+- `run_minutes` slices a long run: the loop stops after that many minutes and ends as at its budget (a curve
+  point, the state, the head written), so the head so far can be measured while the run goes on later.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ from specvocab.engine.train.shards import load_split, read_manifest
 # settings that do not change what a run computes: a run resumed with other values of these continues
 # (the data folder by its manifest's hash, not its path: a run moves between machines with its folder; how often
 # it checkpoints may change between runs)
-NOT_IN_RUN_KEY = ("data", "out", "threads", "progress", "eval_prompts", "eval_new_tokens", "save_every")
+NOT_IN_RUN_KEY = ("data", "out", "threads", "progress", "eval_prompts", "eval_new_tokens", "save_every",
+                  "run_minutes")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +67,10 @@ class RunSettings:
                                             # random packing
     threads: int | None = None
     progress: bool = True
+    run_minutes: float | None = None        # stop this run after this many minutes of steps, as if its budget
+                                            # ended there (a curve point, the state, the head and its card as of
+                                            # that step); run again to continue. 0: write the head of the last
+                                            # checkpoint now. None: run to the budget
 
 
 @dataclass
@@ -197,6 +204,7 @@ class LoopResult:
     losses: list[float]
     seconds_this_run: float
     seconds_total: float
+    finished: bool = True                       # False: `run_minutes` stopped the run before its budget
 
 
 def train_loop(cfg, recipe: Recipe, lengths: Sequence[int], key: dict, out: Path, model_name: str) -> LoopResult:
@@ -260,6 +268,10 @@ def train_loop(cfg, recipe: Recipe, lengths: Sequence[int], key: dict, out: Path
             tqdm.write(f"[train {recipe.name}] {tokens_seen:>10,} tokens: {recipe.describe(point)}")
             pl.DataFrame(curve).write_parquet(out / "learning_curve.parquet")     # the curve so far
             next_eval = tokens_seen + cfg.eval_every
+        if cfg.run_minutes is not None and time.perf_counter() - t_run >= 60 * cfg.run_minutes:
+            tqdm.write(f"[train {recipe.name}] stopping after {cfg.run_minutes:g} min at step {step} of "
+                       f"{total_steps} — run the same command again to continue")
+            break
         for g in opt.param_groups:
             g["lr"] = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=total_steps)
         batch = recipe.batch(b)
@@ -279,11 +291,11 @@ def train_loop(cfg, recipe: Recipe, lengths: Sequence[int], key: dict, out: Path
         if step % cfg.save_every == 0:
             save_state()
     bar.close()
-    point = recipe.evaluate(step, tokens_seen)
-    curve.append(point)
+    if not curve or curve[-1]["step"] != step:                     # a stop right after a point: no second one
+        curve.append(recipe.evaluate(step, tokens_seen))
     save_state()
     seconds = time.perf_counter() - t0
     print(f"[train {recipe.name}] this run: {tokens_run:,} training tokens in {time.perf_counter() - t_run:.1f} s "
           f"= {tokens_run / max(time.perf_counter() - t_run, 1e-9):,.1f} tokens/s", flush=True)
     return LoopResult(step=step, tokens_seen=tokens_seen, curve=curve, losses=losses, seconds_this_run=seconds,
-                      seconds_total=seconds_before + seconds)
+                      seconds_total=seconds_before + seconds, finished=step >= total_steps)

@@ -67,7 +67,8 @@ def eagle2_card(cfg, summary: dict, curve: list[dict]) -> str:
              f"- sequences cut at {d['max_tokens']} tokens; prompts over {d['max_prompt_tokens']} tokens skipped", "",
              "## Command", "", "```", data_command(cfg.model, d), train_command("train_eagle", cfg), "```", "",
              "## Budget", "",
-             f"{budget_line(cfg, summary)}; {summary['train_seconds_this_run']:.0f} s of wall time in the run that finished it"
+             f"{budget_line(cfg, summary)}; {summary['train_seconds_this_run']:.0f} s of wall time in the run that "
+             "finished it"
              + (f" ({cfg.threads} CPU threads)" if cfg.threads else ""),
              f"- loss: SmoothL1 on features / RMS x {cfg.w_reg} + cross-entropy on the target's top-k x {cfg.w_cls}; "
              f"AdamW lr {cfg.lr}, betas {list(cfg.betas)}, warmup {cfg.warmup_steps} steps, cosine; "
@@ -126,7 +127,8 @@ def eagle3_card(cfg, summary: dict, curve: list[dict]) -> str:
              "is outside it get no loss (as EAGLE-3's training).", "",
              "## Command", "", "```", data_command(cfg.model, d), train_command("train_eagle3", cfg), "```", "",
              "## Budget", "",
-             f"{budget_line(cfg, summary)}, each with {cfg.ttt_steps} training-time-test steps; {summary['train_seconds_total']:.0f} s of wall time "
+             f"{budget_line(cfg, summary)}, each with {cfg.ttt_steps} training-time-test steps; "
+             f"{summary['train_seconds_total']:.0f} s of wall time "
              f"over all runs" + (f" ({cfg.threads} CPU threads)" if cfg.threads else ""),
              f"- loss: sum over TTT steps k of {cfg.step_weight}^k x cross-entropy against the target's top-k "
              f"within the draft vocabulary (renormalised); AdamW lr {cfg.lr}, betas {list(cfg.betas)}, warmup "

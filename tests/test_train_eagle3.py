@@ -368,6 +368,12 @@ def test_compare_heads_runs_both_heads_at_one_tree(data_dir, trained, target):
         assert frame.filter(pl.col("method") == method)["tau"][0] == pytest.approx(tau), method
     with pytest.raises(t3.TrainError, match="--data is required"):
         compare_heads(CompareConfig(model="random-llama"), loaded=loaded)
+    # a candidate EAGLE-3 head: a fourth row at the same tree, its tau a direct decode's
+    frame = compare_heads(dataclasses.replace(cfg, eagle3_head="random", candidate=str(trained)), loaded=loaded)
+    assert frame["method"].to_list() == ["ar", "eagle", "eagle3", "eagle3 candidate"]
+    assert frame["equal_to_ar"].to_list() == [2, 2, 2, 2]
+    assert frame["head"][3] == str(trained) and frame["head"][2] != str(trained)
+    assert frame["tau"][3] == pytest.approx(tau)             # the trained head's tau computed above
 
 
 def test_features_on_the_fly_train_the_head_a_stored_folder_trains(tmp_path):

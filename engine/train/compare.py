@@ -5,7 +5,10 @@ and `eagle3` (default the EAGLE-3 head shipped for it) on the first `prompts` he
 folder (`engine.train.data`, `eagle3_features`: the prompts neither head was trained on), greedy, full
 vocabulary, both heads at one tree (`eagle_depth`, `draft_size`). Per method: tau (new tokens / steps, EAGLE's
 tau), tokens/s (wall time of this run, on whatever else shares the machine: compare tau), and how many outputs
-equal ar's. The last line prints tau(eagle3) / tau(eagle), the EAGLE-3 work's target being >= 1.3.
+equal ar's. The last line prints tau(eagle3) / tau(eagle), the EAGLE-3 work's target being >= 1.3. With
+`candidate` (an EAGLE-3 head folder: a training run's `--out`, stopped or finished) a fourth row runs it at the
+same tree, and a line says whether it beats the `eagle3` head on these prompts: the test a new head passes
+before it replaces a shipped one.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class CompareConfig:
     data: str = ""                     # an EAGLE-3 data folder (its held-out split)
     eagle_head: str | None = None      # None: the EAGLE-2 head shipped for the model
     eagle3_head: str | None = None     # None: the EAGLE-3 head shipped for the model
+    candidate: str | None = None       # an EAGLE-3 head measured against eagle3_head (None: no fourth row)
     prompts: int = 24
     new_tokens: int = 48
     eagle_depth: int = 5               # SpecConfig's default depth
@@ -54,10 +58,12 @@ def compare_heads(cfg: CompareConfig, loaded=None) -> pl.DataFrame:
     runs = {"ar": SpecConfig.preset("ar", max_new_tokens=cfg.new_tokens),
             "eagle": SpecConfig.preset("eagle", eagle_head=cfg.eagle_head, **tree),
             "eagle3": SpecConfig.preset("eagle3", eagle3_head=cfg.eagle3_head, **tree)}
+    if cfg.candidate:
+        runs["eagle3 candidate"] = SpecConfig.preset("eagle3", eagle3_head=cfg.candidate, **tree)
     outputs, rows = {}, []
     for method, spec in runs.items():
         spec = resolve_config(spec, model=model)
-        head = spec.eagle_head if method == "eagle" else spec.eagle3_head if method == "eagle3" else None
+        head = spec.eagle_head if method == "eagle" else spec.eagle3_head if method.startswith("eagle3") else None
         tokens = steps = 0
         wall = 0.0
         outs = []
@@ -75,8 +81,12 @@ def compare_heads(cfg: CompareConfig, loaded=None) -> pl.DataFrame:
     print(f"{cfg.model}: {len(prompts)} held-out prompts of {cfg.data} x {cfg.new_tokens} new tokens, greedy, "
           f"depth {cfg.eagle_depth}, draft size {cfg.draft_size}, {next(model.parameters()).dtype}")
     for r in frame.iter_rows(named=True):
-        print(f"  {r['method']:7s} tau {r['tau']:.3f}  {r['tokens_per_s']:.1f} tok/s  equal to ar "
+        print(f"  {r['method']:16s} tau {r['tau']:.3f}  {r['tokens_per_s']:.1f} tok/s  equal to ar "
               f"{r['equal_to_ar']}/{r['prompts']}  head {r['head']}")
     tau = dict(zip(frame["method"], frame["tau"]))
     print(f"  tau eagle3 / eagle = {tau['eagle3'] / tau['eagle']:.2f} (target: >= 1.3)")
+    if cfg.candidate:
+        new, old = tau["eagle3 candidate"], tau["eagle3"]
+        print(f"  the candidate {'beats' if new > old else 'does not beat'} the eagle3 head: tau {new:.3f} against "
+              f"{old:.3f} ({new / old:.3f}x) on these {len(prompts)} prompts")
     return frame

@@ -54,8 +54,8 @@ tokens (`vocab_count="response"`).
 beyond the LM head's rows: TTT steps past 0 run only the rows scored at some later step
 (`engine.train.ttt.scored_rows`: a row's step k reads the step-0 keys and its own earlier steps, nothing
 else), so a prompt's rows stop after step 0, and features computed on the fly run the target's LM head only at
-the response's positions. The training corpus's prompts are 70-78% of its tokens: there Gemma-3-270M's head
-trains at 2.1x the tokens per second (PERFORMANCE.md, section 6).
+the response's positions. The training corpus's prompts are 70-78% of its tokens: there the heads of
+SmolLM2-135M and Gemma-3-270M train at 2.0x and 2.1x the tokens per second (PERFORMANCE.md, section 6).
 """
 
 from __future__ import annotations

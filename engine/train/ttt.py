@@ -97,7 +97,8 @@ def ttt_forward(head: Eagle3Head, embed, batch: Batch3, steps: int | None = None
     past: list[tuple[torch.Tensor, torch.Tensor]] = []
     outs = []
     for k in range(steps):
-        if k == 1 and keep is not None:         # the kept rows, in each sequence's order, in their own layout
+        if k == 1 and keep is not None:         # the kept rows in their own layout: a row's slot is its rank
+            # among its sequence's kept rows (a batch's rows are grouped by sequence, as make_batch3 packs them)
             seg = batch.seg[keep]
             counts = torch.bincount(seg, minlength=pad.B)
             sub = _Padded(seg, torch.arange(seg.numel()) - (counts.cumsum(0) - counts)[seg], B=pad.B)
